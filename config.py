@@ -1,0 +1,292 @@
+"""Typed run configuration for t5-lowmem.
+
+Resolution order: dataclass defaults -> optional YAML file (``--config=FILE.yaml``) -> CLI flags ->
+run-dependent defaults (output folders, shipped data) -> low-memory caps -> one validation pass that
+collects every problem and raises a single ``UserError``.
+
+Each field's ``help`` says what it does and, where it matters, which way saves memory.
+Runtime state (step, examples seen, ...) never lives here: see ``trainer_low_mem.TrainState``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parent
+SHIPPED_DATA_DIR = REPO_DIR / "data"
+SHIPPED_TOKENIZER_DIR = SHIPPED_DATA_DIR / "tokenizer"
+SHIPPED_CORPORA = {
+    # (train, eval) for pretraining and for SFT; built by data/build_shipped_data.py.
+    "pretrain": (SHIPPED_DATA_DIR / "pinyin" / "train.jsonl", SHIPPED_DATA_DIR / "pinyin" / "eval.jsonl"),
+    "sft": (SHIPPED_DATA_DIR / "chatterbot" / "train.jsonl", SHIPPED_DATA_DIR / "chatterbot" / "eval.jsonl"),
+}
+
+# The low-memory caps, kept in one place. A request above a cap is lowered with a log line.
+LOW_MEMORY_CAPS = {"batch_size": 2, "eval_batch_size": 4}
+
+MODEL_PRESETS = {
+    # d_model, d_ff, heads, d_kv, encoder layers, decoder layers. Smaller saves memory.
+    "tiny": dict(d_model=128, d_ff=512, num_heads=4, d_kv=32, num_layers=2, num_decoder_layers=2),
+    "small": dict(d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6, num_decoder_layers=6),
+    "base": dict(d_model=768, d_ff=3072, num_heads=12, d_kv=64, num_layers=10, num_decoder_layers=10),
+}
+
+
+class UserError(Exception):
+    """A mistake the user can fix; the CLI prints it as one line and exits with code 2."""
+
+
+def _f(default, help_text: str, **kwargs):
+    return field(default=default, metadata={"help": help_text, **kwargs})
+
+
+@dataclass
+class TrainConfig:
+    """Every option of every command. Field order is the order of ``--help``."""
+
+    # --- run mode and paths ---
+    is_finetune: bool = _f(False, "SFT: start from --init_from, freeze encoder + embeddings, train the decoder.")
+    is_keep_training: bool = _f(False, "Resume from the latest valid checkpoint in --output_dir.")
+    resume_from: str | None = _f(None, "Resume from this checkpoint folder instead of the latest one.")
+    output_dir: str | None = _f(None, "Run folder. Default: runs/pretrain, or runs/sft with --is_finetune.")
+    overwrite_output_dir: bool = _f(False, "Start over in an --output_dir that already holds a run (deletes it).")
+    init_from: str | None = _f(None, "Model folder to start from. Default for SFT: runs/pretrain/best.")
+    tokenizer_dir: str | None = _f(None, "Tokenizer folder. Default: the one saved with --init_from, else the "
+                                         "shipped data/tokenizer (trained from --train_file if missing).")
+    seed: int = _f(42, "Seed for model init, shuffling and dropout.")
+
+    # --- data ---
+    train_file: str | None = _f(None, "Training file, glob or folder (jsonl/json/parquet/csv). Default: shipped.")
+    eval_file: str | None = _f(None, "Eval file, glob or folder. Default: the shipped eval split.")
+    prompt_column: str = _f("prompt", "Column holding the model input.")
+    response_column: str = _f("response", "Column holding the target text.")
+    max_source_len: int = _f(128, "Truncate inputs to this many tokens. Lower saves activation memory.")
+    max_target_len: int = _f(128, "Truncate targets to this many tokens. Lower saves activation and logits memory.")
+    shuffle_buffer_size: int = _f(1000, "Rows held for shuffling (0 = no shuffle). Lower saves host RAM.")
+    num_workers: int = _f(0, "Loader worker processes. Only 0: the data position must live in the trainer.")
+    pin_memory: bool = _f(False, "Pin batches in page-locked host memory before a CUDA copy. False saves host RAM.")
+
+    # --- model ---
+    model_preset: str = _f("tiny", "Model shape: tiny (~3M, CPU demos), small (~60M), base (~210M).")
+    dropout_rate: float = _f(0.1, "Dropout inside the T5 blocks.")
+
+    # --- batch and optimisation ---
+    batch_size: int = _f(2, "Training micro-batch per process (capped at 2). Lower saves activation memory.")
+    eval_batch_size: int = _f(4, "Eval and generation batch (capped at 4). Lower saves memory.")
+    gradient_accumulation_steps: int = _f(16, "Micro-batches per optimizer step. Higher keeps the batch with less memory.")
+    epochs: int = _f(1, "Passes over the training data.")
+    max_steps: int = _f(-1, "Stop after this many optimizer steps (-1 = run all --epochs).")
+    learn_rate: float = _f(1e-3, "Peak learning rate (Adafactor, applied as given).")
+    lr_scheduler: str = _f("linear", "Decay after warmup: linear, cosine or constant.")
+    warmup_steps: int = _f(30, "Optimizer steps of linear warmup.")
+    weight_decay: float = _f(0.0, "Decoupled weight decay.")
+    max_grad_norm: float = _f(1.0, "Clip the gradient norm to this (0 = no clipping).")
+    mixed_precision: str = _f("no", "no or bf16 (bf16 halves activation memory where supported). fp16 is refused.")
+    cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
+
+    # --- evaluation, logging, checkpoints ---
+    eval_steps: int = _f(100, "Evaluate every N optimizer steps (and at the end; 0 = only at the end).")
+    max_eval_samples: int = _f(200, "Examples used per evaluation. Lower saves time.")
+    metric_for_best: str = _f("eval_loss", "Metric that picks best/: eval_loss (lower wins) or bleu (higher wins).")
+    num_beams: int = _f(1, "Beams for evaluation and generate. 1 (greedy) saves memory.")
+    logging_steps: int = _f(10, "Log a line and a metrics.jsonl record every N optimizer steps.")
+    save_steps: int = _f(100, "Write a resumable checkpoint every N optimizer steps (0 = only at the end).")
+    save_total_limit: int = _f(2, "Checkpoints kept in output_dir/checkpoints (best/ and final/ are extra).")
+    gc_every_steps: int = _f(100, "Run gc.collect() (+ CUDA cache clearing) every N optimizer steps.")
+
+    # --- tokenizer training ---
+    vocab_size: int = _f(8000, "Tokenizer vocabulary size before the 100 sentinels (train_tokenizer).")
+    tokenizer_max_sentences: int = _f(200_000, "Cap on sentences sampled for tokenizer training. Bounds its RAM.")
+
+    # --- generate ---
+    prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.")
+    max_new_tokens: int = _f(64, "Longest generated answer (generate).")
+
+    debug: bool = _f(False, "Show full tracebacks instead of one-line errors.")
+
+    # ---------------------------------------------------------------- resolution
+    @property
+    def kind(self) -> str:
+        return "sft" if self.is_finetune else "pretrain"
+
+    def resolve_defaults(self) -> None:
+        """Fill the run-dependent defaults (folders and shipped data) in place."""
+        train_default, eval_default = SHIPPED_CORPORA[self.kind]
+        if self.output_dir is None:
+            self.output_dir = str(Path("runs") / self.kind)
+        if self.train_file is None:
+            self.train_file = str(train_default)
+        if self.eval_file is None:
+            self.eval_file = str(eval_default)
+        if self.is_finetune and self.init_from is None:
+            self.init_from = str(Path("runs") / "pretrain" / "best")
+        if self.tokenizer_dir is None:
+            # A model keeps the tokenizer it was trained with (best/ and final/ hold one).
+            saved = self.init_from and (Path(self.init_from) / "tokenizer.json").is_file()
+            self.tokenizer_dir = self.init_from if saved else str(SHIPPED_TOKENIZER_DIR)
+
+    def apply_caps(self) -> list[str]:
+        """Lower values above the low-memory caps; return one message per change."""
+        notes = []
+        for name, cap in LOW_MEMORY_CAPS.items():
+            value = getattr(self, name)
+            if value > cap:
+                notes.append(f"--{name}={value} is above the low-memory cap; using {cap}")
+                setattr(self, name, cap)
+        return notes
+
+    def validate(self) -> None:
+        """Collect every problem, then raise once."""
+        problems = []
+        positive = ["batch_size", "eval_batch_size", "gradient_accumulation_steps", "max_source_len",
+                    "max_target_len", "epochs", "max_eval_samples", "logging_steps", "save_total_limit",
+                    "gc_every_steps", "num_beams", "max_new_tokens", "vocab_size", "tokenizer_max_sentences"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                problems.append(f"--{name} must be at least 1 (got {getattr(self, name)})")
+        for name in ["shuffle_buffer_size", "eval_steps", "save_steps", "warmup_steps", "weight_decay",
+                     "max_grad_norm"]:
+            if getattr(self, name) < 0:
+                problems.append(f"--{name} must not be negative (got {getattr(self, name)})")
+        if self.learn_rate <= 0:
+            problems.append(f"--learn_rate must be positive (got {self.learn_rate})")
+        if not 0 <= self.dropout_rate < 1:
+            problems.append(f"--dropout_rate must be in [0, 1) (got {self.dropout_rate})")
+        if self.max_steps == 0 or self.max_steps < -1:
+            problems.append(f"--max_steps must be -1 (use --epochs) or at least 1 (got {self.max_steps})")
+        if self.model_preset not in MODEL_PRESETS:
+            problems.append(f"--model_preset must be one of {', '.join(MODEL_PRESETS)} (got {self.model_preset!r})")
+        if self.mixed_precision == "fp16":
+            problems.append("--mixed_precision=fp16 overflows in T5 (known upstream); use --mixed_precision=bf16 or no")
+        elif self.mixed_precision not in ("no", "bf16"):
+            problems.append(f"--mixed_precision must be no or bf16 (got {self.mixed_precision!r})")
+        if self.lr_scheduler not in ("linear", "cosine", "constant"):
+            problems.append(f"--lr_scheduler must be linear, cosine or constant (got {self.lr_scheduler!r})")
+        if self.metric_for_best not in ("eval_loss", "bleu"):
+            problems.append(f"--metric_for_best must be eval_loss or bleu (got {self.metric_for_best!r})")
+        if self.num_workers != 0:
+            problems.append("--num_workers must be 0: the data position (and shuffle buffer) is saved from the "
+                            "trainer process for exact resume; tokenization is batched in that process")
+        if self.prompt_column == self.response_column:
+            problems.append("--prompt_column and --response_column must differ")
+        if self.resume_from and not self.is_keep_training:
+            problems.append("--resume_from needs --is_keep_training=True")
+        if problems:
+            raise UserError("; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _convert(name: str, value):
+    """Convert a CLI/YAML value to the declared type of field ``name``; raise UserError if it cannot."""
+    hint = _HINTS[name]
+    optional = type(None) in typing.get_args(hint)
+    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise UserError(f"--{name} needs a value")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise UserError(f"--{name} expects True or False (got {value!r})")
+    if base is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise UserError(f"--{name} expects an integer (got {value!r})")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise UserError(f"--{name} expects an integer (got {value!r})") from None
+    if base is float:
+        if isinstance(value, bool):
+            raise UserError(f"--{name} expects a number (got {value!r})")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"--{name} expects a number (got {value!r})") from None
+    if isinstance(value, (list, tuple)):  # fire reads "a,b" as a tuple; text options keep the commas
+        return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        raise UserError(f"--{name} expects text (got {value!r})")
+    return str(value)
+
+
+def unknown_flag_message(name: str, where: str = "flag") -> str:
+    close = difflib.get_close_matches(name, FIELDS, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else "; see --help"
+    return f"unknown {where} --{name}{hint}"
+
+
+def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig, list[str]]:
+    """Build the resolved config from a YAML file and CLI flags.
+
+    Returns:
+        The validated config and the notes to log (caps applied).
+
+    Raises:
+        UserError: listing every problem found.
+    """
+    values: dict = {}
+    problems: list[str] = []
+    if yaml_path:
+        values.update(_read_yaml(yaml_path))
+    values.update({k.replace("-", "_"): v for k, v in flags.items()})
+    converted = {}
+    for name, value in values.items():
+        if name not in FIELDS:
+            problems.append(unknown_flag_message(name))
+            continue
+        try:
+            converted[name] = _convert(name, value)
+        except UserError as err:
+            problems.append(str(err))
+    if problems:
+        raise UserError("; ".join(problems))
+    cfg = TrainConfig(**converted)
+    cfg.resolve_defaults()
+    notes = cfg.apply_caps()
+    cfg.validate()
+    return cfg, notes
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--config file {path} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"--config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config file {path} must hold a mapping of option: value")
+    return data
+
+
+def help_text() -> str:
+    """The ``--help`` listing: every option with its type, default and help."""
+    lines = ["t5-lowmem: low-memory T5 pretraining and SFT.", "",
+             "usage: python train_low_mem.py COMMAND [--option=value ...] [--config=FILE.yaml]", "",
+             "commands: train, evaluate, generate, train_tokenizer", "", "options:"]
+    for f in dataclasses.fields(TrainConfig):
+        hint = _HINTS[f.name]
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        lines.append(f"  --{f.name} ({base.__name__}, default {f.default!r})")
+        lines.append(f"      {f.metadata['help']}")
+    lines.append("  --config (str)")
+    lines.append("      YAML file of option: value pairs; CLI flags override it.")
+    return "\n".join(lines)

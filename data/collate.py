@@ -1,0 +1,35 @@
+"""Tokenization and dynamic padding of a micro-batch, in one batched tokenizer call per side."""
+
+from __future__ import annotations
+
+import torch
+
+from data.sources import Example
+
+# sentencepiece pieces are at most 16 characters, so cutting the text to 16 characters per allowed
+# token never changes the truncated result, and a megabyte-long row costs no more than a short one.
+_CHARS_PER_TOKEN_BOUND = 16
+
+
+class Seq2SeqCollator:
+    """Turn examples into ``input_ids``, ``attention_mask`` and ``labels`` tensors.
+
+    Each side is padded to the longest row of this batch (not to a fixed length); label padding is
+    -100 so it never counts in the loss.
+    """
+
+    def __init__(self, tokenizer, max_source_len: int, max_target_len: int):
+        self.tokenizer = tokenizer
+        self.max_source_len = max_source_len
+        self.max_target_len = max_target_len
+
+    def encode(self, texts: list[str], max_len: int) -> dict:
+        cut = max_len * _CHARS_PER_TOKEN_BOUND
+        return self.tokenizer([t[:cut] for t in texts], max_length=max_len, truncation=True,
+                              padding="longest", return_tensors="pt")
+
+    def __call__(self, examples: list[Example]) -> dict[str, torch.Tensor]:
+        source = self.encode([e.prompt for e in examples], self.max_source_len)
+        target = self.encode([e.response for e in examples], self.max_target_len)
+        labels = target["input_ids"].masked_fill(target["attention_mask"] == 0, -100)
+        return {"input_ids": source["input_ids"], "attention_mask": source["attention_mask"], "labels": labels}

@@ -1,0 +1,95 @@
+"""Training a T5-layout sentencepiece tokenizer from a bounded sample of a streamed corpus.
+
+Layout: pad 0, eos 1, unk 2, no bos, byte fallback (no unknown characters), then 100 sentinels
+``<extra_id_N>`` at the end (``<extra_id_0>`` last), as in T5. Normalisation is ``identity`` so
+Chinese punctuation (，。？！) survives encode -> decode (sentencepiece's default NFKC would turn
+``，`` into ``,``). The result is saved as ``tokenizer.json`` that ``AutoTokenizer`` loads offline,
+without protobuf and without the original ``spiece.model``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data.sources import iter_rows
+
+EXTRA_IDS = 100
+
+
+def sample_sentences(files: list[Path], columns: tuple[str, str], limit: int, progress: bool = False):
+    """Yield up to ``limit`` texts (prompts and responses) streamed from ``files``."""
+    bar = tqdm(total=limit, desc="tokenizer sample", unit="text", disable=not progress)
+    taken = 0
+    for index, path in enumerate(files):
+        for item in iter_rows(path, index, columns):
+            if item is None:
+                continue
+            for text in (item.prompt, item.response):
+                yield text
+                taken += 1
+                bar.update()
+                if taken >= limit:
+                    bar.close()
+                    return
+    bar.close()
+
+
+def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, str], vocab_size: int,
+                    max_sentences: int, progress: bool = False):
+    """Train sentencepiece on a capped sample of ``files`` and save a transformers tokenizer.
+
+    Memory is bounded by ``max_sentences``: sentencepiece holds only the sampled texts.
+
+    Returns:
+        The loaded tokenizer.
+    """
+    import sentencepiece as spm
+    from tokenizers import decoders
+    from tokenizers.models import Unigram
+    from transformers import T5Tokenizer
+
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "spiece")
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sample_sentences(files, columns, max_sentences, progress),
+            model_prefix=prefix, vocab_size=vocab_size, model_type="unigram",
+            pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=True,
+            normalization_rule_name="identity", character_coverage=0.9995,
+            hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary instead of an error
+            minloglevel=2, num_threads=max(1, os.cpu_count() or 1))
+        sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+        vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    vocab += [(f"<extra_id_{i}>", 0.0) for i in reversed(range(EXTRA_IDS))]
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=EXTRA_IDS)
+    # T5Tokenizer builds its Unigram without byte fallback; put it back so unseen characters
+    # become bytes instead of <unk>, and decode bytes back into characters.
+    tokenizer._tokenizer.model = Unigram(vocab, unk_id=2, byte_fallback=True)
+    tokenizer._tokenizer.decoder = decoders.Sequence([
+        decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+        decoders.ByteFallback(), decoders.Fuse()])
+    staging = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenizer.save_pretrained(staging)
+    # Load tokenizer.json as saved: T5Tokenizer's constructor would rebuild the model without
+    # byte fallback on reload.
+    config_path = staging / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text(encoding="utf-8"))
+    tok_config["tokenizer_class"] = "TokenizersBackend"
+    config_path.write_text(json.dumps(tok_config, ensure_ascii=False, indent=2), encoding="utf-8")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    staging.rename(out_dir)
+    return load_tokenizer(out_dir)
+
+
+def load_tokenizer(path: str | Path):
+    """Load a tokenizer folder offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,119 @@
+"""Crash-safe checkpoint folders.
+
+A checkpoint is written into a temporary sibling folder, every file is fsynced, a ``manifest.json``
+listing the files and their sizes is written last, and the folder is renamed into place; the
+``latest`` pointer is then replaced atomically. A folder whose manifest is missing or whose files do
+not match it is skipped on resume in favour of the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PREFIX = "step_"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+@contextmanager
+def atomic_folder(final: Path):
+    """Yield a temporary folder; on success make it ``final`` in one rename (replacing an old one).
+
+    On an exception the temporary folder is removed and ``final`` is left as it was.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        files = {}
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file():
+                _fsync_path(f)
+                files[str(f.relative_to(tmp))] = f.stat().st_size
+        write_text_atomic(tmp / MANIFEST, json.dumps({"files": files}, indent=1))
+        if final.exists():
+            old = final.with_name(f".old-{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_path(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def validate(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete checkpoint, or None when it is."""
+    manifest = Path(folder) / MANIFEST
+    if not manifest.is_file():
+        return "no manifest (write did not finish)"
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError):
+        return "unreadable manifest"
+    for name, size in files.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"missing {name}"
+        if path.stat().st_size != size:
+            return f"truncated {name}"
+    return None
+
+
+def step_folders(root: Path) -> list[Path]:
+    """Checkpoint folders under ``root``, newest step first."""
+    if not Path(root).is_dir():
+        return []
+    found = [p for p in Path(root).iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def find_latest_valid(root: Path, warn=print) -> Path | None:
+    """The checkpoint named by ``latest`` if valid, else the newest valid one (with a warning)."""
+    candidates = step_folders(root)
+    pointer = Path(root) / LATEST
+    if pointer.is_file():
+        named = Path(root) / pointer.read_text(encoding="utf-8").strip()
+        candidates = [named] + [c for c in candidates if c != named]
+    for folder in candidates:
+        problem = validate(folder)
+        if problem is None:
+            return folder
+        warn(f"warning: skipping checkpoint {folder}: {problem}")
+    return None
+
+
+def prune(root: Path, keep: int, protect: Path | None = None) -> None:
+    """Delete all but the ``keep`` newest checkpoints (never ``protect``)."""
+    for folder in step_folders(root)[keep:]:
+        if protect is None or folder.resolve() != Path(protect).resolve():
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,42 @@
+"""Memory probes and hygiene.
+
+Figures are MiB. ``rss_mb`` counts this process and its children (tokenizer threads live in the
+process; loader or launcher children would not), ``peak_rss_mb`` is the kernel's high-water mark.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+
+import psutil
+import torch
+
+
+def memory_snapshot() -> dict:
+    """Current host (and CUDA, when present) memory in MiB."""
+    proc = psutil.Process()
+    rss = proc.memory_info().rss
+    for child in proc.children(recursive=True):
+        try:
+            rss += child.memory_info().rss
+        except psutil.Error:  # a child may exit between listing and reading
+            pass
+    # ru_maxrss is in KiB on Linux.
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+    snap = {"rss_mb": round(rss / 2**20, 1), "peak_rss_mb": round(peak, 1),
+            "sys_available_mb": round(psutil.virtual_memory().available / 2**20, 1)}
+    if torch.cuda.is_available():
+        snap.update(cuda_allocated_mb=round(torch.cuda.memory_allocated() / 2**20, 1),
+                    cuda_reserved_mb=round(torch.cuda.memory_reserved() / 2**20, 1),
+                    cuda_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1))
+    return snap
+
+
+def free_memory() -> None:
+    """Return freed Python objects and cached CUDA blocks (reference design: every N steps, each
+    epoch, before evaluation)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,98 @@
+"""t5-lowmem command line (python-fire). Every option is a flag; ``--help`` lists them all.
+
+    python train_low_mem.py train                                   # pretrain on the shipped data
+    python train_low_mem.py train --is_finetune=True                # SFT from runs/pretrain/best
+    python train_low_mem.py train --is_keep_training=True           # resume the latest checkpoint
+    accelerate launch --multi_gpu train_low_mem.py train --is_finetune=True
+    python train_low_mem.py evaluate --init_from=runs/sft/best --is_finetune=True
+    python train_low_mem.py generate --init_from=runs/sft/best --prompt="你好"
+    python train_low_mem.py train_tokenizer --train_file=corpus.jsonl --tokenizer_dir=my_tokenizer
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Air-gapped by design: nothing is ever fetched from a model or data hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own bars and log lines say enough
+
+from config import SHIPPED_CORPORA, UserError, help_text, load_config  # noqa: E402
+
+
+def train(config: str | None = None, **flags) -> dict:
+    """Pretrain (default) or fine-tune (--is_finetune=True); resume with --is_keep_training=True."""
+    from trainer_low_mem import LowMemTrainer
+
+    cfg, notes = load_config(flags, config)
+    trainer = LowMemTrainer(cfg)
+    for note in notes:
+        trainer.say(note)
+    try:
+        return trainer.setup().train()
+    finally:
+        trainer.close()
+
+
+def evaluate(config: str | None = None, **flags) -> dict:
+    """Eval loss and BLEU of --init_from (default: OUTPUT_DIR/best) on --eval_file."""
+    from trainer_low_mem import LowMemTrainer
+
+    cfg, _ = load_config(flags, config)
+    return LowMemTrainer(cfg).setup_inference().evaluate()
+
+
+def generate(config: str | None = None, **flags) -> list[dict]:
+    """Answer --prompt (or the first eval prompts) with --init_from (default: OUTPUT_DIR/best)."""
+    from trainer_low_mem import LowMemTrainer
+
+    cfg, _ = load_config(flags, config)
+    trainer = LowMemTrainer(cfg).setup_inference()
+    prompts = [cfg.prompt] if cfg.prompt else [e.prompt for e in trainer.eval_examples[:5]]
+    answers = trainer.generate(prompts)
+    for prompt, answer in zip(prompts, answers):
+        print(f"{prompt}  ->  {answer}")
+    return [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
+
+
+def train_tokenizer(config: str | None = None, **flags) -> dict:
+    """Train the sentencepiece tokenizer on a capped, streamed sample of --train_file
+    (default: both shipped corpora) into --tokenizer_dir (default: data/tokenizer)."""
+    from data.sources import resolve_files
+    from data.tokenization import train_tokenizer as train_spm
+
+    cfg, _ = load_config(flags, config)
+    spec = cfg.train_file if "train_file" in flags else ",".join(str(t) for t, _ in SHIPPED_CORPORA.values())
+    files = resolve_files(spec, "--train_file")
+    tokenizer = train_spm(files, cfg.tokenizer_dir, (cfg.prompt_column, cfg.response_column), cfg.vocab_size,
+                          cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
+    return {"tokenizer_dir": cfg.tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}
+
+
+COMMANDS = {"train": train, "evaluate": evaluate, "generate": generate, "train_tokenizer": train_tokenizer}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import fire
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or "--help" in argv or "-h" in argv:
+        print(help_text())
+        return
+    if argv[0] not in COMMANDS:
+        print(f"error: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)} (see --help)", file=sys.stderr)
+        sys.exit(2)
+    debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
+    try:
+        fire.Fire(COMMANDS, command=argv, name="train_low_mem.py")
+    except UserError as err:
+        if debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,604 @@
+"""LowMemTrainer: streaming, low-memory T5 pretraining and SFT on one CPU, one GPU or many.
+
+    python train_low_mem.py train                                          # pretrain (shipped data)
+    python train_low_mem.py train --is_finetune=True                       # SFT from runs/pretrain/best
+    accelerate launch --multi_gpu train_low_mem.py train --is_finetune=True
+    python train_low_mem.py train --is_keep_training=True                  # resume
+
+Lifecycle: ``setup()`` (seed, accelerator, tokenizer, model, optimizer, scheduler, data, resume)
+-> ``train()`` -> ``evaluate()`` -> ``save_checkpoint()`` / ``load_checkpoint()`` -> ``close()``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from config import MODEL_PRESETS, TrainConfig, UserError
+from data.collate import Seq2SeqCollator
+from data.sources import check_columns, count_rows, resolve_files
+from data.stream import ExampleStream, batched, take_examples
+from lowmem import checkpoint
+from lowmem.evaluation import bleu_score, is_better
+from lowmem.memory import free_memory, memory_snapshot
+from lowmem.metrics import MetricsLog, train_line
+
+
+@dataclass
+class TrainState:
+    """Runtime counters saved in every checkpoint (never on the config)."""
+
+    step: int = 0
+    examples: int = 0
+    tokens: int = 0
+    best_metric: float | None = None
+    best_step: int | None = None
+    elapsed_s: float = 0.0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+# ----------------------------------------------------------------------------- pure builders
+def build_model(cfg: TrainConfig, tokenizer):
+    """A fresh T5 from a ``T5Config`` of the chosen preset (never a hub download)."""
+    from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration
+
+    t5_config = T5Config(vocab_size=len(tokenizer), dropout_rate=cfg.dropout_rate,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+                         **MODEL_PRESETS[cfg.model_preset])
+    model = T5ForConditionalGeneration(t5_config)
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, max_new_tokens=cfg.max_target_len, num_beams=cfg.num_beams)
+    return model
+
+
+def load_model(path: str | Path):
+    """Load a saved model folder (``save_pretrained`` layout)."""
+    from transformers import T5ForConditionalGeneration
+
+    if not (Path(path) / "config.json").is_file():
+        raise UserError(f"--init_from={path} is not a model folder (no config.json); "
+                        "point it at a run's best/ or final/ folder")
+    return T5ForConditionalGeneration.from_pretrained(str(path))
+
+
+def freeze_for_sft(model) -> None:
+    """Freeze the shared embedding (and so the tied output layer) and the whole encoder."""
+    for module in (model.shared, model.encoder, model.lm_head):
+        for param in module.parameters():
+            param.requires_grad_(False)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts; tied tensors are counted once."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters()) - trainable
+
+
+def build_optimizer(cfg: TrainConfig, params):
+    """Adafactor with the learning rate applied as given (no relative step, no parameter scaling)."""
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=cfg.learn_rate, relative_step=False, scale_parameter=False,
+                     warmup_init=False, weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
+    """Linear warmup, then linear / cosine decay to 0 at ``total_steps`` (or constant)."""
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=min(cfg.warmup_steps, total_steps),
+                         num_training_steps=total_steps)
+
+
+def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False) -> torch.Tensor:
+    """Sum of the cross-entropy over the batch's target tokens (labels == -100 are ignored).
+
+    ``model`` is what to call (possibly wrapped for DDP), ``core`` the plain T5 inside it. With a
+    frozen encoder it runs under ``no_grad`` so none of its activations are kept.
+    """
+    labels = batch["labels"]
+    decoder_input_ids = core._shift_right(labels)
+    if frozen_encoder:
+        with torch.no_grad():
+            encoded = core.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        out = model(encoder_outputs=encoded, attention_mask=batch["attention_mask"],
+                    decoder_input_ids=decoder_input_ids, use_cache=False)
+    else:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    decoder_input_ids=decoder_input_ids, use_cache=False)
+    return F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def steps_per_epoch(rows: int, batch_size: int, accumulation: int) -> int:
+    return max(1, math.ceil(math.ceil(rows / batch_size) / accumulation))
+
+
+# ----------------------------------------------------------------------------- the trainer
+class LowMemTrainer:
+    """Streaming trainer. Optional ``tokenizer`` / ``model`` are injected as-is (the test seam)."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer=None, model=None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model = model
+        self.state = TrainState()
+        self.out = Path(cfg.output_dir)
+        self.metrics: MetricsLog | None = None
+        self.bar = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> LowMemTrainer:
+        """Check inputs, then build everything; nothing heavy is built before the checks pass."""
+        cfg = self.cfg
+        self.train_files = resolve_files(cfg.train_file, "--train_file")
+        self.eval_files = resolve_files(cfg.eval_file, "--eval_file")
+        columns = (cfg.prompt_column, cfg.response_column)
+        check_columns(self.train_files, columns, "--train_file")
+        check_columns(self.eval_files, columns, "--eval_file")
+        resume_dir = self._check_output_dir()
+        if cfg.is_finetune and self.model is None:
+            if not (Path(cfg.init_from) / "config.json").is_file():
+                raise UserError(f"--init_from={cfg.init_from} is not a model folder (no config.json); "
+                                "pretrain first (python train_low_mem.py train) or point --init_from at best/")
+        self._start_accelerator()
+        self.log_memory("start")
+        if self.tokenizer is None:
+            self.tokenizer = self._load_or_train_tokenizer()
+        if self.model is None:
+            self.model = load_model(cfg.init_from) if cfg.is_finetune else build_model(cfg, self.tokenizer)
+        if self.model.config.vocab_size != len(self.tokenizer):
+            raise UserError(f"model vocabulary ({self.model.config.vocab_size}) does not match the tokenizer "
+                            f"({len(self.tokenizer)}); pass the --tokenizer_dir the model was trained with")
+        if cfg.is_finetune:
+            freeze_for_sft(self.model)
+        self.trainable, self.frozen = count_parameters(self.model)
+        self.log_memory("model_built")
+
+        rows = sum(count_rows(f) for f in self.train_files)
+        per_epoch = steps_per_epoch(math.ceil(rows / self.world), cfg.batch_size, cfg.gradient_accumulation_steps)
+        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * per_epoch
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg, params)  # only trainable tensors get optimizer state
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
+        # The scheduler is not prepared: accelerate's wrapper would step it once per process per call.
+        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        self.core = self.accelerator.unwrap_model(self.model)
+        self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
+        self.log_memory("prepared")
+
+        self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len)
+        self.stream = ExampleStream(self.train_files, columns, cfg.seed, cfg.shuffle_buffer_size)
+        self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples)
+        if not self.eval_examples:
+            raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
+        if resume_dir is not None:
+            self.load_checkpoint(resume_dir)
+        self._announce(rows, per_epoch)
+        return self
+
+    def setup_inference(self) -> LowMemTrainer:
+        """Load a saved model (--init_from, default OUTPUT_DIR/best) for ``evaluate`` / ``generate``."""
+        cfg = self.cfg
+        model_dir = Path(cfg.init_from) if cfg.init_from else self.out / "best"
+        self.eval_files = resolve_files(cfg.eval_file, "--eval_file")
+        columns = (cfg.prompt_column, cfg.response_column)
+        check_columns(self.eval_files, columns, "--eval_file")
+        self.model = load_model(model_dir)
+        self._start_accelerator(run_files=False)
+        if self.tokenizer is None:
+            from data.tokenization import load_tokenizer
+
+            saved = (model_dir / "tokenizer.json").is_file()
+            self.tokenizer = load_tokenizer(model_dir if saved else cfg.tokenizer_dir)
+        self.model = self.accelerator.prepare(self.model)
+        self.core = self.accelerator.unwrap_model(self.model)
+        self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len)
+        self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples)
+        return self
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str]) -> list[str]:
+        """Answers to ``prompts`` (batched within the eval batch cap)."""
+        self.model.eval()
+        answers = []
+        for chunk in batched(prompts, self.cfg.eval_batch_size):
+            batch = self.to_device(self.collator.encode(chunk, self.cfg.max_source_len))
+            with self.accelerator.autocast():
+                out = self.core.generate(**batch, max_new_tokens=self.cfg.max_new_tokens, num_beams=self.cfg.num_beams)
+            answers.extend(self.tokenizer.batch_decode(out, skip_special_tokens=True))
+        return answers
+
+    def _start_accelerator(self, run_files: bool = True) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
+        if cfg.mixed_precision == "bf16" and torch.cuda.is_available() and not cfg.cpu \
+                and not torch.cuda.is_bf16_supported():
+            raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=no")
+        self.accelerator = Accelerator(cpu=cfg.cpu, mixed_precision=cfg.mixed_precision,
+                                       gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+        self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
+        self.main = self.accelerator.is_main_process
+        set_seed(cfg.seed)
+        self.start_time = time.time()
+        if self.main and run_files:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1), encoding="utf-8")
+            self.metrics = MetricsLog(self.out / "metrics.jsonl")
+
+    def _check_output_dir(self) -> Path | None:
+        """Fail early on a run folder that is not writable, already used, or has nothing to resume."""
+        cfg, root = self.cfg, self.out / "checkpoints"
+        if cfg.is_finetune and cfg.init_from and self.out.resolve() in Path(cfg.init_from).resolve().parents:
+            raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: SFT must not "
+                            "write into the pretraining run; choose another --output_dir")
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            probe = self.out / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            raise UserError(f"--output_dir={cfg.output_dir} is not writable ({err.strerror})") from None
+        if cfg.is_keep_training:
+            if cfg.resume_from:
+                problem = checkpoint.validate(Path(cfg.resume_from))
+                if problem:
+                    raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")
+                return Path(cfg.resume_from)
+            found = checkpoint.find_latest_valid(root)
+            if found is None:
+                raise UserError(f"--is_keep_training: no valid checkpoint in {root}; "
+                                "run without --is_keep_training to start a new run")
+            return found
+        used = [p for p in (root, self.out / "best", self.out / "final", self.out / "metrics.jsonl") if p.exists()]
+        if used and not cfg.overwrite_output_dir:
+            raise UserError(f"--output_dir={cfg.output_dir} already holds a run; continue it with "
+                            "--is_keep_training=True, start over with --overwrite_output_dir=True, "
+                            "or choose another --output_dir")
+        for path in used:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        return None
+
+    def _load_or_train_tokenizer(self):
+        from data.tokenization import load_tokenizer, train_tokenizer
+
+        cfg = self.cfg
+        folder = Path(cfg.tokenizer_dir)
+        if (folder / "tokenizer.json").is_file():
+            return load_tokenizer(folder)
+        self.say(f"no tokenizer in {folder}: training one on {cfg.train_file}")
+        if self.main:
+            train_tokenizer(self.train_files, folder, (cfg.prompt_column, cfg.response_column),
+                            cfg.vocab_size, cfg.tokenizer_max_sentences, progress=self._tty())
+        self.accelerator.wait_for_everyone()
+        return load_tokenizer(folder)
+
+    def _announce(self, rows: int, per_epoch: int) -> None:
+        cfg = self.cfg
+        effective = cfg.batch_size * cfg.gradient_accumulation_steps * self.world
+        features = [f"mixed_precision={cfg.mixed_precision}", f"shuffle_buffer={cfg.shuffle_buffer_size} rows",
+                    "dynamic padding", "streamed data", f"gc every {cfg.gc_every_steps} steps"]
+        if cfg.is_finetune:
+            features.append("frozen encoder + embeddings (no_grad, eval mode)")
+        lines = [
+            f"device {self.accelerator.device} x {self.world} process(es) | model {cfg.model_preset} | "
+            f"params trainable {self.trainable:,} / frozen {self.frozen:,}",
+            f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
+            f"x {self.world}) | tokens per optimizer step <= {effective * (cfg.max_source_len + cfg.max_target_len):,}",
+            f"train rows {rows:,} | {per_epoch} optimizer steps per epoch | total steps {self.total_steps} | "
+            f"start step {self.state.step}",
+            "memory: " + ", ".join(features),
+        ]
+        for line in lines:
+            self.say(line)
+        self.record("setup", trainable_params=self.trainable, frozen_params=self.frozen, effective_batch=effective,
+                    train_rows=rows, total_steps=self.total_steps, world_size=self.world)
+
+    # ------------------------------------------------------------------ train
+    def train(self) -> dict:
+        """Run optimizer steps until ``max_steps`` or the last epoch; evaluate and export at the end."""
+        cfg, state = self.cfg, self.state
+        self._set_train_mode()
+        self.bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
+                        disable=not (self.main and self._tty()), dynamic_ncols=True)
+        self._reset_interval()
+        while not self._finished():
+            free_memory()  # at each epoch start
+            stepped = False
+            windows = batched(batched(self.stream.iter_epoch(), cfg.batch_size), cfg.gradient_accumulation_steps)
+            for window in windows:
+                self.train_step([self.collator(mb) for mb in window])
+                stepped = True
+                self.maybe_log()
+                self.maybe_gc()
+                self.maybe_eval()
+                self.maybe_save()
+                if self._finished():
+                    break
+            if not stepped and not self._finished():
+                raise UserError(f"--train_file={cfg.train_file} yields no usable rows "
+                                f"(skipped: {dict(self.stream.skipped) or 'none'})")
+            self.log_memory("epoch_end", epoch=self.stream.epoch)
+        self.bar.close()
+        return self.finish()
+
+    def _finished(self) -> bool:
+        if self.cfg.max_steps > 0:
+            return self.state.step >= self.cfg.max_steps
+        return self.stream.epoch >= self.cfg.epochs
+
+    def _set_train_mode(self) -> None:
+        self.model.train()
+        if self.cfg.is_finetune:
+            self.core.encoder.eval()  # frozen: no dropout, and it runs under no_grad
+
+    def train_step(self, window: list[dict]) -> None:
+        """One optimizer step over an accumulation window of collated micro-batches."""
+        loss_sum, counts = self.accumulate_gradients(window)
+        self.grad_norm = None
+        if self.cfg.max_grad_norm > 0:
+            self.grad_norm = self.accelerator.clip_grad_norm_(self.trainable_params, self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens += counts["tokens"]
+        self.state.examples += counts["examples"]
+        self.interval["loss"] += loss_sum  # stays on the device: no host sync until the log step
+        self.interval["tokens"] += counts["local_tokens"]
+        self.interval["all_tokens"] += counts["local_tokens"] + sum(int(mb["attention_mask"].sum()) for mb in window)
+        self.bar.update()
+
+    def accumulate_gradients(self, window: list[dict]) -> tuple[torch.Tensor, dict]:
+        """Backward over one window; the gradient is that of (sum of token losses) / (target tokens
+        of the whole window on all processes), whatever the micro-batch split.
+
+        Returns:
+            The local sum of token losses, and counts: local_tokens, tokens and examples (global).
+        """
+        # Counted on host tensors: no device sync.
+        local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
+                              sum(mb["labels"].shape[0] for mb in window)])
+        totals = local
+        if self.world > 1:
+            totals = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu()
+        tokens, examples = (int(v) for v in totals)
+        # accelerator.backward divides by gradient_accumulation_steps and DDP averages over processes;
+        # this scale turns that into sum(token losses) / global tokens.
+        scale = len(window) * self.world / max(tokens, 1)
+        self.accelerator.gradient_accumulation_steps = len(window)
+        self.accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
+        loss_sum = torch.zeros((), device=self.accelerator.device)
+        for micro in window:
+            batch = self.to_device(micro)
+            with self.accelerator.accumulate(self.model):
+                with self.accelerator.autocast():
+                    loss = token_loss_sum(self.model, self.core, batch, frozen_encoder=self.cfg.is_finetune)
+                self.accelerator.backward(loss * scale)  # all-reduce only on the window's last micro-batch
+            loss_sum += loss.detach()
+            del batch, loss  # free this micro-batch's activations before the next one
+        return loss_sum, {"local_tokens": int(local[0]), "tokens": tokens, "examples": examples}
+
+    def to_device(self, batch: dict) -> dict:
+        pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"
+        return {k: (v.pin_memory() if pin else v).to(self.accelerator.device, non_blocking=pin)
+                for k, v in batch.items()}
+
+    # ------------------------------------------------------------------ hooks
+    def maybe_log(self, force: bool = False) -> None:
+        cfg, state, iv = self.cfg, self.state, self.interval
+        if not (force or state.step % cfg.logging_steps == 0) or not iv["tokens"]:
+            return
+        counts = torch.tensor([iv["tokens"], iv["all_tokens"]], dtype=torch.float64, device=iv["loss"].device)
+        sums = torch.cat([iv["loss"].double().reshape(1), counts])
+        if self.world > 1:
+            sums = self.accelerator.reduce(sums, "sum")
+        loss_sum, tokens, all_tokens = sums.tolist()
+        seconds = max(time.time() - iv["t0"], 1e-9)
+        lr = self.scheduler.get_last_lr()[0]
+        mem = memory_snapshot()
+        fields = dict(loss=round(loss_sum / max(tokens, 1), 5), lr=lr, tokens_per_s=round(all_tokens / seconds, 1),
+                      elapsed_s=round(self.elapsed(), 2), epoch=self.stream.epoch, examples=state.examples,
+                      tokens=state.tokens, **mem)
+        if self.grad_norm is not None:
+            fields["grad_norm"] = round(float(self.grad_norm), 5)
+        self.record("train", **fields)
+        if self.main:
+            self.bar.set_postfix(loss=f"{fields['loss']:.3f}", lr=f"{lr:.1e}", tok_s=f"{fields['tokens_per_s']:.0f}",
+                                 rss=f"{mem['rss_mb'] / 1024:.2f}G")
+            if not self._tty():
+                self.say(train_line(state.step, self.total_steps, fields["loss"], lr, fields["tokens_per_s"],
+                                    mem["rss_mb"]))
+        self._reset_interval()
+
+    def _reset_interval(self) -> None:
+        self.interval = {"loss": torch.zeros((), device=self.accelerator.device), "tokens": 0, "all_tokens": 0,
+                         "t0": time.time()}
+
+    def maybe_gc(self) -> None:
+        if self.state.step % self.cfg.gc_every_steps == 0:
+            free_memory()
+
+    def maybe_eval(self) -> None:
+        if self.cfg.eval_steps and self.state.step % self.cfg.eval_steps == 0 and not self._finished():
+            self.evaluate_and_keep_best()
+
+    def maybe_save(self) -> None:
+        if self.cfg.save_steps and self.state.step % self.cfg.save_steps == 0 and not self._finished():
+            self.save_checkpoint()
+
+    def finish(self) -> dict:
+        """Final log, evaluation, checkpoint and ``final/`` export."""
+        self.maybe_log(force=True)
+        metrics = self.evaluate_and_keep_best()
+        self.save_checkpoint()
+        self.export(self.out / "final")
+        self.log_memory("end")
+        return {"output_dir": str(self.out), "steps": self.state.step, "eval_loss": metrics["eval_loss"],
+                "bleu": metrics["bleu"], "best_metric": self.state.best_metric, "best_step": self.state.best_step,
+                "skipped_rows": dict(self.stream.skipped)}
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Eval loss (token-mean) and BLEU-4 of greedy/beam generations over the eval set.
+
+        Each process takes every world-th example; no collective runs inside the loop (ranks may
+        hold different numbers of batches), and predictions are gathered once as text at the end.
+        """
+        from accelerate.utils import gather_object
+
+        free_memory()  # before evaluation
+        self.log_memory("eval_start")
+        self.model.eval()
+        loss_sum, tokens, pairs = 0.0, 0, []
+        mine = self.eval_examples[self.rank::self.world]
+        for chunk in tqdm(list(batched(mine, self.cfg.eval_batch_size)), desc="eval", leave=False,
+                          disable=not (self.main and self._tty())):
+            batch = self.to_device(self.collator(chunk))
+            with self.accelerator.autocast():
+                loss_sum += float(token_loss_sum(self.model, self.core, batch))
+                generated = self.core.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                               max_new_tokens=self.cfg.max_target_len, num_beams=self.cfg.num_beams)
+            tokens += int(batch["labels"].ne(-100).sum())
+            predictions = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+            pairs.extend(zip(predictions, [e.response for e in chunk]))
+            del batch, generated
+        totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=self.accelerator.device)
+        if self.world > 1:
+            totals = self.accelerator.reduce(totals, "sum")
+            pairs = gather_object(pairs)
+        self._set_train_mode()
+        result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5),
+                  "bleu": round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4),
+                  "eval_examples": len(pairs)}
+        self.log_memory("eval_end")
+        return result
+
+    def evaluate_and_keep_best(self) -> dict:
+        result = self.evaluate()
+        metric = result[self.cfg.metric_for_best]
+        improved = is_better(metric, self.state.best_metric, self.cfg.metric_for_best)
+        if improved:
+            self.state.best_metric, self.state.best_step = metric, self.state.step
+            self.export(self.out / "best")
+        self.record("eval", **result, best=improved)
+        self.say(f"eval step {self.state.step} | eval_loss {result['eval_loss']:.4f} | bleu {result['bleu']:.2f}"
+                 + (" | new best" if improved else ""))
+        return result
+
+    # ------------------------------------------------------------------ checkpoints and exports
+    def export(self, folder: Path) -> None:
+        """A plain transformers model folder: safetensors weights, config, generation config, tokenizer."""
+        self.accelerator.wait_for_everyone()
+        if self.main:
+            with checkpoint.atomic_folder(folder) as tmp:
+                self.core.save_pretrained(tmp, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp)
+                (tmp / "training_info.json").write_text(json.dumps(
+                    {"step": self.state.step, "kind": self.cfg.kind, **self.state.state_dict()}, indent=1))
+        self.accelerator.wait_for_everyone()
+
+    def save_checkpoint(self) -> Path:
+        """Everything the run depends on, written atomically; then ``latest`` moves to it."""
+        from accelerate.utils import gather_object
+        from safetensors.torch import save_model
+
+        root = self.out / "checkpoints"
+        folder = root / f"{checkpoint.PREFIX}{self.state.step:06d}"
+        self.state.elapsed_s = self.elapsed()
+        process_states = gather_object([self._process_state()])  # small: RNG + data position per rank
+        if self.main:
+            with checkpoint.atomic_folder(folder) as tmp:
+                save_model(self.core, str(tmp / "model.safetensors"))
+                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+                torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+                (tmp / "trainer_state.json").write_text(json.dumps(self.state.state_dict(), indent=1))
+                (tmp / "run_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+                for rank, process_state in enumerate(process_states):
+                    torch.save(process_state, tmp / f"process_{rank}.pt")
+            checkpoint.write_text_atomic(root / checkpoint.LATEST, folder.name)
+            checkpoint.prune(root, self.cfg.save_total_limit, protect=folder)
+            self.record("checkpoint", path=str(folder))
+        self.accelerator.wait_for_everyone()
+        return folder
+
+    def _process_state(self) -> dict:
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {"rank": self.rank, "world_size": self.world, "rng": rng, "data": self.stream.state_dict()}
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Restore weights, optimizer, scheduler, counters, RNG and this process's data position."""
+        from safetensors.torch import load_model
+
+        saved_cfg = json.loads((folder / "run_config.json").read_text())
+        for key in ("model_preset", "is_finetune"):
+            if saved_cfg.get(key) != getattr(self.cfg, key):
+                raise UserError(f"checkpoint {folder} was written with --{key}={saved_cfg.get(key)}; "
+                                f"resume with the same value or start a new --output_dir")
+        load_model(self.core, str(folder / "model.safetensors"))
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+        self.state.load_state_dict(json.loads((folder / "trainer_state.json").read_text()))
+        process_state = torch.load(folder / f"process_{self.rank}.pt", weights_only=False)
+        if process_state["world_size"] != self.world:
+            raise UserError(f"checkpoint {folder} was written by {process_state['world_size']} processes; "
+                            f"resume with the same number (this run has {self.world})")
+        self.stream.load_state_dict(process_state["data"])
+        rng = process_state["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.stream.epoch})")
+        self.record("resume", path=str(folder))
+
+    # ------------------------------------------------------------------ logging
+    def elapsed(self) -> float:
+        return self.state.elapsed_s + time.time() - self.start_time if hasattr(self, "start_time") else 0.0
+
+    def record(self, event: str, **fields) -> None:
+        if self.metrics is not None:
+            self.metrics.write(event, self.state.step, **fields)
+
+    def log_memory(self, where: str, **extra) -> None:
+        snap = memory_snapshot()
+        self.record("memory", where=where, **snap, **extra)
+
+    def say(self, message: str) -> None:
+        if getattr(self, "main", True):
+            tqdm.write(message, file=sys.stdout)
+            sys.stdout.flush()
+
+    @staticmethod
+    def _tty() -> bool:
+        return sys.stderr.isatty()
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
