@@ -77,7 +77,7 @@ class TrainConfig:
     # --- batch and optimisation ---
     batch_size: int = _f(2, "Training micro-batch per process (capped at 2). Lower saves activation memory.")
     eval_batch_size: int = _f(4, "Eval and generation batch (capped at 4). Lower saves memory.")
-    gradient_accumulation_steps: int = _f(16, "Micro-batches per optimizer step. Higher keeps the batch with less memory.")
+    gradient_accumulation_steps: int = _f(16, "Micro-batches per optimizer step. Higher: same batch, less memory.")
     epochs: int = _f(1, "Passes over the training data.")
     max_steps: int = _f(-1, "Stop after this many optimizer steps (-1 = run all --epochs).")
     learn_rate: float = _f(1e-3, "Peak learning rate (Adafactor, applied as given).")
@@ -89,8 +89,8 @@ class TrainConfig:
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
 
     # --- evaluation, logging, checkpoints ---
-    eval_steps: int = _f(100, "Evaluate every N optimizer steps (and at the end; 0 = only at the end).")
-    max_eval_samples: int = _f(200, "Examples used per evaluation. Lower saves time.")
+    eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")
+    max_eval_samples: int = _f(100, "Examples used per evaluation. Lower saves time.")
     metric_for_best: str = _f("eval_loss", "Metric that picks best/: eval_loss (lower wins) or bleu (higher wins).")
     num_beams: int = _f(1, "Beams for evaluation and generate. 1 (greedy) saves memory.")
     logging_steps: int = _f(10, "Log a line and a metrics.jsonl record every N optimizer steps.")

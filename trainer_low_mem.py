@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from config import MODEL_PRESETS, TrainConfig, UserError
+from config import TrainConfig, UserError
 from data.collate import Seq2SeqCollator
 from data.sources import check_columns, count_rows, resolve_files
 from data.stream import ExampleStream, batched, take_examples
@@ -33,6 +30,16 @@ from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
 from lowmem.memory import free_memory, memory_snapshot
 from lowmem.metrics import MetricsLog, train_line
+from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part of this module's API)
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    count_parameters,
+    freeze_for_sft,
+    load_model,
+    steps_per_epoch,
+    token_loss_sum,
+)
 
 
 @dataclass
@@ -52,85 +59,6 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
-
-
-# ----------------------------------------------------------------------------- pure builders
-def build_model(cfg: TrainConfig, tokenizer):
-    """A fresh T5 from a ``T5Config`` of the chosen preset (never a hub download)."""
-    from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration
-
-    t5_config = T5Config(vocab_size=len(tokenizer), dropout_rate=cfg.dropout_rate,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-                         **MODEL_PRESETS[cfg.model_preset])
-    model = T5ForConditionalGeneration(t5_config)
-    model.generation_config = GenerationConfig(
-        decoder_start_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, max_new_tokens=cfg.max_target_len, num_beams=cfg.num_beams)
-    return model
-
-
-def load_model(path: str | Path):
-    """Load a saved model folder (``save_pretrained`` layout)."""
-    from transformers import T5ForConditionalGeneration
-
-    if not (Path(path) / "config.json").is_file():
-        raise UserError(f"--init_from={path} is not a model folder (no config.json); "
-                        "point it at a run's best/ or final/ folder")
-    return T5ForConditionalGeneration.from_pretrained(str(path))
-
-
-def freeze_for_sft(model) -> None:
-    """Freeze the shared embedding (and so the tied output layer) and the whole encoder."""
-    for module in (model.shared, model.encoder, model.lm_head):
-        for param in module.parameters():
-            param.requires_grad_(False)
-
-
-def count_parameters(model) -> tuple[int, int]:
-    """(trainable, frozen) parameter counts; tied tensors are counted once."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters()) - trainable
-
-
-def build_optimizer(cfg: TrainConfig, params):
-    """Adafactor with the learning rate applied as given (no relative step, no parameter scaling)."""
-    from transformers.optimization import Adafactor
-
-    return Adafactor(params, lr=cfg.learn_rate, relative_step=False, scale_parameter=False,
-                     warmup_init=False, weight_decay=cfg.weight_decay)
-
-
-def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
-    """Linear warmup, then linear / cosine decay to 0 at ``total_steps`` (or constant)."""
-    from transformers import get_scheduler
-
-    name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=min(cfg.warmup_steps, total_steps),
-                         num_training_steps=total_steps)
-
-
-def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False) -> torch.Tensor:
-    """Sum of the cross-entropy over the batch's target tokens (labels == -100 are ignored).
-
-    ``model`` is what to call (possibly wrapped for DDP), ``core`` the plain T5 inside it. With a
-    frozen encoder it runs under ``no_grad`` so none of its activations are kept.
-    """
-    labels = batch["labels"]
-    decoder_input_ids = core._shift_right(labels)
-    if frozen_encoder:
-        with torch.no_grad():
-            encoded = core.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        out = model(encoder_outputs=encoded, attention_mask=batch["attention_mask"],
-                    decoder_input_ids=decoder_input_ids, use_cache=False)
-    else:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    decoder_input_ids=decoder_input_ids, use_cache=False)
-    return F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-
-
-def steps_per_epoch(rows: int, batch_size: int, accumulation: int) -> int:
-    return max(1, math.ceil(math.ceil(rows / batch_size) / accumulation))
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -323,6 +251,8 @@ class LowMemTrainer:
         self.bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
                         disable=not (self.main and self._tty()), dynamic_ncols=True)
         self._reset_interval()
+        if state.step == 0 and self.cfg.eval_steps:
+            self.evaluate_and_keep_best()  # the baseline every later eval is compared with
         while not self._finished():
             free_memory()  # at each epoch start
             stepped = False
@@ -545,10 +475,8 @@ class LowMemTrainer:
         return folder
 
     def _process_state(self) -> dict:
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        return {"rank": self.rank, "world_size": self.world, "rng": rng, "data": self.stream.state_dict()}
+        return {"rank": self.rank, "world_size": self.world, "rng": checkpoint.rng_state(),
+                "data": self.stream.state_dict()}
 
     def load_checkpoint(self, folder: Path) -> None:
         """Restore weights, optimizer, scheduler, counters, RNG and this process's data position."""
@@ -568,12 +496,7 @@ class LowMemTrainer:
             raise UserError(f"checkpoint {folder} was written by {process_state['world_size']} processes; "
                             f"resume with the same number (this run has {self.world})")
         self.stream.load_state_dict(process_state["data"])
-        rng = process_state["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        checkpoint.set_rng_state(process_state["rng"])
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.stream.epoch})")
         self.record("resume", path=str(folder))
 

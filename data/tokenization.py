@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from config import UserError
 from data.sources import iter_rows
 
 EXTRA_IDS = 100
@@ -57,13 +58,15 @@ def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, 
     out_dir = Path(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "spiece")
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=sample_sentences(files, columns, max_sentences, progress),
-            model_prefix=prefix, vocab_size=vocab_size, model_type="unigram",
-            pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=True,
-            normalization_rule_name="identity", character_coverage=0.9995,
-            hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary instead of an error
-            minloglevel=2, num_threads=max(1, os.cpu_count() or 1))
+        try:
+            spm.SentencePieceTrainer.train(sentence_iterator=sample_sentences(files, columns, max_sentences, progress),
+                       model_prefix=prefix, vocab_size=vocab_size, model_type="unigram",
+                       pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=True,
+                       normalization_rule_name="identity", character_coverage=0.9995,
+                       hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary, no error
+                       minloglevel=2, num_threads=max(1, os.cpu_count() or 1))
+        except RuntimeError as err:
+            raise UserError(f"tokenizer training failed: {_spm_reason(err)}") from None
         sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
         vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
     vocab += [(f"<extra_id_{i}>", 0.0) for i in reversed(range(EXTRA_IDS))]
@@ -86,6 +89,14 @@ def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, 
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     return load_tokenizer(out_dir)
+
+
+def _spm_reason(err: RuntimeError) -> str:
+    text = str(err)
+    if "Vocabulary size is smaller than required_chars" in text:
+        needed = text.split("vs")[-1].split(".")[0].strip()
+        return f"--vocab_size is below the {needed} pieces this corpus needs (characters + bytes); raise it"
+    return text.splitlines()[0]
 
 
 def load_tokenizer(path: str | Path):

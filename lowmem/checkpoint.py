@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
+import torch
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -117,3 +121,19 @@ def prune(root: Path, keep: int, protect: Path | None = None) -> None:
     for folder in step_folders(root)[keep:]:
         if protect is None or folder.resolve() != Path(protect).resolve():
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def rng_state() -> dict:
+    """Every RNG this process draws from (python, numpy, torch CPU, CUDA)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,78 @@
+"""Shared fixtures: small real corpora in several formats, the shipped tokenizer, a CLI runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from config import SHIPPED_CORPORA, SHIPPED_TOKENIZER_DIR  # noqa: E402
+
+WORDS = "the cat dog runs jumps over a lazy quick brown fox river stone light dark day night".split()
+
+
+def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
+    """Learnable prompt/response pairs: the response reverses the prompt's words."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(2, 8))]
+        rows.append({"prompt": " ".join(words), "response": " ".join(reversed(words))})
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """Write rows as jsonl / json / parquet / csv according to the file ending."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+    elif path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=64)
+    elif path.suffix == ".csv":
+        import csv
+
+        with open(path, "w", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from data.tokenization import load_tokenizer
+
+    return load_tokenizer(SHIPPED_TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="session")
+def shipped():
+    return SHIPPED_CORPORA
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(REPO / "train_low_mem.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    from lowmem.metrics import read_metrics
+
+    return read_metrics(Path(run_dir) / "metrics.jsonl")

@@ -1,0 +1,93 @@
+"""Config resolution, type conversion, caps, validation and the CLI's error contract."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import run_cli
+
+from config import LOW_MEMORY_CAPS, TrainConfig, UserError, help_text, load_config
+
+
+def test_values_are_converted_to_declared_types():
+    cfg, _ = load_config({"learn_rate": 1, "epochs": "3", "is_finetune": "true", "output_dir": 123,
+                          "train_file": ("a.jsonl", "b.jsonl")})
+    assert isinstance(cfg.learn_rate, float) and cfg.learn_rate == 1.0
+    assert cfg.epochs == 3 and cfg.is_finetune is True
+    assert cfg.output_dir == "123"
+    assert cfg.train_file == "a.jsonl,b.jsonl"  # fire reads a,b as a tuple; text options keep it whole
+
+
+def test_wrong_types_and_unknown_flags_are_all_reported_at_once():
+    with pytest.raises(UserError) as err:
+        load_config({"batch_size": "two", "learnrate": 0.1, "is_finetune": "maybe"})
+    message = str(err.value)
+    assert "--batch_size expects an integer" in message
+    assert "unknown flag --learnrate; did you mean --learn_rate" in message
+    assert "--is_finetune expects True or False" in message
+
+
+def test_caps_lower_requests_and_say_so():
+    cfg, notes = load_config({"batch_size": 16, "eval_batch_size": 64})
+    assert cfg.batch_size == LOW_MEMORY_CAPS["batch_size"] == 2
+    assert cfg.eval_batch_size == LOW_MEMORY_CAPS["eval_batch_size"] == 4
+    assert any("--batch_size=16" in n for n in notes) and any("--eval_batch_size=64" in n for n in notes)
+
+
+def test_low_memory_defaults():
+    cfg = TrainConfig()
+    assert (cfg.batch_size, cfg.eval_batch_size, cfg.gradient_accumulation_steps) == (2, 4, 16)
+    assert cfg.num_workers == 0 and cfg.pin_memory is False and cfg.gc_every_steps == 100
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    ({"mixed_precision": "fp16"}, "fp16 overflows in T5"),
+    ({"model_preset": "huge"}, "--model_preset must be one of tiny, small, base"),
+    ({"gradient_accumulation_steps": 0}, "--gradient_accumulation_steps must be at least 1"),
+    ({"num_workers": 2}, "--num_workers must be 0"),
+    ({"max_steps": 0}, "--max_steps must be -1"),
+])
+def test_invalid_values_are_refused(flags, fragment):
+    with pytest.raises(UserError, match=fragment):
+        load_config(flags)
+
+
+def test_sft_and_pretraining_default_to_different_folders():
+    pre, _ = load_config({})
+    sft, _ = load_config({"is_finetune": True})
+    assert pre.output_dir != sft.output_dir
+    assert sft.init_from.startswith(pre.output_dir)
+    assert pre.train_file != sft.train_file
+
+
+def test_yaml_file_then_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learn_rate: 0.005\nepochs: 4\nmodel_preset: small\n")
+    cfg, _ = load_config({"epochs": 2}, str(path))
+    assert (cfg.learn_rate, cfg.epochs, cfg.model_preset) == (0.005, 2, "small")
+    path.write_text("learn_rat: 0.1\n")
+    with pytest.raises(UserError, match="did you mean --learn_rate"):
+        load_config({}, str(path))
+
+
+def test_help_lists_every_option_with_default():
+    text = help_text()
+    for f in dataclasses.fields(TrainConfig):
+        assert f"--{f.name} (" in text and f.metadata["help"] in text
+
+
+def test_cli_user_errors_are_one_line_with_exit_code_2():
+    for args in (["train", "--learnrate=0.1"], ["train", "--mixed_precision=fp16"],
+                 ["train", "--train_file=/nonexistent/x.jsonl"], ["nosuchcommand"]):
+        proc = run_cli(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+
+
+def test_cli_help_exits_zero_and_lists_options():
+    proc = run_cli("train", "--help")
+    assert proc.returncode == 0
+    assert "--learn_rate (float, default 0.001)" in proc.stdout

@@ -1,0 +1,101 @@
+"""Streaming sources, the resumable shuffled stream, truncation and dynamic padding."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from conftest import synthetic_rows, write_rows
+
+from config import UserError
+from data.collate import Seq2SeqCollator
+from data.sources import count_rows, iter_rows, resolve_files
+from data.stream import ExampleStream, take_examples
+
+COLS = ("prompt", "response")
+
+
+@pytest.mark.parametrize("ending", [".jsonl", ".json", ".parquet", ".csv"])
+def test_every_format_streams_all_rows_in_order(tmp_path, ending):
+    rows = synthetic_rows(150, seed=3)
+    path = write_rows(tmp_path / f"c{ending}", rows)
+    got = [e for e in iter_rows(path, 0, COLS) if e is not None]
+    assert [(e.prompt, e.response) for e in got] == [(r["prompt"], r["response"]) for r in rows]
+    assert [e.row for e in got] == list(range(150))
+    assert count_rows(path) == 150
+
+
+def test_resolve_files_globs_folders_and_errors(tmp_path):
+    a = write_rows(tmp_path / "d" / "a.jsonl", synthetic_rows(3))
+    b = write_rows(tmp_path / "d" / "sub" / "b.parquet", synthetic_rows(3))
+    assert resolve_files(str(tmp_path / "d")) == [a, b]
+    assert resolve_files(str(tmp_path / "d" / "*.jsonl")) == [a]
+    assert resolve_files(f"{a},{b}") == [a, b]
+    with pytest.raises(UserError, match="does not exist"):
+        resolve_files(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(UserError, match="matches no file"):
+        resolve_files(str(tmp_path / "*.csv"))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match="unsupported ending"):
+        resolve_files(str(tmp_path / "notes.txt"))
+
+
+def test_null_and_empty_rows_are_skipped_and_counted(tmp_path):
+    rows = synthetic_rows(10) + [{"prompt": None, "response": "x"}, {"prompt": "y", "response": ""}]
+    path = write_rows(tmp_path / "c.jsonl", rows)
+    skipped = Counter()
+    got = [e for e in iter_rows(path, 0, COLS, skipped=skipped) if e is not None]
+    assert len(got) == 10
+    assert skipped == Counter({"missing or null prompt": 1, "empty response": 1})
+
+
+def _drain(stream, limit=None):
+    out = []
+    for example in stream.iter_epoch():
+        out.append((example.file_index, example.row))
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def test_shuffle_covers_every_row_once_per_epoch_and_changes_order(tmp_path):
+    files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(97, seed=i)) for i in range(3)]
+    stream = ExampleStream(files, COLS, seed=7, buffer_size=50)
+    first, second = _drain(stream), _drain(stream)
+    everything = sorted((f, r) for f in range(3) for r in range(97))
+    assert sorted(first) == everything and sorted(second) == everything
+    assert first != second and first != everything
+    assert stream.epoch == 2
+
+
+@pytest.mark.parametrize("cut", [1, 49, 50, 150, 290])
+def test_stream_state_resumes_exactly_including_the_shuffle_buffer(tmp_path, cut):
+    files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(97, seed=i)) for i in range(3)]
+    straight = _drain(ExampleStream(files, COLS, seed=7, buffer_size=50))
+    stream = ExampleStream(files, COLS, seed=7, buffer_size=50)
+    head = _drain(stream, limit=cut)
+    state = stream.state_dict()
+    resumed = ExampleStream(files, COLS, seed=7, buffer_size=50)
+    resumed.load_state_dict(state)
+    assert head + _drain(resumed) == straight
+
+
+def test_collator_truncates_pads_dynamically_and_masks_labels(tokenizer):
+    from data.sources import Example
+
+    collate = Seq2SeqCollator(tokenizer, max_source_len=8, max_target_len=6)
+    long_text = "the quick brown fox jumps over the lazy dog " * 50
+    batch = collate([Example("a b", "c", 0, 0), Example(long_text, long_text, 0, 1)])
+    assert batch["input_ids"].shape == (2, 8) and batch["labels"].shape == (2, 6)
+    assert batch["input_ids"][1, -1].item() == tokenizer.eos_token_id  # truncation keeps the eos
+    short = collate([Example("a b", "c", 0, 0), Example("a", "d", 0, 1)])
+    assert short["input_ids"].shape[1] < 8  # padded to the longest row, not to max length
+    assert (short["labels"] == -100).sum() == (short["labels"].shape[1] * 2 - (short["labels"] != -100).sum())
+    pad_positions = short["labels"] == -100
+    assert pad_positions.any() or short["labels"].shape[1] == 2
+    assert not (short["labels"] == tokenizer.pad_token_id).any()
+
+
+def test_eval_examples_are_bounded(tmp_path):
+    path = write_rows(tmp_path / "e.jsonl", synthetic_rows(500))
+    assert len(take_examples([path], COLS, 37)) == 37

@@ -1,0 +1,48 @@
+"""Tokenizer training: T5 id layout, offline reload without protobuf, Chinese punctuation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, write_rows
+
+from config import UserError
+from data.tokenization import train_tokenizer
+
+CHINESE = "你好，世界。今天天气怎么样？很好！我们去公园吧。"
+
+
+def test_trained_tokenizer_layout_and_round_trip(tmp_path):
+    rows = [{"prompt": f"{CHINESE} 第{i}句话", "response": f"hello world number {i}, fine."} for i in range(400)]
+    corpus = write_rows(tmp_path / "c.jsonl", rows)
+    with pytest.raises(UserError, match="--vocab_size is below"):
+        train_tokenizer([corpus], tmp_path / "bad", ("prompt", "response"), vocab_size=100, max_sentences=500)
+    tok = train_tokenizer([corpus], tmp_path / "tok", ("prompt", "response"), vocab_size=600, max_sentences=500)
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    assert tok.bos_token_id is None
+    assert tok.convert_tokens_to_ids("<extra_id_0>") == len(tok) - 1
+    assert tok.convert_tokens_to_ids("<extra_id_99>") == len(tok) - 100
+    for text in (CHINESE, "Unseen: 🙂 ünï ｑ", "pinyin nǐ hǎo"):
+        ids = tok(text).input_ids
+        assert ids[-1] == tok.eos_token_id and tok.unk_token_id not in ids  # byte fallback: no <unk>
+        assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_tokenizer_loads_offline_without_protobuf(tmp_path):
+    code = ("import sys; from transformers import AutoTokenizer; "
+            f"t = AutoTokenizer.from_pretrained({str(REPO / 'data' / 'tokenizer')!r}); "
+            f"assert t.decode(t({CHINESE!r}).input_ids, skip_special_tokens=True) == {CHINESE!r}; "
+            "assert 'google.protobuf' not in sys.modules; print(len(t))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.strip()) == 8100
+
+
+def test_sampling_is_capped(tmp_path):
+    from data.tokenization import sample_sentences
+
+    corpus = write_rows(tmp_path / "c.jsonl", [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(1000)])
+    assert sum(1 for _ in sample_sentences([corpus], ("prompt", "response"), limit=123)) == 123
