@@ -80,7 +80,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = _f(16, "Micro-batches per optimizer step. Higher: same batch, less memory.")
     epochs: int = _f(1, "Passes over the training data.")
     max_steps: int = _f(-1, "Stop after this many optimizer steps (-1 = run all --epochs).")
-    learn_rate: float = _f(1e-3, "Peak learning rate (Adafactor, applied as given).")
+    learn_rate: float = _f(3e-3, "Peak learning rate (Adafactor, applied as given).")
     lr_scheduler: str = _f("linear", "Decay after warmup: linear, cosine or constant.")
     warmup_steps: int = _f(30, "Optimizer steps of linear warmup.")
     weight_decay: float = _f(0.0, "Decoupled weight decay.")

@@ -31,7 +31,8 @@ def train(config: str | None = None, **flags) -> dict:
     for note in notes:
         trainer.say(note)
     try:
-        return trainer.setup().train()
+        result = trainer.setup().train()
+        return result if trainer.main else None  # one summary, not one per process
     finally:
         trainer.close()
 
@@ -41,7 +42,9 @@ def evaluate(config: str | None = None, **flags) -> dict:
     from trainer_low_mem import LowMemTrainer
 
     cfg, _ = load_config(flags, config)
-    return LowMemTrainer(cfg).setup_inference().evaluate()
+    trainer = LowMemTrainer(cfg).setup_inference()
+    result = trainer.evaluate()
+    return result if trainer.main else None
 
 
 def generate(config: str | None = None, **flags) -> list[dict]:

@@ -115,7 +115,8 @@ class LowMemTrainer:
         self.log_memory("prepared")
 
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len)
-        self.stream = ExampleStream(self.train_files, columns, cfg.seed, cfg.shuffle_buffer_size)
+        self.stream = ExampleStream(self.train_files, columns, cfg.seed, cfg.shuffle_buffer_size,
+                                    rank=self.rank, world_size=self.world)
         self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples)
         if not self.eval_examples:
             raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
@@ -255,17 +256,19 @@ class LowMemTrainer:
             self.evaluate_and_keep_best()  # the baseline every later eval is compared with
         while not self._finished():
             free_memory()  # at each epoch start
-            stepped = False
             windows = batched(batched(self.stream.iter_epoch(), cfg.batch_size), cfg.gradient_accumulation_steps)
-            for window in windows:
-                self.train_step([self.collator(mb) for mb in window])
+            stepped = False
+            while not self._finished():
+                window = [self.collator(mb) for mb in next(windows, [])]
+                counts = self.window_counts(window)
+                if not counts["examples"]:
+                    break  # every process has finished this epoch
+                self.train_step(window or [self._empty_batch()], counts)
                 stepped = True
                 self.maybe_log()
                 self.maybe_gc()
                 self.maybe_eval()
                 self.maybe_save()
-                if self._finished():
-                    break
             if not stepped and not self._finished():
                 raise UserError(f"--train_file={cfg.train_file} yields no usable rows "
                                 f"(skipped: {dict(self.stream.skipped) or 'none'})")
@@ -283,9 +286,31 @@ class LowMemTrainer:
         if self.cfg.is_finetune:
             self.core.encoder.eval()  # frozen: no dropout, and it runs under no_grad
 
-    def train_step(self, window: list[dict]) -> None:
+    def window_counts(self, window: list[dict]) -> dict:
+        """Target tokens and examples of one accumulation window: local, and summed over processes.
+
+        Counted on host tensors (no device sync); one small all-reduce when there are several
+        processes, which is also how every process learns whether any of them still has data.
+        """
+        local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
+                              sum(mb["labels"].shape[0] for mb in window)])
+        total = local
+        if self.world > 1:
+            total = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu()
+        source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
+        return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
+                "tokens": int(total[0]), "examples": int(total[1])}
+
+    def _empty_batch(self) -> dict:
+        """A micro-batch with no target tokens, for a process whose share of the epoch ran out
+        first: its backward adds zero gradient but keeps the all-reduce in step with the others."""
+        eos = self.tokenizer.eos_token_id
+        return {"input_ids": torch.tensor([[eos]]), "attention_mask": torch.tensor([[1]]),
+                "labels": torch.tensor([[-100]])}
+
+    def train_step(self, window: list[dict], counts: dict) -> None:
         """One optimizer step over an accumulation window of collated micro-batches."""
-        loss_sum, counts = self.accumulate_gradients(window)
+        loss_sum = self.accumulate_gradients(window, counts["tokens"])
         self.grad_norm = None
         if self.cfg.max_grad_norm > 0:
             self.grad_norm = self.accelerator.clip_grad_norm_(self.trainable_params, self.cfg.max_grad_norm)
@@ -297,26 +322,22 @@ class LowMemTrainer:
         self.state.examples += counts["examples"]
         self.interval["loss"] += loss_sum  # stays on the device: no host sync until the log step
         self.interval["tokens"] += counts["local_tokens"]
-        self.interval["all_tokens"] += counts["local_tokens"] + sum(int(mb["attention_mask"].sum()) for mb in window)
+        self.interval["all_tokens"] += counts["local_all_tokens"]
+        self.interval["steps"] += 1
         self.bar.update()
 
-    def accumulate_gradients(self, window: list[dict]) -> tuple[torch.Tensor, dict]:
+    def accumulate_gradients(self, window: list[dict], total_tokens: int | None = None) -> torch.Tensor:
         """Backward over one window; the gradient is that of (sum of token losses) / (target tokens
         of the whole window on all processes), whatever the micro-batch split.
 
         Returns:
-            The local sum of token losses, and counts: local_tokens, tokens and examples (global).
+            The local sum of token losses (a device tensor).
         """
-        # Counted on host tensors: no device sync.
-        local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
-                              sum(mb["labels"].shape[0] for mb in window)])
-        totals = local
-        if self.world > 1:
-            totals = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu()
-        tokens, examples = (int(v) for v in totals)
+        if total_tokens is None:
+            total_tokens = self.window_counts(window)["tokens"]
         # accelerator.backward divides by gradient_accumulation_steps and DDP averages over processes;
         # this scale turns that into sum(token losses) / global tokens.
-        scale = len(window) * self.world / max(tokens, 1)
+        scale = len(window) * self.world / max(total_tokens, 1)
         self.accelerator.gradient_accumulation_steps = len(window)
         self.accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
         loss_sum = torch.zeros((), device=self.accelerator.device)
@@ -328,7 +349,7 @@ class LowMemTrainer:
                 self.accelerator.backward(loss * scale)  # all-reduce only on the window's last micro-batch
             loss_sum += loss.detach()
             del batch, loss  # free this micro-batch's activations before the next one
-        return loss_sum, {"local_tokens": int(local[0]), "tokens": tokens, "examples": examples}
+        return loss_sum
 
     def to_device(self, batch: dict) -> dict:
         pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"
@@ -338,7 +359,8 @@ class LowMemTrainer:
     # ------------------------------------------------------------------ hooks
     def maybe_log(self, force: bool = False) -> None:
         cfg, state, iv = self.cfg, self.state, self.interval
-        if not (force or state.step % cfg.logging_steps == 0) or not iv["tokens"]:
+        # Every condition here is the same on all processes: the reduce below is a collective.
+        if not (force or state.step % cfg.logging_steps == 0) or not iv["steps"]:
             return
         counts = torch.tensor([iv["tokens"], iv["all_tokens"]], dtype=torch.float64, device=iv["loss"].device)
         sums = torch.cat([iv["loss"].double().reshape(1), counts])
@@ -364,7 +386,7 @@ class LowMemTrainer:
 
     def _reset_interval(self) -> None:
         self.interval = {"loss": torch.zeros((), device=self.accelerator.device), "tokens": 0, "all_tokens": 0,
-                         "t0": time.time()}
+                         "steps": 0, "t0": time.time()}
 
     def maybe_gc(self) -> None:
         if self.state.step % self.cfg.gc_every_steps == 0:

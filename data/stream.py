@@ -24,13 +24,19 @@ class ExampleStream:
         columns: (prompt column, response column).
         seed: seeds the per-epoch file order and the shuffle buffer.
         buffer_size: rows held for shuffling; 0 streams in file order. Bounds host RAM.
+        rank, world_size: this process's share. When the file count divides by the number of
+            processes each one reads whole files of its own; otherwise each reads every file and
+            keeps every world_size-th row. Either way each row goes to exactly one process per epoch.
     """
 
-    def __init__(self, files: list[Path], columns: tuple[str, str], seed: int, buffer_size: int):
+    def __init__(self, files: list[Path], columns: tuple[str, str], seed: int, buffer_size: int,
+                 rank: int = 0, world_size: int = 1):
         self.files = list(files)
         self.columns = columns
         self.seed = seed
         self.buffer_size = buffer_size
+        self.rank, self.world_size = rank, world_size
+        self.whole_files = len(self.files) % world_size == 0
         self.epoch = 0
         self.file_pos = 0  # index into this epoch's file order
         self.row_pos = 0  # next unread row of that file
@@ -59,14 +65,16 @@ class ExampleStream:
         return order
 
     def _upstream(self) -> Iterator[Example]:
-        """Rows of the current epoch from the saved position; advances file_pos / row_pos."""
+        """This process's rows of the current epoch from the saved position; advances file_pos / row_pos."""
         order = self.file_order(self.epoch)
         while self.file_pos < len(order):
             index = order[self.file_pos]
-            for item in iter_rows(self.files[index], index, self.columns, self.row_pos, self.skipped):
-                self.row_pos += 1
-                if item is not None:
-                    yield item
+            mine = not self.whole_files or self.file_pos % self.world_size == self.rank
+            if mine:
+                for item in iter_rows(self.files[index], index, self.columns, self.row_pos, self.skipped):
+                    self.row_pos += 1
+                    if item is not None and (self.whole_files or item.row % self.world_size == self.rank):
+                        yield item
             self.file_pos, self.row_pos = self.file_pos + 1, 0
 
     def iter_epoch(self) -> Iterator[Example]:

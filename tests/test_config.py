@@ -90,4 +90,4 @@ def test_cli_user_errors_are_one_line_with_exit_code_2():
 def test_cli_help_exits_zero_and_lists_options():
     proc = run_cli("train", "--help")
     assert proc.returncode == 0
-    assert "--learn_rate (float, default 0.001)" in proc.stdout
+    assert "--learn_rate (float, default 0.003)" in proc.stdout

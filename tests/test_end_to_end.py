@@ -1,0 +1,124 @@
+"""The real entry point, end to end on tiny sizes: files on disk, metrics.jsonl, export, resume, memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=16", "--logging_steps=5"]
+
+
+def weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_pretrain_sft_resume_and_export(tmp_path):
+    pre_train = write_rows(tmp_path / "pre" / "train.jsonl", synthetic_rows(3000, seed=1))
+    pre_eval = write_rows(tmp_path / "pre" / "eval.jsonl", synthetic_rows(32, seed=2))
+    sft_train = write_rows(tmp_path / "sft" / "train.parquet", synthetic_rows(2000, seed=3))
+    sft_eval = write_rows(tmp_path / "sft" / "eval.parquet", synthetic_rows(32, seed=4))
+    pre, sft = tmp_path / "runs" / "pre", tmp_path / "runs" / "sft"
+
+    proc = run_cli("train", f"--train_file={pre_train}", f"--eval_file={pre_eval}", f"--output_dir={pre}",
+                   "--max_steps=40", "--learn_rate=3e-3", "--eval_steps=20", "--save_steps=20", *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = metrics(pre)
+    train = [r for r in records if r["event"] == "train"]
+    evals = [r for r in records if r["event"] == "eval"]
+    assert {"loss", "lr", "tokens_per_s", "rss_mb", "elapsed_s"} <= set(train[0])
+    assert [r["step"] for r in evals] == [0, 20, 40]
+    assert evals[-1]["eval_loss"] < 0.7 * evals[0]["eval_loss"]
+    assert {"start", "model_built", "prepared", "eval_start", "eval_end", "end"} <= {
+        r["where"] for r in records if r["event"] == "memory"}
+    assert (pre / "checkpoints" / "latest").read_text() == "step_000040"
+    assert json.loads((pre / "config.json").read_text())["learn_rate"] == 3e-3
+
+    # best/ is a plain transformers model folder.
+    from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration.from_pretrained(pre / "best")
+    tok = AutoTokenizer.from_pretrained(pre / "best")
+    out = model.generate(**tok(["the cat runs"], return_tensors="pt"), max_new_tokens=8)
+    assert out.shape[0] == 1 and out.shape[1] > 1
+
+    proc = run_cli("train", "--is_finetune=True", f"--init_from={pre / 'best'}", f"--train_file={sft_train}",
+                   f"--eval_file={sft_eval}", f"--output_dir={sft}", "--max_steps=20", "--eval_steps=10",
+                   "--save_steps=10", "--learn_rate=3e-3", *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "frozen encoder" in proc.stdout
+    before, after = weights(pre / "best"), weights(sft / "final")
+    for key in before:
+        if key.startswith(("encoder.", "shared.")):
+            assert torch.equal(before[key], after[key]), key
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
+    assert sorted(p.name for p in (pre / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        "step_000020", "step_000040"]  # SFT wrote nothing into the pretraining run
+
+    proc = run_cli("train", "--is_finetune=True", f"--init_from={pre / 'best'}", f"--train_file={sft_train}",
+                   f"--eval_file={sft_eval}", f"--output_dir={sft}", "--max_steps=30", "--eval_steps=10",
+                   "--save_steps=10", "--learn_rate=3e-3", "--is_keep_training=True", *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step_000020" in proc.stdout
+    steps = [r["step"] for r in metrics(sft) if r["event"] == "train"]
+    assert steps[-1] == 30 and 25 in steps
+
+    proc = run_cli("generate", f"--init_from={sft / 'best'}", "--prompt=the dog jumps", f"--eval_file={sft_eval}")
+    assert proc.returncode == 0 and "the dog jumps  ->" in proc.stdout
+
+
+def test_kill_and_resume_gives_bit_identical_weights(tmp_path):
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(600, seed=5))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=6))
+    common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=12", "--save_steps=3",
+              "--eval_steps=6", "--shuffle_buffer_size=64", *SMALL]
+    proc = run_cli("train", f"--output_dir={tmp_path / 'straight'}", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    child = subprocess.Popen([sys.executable, str(REPO / "train_low_mem.py"), "train", f"--output_dir={killed}",
+                              *common], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (latest.exists() and latest.read_text() >= "step_000006"):
+        time.sleep(0.02)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert latest.exists()
+    proc = run_cli("train", f"--output_dir={killed}", "--is_keep_training=True", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = weights(tmp_path / "straight" / "final"), weights(killed / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    loss = {r["step"]: r["loss"] for r in metrics(tmp_path / "straight") if r["event"] == "train"}
+    resumed = {r["step"]: r["loss"] for r in metrics(killed) if r["event"] == "train"}
+    assert loss[12] == resumed[12]
+
+
+def test_peak_rss_does_not_grow_with_corpus_size(tmp_path):
+    base = synthetic_rows(10_000, seed=7)  # ~1 MB
+    small = write_rows(tmp_path / "small.jsonl", base)
+    large = tmp_path / "large.jsonl"
+    with open(large, "w", encoding="utf-8") as fh:  # 50x larger, written without holding it in memory
+        for _ in range(50):
+            fh.writelines(json.dumps(r) + "\n" for r in base)
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8))
+    peaks = {}
+    for name, corpus in (("small", small), ("large", large)):
+        out = tmp_path / name
+        proc = run_cli("train", f"--train_file={corpus}", f"--eval_file={evals}", f"--output_dir={out}",
+                       "--max_steps=30", "--eval_steps=0", "--save_steps=0", "--shuffle_buffer_size=1000", *SMALL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        peaks[name] = [r for r in metrics(out) if r["event"] == "memory" and r["where"] == "end"][-1]["peak_rss_mb"]
+    assert large.stat().st_size > 50 * small.stat().st_size * 0.99
+    assert peaks["large"] - peaks["small"] < 64, peaks
