@@ -106,6 +106,9 @@ class TrainConfig:
     prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.")
     max_new_tokens: int = _f(64, "Longest generated answer (generate).")
 
+    dump_consumed: bool = _f(False, "Append every consumed training example (epoch, rank, file, row) to "
+                                    "OUTPUT_DIR/consumed-rank{R}.tsv; kept exact across kills and resumes.")
+
     debug: bool = _f(False, "Show full tracebacks instead of one-line errors.")
 
     # ---------------------------------------------------------------- resolution

@@ -24,7 +24,7 @@ from config import SHIPPED_CORPORA, UserError, help_text, load_config  # noqa: E
 
 def train(config: str | None = None, **flags) -> dict:
     """Pretrain (default) or fine-tune (--is_finetune=True); resume with --is_keep_training=True."""
-    from trainer_low_mem import LowMemTrainer
+    from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
     cfg, notes = load_config(flags, config)
     trainer = LowMemTrainer(cfg)
@@ -33,6 +33,8 @@ def train(config: str | None = None, **flags) -> dict:
     try:
         result = trainer.setup().train()
         return result if trainer.main else None  # one summary, not one per process
+    except StoppedBySignal:
+        return None  # checkpoint written and the resume command printed: a clean exit
     finally:
         trainer.close()
 

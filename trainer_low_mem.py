@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,7 +30,7 @@ from data.stream import ExampleStream, batched, take_examples
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
 from lowmem.memory import free_memory, memory_snapshot
-from lowmem.metrics import MetricsLog, train_line
+from lowmem.metrics import AppendLog, MetricsLog, train_line
 from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part of this module's API)
     build_model,
     build_optimizer,
@@ -40,6 +41,10 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
     steps_per_epoch,
     token_loss_sum,
 )
+
+
+class StoppedBySignal(Exception):
+    """Raised after the checkpoint written on SIGTERM / SIGINT; the CLI exits cleanly."""
 
 
 @dataclass
@@ -72,6 +77,8 @@ class LowMemTrainer:
         self.state = TrainState()
         self.out = Path(cfg.output_dir)
         self.metrics: MetricsLog | None = None
+        self.consumed = None
+        self.stop_signal = None
         self.bar = None
 
     # ------------------------------------------------------------------ setup
@@ -83,12 +90,13 @@ class LowMemTrainer:
         columns = (cfg.prompt_column, cfg.response_column)
         check_columns(self.train_files, columns, "--train_file")
         check_columns(self.eval_files, columns, "--eval_file")
-        resume_dir = self._check_output_dir()
         if cfg.is_finetune and self.model is None:
             if not (Path(cfg.init_from) / "config.json").is_file():
                 raise UserError(f"--init_from={cfg.init_from} is not a model folder (no config.json); "
                                 "pretrain first (python train_low_mem.py train) or point --init_from at best/")
         self._start_accelerator()
+        resume_dir = self._prepare_output_dir()
+        self._open_run_files()
         self.log_memory("start")
         if self.tokenizer is None:
             self.tokenizer = self._load_or_train_tokenizer()
@@ -133,7 +141,7 @@ class LowMemTrainer:
         columns = (cfg.prompt_column, cfg.response_column)
         check_columns(self.eval_files, columns, "--eval_file")
         self.model = load_model(model_dir)
-        self._start_accelerator(run_files=False)
+        self._start_accelerator()
         if self.tokenizer is None:
             from data.tokenization import load_tokenizer
 
@@ -157,7 +165,7 @@ class LowMemTrainer:
             answers.extend(self.tokenizer.batch_decode(out, skip_special_tokens=True))
         return answers
 
-    def _start_accelerator(self, run_files: bool = True) -> None:
+    def _start_accelerator(self) -> None:
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -171,42 +179,58 @@ class LowMemTrainer:
         self.main = self.accelerator.is_main_process
         set_seed(cfg.seed)
         self.start_time = time.time()
-        if self.main and run_files:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1), encoding="utf-8")
-            self.metrics = MetricsLog(self.out / "metrics.jsonl")
 
-    def _check_output_dir(self) -> Path | None:
-        """Fail early on a run folder that is not writable, already used, or has nothing to resume."""
+    def _open_run_files(self) -> None:
+        """config.json and metrics.jsonl (main process), the consumed-examples log (every process)."""
+        if self.main:
+            (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1), encoding="utf-8")
+            self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.consumed = None
+        if self.cfg.dump_consumed:
+            self.consumed = AppendLog(self.out / f"consumed-rank{self.rank}.tsv")
+
+    def _prepare_output_dir(self) -> Path | None:
+        """Check the run folder and return the checkpoint to resume from (None: start at step 0).
+
+        Fails early on a folder that is not writable, already holds a run, or has nothing to
+        resume. Old run files are removed by the main process only.
+        """
         cfg, root = self.cfg, self.out / "checkpoints"
         if cfg.is_finetune and cfg.init_from and self.out.resolve() in Path(cfg.init_from).resolve().parents:
             raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: SFT must not "
                             "write into the pretraining run; choose another --output_dir")
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            probe = self.out / ".write-test"
+            probe = self.out / f".write-test-{self.rank}"
             probe.write_text("ok")
             probe.unlink()
         except OSError as err:
             raise UserError(f"--output_dir={cfg.output_dir} is not writable ({err.strerror})") from None
+        run_files = [root, self.out / "best", self.out / "final", self.out / "metrics.jsonl",
+                     *self.out.glob("consumed-rank*.tsv")]
+        used = [p for p in run_files if p.exists()]
         if cfg.is_keep_training:
             if cfg.resume_from:
                 problem = checkpoint.validate(Path(cfg.resume_from))
                 if problem:
                     raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")
                 return Path(cfg.resume_from)
-            found = checkpoint.find_latest_valid(root)
-            if found is None:
-                raise UserError(f"--is_keep_training: no valid checkpoint in {root}; "
-                                "run without --is_keep_training to start a new run")
-            return found
-        used = [p for p in (root, self.out / "best", self.out / "final", self.out / "metrics.jsonl") if p.exists()]
-        if used and not cfg.overwrite_output_dir:
+            found = checkpoint.find_latest_valid(root, warn=self.say)
+            if found is not None:
+                return found
+            if not (self.out / "config.json").is_file():
+                raise UserError(f"--is_keep_training: no run to continue in {cfg.output_dir} (no checkpoint); "
+                                "run without --is_keep_training to start one")
+            # The run was stopped before its first checkpoint: the same seed replays it exactly.
+            self.say(f"no checkpoint yet in {root}: starting the run again from step 0")
+        elif used and not cfg.overwrite_output_dir:
             raise UserError(f"--output_dir={cfg.output_dir} already holds a run; continue it with "
                             "--is_keep_training=True, start over with --overwrite_output_dir=True, "
                             "or choose another --output_dir")
-        for path in used:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if self.main:
+            for path in used:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.accelerator.wait_for_everyone()
         return None
 
     def _load_or_train_tokenizer(self):
@@ -248,6 +272,7 @@ class LowMemTrainer:
     def train(self) -> dict:
         """Run optimizer steps until ``max_steps`` or the last epoch; evaluate and export at the end."""
         cfg, state = self.cfg, self.state
+        self._install_signal_handlers()
         self._set_train_mode()
         self.bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
                         disable=not (self.main and self._tty()), dynamic_ncols=True)
@@ -259,16 +284,21 @@ class LowMemTrainer:
             windows = batched(batched(self.stream.iter_epoch(), cfg.batch_size), cfg.gradient_accumulation_steps)
             stepped = False
             while not self._finished():
-                window = [self.collator(mb) for mb in next(windows, [])]
+                epoch = self.stream.epoch  # before drawing: the last window of an epoch moves it on
+                examples = next(windows, [])
+                window = [self.collator(mb) for mb in examples]
                 counts = self.window_counts(window)
                 if not counts["examples"]:
                     break  # every process has finished this epoch
                 self.train_step(window or [self._empty_batch()], counts)
+                self.log_consumed(examples, epoch)
                 stepped = True
                 self.maybe_log()
                 self.maybe_gc()
                 self.maybe_eval()
                 self.maybe_save()
+                if counts["stop"]:
+                    self.stop_for_signal()
             if not stepped and not self._finished():
                 raise UserError(f"--train_file={cfg.train_file} yields no usable rows "
                                 f"(skipped: {dict(self.stream.skipped) or 'none'})")
@@ -290,16 +320,17 @@ class LowMemTrainer:
         """Target tokens and examples of one accumulation window: local, and summed over processes.
 
         Counted on host tensors (no device sync); one small all-reduce when there are several
-        processes, which is also how every process learns whether any of them still has data.
+        processes, which is also how every process learns whether any of them still has data and
+        whether any of them was asked to stop (SIGTERM / SIGINT).
         """
         local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
-                              sum(mb["labels"].shape[0] for mb in window)])
+                              sum(mb["labels"].shape[0] for mb in window), int(self.stop_signal is not None)])
         total = local
         if self.world > 1:
             total = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu()
         source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
         return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
-                "tokens": int(total[0]), "examples": int(total[1])}
+                "tokens": int(total[0]), "examples": int(total[1]), "stop": int(total[2]) > 0}
 
     def _empty_batch(self) -> dict:
         """A micro-batch with no target tokens, for a process whose share of the epoch ran out
@@ -355,6 +386,32 @@ class LowMemTrainer:
         pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"
         return {k: (v.pin_memory() if pin else v).to(self.accelerator.device, non_blocking=pin)
                 for k, v in batch.items()}
+
+    def log_consumed(self, examples: list[list], epoch: int) -> None:
+        """With --dump_consumed: one line per example of this step (epoch, rank, file, row)."""
+        if self.consumed is not None:
+            self.consumed.write("".join(f"{epoch}\t{self.rank}\t{self.train_files[e.file_index]}\t{e.row}\n"
+                                        for micro in examples for e in micro))
+
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM / SIGINT: finish the current optimizer step, checkpoint, exit cleanly."""
+        self.stop_signal = None
+
+        def request_stop(signum, _frame):
+            if self.stop_signal is not None:  # a second signal: stop now
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum).name
+            self.say(f"{self.stop_signal} received: finishing this optimizer step, then saving a checkpoint")
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, request_stop)
+
+    def stop_for_signal(self) -> None:
+        folder = self.save_checkpoint()
+        self.bar.close()
+        self.say(f"stopped at step {self.state.step}; checkpoint {folder}. Continue with the same command "
+                 "plus --is_keep_training=True")
+        raise StoppedBySignal(self.state.step)
 
     # ------------------------------------------------------------------ hooks
     def maybe_log(self, force: bool = False) -> None:
@@ -487,7 +544,8 @@ class LowMemTrainer:
                 torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
                 torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
                 (tmp / "trainer_state.json").write_text(json.dumps(self.state.state_dict(), indent=1))
-                (tmp / "run_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+                run_config = {**self.cfg.to_dict(), "tokenizer_size": len(self.tokenizer)}
+                (tmp / "run_config.json").write_text(json.dumps(run_config, indent=1))
                 for rank, process_state in enumerate(process_states):
                     torch.save(process_state, tmp / f"process_{rank}.pt")
             checkpoint.write_text_atomic(root / checkpoint.LATEST, folder.name)
@@ -497,18 +555,19 @@ class LowMemTrainer:
         return folder
 
     def _process_state(self) -> dict:
+        offsets = {}  # logs are cut back to these on resume, so they match an uninterrupted run
+        if self.consumed is not None:
+            offsets["consumed"] = self.consumed.tell(sync=True)
+        if self.metrics is not None:
+            offsets["metrics"] = self.metrics.tell()
         return {"rank": self.rank, "world_size": self.world, "rng": checkpoint.rng_state(),
-                "data": self.stream.state_dict()}
+                "data": self.stream.state_dict(), "log_offsets": offsets}
 
     def load_checkpoint(self, folder: Path) -> None:
         """Restore weights, optimizer, scheduler, counters, RNG and this process's data position."""
         from safetensors.torch import load_model
 
-        saved_cfg = json.loads((folder / "run_config.json").read_text())
-        for key in ("model_preset", "is_finetune"):
-            if saved_cfg.get(key) != getattr(self.cfg, key):
-                raise UserError(f"checkpoint {folder} was written with --{key}={saved_cfg.get(key)}; "
-                                f"resume with the same value or start a new --output_dir")
+        self._compare_settings(json.loads((folder / "run_config.json").read_text()), folder)
         load_model(self.core, str(folder / "model.safetensors"))
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
@@ -519,8 +578,27 @@ class LowMemTrainer:
                             f"resume with the same number (this run has {self.world})")
         self.stream.load_state_dict(process_state["data"])
         checkpoint.set_rng_state(process_state["rng"])
+        offsets = process_state.get("log_offsets", {})
+        if self.consumed is not None:
+            self.consumed.truncate(offsets.get("consumed", 0))  # drop lines of steps after the checkpoint
+        if self.metrics is not None and "metrics" in offsets:
+            self.metrics.truncate(offsets["metrics"])
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.stream.epoch})")
         self.record("resume", path=str(folder))
+
+    SHAPE_SETTINGS = ("model_preset", "is_finetune", "tokenizer_size")
+    RUN_ONLY = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
+
+    def _compare_settings(self, saved: dict, folder: Path) -> None:
+        """Refuse a resume whose model shape or tokenizer differ; say which value wins for the rest."""
+        current = {**self.cfg.to_dict(), "tokenizer_size": len(self.tokenizer)}
+        for key in self.SHAPE_SETTINGS:
+            if key in saved and saved[key] != current[key]:
+                raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "
+                                f"{current[key]}; resume with the same model and tokenizer, or use a new --output_dir")
+        for key, value in current.items():
+            if key not in self.SHAPE_SETTINGS + self.RUN_ONLY and key in saved and saved[key] != value:
+                self.say(f"resume: --{key} was {saved[key]!r} in the checkpoint; using {value!r} from this command")
 
     # ------------------------------------------------------------------ logging
     def elapsed(self) -> float:
@@ -544,6 +622,7 @@ class LowMemTrainer:
         return sys.stderr.isatty()
 
     def close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
+        for log in (self.metrics, self.consumed):
+            if log is not None:
+                log.close()
+        self.metrics = self.consumed = None

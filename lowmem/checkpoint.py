@@ -102,13 +102,12 @@ def step_folders(root: Path) -> list[Path]:
 
 
 def find_latest_valid(root: Path, warn=print) -> Path | None:
-    """The checkpoint named by ``latest`` if valid, else the newest valid one (with a warning)."""
-    candidates = step_folders(root)
-    pointer = Path(root) / LATEST
-    if pointer.is_file():
-        named = Path(root) / pointer.read_text(encoding="utf-8").strip()
-        candidates = [named] + [c for c in candidates if c != named]
-    for folder in candidates:
+    """The newest complete checkpoint; incomplete or damaged ones are skipped with a warning.
+
+    A folder is renamed into place only once complete, so the newest valid one is at least as new
+    as the one ``latest`` names (which lags when a run is killed between the rename and the pointer).
+    """
+    for folder in step_folders(root):
         problem = validate(folder)
         if problem is None:
             return folder

@@ -1,28 +1,53 @@
-"""``metrics.jsonl`` (one JSON object per line, appended, flushed each line) and the log line."""
+"""Append-only logs: ``metrics.jsonl`` (one JSON object per line) and the consumed-examples log.
+
+Both are written in binary append mode so their byte offsets are exact: a checkpoint records them and
+a resume cuts each log back to that length, which makes the logs of a killed and resumed run equal
+those of an uninterrupted one.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 
-class MetricsLog:
-    """Append-only JSON-lines log. Only the main process should create one."""
+class AppendLog:
+    """A text log appended line by line and flushed after every write."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh = open(self.path, "ab")
 
-    def write(self, event: str, step: int, **fields) -> dict:
-        record = {"event": event, "step": step, "time": round(time.time(), 3), **fields}
-        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+    def write(self, text: str) -> None:
+        self._fh.write(text.encode("utf-8"))
         self._fh.flush()
-        return record
+
+    def tell(self, sync: bool = False) -> int:
+        """Current length in bytes; with ``sync`` the content is on disk first."""
+        self._fh.flush()
+        if sync:
+            os.fsync(self._fh.fileno())
+        return self._fh.tell()
+
+    def truncate(self, size: int) -> None:
+        """Cut the log back to ``size`` bytes (on resume: forget what came after the checkpoint)."""
+        self._fh.flush()
+        self._fh.truncate(size)
 
     def close(self) -> None:
         self._fh.close()
+
+
+class MetricsLog(AppendLog):
+    """``metrics.jsonl``. Only the main process creates one."""
+
+    def write(self, event: str, step: int, **fields) -> dict:  # noqa: D102
+        record = {"event": event, "step": step, "time": round(time.time(), 3), **fields}
+        super().write(json.dumps(record, ensure_ascii=False) + "\n")
+        return record
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -1,0 +1,128 @@
+"""Exact, crash-safe resume: kills at random moments, SIGTERM, damaged checkpoints, consumed logs."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from safetensors.torch import load_file
+
+from lowmem import checkpoint
+
+SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=1"]
+
+
+def launch(args: list[str], log: Path) -> subprocess.Popen:
+    """Start a training process whose output goes to ``log`` (a pipe nobody reads could block it)."""
+    with open(log, "w") as fh:
+        return subprocess.Popen([sys.executable, str(REPO / "train_low_mem.py"), "train", *args], cwd=REPO,
+                                stdout=fh, stderr=subprocess.STDOUT, text=True)
+
+
+def train_losses(run: Path) -> dict[int, float]:
+    records = [r for r in metrics(run) if r["event"] == "train"]
+    steps = [r["step"] for r in records]
+    assert len(steps) == len(set(steps)), "a step was logged twice: the log was not cut back on resume"
+    return {r["step"]: r["loss"] for r in records}
+
+
+@pytest.mark.slow
+def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
+    train = write_rows(tmp_path / "a.jsonl", synthetic_rows(300, seed=5))
+    train2 = write_rows(tmp_path / "b.parquet", synthetic_rows(211, seed=8))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=6))
+    common = [f"--train_file={train},{train2}", f"--eval_file={evals}", "--epochs=2", "--save_steps=3",
+              "--eval_steps=10", "--shuffle_buffer_size=64", "--gradient_accumulation_steps=16",
+              "--dump_consumed=True", *SMALL]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    proc = run_cli("train", f"--output_dir={straight}", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    rng = random.Random(0)
+    args = [f"--output_dir={broken}", *common]
+    logs = [tmp_path / f"launch{i}.log" for i in range(7)]
+    child = launch(args, logs[0])
+    time.sleep(5)  # before any checkpoint exists: resume starts the run again from step 0
+    child.kill()
+    child.wait()
+    for attempt in range(5):
+        started = time.time()
+        child = launch([*args, "--is_keep_training=True"], logs[attempt + 1])
+        if attempt == 2:  # SIGTERM: finish the step, checkpoint, exit cleanly
+            while not any(r["event"] == "train" and r["time"] > started + 1 for r in _safe_metrics(broken)):
+                time.sleep(0.05)
+            child.send_signal(signal.SIGTERM)
+            assert child.wait(timeout=120) == 0, logs[attempt + 1].read_text()[-2000:]
+            assert "plus --is_keep_training=True" in logs[attempt + 1].read_text()
+            continue
+        time.sleep(rng.uniform(7, 12))
+        child.kill()
+        child.wait()
+        if attempt == 3:  # damage the newest checkpoint: resume must fall back to the one before
+            newest = checkpoint.step_folders(broken / "checkpoints")[0]
+            with open(newest / "optimizer.pt", "r+b") as fh:
+                fh.truncate(10)
+    proc = run_cli("train", *args, "--is_keep_training=True")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outputs = [log.read_text() for log in logs[1:6]] + [proc.stdout]
+    assert "starting the run again from step 0" in outputs[0]
+    assert sum("resumed from" in out for out in outputs) >= 3
+    assert "skipping checkpoint" in outputs[4] + outputs[5]  # the damaged one was passed over
+
+    a = load_file(str(straight / "final" / "model.safetensors"))
+    b = load_file(str(broken / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert train_losses(straight) == train_losses(broken)
+
+    # Every example exactly once per epoch, in both runs, with the same order.
+    rows = {(str(train), i) for i in range(300)} | {(str(train2), i) for i in range(211)}
+    for run in (straight, broken):
+        lines = [ln.split("\t") for ln in (run / "consumed-rank0.tsv").read_text().splitlines()]
+        for epoch in ("0", "1"):
+            seen = Counter((f, int(r)) for e, _, f, r in lines if e == epoch)
+            assert set(seen) == rows and max(seen.values()) == 1
+    assert (straight / "consumed-rank0.tsv").read_text() == (broken / "consumed-rank0.tsv").read_text()
+
+
+def _safe_metrics(run: Path) -> list[dict]:
+    try:
+        return metrics(run)
+    except (FileNotFoundError, ValueError):  # not written yet, or a line being written
+        return []
+
+
+def test_damaged_checkpoints_are_skipped(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        with checkpoint.atomic_folder(root / f"step_{step:06d}") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"x" * 100)
+    (root / "step_000006" / "model.safetensors").write_bytes(b"x" * 10)  # truncated
+    (root / "step_000004" / checkpoint.MANIFEST).unlink()  # write never finished
+    (root / ".tmp-step_000008").mkdir()  # killed mid-write
+    warnings = []
+    assert checkpoint.find_latest_valid(root, warn=warnings.append) == root / "step_000002"
+    assert "truncated model.safetensors" in warnings[0] and "no manifest" in warnings[1]
+
+
+def test_failed_write_leaves_previous_checkpoint(tmp_path):
+    final = tmp_path / "best"
+    with checkpoint.atomic_folder(final) as tmp:
+        (tmp / "a.txt").write_text("old")
+    with pytest.raises(OSError), checkpoint.atomic_folder(final) as tmp:
+        (tmp / "a.txt").write_text("new")
+        raise OSError(28, "No space left on device")
+    assert (final / "a.txt").read_text() == "old" and checkpoint.validate(final) is None
+    assert not (tmp_path / ".tmp-best").exists()
+
+
+def test_keep_training_without_a_run_is_a_clear_error(tmp_path):
+    proc = run_cli("train", f"--output_dir={tmp_path / 'nothing'}", "--is_keep_training=True")
+    assert proc.returncode == 2 and "no run to continue" in proc.stderr
