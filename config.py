@@ -25,6 +25,8 @@ SHIPPED_CORPORA = {
     "sft": (SHIPPED_DATA_DIR / "chatterbot" / "train.jsonl", SHIPPED_DATA_DIR / "chatterbot" / "eval.jsonl"),
 }
 
+STARTED_MARKER = ".started"  # left in an output folder as soon as a run begins there
+
 # The low-memory caps, kept in one place. A request above a cap is lowered with a log line.
 LOW_MEMORY_CAPS = {"batch_size": 2, "eval_batch_size": 4}
 

@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 # Air-gapped by design: nothing is ever fetched from a model or data hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own bars and log lines say enough
 
-from config import SHIPPED_CORPORA, UserError, help_text, load_config  # noqa: E402
+from config import SHIPPED_CORPORA, STARTED_MARKER, UserError, help_text, load_config  # noqa: E402
 
 
 def train(config: str | None = None, **flags) -> dict:
     """Pretrain (default) or fine-tune (--is_finetune=True); resume with --is_keep_training=True."""
+    cfg, notes = load_config(flags, config)
+    mark_run_started(cfg)  # before the heavy imports below: a run killed this early can still be continued
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
-    cfg, notes = load_config(flags, config)
     trainer = LowMemTrainer(cfg)
     for note in notes:
         trainer.say(note)
@@ -37,6 +39,17 @@ def train(config: str | None = None, **flags) -> dict:
         return None  # checkpoint written and the resume command printed: a clean exit
     finally:
         trainer.close()
+
+
+def mark_run_started(cfg) -> None:
+    """Leave OUTPUT_DIR/.started so ``--is_keep_training`` knows a run began there."""
+    if cfg.is_keep_training:
+        return
+    try:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.output_dir) / STARTED_MARKER).touch()
+    except OSError:
+        pass  # the trainer's own check reports an unwritable folder with a clear message
 
 
 def evaluate(config: str | None = None, **flags) -> dict:

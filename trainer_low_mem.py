@@ -11,9 +11,9 @@ Lifecycle: ``setup()`` (seed, accelerator, tokenizer, model, optimizer, schedule
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import shutil
 import signal
 import sys
 import time
@@ -41,6 +41,7 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
     steps_per_epoch,
     token_loss_sum,
 )
+from lowmem.run_folder import RunFolder
 
 
 class StoppedBySignal(Exception):
@@ -76,6 +77,7 @@ class LowMemTrainer:
         self.model = model
         self.state = TrainState()
         self.out = Path(cfg.output_dir)
+        self.folder = RunFolder(self.out)
         self.metrics: MetricsLog | None = None
         self.consumed = None
         self.stop_signal = None
@@ -95,13 +97,17 @@ class LowMemTrainer:
                 raise UserError(f"--init_from={cfg.init_from} is not a model folder (no config.json); "
                                 "pretrain first (python train_low_mem.py train) or point --init_from at best/")
         self._start_accelerator()
-        resume_dir = self._prepare_output_dir()
+        resume_dir, old_files = self.folder.check(cfg, self.rank, say=self.say)
+        if self.main:
+            self.folder.remove(old_files)
+        self.accelerator.wait_for_everyone()
         self._open_run_files()
         self.log_memory("start")
         if self.tokenizer is None:
             self.tokenizer = self._load_or_train_tokenizer()
         if self.model is None:
-            self.model = load_model(cfg.init_from) if cfg.is_finetune else build_model(cfg, self.tokenizer)
+            self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
+                          else build_model(cfg, self.tokenizer))
         if self.model.config.vocab_size != len(self.tokenizer):
             raise UserError(f"model vocabulary ({self.model.config.vocab_size}) does not match the tokenizer "
                             f"({len(self.tokenizer)}); pass the --tokenizer_dir the model was trained with")
@@ -188,50 +194,6 @@ class LowMemTrainer:
         self.consumed = None
         if self.cfg.dump_consumed:
             self.consumed = AppendLog(self.out / f"consumed-rank{self.rank}.tsv")
-
-    def _prepare_output_dir(self) -> Path | None:
-        """Check the run folder and return the checkpoint to resume from (None: start at step 0).
-
-        Fails early on a folder that is not writable, already holds a run, or has nothing to
-        resume. Old run files are removed by the main process only.
-        """
-        cfg, root = self.cfg, self.out / "checkpoints"
-        if cfg.is_finetune and cfg.init_from and self.out.resolve() in Path(cfg.init_from).resolve().parents:
-            raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: SFT must not "
-                            "write into the pretraining run; choose another --output_dir")
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-            probe = self.out / f".write-test-{self.rank}"
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as err:
-            raise UserError(f"--output_dir={cfg.output_dir} is not writable ({err.strerror})") from None
-        run_files = [root, self.out / "best", self.out / "final", self.out / "metrics.jsonl",
-                     *self.out.glob("consumed-rank*.tsv")]
-        used = [p for p in run_files if p.exists()]
-        if cfg.is_keep_training:
-            if cfg.resume_from:
-                problem = checkpoint.validate(Path(cfg.resume_from))
-                if problem:
-                    raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")
-                return Path(cfg.resume_from)
-            found = checkpoint.find_latest_valid(root, warn=self.say)
-            if found is not None:
-                return found
-            if not (self.out / "config.json").is_file():
-                raise UserError(f"--is_keep_training: no run to continue in {cfg.output_dir} (no checkpoint); "
-                                "run without --is_keep_training to start one")
-            # The run was stopped before its first checkpoint: the same seed replays it exactly.
-            self.say(f"no checkpoint yet in {root}: starting the run again from step 0")
-        elif used and not cfg.overwrite_output_dir:
-            raise UserError(f"--output_dir={cfg.output_dir} already holds a run; continue it with "
-                            "--is_keep_training=True, start over with --overwrite_output_dir=True, "
-                            "or choose another --output_dir")
-        if self.main:
-            for path in used:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        self.accelerator.wait_for_everyone()
-        return None
 
     def _load_or_train_tokenizer(self):
         from data.tokenization import load_tokenizer, train_tokenizer
@@ -519,37 +481,22 @@ class LowMemTrainer:
 
     # ------------------------------------------------------------------ checkpoints and exports
     def export(self, folder: Path) -> None:
-        """A plain transformers model folder: safetensors weights, config, generation config, tokenizer."""
         self.accelerator.wait_for_everyone()
         if self.main:
-            with checkpoint.atomic_folder(folder) as tmp:
-                self.core.save_pretrained(tmp, safe_serialization=True)
-                self.tokenizer.save_pretrained(tmp)
-                (tmp / "training_info.json").write_text(json.dumps(
-                    {"step": self.state.step, "kind": self.cfg.kind, **self.state.state_dict()}, indent=1))
+            self.folder.export(folder, self.core, self.tokenizer, {"kind": self.cfg.kind, **self.state.state_dict()})
         self.accelerator.wait_for_everyone()
 
     def save_checkpoint(self) -> Path:
-        """Everything the run depends on, written atomically; then ``latest`` moves to it."""
+        """Model, optimizer, scheduler, counters, and every process's RNG, data position and log offsets."""
         from accelerate.utils import gather_object
-        from safetensors.torch import save_model
 
-        root = self.out / "checkpoints"
-        folder = root / f"{checkpoint.PREFIX}{self.state.step:06d}"
         self.state.elapsed_s = self.elapsed()
         process_states = gather_object([self._process_state()])  # small: RNG + data position per rank
+        folder = self.out / "checkpoints" / f"{checkpoint.PREFIX}{self.state.step:06d}"
         if self.main:
-            with checkpoint.atomic_folder(folder) as tmp:
-                save_model(self.core, str(tmp / "model.safetensors"))
-                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-                torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-                (tmp / "trainer_state.json").write_text(json.dumps(self.state.state_dict(), indent=1))
-                run_config = {**self.cfg.to_dict(), "tokenizer_size": len(self.tokenizer)}
-                (tmp / "run_config.json").write_text(json.dumps(run_config, indent=1))
-                for rank, process_state in enumerate(process_states):
-                    torch.save(process_state, tmp / f"process_{rank}.pt")
-            checkpoint.write_text_atomic(root / checkpoint.LATEST, folder.name)
-            checkpoint.prune(root, self.cfg.save_total_limit, protect=folder)
+            folder = self.folder.write_checkpoint(self.state.step, self.core, self.optimizer, self.scheduler,
+                                                  self.state.state_dict(), self._run_config(), process_states,
+                                                  keep=self.cfg.save_total_limit)
             self.record("checkpoint", path=str(folder))
         self.accelerator.wait_for_everyone()
         return folder
@@ -565,40 +512,24 @@ class LowMemTrainer:
 
     def load_checkpoint(self, folder: Path) -> None:
         """Restore weights, optimizer, scheduler, counters, RNG and this process's data position."""
-        from safetensors.torch import load_model
-
-        self._compare_settings(json.loads((folder / "run_config.json").read_text()), folder)
-        load_model(self.core, str(folder / "model.safetensors"))
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
-        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
-        self.state.load_state_dict(json.loads((folder / "trainer_state.json").read_text()))
-        process_state = torch.load(folder / f"process_{self.rank}.pt", weights_only=False)
-        if process_state["world_size"] != self.world:
-            raise UserError(f"checkpoint {folder} was written by {process_state['world_size']} processes; "
-                            f"resume with the same number (this run has {self.world})")
+        trainer_state, process_state = self.folder.read_checkpoint(
+            folder, self.core, self.optimizer, self.scheduler, self._run_config(), self.rank, self.world, self.say)
+        self.state.load_state_dict(trainer_state)
         self.stream.load_state_dict(process_state["data"])
         checkpoint.set_rng_state(process_state["rng"])
-        offsets = process_state.get("log_offsets", {})
+        offsets = process_state["log_offsets"]  # drop log lines of steps after the checkpoint
         if self.consumed is not None:
-            self.consumed.truncate(offsets.get("consumed", 0))  # drop lines of steps after the checkpoint
+            self.consumed.truncate(offsets.get("consumed", 0))
         if self.metrics is not None and "metrics" in offsets:
             self.metrics.truncate(offsets["metrics"])
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.stream.epoch})")
         self.record("resume", path=str(folder))
 
-    SHAPE_SETTINGS = ("model_preset", "is_finetune", "tokenizer_size")
-    RUN_ONLY = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
-
-    def _compare_settings(self, saved: dict, folder: Path) -> None:
-        """Refuse a resume whose model shape or tokenizer differ; say which value wins for the rest."""
-        current = {**self.cfg.to_dict(), "tokenizer_size": len(self.tokenizer)}
-        for key in self.SHAPE_SETTINGS:
-            if key in saved and saved[key] != current[key]:
-                raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "
-                                f"{current[key]}; resume with the same model and tokenizer, or use a new --output_dir")
-        for key, value in current.items():
-            if key not in self.SHAPE_SETTINGS + self.RUN_ONLY and key in saved and saved[key] != value:
-                self.say(f"resume: --{key} was {saved[key]!r} in the checkpoint; using {value!r} from this command")
+    def _run_config(self) -> dict:
+        """The options plus what identifies the tokenizer (checked on resume)."""
+        vocab = self.tokenizer.backend_tokenizer.to_str().encode("utf-8")
+        return {**self.cfg.to_dict(), "tokenizer_size": len(self.tokenizer),
+                "tokenizer_sha1": hashlib.sha1(vocab).hexdigest()}
 
     # ------------------------------------------------------------------ logging
     def elapsed(self) -> float:

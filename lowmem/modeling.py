@@ -26,14 +26,15 @@ def build_model(cfg: TrainConfig, tokenizer):
     return model
 
 
-def load_model(path: str | Path):
-    """Load a saved model folder (``save_pretrained`` layout)."""
+def load_model(path: str | Path, **config_overrides):
+    """Load a saved model folder (``save_pretrained`` layout); ``config_overrides`` such as
+    ``dropout_rate`` replace values of its saved config."""
     from transformers import T5ForConditionalGeneration
 
     if not (Path(path) / "config.json").is_file():
         raise UserError(f"--init_from={path} is not a model folder (no config.json); "
                         "point it at a run's best/ or final/ folder")
-    return T5ForConditionalGeneration.from_pretrained(str(path))
+    return T5ForConditionalGeneration.from_pretrained(str(path), **config_overrides)
 
 
 def freeze_for_sft(model) -> None:

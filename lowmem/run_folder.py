@@ -1,0 +1,142 @@
+"""The run folder on disk: the checks before a run starts, checkpoint files, and model exports.
+
+    OUTPUT_DIR/config.json, metrics.jsonl, consumed-rank{R}.tsv
+    OUTPUT_DIR/checkpoints/step_NNNNNN/   model.safetensors optimizer.pt scheduler.pt trainer_state.json
+                                          run_config.json process_{R}.pt manifest.json
+    OUTPUT_DIR/checkpoints/latest
+    OUTPUT_DIR/best/  OUTPUT_DIR/final/   save_pretrained folders
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from config import STARTED_MARKER, TrainConfig, UserError
+from lowmem import checkpoint
+
+# Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
+SHAPE_SETTINGS = ("model_preset", "is_finetune", "tokenizer_size", "tokenizer_sha1")
+RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
+
+
+class RunFolder:
+    """Files of one run. Writes happen on the main process; the trainer adds the barriers."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+
+    def run_files(self) -> list[Path]:
+        files = [self.checkpoints, self.path / "best", self.path / "final", self.path / "metrics.jsonl",
+                 *self.path.glob("consumed-rank*.tsv")]
+        return [p for p in files if p.exists()]
+
+    def check(self, cfg: TrainConfig, rank: int, say=print) -> tuple[Path | None, list[Path]]:
+        """Decide where the run starts, before anything heavy is built.
+
+        Returns:
+            The checkpoint to resume from (None: step 0) and the old run files to remove first.
+
+        Raises:
+            UserError: unwritable folder, a run already there, nothing to resume, SFT into pretraining.
+        """
+        if cfg.is_finetune and cfg.init_from and self.path.resolve() in Path(cfg.init_from).resolve().parents:
+            raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: SFT must not "
+                            "write into the pretraining run; choose another --output_dir")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".write-test-{rank}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            raise UserError(f"--output_dir={cfg.output_dir} is not writable ({err.strerror})") from None
+        used = self.run_files()
+        if not cfg.is_keep_training:
+            if used and not cfg.overwrite_output_dir:
+                raise UserError(f"--output_dir={cfg.output_dir} already holds a run; continue it with "
+                                "--is_keep_training=True, start over with --overwrite_output_dir=True, "
+                                "or choose another --output_dir")
+            return None, used
+        if cfg.resume_from:
+            problem = checkpoint.validate(Path(cfg.resume_from))
+            if problem:
+                raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")
+            return Path(cfg.resume_from), []
+        found = checkpoint.find_latest_valid(self.checkpoints, warn=say)
+        if found is not None:
+            return found, []
+        if not any((self.path / name).is_file() for name in ("config.json", STARTED_MARKER)):
+            raise UserError(f"--is_keep_training: no run to continue in {cfg.output_dir} (no checkpoint); "
+                            "run without --is_keep_training to start one")
+        # The run was stopped before its first checkpoint: the same seed replays it exactly.
+        say(f"no checkpoint yet in {self.checkpoints}: starting the run again from step 0")
+        return None, used
+
+    @staticmethod
+    def remove(paths: list[Path]) -> None:
+        for path in paths:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+    # ------------------------------------------------------------------ checkpoints
+    def write_checkpoint(self, step: int, model, optimizer, scheduler, trainer_state: dict, run_config: dict,
+                         process_states: list[dict], keep: int) -> Path:
+        """Everything the run depends on, written atomically; then ``latest`` moves to it."""
+        from safetensors.torch import save_model
+
+        folder = self.checkpoints / f"{checkpoint.PREFIX}{step:06d}"
+        with checkpoint.atomic_folder(folder) as tmp:
+            save_model(model, str(tmp / "model.safetensors"))
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+            (tmp / "run_config.json").write_text(json.dumps(run_config, indent=1))
+            for rank, process_state in enumerate(process_states):
+                torch.save(process_state, tmp / f"process_{rank}.pt")
+        checkpoint.write_text_atomic(self.checkpoints / checkpoint.LATEST, folder.name)
+        checkpoint.prune(self.checkpoints, keep, protect=folder)
+        return folder
+
+    @staticmethod
+    def read_checkpoint(folder: Path, model, optimizer, scheduler, run_config: dict, rank: int, world: int,
+                        say=print) -> tuple[dict, dict]:
+        """Load weights, optimizer and scheduler of ``folder`` in place.
+
+        Returns:
+            (trainer state, this process's state: RNG, data position, log offsets)
+        """
+        from safetensors.torch import load_model
+
+        compare_settings(json.loads((folder / "run_config.json").read_text()), run_config, folder, say)
+        saved_world = len(list(folder.glob("process_*.pt")))
+        if saved_world != world:
+            raise UserError(f"checkpoint {folder} was written by {saved_world} process(es); resume with the same "
+                            f"number (this run has {world})")
+        load_model(model, str(folder / "model.safetensors"))
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+        trainer_state = json.loads((folder / "trainer_state.json").read_text())
+        return trainer_state, torch.load(folder / f"process_{rank}.pt", weights_only=False)
+
+    # ------------------------------------------------------------------ exports
+    @staticmethod
+    def export(folder: Path, model, tokenizer, info: dict) -> None:
+        """A plain transformers model folder: safetensors weights, config, generation config, tokenizer."""
+        with checkpoint.atomic_folder(folder) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
+
+
+def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> None:
+    """Refuse a resume whose model shape or tokenizer differ; say which value wins for the others."""
+    for key in SHAPE_SETTINGS:
+        if key in saved and saved[key] != current[key]:
+            raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "
+                            f"{current[key]}; resume with the same model and tokenizer, or use a new --output_dir")
+    for key, value in current.items():
+        if key not in SHAPE_SETTINGS + RUN_ONLY_SETTINGS and key in saved and saved[key] != value:
+            say(f"resume: --{key} was {saved[key]!r} in the checkpoint; using {value!r} from this command")
