@@ -42,9 +42,14 @@ def train(config: str | None = None, **flags) -> dict:
 
 
 def mark_run_started(cfg) -> None:
-    """Leave OUTPUT_DIR/.started so ``--is_keep_training`` knows a run began there."""
+    """Leave OUTPUT_DIR/.started so ``--is_keep_training`` knows a run began there (once its data
+    paths resolve: a typo in them should not leave a run folder behind)."""
+    from data.sources import resolve_files  # light: datasets is imported only when reading
+
     if cfg.is_keep_training:
         return
+    resolve_files(cfg.train_file, "--train_file")
+    resolve_files(cfg.eval_file, "--eval_file")
     try:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.output_dir) / STARTED_MARKER).touch()

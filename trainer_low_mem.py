@@ -81,6 +81,7 @@ class LowMemTrainer:
         self.metrics: MetricsLog | None = None
         self.consumed = None
         self.stop_signal = None
+        self.resumed_interval = None
         self.bar = None
 
     # ------------------------------------------------------------------ setup
@@ -238,7 +239,7 @@ class LowMemTrainer:
         self._set_train_mode()
         self.bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
                         disable=not (self.main and self._tty()), dynamic_ncols=True)
-        self._reset_interval()
+        self._reset_interval(self.resumed_interval)
         if state.step == 0 and self.cfg.eval_steps:
             self.evaluate_and_keep_best()  # the baseline every later eval is compared with
         while not self._finished():
@@ -403,9 +404,10 @@ class LowMemTrainer:
                                     mem["rss_mb"]))
         self._reset_interval()
 
-    def _reset_interval(self) -> None:
-        self.interval = {"loss": torch.zeros((), device=self.accelerator.device), "tokens": 0, "all_tokens": 0,
-                         "steps": 0, "t0": time.time()}
+    def _reset_interval(self, saved: dict | None = None) -> None:
+        saved = saved or {"loss": 0.0, "tokens": 0, "all_tokens": 0, "steps": 0}
+        self.interval = {**saved, "loss": torch.tensor(saved["loss"], device=self.accelerator.device),
+                         "t0": time.time()}
 
     def maybe_gc(self) -> None:
         if self.state.step % self.cfg.gc_every_steps == 0:
@@ -507,8 +509,9 @@ class LowMemTrainer:
             offsets["consumed"] = self.consumed.tell(sync=True)
         if self.metrics is not None:
             offsets["metrics"] = self.metrics.tell()
+        interval = {k: float(v) if k == "loss" else v for k, v in self.interval.items() if k != "t0"}
         return {"rank": self.rank, "world_size": self.world, "rng": checkpoint.rng_state(),
-                "data": self.stream.state_dict(), "log_offsets": offsets}
+                "data": self.stream.state_dict(), "log_offsets": offsets, "interval": interval}
 
     def load_checkpoint(self, folder: Path) -> None:
         """Restore weights, optimizer, scheduler, counters, RNG and this process's data position."""
@@ -522,12 +525,16 @@ class LowMemTrainer:
             self.consumed.truncate(offsets.get("consumed", 0))
         if self.metrics is not None and "metrics" in offsets:
             self.metrics.truncate(offsets["metrics"])
+        # The steps since the last log line, so the next logged loss averages the same steps.
+        self.resumed_interval = process_state["interval"]
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.stream.epoch})")
         self.record("resume", path=str(folder))
 
     def _run_config(self) -> dict:
         """The options plus what identifies the tokenizer (checked on resume)."""
-        vocab = self.tokenizer.backend_tokenizer.to_str().encode("utf-8")
+        # The vocabulary, not the backend's JSON: that also holds the truncation / padding state
+        # left by the last call.
+        vocab = json.dumps(sorted(self.tokenizer.get_vocab().items()), ensure_ascii=False).encode("utf-8")
         return {**self.cfg.to_dict(), "tokenizer_size": len(self.tokenizer),
                 "tokenizer_sha1": hashlib.sha1(vocab).hexdigest()}
 

@@ -92,6 +92,7 @@ def test_kill_and_resume_gives_bit_identical_weights(tmp_path):
     latest = killed / "checkpoints" / "latest"
     deadline = time.time() + 300
     while time.time() < deadline and not (latest.exists() and latest.read_text() >= "step_000006"):
+        assert child.poll() is None, "training stopped before its checkpoint at step 6"
         time.sleep(0.02)
     child.send_signal(signal.SIGKILL)
     child.wait()

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from lowmem import checkpoint
 
-SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=1"]
+SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=2"]
 
 
 def launch(args: list[str], log: Path) -> subprocess.Popen:
@@ -58,6 +58,7 @@ def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
         child = launch([*args, "--is_keep_training=True"], logs[attempt + 1])
         if attempt == 2:  # SIGTERM: finish the step, checkpoint, exit cleanly
             while not any(r["event"] == "train" and r["time"] > started + 1 for r in _safe_metrics(broken)):
+                assert child.poll() is None and time.time() < started + 300, logs[attempt + 1].read_text()[-2000:]
                 time.sleep(0.05)
             child.send_signal(signal.SIGTERM)
             assert child.wait(timeout=120) == 0, logs[attempt + 1].read_text()[-2000:]
