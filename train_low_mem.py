@@ -25,6 +25,7 @@ from config import SHIPPED_CORPORA, STARTED_MARKER, UserError, help_text, load_c
 
 def train(config: str | None = None, **flags) -> dict:
     """Pretrain (default) or fine-tune (--is_finetune=True); resume with --is_keep_training=True."""
+    die_with_launcher()
     cfg, notes = load_config(flags, config)
     mark_run_started(cfg)  # before the heavy imports below: a run killed this early can still be continued
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
@@ -39,6 +40,24 @@ def train(config: str | None = None, **flags) -> dict:
         return None  # checkpoint written and the resume command printed: a clean exit
     finally:
         trainer.close()
+
+
+def die_with_launcher() -> None:
+    """Under ``accelerate launch`` / torchrun, die when the launcher dies.
+
+    torch's elastic agent starts each worker in a session of its own, so a SIGKILL of the launcher
+    (or of its process group) would leave the workers training and writing checkpoints into the run
+    folder, racing the run that resumes it. Linux only (prctl); elsewhere nothing changes.
+    """
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os._exit(1)
 
 
 def mark_run_started(cfg) -> None:

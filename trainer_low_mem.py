@@ -53,6 +53,7 @@ class TrainState:
     """Runtime counters saved in every checkpoint (never on the config)."""
 
     step: int = 0
+    epoch: int = 0  # epochs every process has finished
     examples: int = 0
     tokens: int = 0
     best_metric: float | None = None
@@ -244,35 +245,47 @@ class LowMemTrainer:
             self.evaluate_and_keep_best()  # the baseline every later eval is compared with
         while not self._finished():
             free_memory()  # at each epoch start
-            windows = batched(batched(self.stream.iter_epoch(), cfg.batch_size), cfg.gradient_accumulation_steps)
-            stepped = False
-            while not self._finished():
+            windows = self._epoch_windows()
+            while True:
                 epoch = self.stream.epoch  # before drawing: the last window of an epoch moves it on
                 examples = next(windows, [])
                 window = [self.collator(mb) for mb in examples]
                 counts = self.window_counts(window)
                 if not counts["examples"]:
-                    break  # every process has finished this epoch
+                    state.epoch += 1  # every process has finished this epoch: all agree on the count
+                    break
                 self.train_step(window or [self._empty_batch()], counts)
                 self.log_consumed(examples, epoch)
-                stepped = True
                 self.maybe_log()
                 self.maybe_gc()
                 self.maybe_eval()
                 self.maybe_save()
                 if counts["stop"]:
                     self.stop_for_signal()
-            if not stepped and not self._finished():
+                if self._finished():
+                    break
+            if not state.examples:
                 raise UserError(f"--train_file={cfg.train_file} yields no usable rows "
                                 f"(skipped: {dict(self.stream.skipped) or 'none'})")
-            self.log_memory("epoch_end", epoch=self.stream.epoch)
+            self.log_memory("epoch_end", epoch=state.epoch)
         self.bar.close()
         return self.finish()
 
     def _finished(self) -> bool:
+        """The same answer on every process (a process's own stream may run out of an epoch first)."""
         if self.cfg.max_steps > 0:
             return self.state.step >= self.cfg.max_steps
-        return self.stream.epoch >= self.cfg.epochs
+        return self.state.epoch >= self.cfg.epochs
+
+    def _epoch_windows(self):
+        """This process's accumulation windows (lists of micro-batches of examples) for the epoch.
+
+        A process whose share ran out before the others' is already at the next epoch: until all
+        agree the epoch is over it has nothing more (it was checkpointed in that state, or is resuming).
+        """
+        if self.stream.epoch > self.state.epoch:
+            return iter(())
+        return batched(batched(self.stream.iter_epoch(), self.cfg.batch_size), self.cfg.gradient_accumulation_steps)
 
     def _set_train_mode(self) -> None:
         self.model.train()
@@ -391,10 +404,13 @@ class LowMemTrainer:
         lr = self.scheduler.get_last_lr()[0]
         mem = memory_snapshot()
         fields = dict(loss=round(loss_sum / max(tokens, 1), 5), lr=lr, tokens_per_s=round(all_tokens / seconds, 1),
-                      elapsed_s=round(self.elapsed(), 2), epoch=self.stream.epoch, examples=state.examples,
+                      elapsed_s=round(self.elapsed(), 2), epoch=state.epoch, examples=state.examples,
                       tokens=state.tokens, **mem)
+        if self.world > 1:  # every process's own RSS: N processes should cost about N x one
+            rss = self.accelerator.gather(torch.tensor([mem["rss_mb"]], device=self.accelerator.device))
+            fields["rss_mb_per_process"] = [round(v, 1) for v in rss.tolist()]
         if self.grad_norm is not None:
-            fields["grad_norm"] = round(float(self.grad_norm), 5)
+            fields["grad_norm"] = round(float(self.grad_norm), 7)
         self.record("train", **fields)
         if self.main:
             self.bar.set_postfix(loss=f"{fields['loss']:.3f}", lr=f"{lr:.1e}", tok_s=f"{fields['tokens_per_s']:.0f}",
@@ -527,7 +543,7 @@ class LowMemTrainer:
             self.metrics.truncate(offsets["metrics"])
         # The steps since the last log line, so the next logged loss averages the same steps.
         self.resumed_interval = process_state["interval"]
-        self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.stream.epoch})")
+        self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.state.epoch})")
         self.record("resume", path=str(folder))
 
     def _run_config(self) -> dict:

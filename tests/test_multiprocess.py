@@ -3,23 +3,32 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
-from conftest import REPO, metrics, synthetic_rows, write_rows
+from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
 
 pytestmark = pytest.mark.slow
 
 
-def accelerate_launch(*args: str, processes: int = 2) -> subprocess.CompletedProcess:
+def launch_command(*args: str, processes: int = 2, port: int = 29517) -> list[str]:
     # `accelerate launch --cpu --num_processes 2` starts one process; this form starts two gloo ranks.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           "29517", str(REPO / "train_low_mem.py"), "train", "--cpu=True", *args]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+            str(port), str(REPO / "train_low_mem.py"), "train", "--cpu=True", *args]
+
+
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
+
+
+def accelerate_launch(*args: str, processes: int = 2, port: int = 29517) -> subprocess.CompletedProcess:
+    """``accelerate launch`` of the training CLI on ``processes`` CPU processes (2 or more)."""
+    return subprocess.run(launch_command(*args, processes=processes, port=port), cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=ENV)
 
 
 def test_two_processes_share_each_epoch_exactly_once(tmp_path):
@@ -42,3 +51,88 @@ def test_two_processes_share_each_epoch_exactly_once(tmp_path):
         assert sorted(seen) == list(range(33)) and max(seen.values()) == 1
     assert {rank for _, rank, _, _ in lines} == {"0", "1"}
     assert (out / "best" / "model.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
+
+
+def test_two_processes_give_the_gradient_of_one_big_batch_and_sft_runs(tmp_path):
+    """2 processes x micro-batch 2 x accumulation 16 = one process x 64 rows in one step.
+
+    Adafactor's step depends on the gradient, so equal weights after one step (to float summation
+    order) mean the all-reduced, globally token-normalised gradient equals the single-process one.
+    """
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(64, seed=9))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(5, seed=2))
+    common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=1", "--shuffle_buffer_size=0",
+              "--dropout_rate=0", "--warmup_steps=0", "--lr_scheduler=constant", "--eval_steps=0",
+              "--max_source_len=32", "--max_target_len=32"]
+    two = accelerate_launch(*common, f"--output_dir={tmp_path / 'two'}", "--gradient_accumulation_steps=16")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_cli("train", *common, f"--output_dir={tmp_path / 'one'}", "--gradient_accumulation_steps=32")
+    assert one.returncode == 0, one.stderr[-3000:]
+    import torch
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        diff = (a[key] - b[key]).norm() / b[key].norm()
+        assert diff <= 1e-5, (key, float(diff))
+    # Adafactor's first update is close to sign(g), so also compare scale-sensitive numbers: the
+    # gradient norm before clipping and the token-mean loss.
+    two_step = [r for r in metrics(tmp_path / "two") if r["event"] == "train"][-1]
+    one_step = [r for r in metrics(tmp_path / "one") if r["event"] == "train"][-1]
+    assert two_step["grad_norm"] == pytest.approx(one_step["grad_norm"], rel=1e-5)
+    assert two_step["loss"] == pytest.approx(one_step["loss"], rel=1e-5)
+    assert two_step["examples"] == one_step["examples"] == 64
+    assert len(two_step["rss_mb_per_process"]) == 2
+
+    # SFT from that model on two processes: frozen encoder, decoder trains, best/ exported.
+    sft = tmp_path / "sft"
+    proc = accelerate_launch(f"--train_file={train}", f"--eval_file={evals}", "--is_finetune=True",
+                             f"--init_from={tmp_path / 'two' / 'final'}", f"--output_dir={sft}", "--max_steps=3",
+                             "--gradient_accumulation_steps=4", "--eval_steps=0", "--max_source_len=32",
+                             "--max_target_len=32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = load_file(str(tmp_path / "two" / "final" / "model.safetensors")), load_file(
+        str(sft / "final" / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith(("encoder.", "shared.")))
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
+
+
+def test_two_process_kill_and_resume_is_bit_identical(tmp_path):
+    # Two files of unequal size: each process reads whole files, and the one with the smaller file
+    # runs dry first in every epoch.
+    a = write_rows(tmp_path / "a.jsonl", synthetic_rows(180, seed=5))
+    b = write_rows(tmp_path / "b.jsonl", synthetic_rows(97, seed=6))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(5, seed=2))
+    common = [f"--train_file={a},{b}", f"--eval_file={evals}", "--epochs=2", "--save_steps=2", "--eval_steps=0",
+              "--gradient_accumulation_steps=4", "--shuffle_buffer_size=32", "--logging_steps=1",
+              "--dump_consumed=True", "--max_source_len=32", "--max_target_len=32"]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    proc = accelerate_launch(*common, f"--output_dir={straight}", port=29521)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    child = subprocess.Popen(launch_command(*common, f"--output_dir={broken}", port=29522), cwd=REPO, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    latest, deadline = broken / "checkpoints" / "latest", time.time() + 300
+    while not (latest.exists() and latest.read_text() >= "step_000016"):
+        assert child.poll() is None and time.time() < deadline, "the run ended before its step-16 checkpoint"
+        time.sleep(0.05)
+    os.killpg(child.pid, signal.SIGKILL)  # the launcher and both workers, as a scheduler would
+    child.wait()
+    proc = accelerate_launch(*common, f"--output_dir={broken}", "--is_keep_training=True", port=29523)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+
+    import torch
+    from safetensors.torch import load_file
+
+    x = load_file(str(straight / "final" / "model.safetensors"))
+    y = load_file(str(broken / "final" / "model.safetensors"))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    for run in (straight, broken):
+        lines = [ln.split("\t") for r in (0, 1) for ln in (run / f"consumed-rank{r}.tsv").read_text().splitlines()]
+        for epoch in ("0", "1"):
+            seen = Counter((f, int(row)) for e, _, f, row in lines if e == epoch)
+            assert set(seen) == {(str(a), i) for i in range(180)} | {(str(b), i) for i in range(97)}
+            assert max(seen.values()) == 1
