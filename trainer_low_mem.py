@@ -113,6 +113,7 @@ class LowMemTrainer:
         if self.model.config.vocab_size != len(self.tokenizer):
             raise UserError(f"model vocabulary ({self.model.config.vocab_size}) does not match the tokenizer "
                             f"({len(self.tokenizer)}); pass the --tokenizer_dir the model was trained with")
+        self.run_config = self._run_config()  # the tokenizer is fixed for the run: fingerprint it once
         if cfg.is_finetune:
             freeze_for_sft(self.model)
         self.trainable, self.frozen = count_parameters(self.model)
@@ -193,7 +194,6 @@ class LowMemTrainer:
         if self.main:
             (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1), encoding="utf-8")
             self.metrics = MetricsLog(self.out / "metrics.jsonl")
-        self.consumed = None
         if self.cfg.dump_consumed:
             self.consumed = AppendLog(self.out / f"consumed-rank{self.rank}.tsv")
 
@@ -510,10 +510,10 @@ class LowMemTrainer:
 
         self.state.elapsed_s = self.elapsed()
         process_states = gather_object([self._process_state()])  # small: RNG + data position per rank
-        folder = self.out / "checkpoints" / f"{checkpoint.PREFIX}{self.state.step:06d}"
+        folder = self.folder.checkpoint_path(self.state.step)
         if self.main:
-            folder = self.folder.write_checkpoint(self.state.step, self.core, self.optimizer, self.scheduler,
-                                                  self.state.state_dict(), self._run_config(), process_states,
+            self.folder.write_checkpoint(self.state.step, self.core, self.optimizer, self.scheduler,
+                                                  self.state.state_dict(), self.run_config, process_states,
                                                   keep=self.cfg.save_total_limit)
             self.record("checkpoint", path=str(folder))
         self.accelerator.wait_for_everyone()
@@ -532,7 +532,7 @@ class LowMemTrainer:
     def load_checkpoint(self, folder: Path) -> None:
         """Restore weights, optimizer, scheduler, counters, RNG and this process's data position."""
         trainer_state, process_state = self.folder.read_checkpoint(
-            folder, self.core, self.optimizer, self.scheduler, self._run_config(), self.rank, self.world, self.say)
+            folder, self.core, self.optimizer, self.scheduler, self.run_config, self.rank, self.world, self.say)
         self.state.load_state_dict(trainer_state)
         self.stream.load_state_dict(process_state["data"])
         checkpoint.set_rng_state(process_state["rng"])

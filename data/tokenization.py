@@ -59,12 +59,13 @@ def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, 
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "spiece")
         try:
-            spm.SentencePieceTrainer.train(sentence_iterator=sample_sentences(files, columns, max_sentences, progress),
-                       model_prefix=prefix, vocab_size=vocab_size, model_type="unigram",
-                       pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=True,
-                       normalization_rule_name="identity", character_coverage=0.9995,
-                       hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary, no error
-                       minloglevel=2, num_threads=max(1, os.cpu_count() or 1))
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=sample_sentences(files, columns, max_sentences, progress),
+                model_prefix=prefix, vocab_size=vocab_size, model_type="unigram",
+                pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=True,
+                normalization_rule_name="identity", character_coverage=0.9995,
+                hard_vocab_limit=False,  # a small corpus gets a smaller vocabulary, no error
+                minloglevel=2, num_threads=max(1, os.cpu_count() or 1))
         except RuntimeError as err:
             raise UserError(f"tokenizer training failed: {_spm_reason(err)}") from None
         sp = spm.SentencePieceProcessor(model_file=prefix + ".model")

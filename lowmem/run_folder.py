@@ -82,12 +82,15 @@ class RunFolder:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     # ------------------------------------------------------------------ checkpoints
+    def checkpoint_path(self, step: int) -> Path:
+        return self.checkpoints / f"{checkpoint.PREFIX}{step:06d}"
+
     def write_checkpoint(self, step: int, model, optimizer, scheduler, trainer_state: dict, run_config: dict,
                          process_states: list[dict], keep: int) -> Path:
         """Everything the run depends on, written atomically; then ``latest`` moves to it."""
         from safetensors.torch import save_model
 
-        folder = self.checkpoints / f"{checkpoint.PREFIX}{step:06d}"
+        folder = self.checkpoint_path(step)
         with checkpoint.atomic_folder(folder) as tmp:
             save_model(model, str(tmp / "model.safetensors"))
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
