@@ -110,6 +110,9 @@ class TrainConfig:
     prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.")
     max_new_tokens: int = _f(64, "Longest generated answer (generate).")
 
+    max_bad_rows_fraction: float = _f(0.01, "Abort when more than this fraction of the training rows are bad "
+                                            "(malformed, missing or empty prompt/response); they are skipped and "
+                                            "counted otherwise.")
     dump_consumed: bool = _f(False, "Append every consumed training example (epoch, rank, file, row) to "
                                     "OUTPUT_DIR/consumed-rank{R}.tsv; kept exact across kills and resumes.")
 
@@ -159,6 +162,8 @@ class TrainConfig:
                      "max_grad_norm"]:
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must not be negative (got {getattr(self, name)})")
+        if not 0 <= self.max_bad_rows_fraction <= 1:
+            problems.append(f"--max_bad_rows_fraction must be in [0, 1] (got {self.max_bad_rows_fraction})")
         if self.learn_rate <= 0:
             problems.append(f"--learn_rate must be positive (got {self.learn_rate})")
         if not 0 <= self.dropout_rate < 1:

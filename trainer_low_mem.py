@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from config import TrainConfig, UserError
 from data.collate import Seq2SeqCollator
-from data.sources import check_columns, count_rows, resolve_files
+from data.readers import index_file
+from data.sources import DataProblems, check_columns, resolve_files
 from data.stream import ExampleStream, batched, take_examples
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
@@ -119,7 +120,8 @@ class LowMemTrainer:
         self.trainable, self.frozen = count_parameters(self.model)
         self.log_memory("model_built")
 
-        rows = sum(count_rows(f) for f in self.train_files)
+        indexes = self._index_files(self.train_files)
+        rows = sum(i.rows for i in indexes)
         per_epoch = steps_per_epoch(math.ceil(rows / self.world), cfg.batch_size, cfg.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * per_epoch
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -133,8 +135,10 @@ class LowMemTrainer:
 
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len)
         self.stream = ExampleStream(self.train_files, columns, cfg.seed, cfg.shuffle_buffer_size,
-                                    rank=self.rank, world_size=self.world)
-        self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples)
+                                    rank=self.rank, world_size=self.world, indexes=indexes,
+                                    problems=DataProblems(report=self.warn))
+        self.eval_problems = DataProblems(report=self.say)
+        self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples, self.eval_problems)
         if not self.eval_examples:
             raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
         if resume_dir is not None:
@@ -173,6 +177,15 @@ class LowMemTrainer:
                 out = self.core.generate(**batch, max_new_tokens=self.cfg.max_new_tokens, num_beams=self.cfg.num_beams)
             answers.extend(self.tokenizer.batch_decode(out, skip_special_tokens=True))
         return answers
+
+    def _index_files(self, files: list[Path]) -> list:
+        """Row counts and seek points of the training files, read once by the main process."""
+        from accelerate.utils import broadcast_object_list
+
+        box = [[index_file(f) for f in files] if self.main else None]
+        if self.world > 1:
+            broadcast_object_list(box)
+        return box[0]
 
     def _start_accelerator(self) -> None:
         from accelerate import Accelerator
@@ -251,6 +264,7 @@ class LowMemTrainer:
                 examples = next(windows, [])
                 window = [self.collator(mb) for mb in examples]
                 counts = self.window_counts(window)
+                self.check_bad_rows(counts["bad_rows"])
                 if not counts["examples"]:
                     state.epoch += 1  # every process has finished this epoch: all agree on the count
                     break
@@ -265,8 +279,9 @@ class LowMemTrainer:
                 if self._finished():
                     break
             if not state.examples:
-                raise UserError(f"--train_file={cfg.train_file} yields no usable rows "
-                                f"(skipped: {dict(self.stream.skipped) or 'none'})")
+                self.report_data_errors()
+                raise UserError(f"--train_file={cfg.train_file} yields no usable rows ("
+                                f"{self.stream.total_rows} rows, all bad); see the data_errors line in metrics.jsonl")
             self.log_memory("epoch_end", epoch=state.epoch)
         self.bar.close()
         return self.finish()
@@ -300,13 +315,15 @@ class LowMemTrainer:
         whether any of them was asked to stop (SIGTERM / SIGINT).
         """
         local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
-                              sum(mb["labels"].shape[0] for mb in window), int(self.stop_signal is not None)])
+                              sum(mb["labels"].shape[0] for mb in window), int(self.stop_signal is not None),
+                              self.stream.problems.total])
         total = local
         if self.world > 1:
             total = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu()
         source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
         return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
-                "tokens": int(total[0]), "examples": int(total[1]), "stop": int(total[2]) > 0}
+                "tokens": int(total[0]), "examples": int(total[1]), "stop": int(total[2]) > 0,
+                "bad_rows": int(total[3])}
 
     def _empty_batch(self) -> dict:
         """A micro-batch with no target tokens, for a process whose share of the epoch ran out
@@ -444,9 +461,43 @@ class LowMemTrainer:
         self.save_checkpoint()
         self.export(self.out / "final")
         self.log_memory("end")
+        errors = self.report_data_errors()
         return {"output_dir": str(self.out), "steps": self.state.step, "eval_loss": metrics["eval_loss"],
                 "bleu": metrics["bleu"], "best_metric": self.state.best_metric, "best_step": self.state.best_step,
-                "skipped_rows": dict(self.stream.skipped)}
+                "bad_rows": errors["bad_rows"]}
+
+    # ------------------------------------------------------------------ bad rows
+    def check_bad_rows(self, bad_rows: int) -> None:
+        """Abort (on every process alike: ``bad_rows`` is summed over them) once more training rows
+        are bad than --max_bad_rows_fraction allows for the whole corpus."""
+        allowed = self.cfg.max_bad_rows_fraction * self.stream.total_rows
+        if bad_rows > allowed:
+            errors = self.report_data_errors()
+            raise UserError(f"{bad_rows} of {self.stream.total_rows} training rows are bad, more than "
+                            f"--max_bad_rows_fraction={self.cfg.max_bad_rows_fraction} allows "
+                            f"({', '.join(f'{k}: {v}' for k, v in errors['by_reason'].items())}); "
+                            "fix the data, or raise --max_bad_rows_fraction to skip them")
+
+    def report_data_errors(self) -> dict:
+        """Sum the bad rows of the first epoch over processes; log them and write a data_errors event.
+
+        Collective: called at points every process reaches together.
+        """
+        from accelerate.utils import gather_object
+
+        train = self.stream.problems.merge(gather_object([self.stream.problems.state_dict()]))
+        rows_read = sum(gather_object([self.stream.rows_read]))
+        bad = sum(train["by_reason"].values())
+        eval_bad = self.eval_problems.total
+        event = {"bad_rows": bad, "rows_read": rows_read, "train_rows": self.stream.total_rows,
+                 "by_reason": train["by_reason"], "by_file": train["by_file"], "first": train["first"],
+                 "eval_bad_rows": eval_bad, "eval_by_reason": dict(self.eval_problems.by_reason)}
+        self.record("data_errors", **event)
+        if bad or eval_bad:
+            self.say(f"bad rows skipped: {bad} of {rows_read} training rows read "
+                     f"({', '.join(f'{k} {v}' for k, v in train['by_reason'].items()) or 'none'})"
+                     + (f"; {eval_bad} in the eval file" if eval_bad else ""))
+        return event
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -565,6 +616,12 @@ class LowMemTrainer:
     def log_memory(self, where: str, **extra) -> None:
         snap = memory_snapshot()
         self.record("memory", where=where, **snap, **extra)
+
+    def warn(self, message: str) -> None:
+        """A message from any process (prefixed with its rank when there are several)."""
+        prefix = f"[rank {self.rank}] " if getattr(self, "world", 1) > 1 else ""
+        tqdm.write(prefix + message, file=sys.stdout)
+        sys.stdout.flush()
 
     def say(self, message: str) -> None:
         if getattr(self, "main", True):

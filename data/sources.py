@@ -1,7 +1,7 @@
 """Finding corpus files and streaming their rows with bounded memory.
 
-Every file is read through ``datasets.load_dataset(<format>, streaming=True)``: rows come out of
-Arrow record batches of a few MB, so host memory does not depend on the size of the file.
+Rows are read one at a time (``data.readers``), so host memory does not depend on the size of a
+file; bad rows are counted by reason in ``DataProblems`` instead of failing the run.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import UserError
+from data.readers import REASONS, FileIndex, index_file, read_range, row_problem
 
 # File ending -> datasets' packaged builder.
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -61,75 +62,89 @@ def resolve_files(spec: str, flag: str = "--train_file") -> list[Path]:
     return files
 
 
+class DataProblems:
+    """Bad rows counted by reason and by file; the first few are kept (and reported) with their place.
+
+    Args:
+        report: called with a one-line description of each of the first ``REPORT_FIRST`` bad rows.
+    """
+
+    REPORT_FIRST = 5
+
+    def __init__(self, report=None):
+        self.report = report
+        self.by_reason: Counter = Counter()
+        self.by_file: Counter = Counter()
+        self.first: list[str] = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+    def add(self, path: Path, kind: str, row: int, reason: str, column: str) -> None:
+        self.by_reason[reason] += 1
+        self.by_file[str(path)] += 1
+        if len(self.first) < self.REPORT_FIRST:
+            place = f"line {row + 1}" if kind == "jsonl" else f"row {row + 1}"
+            text = f"{path} {place}: {REASONS[reason]}" + (f" '{column}'" if column else "")
+            self.first.append(text)
+            if self.report is not None:
+                self.report(f"skipping bad row: {text}")
+
+    def state_dict(self) -> dict:
+        return {"by_reason": dict(self.by_reason), "by_file": dict(self.by_file), "first": list(self.first)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.by_reason, self.by_file = Counter(state["by_reason"]), Counter(state["by_file"])
+        self.first = list(state["first"])
+
+    def merge(self, states: list[dict]) -> dict:
+        """The sum of several processes' ``state_dict()``s."""
+        total = DataProblems()
+        for state in states:
+            total.by_reason.update(state["by_reason"])
+            total.by_file.update(state["by_file"])
+            total.first.extend(state["first"][: self.REPORT_FIRST - len(total.first)])
+        return total.state_dict()
+
+
 def count_rows(path: Path) -> int:
-    """Rows in one file, without holding it in memory (used for the schedule and progress totals)."""
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
-    if suffix == ".jsonl":
-        rows = 0
-        with open(path, "rb") as fh:
-            last = b"\n"
-            while chunk := fh.read(1 << 22):
-                rows += chunk.count(b"\n")
-                last = chunk[-1:]
-            rows += last != b"\n"  # a final line without a newline
-        return rows
-    return sum(1 for _ in _open_stream(path))
-
-
-def _open_stream(path: Path):
-    from datasets import load_dataset
-
-    return load_dataset(FORMATS[path.suffix.lower()], data_files=[str(path)], streaming=True, split="train")
+    """Rows in one file (lines for jsonl, bad ones included), without holding it in memory."""
+    return index_file(path).rows
 
 
 def iter_rows(path: Path, file_index: int, columns: tuple[str, str], start_row: int = 0,
-              skipped: Counter | None = None) -> Iterator[Example | None]:
-    """Stream the rows of one file from ``start_row``.
+              end_row: int | None = None, index: FileIndex | None = None,
+              problems: DataProblems | None = None) -> Iterator[Example | None]:
+    """Stream rows ``start_row`` ≤ row < ``end_row`` of one file (seeking, not reading, to the start).
 
-    Yields an ``Example`` per usable row and ``None`` for a row that was skipped (the reason is
-    counted in ``skipped``), so the caller can keep an exact row position either way.
+    Yields an ``Example`` per usable row and ``None`` for a bad row (counted in ``problems``), so
+    the caller keeps an exact row position either way.
     """
-    stream = _open_stream(path)
-    if start_row:
-        stream = stream.skip(start_row)  # reads and drops Arrow rows: no tokenizer, no model
-    prompt_col, response_col = columns
-    for row, record in enumerate(stream, start=start_row):
-        prompt, response = record.get(prompt_col), record.get(response_col)
-        reason = _problem(prompt, prompt_col) or _problem(response, response_col)
-        if reason:
-            if skipped is not None:
-                skipped[reason] += 1
+    index = index or index_file(path)
+    end_row = index.rows if end_row is None else end_row
+    for row, record in read_range(path, index, start_row, end_row):
+        problem = row_problem(record, columns)
+        if problem:
+            if problems is not None:
+                problems.add(path, index.kind, row, *problem)
             yield None
             continue
-        yield Example(prompt, response, file_index, row)
+        yield Example(record[columns[0]], record[columns[1]], file_index, row)
 
 
-def _problem(value, column: str) -> str | None:
-    if value is None:
-        return f"missing or null {column}"
-    if not isinstance(value, str):
-        return f"non-text {column}"
-    if not value.strip():
-        return f"empty {column}"
-    return None
-
-
-def first_record_columns(path: Path) -> list[str]:
-    """Column names of the first row of a file (empty list for an empty file)."""
-    for record in _open_stream(path):
-        return list(record)
-    return []
-
-
-def check_columns(files: list[Path], columns: tuple[str, str], flag: str) -> None:
-    """Fail early, before any model is built, when the first file lacks the configured columns."""
-    present = first_record_columns(files[0])
-    missing = [c for c in columns if c not in present] if present else []
-    if missing:
+def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample: int = 100) -> None:
+    """Fail early, before any model is built, when no row among the first ``sample`` rows of the
+    first file has the configured columns (single bad rows are counted later, not fatal)."""
+    seen: dict[str, None] = {}
+    index = index_file(files[0])
+    for _, record in read_range(files[0], index, 0, min(index.rows, sample)):
+        if isinstance(record, dict):
+            if all(c in record for c in columns):
+                return
+            seen.update(dict.fromkeys(record))
+    missing = [c for c in columns if c not in seen]
+    if seen and missing:
         which = " and ".join(f"'{c}'" for c in missing)
-        raise UserError(f"{flag}: {files[0]} has no column {which} (columns: {', '.join(present)}); "
+        raise UserError(f"{flag}: {files[0]} has no column {which} (columns: {', '.join(seen)}); "
                         "set --prompt_column / --response_column")

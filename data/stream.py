@@ -3,17 +3,17 @@
 Its whole position is a small ``state_dict()``: epoch, file, row within the file, the rows held in
 the shuffle buffer and the buffer's RNG state. Restoring it continues the stream exactly where it
 stopped (nothing lost, nothing repeated) without passing consumed rows through the tokenizer or
-the model; the current file is re-opened and its consumed Arrow rows are skipped.
+the model; the current file is re-opened at the saved row with one seek.
 """
 
 from __future__ import annotations
 
 import random
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.sources import Example, iter_rows
+from data.readers import FileIndex, index_file
+from data.sources import DataProblems, Example, iter_rows
 
 
 class ExampleStream:
@@ -24,38 +24,46 @@ class ExampleStream:
         columns: (prompt column, response column).
         seed: seeds the per-epoch file order and the shuffle buffer.
         buffer_size: rows held for shuffling; 0 streams in file order. Bounds host RAM.
-        rank, world_size: this process's share. When the file count divides by the number of
-            processes each one reads whole files of its own; otherwise each reads every file and
-            keeps every world_size-th row. Either way each row goes to exactly one process per epoch.
+        rank, world_size: this process's share: the rank-th of world_size contiguous row ranges of
+            every file. Each row goes to exactly one process per epoch, shares differ by at most one
+            row per file, and a process seeks to its range instead of reading the rows before it.
+        indexes: ``index_file()`` of each file (computed here when not given; a launcher computes
+            them once on the main process and hands them to every process).
+        problems: counts the bad rows of the first epoch (later epochs read the same rows again).
     """
 
     def __init__(self, files: list[Path], columns: tuple[str, str], seed: int, buffer_size: int,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, indexes: list[FileIndex] | None = None,
+                 problems: DataProblems | None = None):
         self.files = list(files)
         self.columns = columns
         self.seed = seed
         self.buffer_size = buffer_size
         self.rank, self.world_size = rank, world_size
-        self.whole_files = len(self.files) % world_size == 0
+        self.indexes = indexes if indexes is not None else [index_file(f) for f in self.files]
+        self.total_rows = sum(i.rows for i in self.indexes)
+        self.problems = problems if problems is not None else DataProblems()
         self.epoch = 0
         self.file_pos = 0  # index into this epoch's file order
-        self.row_pos = 0  # next unread row of that file
+        self.row_pos = 0  # next unread row of that file (0 = the start of this process's range)
+        self.rows_read = 0  # rows of the first epoch read by this process, bad ones included
         self.buffer: list[Example] = []
         self.rng = random.Random(seed)
-        self.skipped: Counter = Counter()  # reason -> rows skipped, over the whole run
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "file_pos": self.file_pos, "row_pos": self.row_pos,
+                "rows_read": self.rows_read,
                 "buffer": [(e.prompt, e.response, e.file_index, e.row) for e in self.buffer],
-                "rng": self.rng.getstate(), "skipped": dict(self.skipped),
+                "rng": self.rng.getstate(), "problems": self.problems.state_dict(),
                 "files": [str(f) for f in self.files]}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.file_pos, self.row_pos = state["epoch"], state["file_pos"], state["row_pos"]
+        self.rows_read = state["rows_read"]
         self.buffer = [Example(*e) for e in state["buffer"]]
         self.rng.setstate(state["rng"])
-        self.skipped = Counter(state["skipped"])
+        self.problems.load_state_dict(state["problems"])
 
     # --------------------------------------------------------------- iteration
     def file_order(self, epoch: int) -> list[int]:
@@ -64,17 +72,25 @@ class ExampleStream:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def share(self, file_index: int) -> tuple[int, int]:
+        """This process's row range [start, end) of one file."""
+        rows = self.indexes[file_index].rows
+        return rows * self.rank // self.world_size, rows * (self.rank + 1) // self.world_size
+
     def _upstream(self) -> Iterator[Example]:
         """This process's rows of the current epoch from the saved position; advances file_pos / row_pos."""
         order = self.file_order(self.epoch)
         while self.file_pos < len(order):
             index = order[self.file_pos]
-            mine = not self.whole_files or self.file_pos % self.world_size == self.rank
-            if mine:
-                for item in iter_rows(self.files[index], index, self.columns, self.row_pos, self.skipped):
-                    self.row_pos += 1
-                    if item is not None and (self.whole_files or item.row % self.world_size == self.rank):
-                        yield item
+            start, end = self.share(index)
+            problems = self.problems if self.epoch == 0 else None
+            self.row_pos = max(self.row_pos, start)
+            for item in iter_rows(self.files[index], index, self.columns, self.row_pos, end,
+                                  self.indexes[index], problems):
+                self.row_pos += 1  # before yielding: the state then describes what remains
+                self.rows_read += self.epoch == 0
+                if item is not None:
+                    yield item
             self.file_pos, self.row_pos = self.file_pos + 1, 0
 
     def iter_epoch(self) -> Iterator[Example]:
@@ -101,11 +117,11 @@ class ExampleStream:
 
 
 def take_examples(files: list[Path], columns: tuple[str, str], limit: int,
-                  skipped: Counter | None = None) -> list[Example]:
+                  problems: DataProblems | None = None) -> list[Example]:
     """The first ``limit`` usable examples of ``files`` in order (the eval set; bounded by ``limit``)."""
     out: list[Example] = []
     for index, path in enumerate(files):
-        for item in iter_rows(path, index, columns, skipped=skipped):
+        for item in iter_rows(path, index, columns, problems=problems):
             if item is not None:
                 out.append(item)
                 if len(out) >= limit:

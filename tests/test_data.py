@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -9,7 +10,8 @@ from conftest import synthetic_rows, write_rows
 
 from config import UserError
 from data.collate import Seq2SeqCollator
-from data.sources import count_rows, iter_rows, resolve_files
+from data.readers import index_file
+from data.sources import DataProblems, count_rows, iter_rows, resolve_files
 from data.stream import ExampleStream, take_examples
 
 COLS = ("prompt", "response")
@@ -43,10 +45,59 @@ def test_resolve_files_globs_folders_and_errors(tmp_path):
 def test_null_and_empty_rows_are_skipped_and_counted(tmp_path):
     rows = synthetic_rows(10) + [{"prompt": None, "response": "x"}, {"prompt": "y", "response": ""}]
     path = write_rows(tmp_path / "c.jsonl", rows)
-    skipped = Counter()
-    got = [e for e in iter_rows(path, 0, COLS, skipped=skipped) if e is not None]
+    problems = DataProblems()
+    got = [e for e in iter_rows(path, 0, COLS, problems=problems) if e is not None]
     assert len(got) == 10
-    assert skipped == Counter({"missing or null prompt": 1, "empty response": 1})
+    assert problems.by_reason == Counter({"null_value": 1, "empty_value": 1})
+    assert problems.first == [f"{path} line 11: null value 'prompt'", f"{path} line 12: empty text 'response'"]
+
+
+@pytest.mark.parametrize("ending", [".jsonl", ".parquet", ".csv"])
+def test_any_row_range_is_read_by_seeking(tmp_path, ending):
+    """Files of several MiB (several index entries): every range gives exactly its rows."""
+    rows = [{"prompt": f"{i} " + "x" * 300, "response": f"r{i}, \"quoted\"\nnewline"} for i in range(12_000)]
+    path = write_rows(tmp_path / f"big{ending}", rows)
+    index = index_file(path)
+    assert index.rows == 12_000 and len(index.seeks) > 2
+    for start, end in [(0, 5), (4_321, 4_330), (index.seeks[2][0] - 1, index.seeks[2][0] + 2), (11_998, 12_000)]:
+        got = [e for e in iter_rows(path, 0, COLS, start, end, index) if e is not None]
+        assert [(e.row, e.prompt, e.response) for e in got] == \
+            [(i, rows[i]["prompt"], rows[i]["response"]) for i in range(start, end)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_processes_split_every_file_and_read_only_their_share(tmp_path, world):
+    """2 files over 3 processes (does not divide) and over 2: each row once, each process reads
+    about 1/world of the rows rather than the whole corpus."""
+    files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(101 + 50 * i, seed=i)) for i in range(2)]
+    shares = []
+    for rank in range(world):
+        stream = ExampleStream(files, COLS, seed=7, buffer_size=20, rank=rank, world_size=world)
+        shares.append(_drain(stream))
+        assert stream.rows_read <= (101 + 151) // world + 2
+    everything = sorted((f, r) for f, n in enumerate([101, 151]) for r in range(n))
+    assert sorted(sum(shares, [])) == everything
+    assert max(map(len, shares)) - min(map(len, shares)) <= 2
+
+
+def test_bad_rows_of_every_kind_are_counted_per_reason(tmp_path):
+    good = [json.dumps(r).encode() for r in synthetic_rows(40)]
+    bad = {
+        b"{not json": "malformed_json", b"": "blank_line", b"\xff\xfe{\"prompt\": 1}": "invalid_utf8",
+        b"[1, 2]": "not_an_object", b'{"response": "r"}': "missing_column", b'{"prompt": null, "response": "r"}':
+        "null_value", b'{"prompt": "p", "response": 7}': "non_string_value", b'{"prompt": " ", "response": "r"}':
+        "empty_value",
+    }
+    lines = good[:20] + list(bad) + good[20:]
+    huge = json.dumps({"prompt": "y" * 3_000_000, "response": "ok"}).encode()  # kept: truncated at collation
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join(lines + [huge]) + b"\n")
+    problems = DataProblems()
+    got = [e for e in iter_rows(path, 0, COLS, problems=problems) if e is not None]
+    assert len(got) == 41 and len(got[-1].prompt) == 3_000_000
+    assert problems.by_reason == Counter(bad.values())
+    assert problems.first[0] == f"{path} line 21: malformed JSON"
+    assert problems.by_file == {str(path): len(bad)}
 
 
 def _drain(stream, limit=None):

@@ -1,0 +1,256 @@
+"""Reading any row range of a corpus file, one row at a time, with every bad row named.
+
+Why not ``datasets.load_dataset(..., streaming=True)`` here: it cannot start in the middle of a
+file (resuming and splitting a file between processes would read and discard everything before
+the start), and one malformed JSON line or one value of the wrong type fails the whole file.
+These readers seek instead, and turn each bad row into a reason the caller counts:
+
+- ``.jsonl`` (and ``.json`` holding JSON lines): one line per row. A sparse index of line-start
+  byte offsets (one per MiB) lets any row be reached with one seek.
+- ``.parquet``: pyarrow record batches of at most ``BATCH_ROWS`` rows; rows reached by row group.
+- ``.csv``: a header line, then one record per row (quoted newlines allowed); the index holds the
+  byte offset of a record every ~MiB, found with the csv module while counting rows.
+- ``.json`` holding one JSON array: parsed whole (the format cannot be streamed; use .jsonl for
+  large corpora).
+
+Host memory: one batch or one row at a time, plus the index (a few KB per GB of data).
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from config import UserError
+
+SEEK_EVERY = 1 << 20  # bytes between index entries: at most this much is read and dropped per seek
+BATCH_ROWS = 256  # parquet rows decoded at once
+
+# Reason keys for bad rows (they appear in the log and in metrics.jsonl).
+REASONS = {
+    "invalid_utf8": "not valid UTF-8",
+    "blank_line": "blank line",
+    "malformed_json": "malformed JSON",
+    "not_an_object": "not a JSON object",
+    "missing_column": "missing column",
+    "null_value": "null value",
+    "empty_value": "empty text",
+    "non_string_value": "value is not text",
+}
+
+
+@dataclass
+class FileIndex:
+    """How many rows a file has and where to seek to reach any of them.
+
+    ``seeks`` holds ascending (row, position) pairs; position is a byte offset for jsonl / csv and
+    a row-group number for parquet.
+    """
+
+    rows: int
+    seeks: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])
+    kind: str = "jsonl"
+
+    def seek_point(self, row: int) -> tuple[int, int]:
+        """The last index entry at or before ``row``."""
+        at = bisect.bisect_right([r for r, _ in self.seeks], row) - 1
+        return self.seeks[max(at, 0)]
+
+
+def file_kind(path: Path) -> str:
+    """jsonl, parquet, csv or json-array (a .json file whose first character is '[')."""
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        with open(path, "rb") as fh:
+            head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        return "json-array" if head.startswith(b"[") else "jsonl"
+    return suffix.lstrip(".")
+
+
+def index_file(path: Path) -> FileIndex:
+    """Count the rows of one file and record seek points; streams the file once, never holds it."""
+    kind = file_kind(path)
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(path).metadata
+            seeks, start = [], 0
+            for group in range(meta.num_row_groups):
+                seeks.append((start, group))
+                start += meta.row_group(group).num_rows
+            return FileIndex(meta.num_rows, seeks or [(0, 0)], kind)
+        if kind == "csv":
+            return _index_csv(path)
+        if kind == "json-array":
+            return FileIndex(len(_json_array(path)), kind=kind)
+        return _index_lines(path)
+    except UserError:
+        raise
+    except Exception as exc:  # pyarrow / csv / OS errors: name the file, say what to do
+        raise UserError(f"cannot read {path}: {type(exc).__name__}: {exc}; fix or remove the file") from exc
+
+
+def _index_lines(path: Path) -> FileIndex:
+    seeks, rows, offset = [(0, 0)], 0, 0
+    with open(path, "rb") as fh:
+        last = b"\n"
+        while chunk := fh.read(SEEK_EVERY):
+            cut = chunk.find(b"\n")
+            if offset and cut >= 0:  # the first line that starts inside this chunk
+                seeks.append((rows + 1, offset + cut + 1))
+            rows += chunk.count(b"\n")
+            offset += len(chunk)
+            last = chunk[-1:]
+        rows += last != b"\n"  # a final line without a newline
+    if seeks[-1][0] >= rows:  # an entry pointing past the last line
+        seeks.pop()
+    return FileIndex(rows, seeks, "jsonl")
+
+
+class _Lines:
+    """Binary lines of a file decoded for the csv module, with the byte offset after each line."""
+
+    def __init__(self, fh):
+        self.fh, self.offset, self.bad = fh, fh.tell(), False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = self.fh.readline()
+        if not line:
+            raise StopIteration
+        self.offset += len(line)
+        try:
+            return line.decode("utf-8")
+        except UnicodeDecodeError:
+            self.bad = True
+            return line.decode("utf-8", errors="replace")
+
+
+def _index_csv(path: Path) -> FileIndex:
+    with open(path, "rb") as fh:
+        lines = _Lines(fh)
+        reader = csv.reader(lines)
+        next(reader, None)  # header
+        seeks, rows, mark = [(0, lines.offset)], 0, lines.offset
+        for _ in reader:
+            rows += 1
+            if lines.offset - mark >= SEEK_EVERY:
+                seeks.append((rows, lines.offset))
+                mark = lines.offset
+    return FileIndex(rows, seeks, "csv")
+
+
+def _json_array(path: Path) -> list:
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}); write one JSON object per line as .jsonl "
+                        "so bad rows can be skipped one by one") from exc
+    if not isinstance(data, list):
+        raise UserError(f"{path} holds a JSON {type(data).__name__}, not a list of rows; use .jsonl")
+    return data
+
+
+def read_range(path: Path, index: FileIndex, start: int, end: int) -> Iterator[tuple[int, dict | str]]:
+    """Rows ``start`` ≤ row < ``end`` of one file as (row, record) or (row, reason key) for a bad row."""
+    if start >= end:
+        return
+    try:
+        if index.kind == "parquet":
+            yield from _parquet_range(path, index, start, end)
+        elif index.kind == "csv":
+            yield from _csv_range(path, index, start, end)
+        elif index.kind == "json-array":
+            for row, record in enumerate(_json_array(path)[start:end], start=start):
+                yield row, record if isinstance(record, dict) else "not_an_object"
+        else:
+            yield from _jsonl_range(path, index, start, end)
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc}") from exc
+
+
+def _jsonl_range(path: Path, index: FileIndex, start: int, end: int):
+    row, offset = index.seek_point(start)
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        while row < end:
+            line = fh.readline()  # one row in memory at a time, however long it is
+            if not line:
+                return
+            if row >= start:
+                yield row, _parse_line(line)
+            row += 1
+
+
+def _parse_line(line: bytes) -> dict | str:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return "invalid_utf8"
+    if not text.strip():
+        return "blank_line"
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        return "malformed_json"
+    return record if isinstance(record, dict) else "not_an_object"
+
+
+def _parquet_range(path: Path, index: FileIndex, start: int, end: int):
+    import pyarrow.parquet as pq
+
+    first_row, group = index.seek_point(start)
+    pf = pq.ParquetFile(path)
+    groups = list(range(group, pf.metadata.num_row_groups))
+    row = first_row
+    for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups):
+        if row + batch.num_rows <= start:
+            row += batch.num_rows
+            continue
+        for record in batch.to_pylist():
+            if start <= row < end:
+                yield row, record
+            row += 1
+            if row >= end:
+                return
+
+
+def _csv_range(path: Path, index: FileIndex, start: int, end: int):
+    row, offset = index.seek_point(start)
+    with open(path, "rb") as fh:
+        header = next(csv.reader(io.TextIOWrapper(io.BytesIO(fh.readline()), encoding="utf-8",
+                                                  errors="replace")), [])
+        fh.seek(offset)
+        lines = _Lines(fh)
+        for values in csv.reader(lines):
+            if row >= end:
+                return
+            if row >= start:
+                yield row, "invalid_utf8" if lines.bad else dict(zip(header, values))
+            lines.bad = False
+            row += 1
+
+
+def row_problem(record: dict | str, columns: tuple[str, str]) -> tuple[str, str] | None:
+    """(reason key, column) when a record cannot be used as a training pair, else None."""
+    if isinstance(record, str):
+        return record, ""
+    for column in columns:
+        if column not in record:
+            return "missing_column", column
+        value = record[column]
+        if value is None:
+            return "null_value", column
+        if not isinstance(value, str):
+            return "non_string_value", column
+        if not value.strip():
+            return "empty_value", column
+    return None
