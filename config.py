@@ -89,6 +89,10 @@ class TrainConfig:
     warmup_steps: int = _f(30, "Optimizer steps of linear warmup.")
     weight_decay: float = _f(0.0, "Decoupled weight decay.")
     max_grad_norm: float = _f(1.0, "Clip the gradient norm to this (0 = no clipping).")
+    max_nonfinite_steps: int = _f(5, "Optimizer steps with a non-finite loss or gradient are skipped and counted; "
+                                     "abort after this many in a row.")
+    max_rss_gb: float = _f(0.0, "Memory guard (0 = off): when a process's RSS nears this many GB, write a "
+                                "checkpoint and stop with exit code 3 instead of meeting the OOM killer.")
     mixed_precision: str = _f("no", "no or bf16 (bf16 halves activation memory where supported). fp16 is refused.")
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
 
@@ -154,12 +158,13 @@ class TrainConfig:
         problems = []
         positive = ["batch_size", "eval_batch_size", "gradient_accumulation_steps", "max_source_len",
                     "max_target_len", "epochs", "max_eval_samples", "logging_steps", "save_total_limit",
-                    "gc_every_steps", "num_beams", "max_new_tokens", "vocab_size", "tokenizer_max_sentences"]
+                    "gc_every_steps", "num_beams", "max_new_tokens", "vocab_size", "tokenizer_max_sentences",
+                    "max_nonfinite_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1 (got {getattr(self, name)})")
         for name in ["shuffle_buffer_size", "eval_steps", "save_steps", "warmup_steps", "weight_decay",
-                     "max_grad_norm"]:
+                     "max_grad_norm", "max_rss_gb"]:
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must not be negative (got {getattr(self, name)})")
         if not 0 <= self.max_bad_rows_fraction <= 1:

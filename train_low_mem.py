@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def train(config: str | None = None, **flags) -> dict:
     die_with_launcher()
     cfg, notes = load_config(flags, config)
     mark_run_started(cfg)  # before the heavy imports below: a run killed this early can still be continued
-    from trainer_low_mem import LowMemTrainer, StoppedBySignal
+    from trainer_low_mem import LowMemTrainer, StoppedBySignal, StoppedForMemory
 
     trainer = LowMemTrainer(cfg)
     for note in notes:
@@ -38,8 +39,14 @@ def train(config: str | None = None, **flags) -> dict:
         return result if trainer.main else None  # one summary, not one per process
     except StoppedBySignal:
         return None  # checkpoint written and the resume command printed: a clean exit
+    except StoppedForMemory as stop:
+        print(f"error: {stop}", file=sys.stderr)
+        sys.exit(EXIT_MEMORY_GUARD)
     finally:
         trainer.close()
+
+
+EXIT_MEMORY_GUARD = 3  # distinct from user errors (2): a checkpoint was written, resume with more memory
 
 
 def die_with_launcher() -> None:
@@ -133,6 +140,13 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as err:
+        if debug or err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: no space left on the device ({err.filename or 'output'}); checkpoints are written "
+              "atomically, so the last one is intact: free space, then continue with --is_keep_training=True",
+              file=sys.stderr)
         sys.exit(2)
 
 

@@ -30,7 +30,7 @@ from data.sources import DataProblems, check_columns, resolve_files
 from data.stream import ExampleStream, batched, take_examples
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
-from lowmem.memory import free_memory, memory_snapshot
+from lowmem.memory import free_memory, memory_snapshot, process_rss_bytes
 from lowmem.metrics import AppendLog, MetricsLog, train_line
 from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part of this module's API)
     build_model,
@@ -49,6 +49,13 @@ class StoppedBySignal(Exception):
     """Raised after the checkpoint written on SIGTERM / SIGINT; the CLI exits cleanly."""
 
 
+class StoppedForMemory(Exception):
+    """Raised after the checkpoint written when the memory guard (--max_rss_gb) trips; exit code 3."""
+
+
+MEMORY_GUARD_AT = 0.9  # stop once RSS reaches this fraction of --max_rss_gb: the next step may need more
+
+
 @dataclass
 class TrainState:
     """Runtime counters saved in every checkpoint (never on the config)."""
@@ -60,6 +67,8 @@ class TrainState:
     best_metric: float | None = None
     best_step: int | None = None
     elapsed_s: float = 0.0
+    nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    nonfinite_in_a_row: int = 0
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -122,6 +131,9 @@ class LowMemTrainer:
 
         indexes = self._index_files(self.train_files)
         rows = sum(i.rows for i in indexes)
+        for path, index in zip(self.train_files, indexes):
+            if not index.rows:
+                self.say(f"warning: {path} is empty")
         per_epoch = steps_per_epoch(math.ceil(rows / self.world), cfg.batch_size, cfg.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * per_epoch
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -268,14 +280,17 @@ class LowMemTrainer:
                 if not counts["examples"]:
                     state.epoch += 1  # every process has finished this epoch: all agree on the count
                     break
-                self.train_step(window or [self._empty_batch()], counts)
+                stepped = self.train_step(window or [self._empty_batch()], counts)
                 self.log_consumed(examples, epoch)
-                self.maybe_log()
-                self.maybe_gc()
-                self.maybe_eval()
-                self.maybe_save()
+                if stepped:
+                    self.maybe_log()
+                    self.maybe_gc()
+                    self.maybe_eval()
+                    self.maybe_save()
                 if counts["stop"]:
                     self.stop_for_signal()
+                if counts["memory"]:
+                    self.stop_for_memory()
                 if self._finished():
                     break
             if not state.examples:
@@ -316,14 +331,14 @@ class LowMemTrainer:
         """
         local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
                               sum(mb["labels"].shape[0] for mb in window), int(self.stop_signal is not None),
-                              self.stream.problems.total])
+                              self.stream.problems.total, int(self.near_memory_limit())])
         total = local
         if self.world > 1:
             total = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu()
         source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
         return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
                 "tokens": int(total[0]), "examples": int(total[1]), "stop": int(total[2]) > 0,
-                "bad_rows": int(total[3])}
+                "bad_rows": int(total[3]), "memory": int(total[4]) > 0}
 
     def _empty_batch(self) -> dict:
         """A micro-batch with no target tokens, for a process whose share of the epoch ran out
@@ -332,12 +347,20 @@ class LowMemTrainer:
         return {"input_ids": torch.tensor([[eos]]), "attention_mask": torch.tensor([[1]]),
                 "labels": torch.tensor([[-100]])}
 
-    def train_step(self, window: list[dict], counts: dict) -> None:
-        """One optimizer step over an accumulation window of collated micro-batches."""
+    def train_step(self, window: list[dict], counts: dict) -> bool:
+        """One optimizer step over an accumulation window of collated micro-batches.
+
+        Returns:
+            False when the step was skipped because the loss or gradient was not finite.
+        """
         loss_sum = self.accumulate_gradients(window, counts["tokens"])
-        self.grad_norm = None
-        if self.cfg.max_grad_norm > 0:
-            self.grad_norm = self.accelerator.clip_grad_norm_(self.trainable_params, self.cfg.max_grad_norm)
+        # The norm of the all-reduced gradient (clip at infinity = measure only) is the same on every
+        # process, so all of them take the same decision; a NaN loss anywhere makes it NaN.
+        self.grad_norm = self.accelerator.clip_grad_norm_(self.trainable_params, self.cfg.max_grad_norm or math.inf)
+        if not math.isfinite(float(self.grad_norm)):  # one host sync per optimizer step
+            self.skip_nonfinite_step()
+            return False
+        self.state.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -349,6 +372,40 @@ class LowMemTrainer:
         self.interval["all_tokens"] += counts["local_all_tokens"]
         self.interval["steps"] += 1
         self.bar.update()
+        return True
+
+    def skip_nonfinite_step(self) -> None:
+        """Drop this window's gradient without stepping; abort after --max_nonfinite_steps in a row."""
+        self.optimizer.zero_grad(set_to_none=True)
+        state = self.state
+        state.nonfinite_steps += 1
+        state.nonfinite_in_a_row += 1
+        self.say(f"step {state.step + 1}: non-finite loss or gradient, optimizer step skipped "
+                 f"({state.nonfinite_in_a_row} in a row, {state.nonfinite_steps} in total)")
+        self.record("nonfinite_step", skipped_total=state.nonfinite_steps, in_a_row=state.nonfinite_in_a_row)
+        if state.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+            raise UserError(f"{state.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
+                            f"gradient (--max_nonfinite_steps={self.cfg.max_nonfinite_steps}); lower "
+                            "--learn_rate, keep --max_grad_norm on, or use --mixed_precision=no (best/ never "
+                            "holds non-finite weights)")
+
+    def near_memory_limit(self) -> bool:
+        """Whether this process's RSS has reached MEMORY_GUARD_AT of --max_rss_gb (off at 0)."""
+        if not self.cfg.max_rss_gb:
+            return False
+        return process_rss_bytes() >= MEMORY_GUARD_AT * self.cfg.max_rss_gb * 1e9
+
+    def stop_for_memory(self) -> None:
+        folder = self.save_checkpoint()
+        self.bar.close()
+        rss = process_rss_bytes() / 1e9
+        self.record("memory_guard", rss_gb=rss, max_rss_gb=self.cfg.max_rss_gb)
+        raise StoppedForMemory(
+            f"memory guard: RSS {rss:.2f} GB reached {MEMORY_GUARD_AT:.0%} of --max_rss_gb={self.cfg.max_rss_gb} "
+            f"at step {self.state.step}; checkpoint {folder}. Lower memory with --shuffle_buffer_size, "
+            "--batch_size (raise --gradient_accumulation_steps to keep the batch), --max_source_len / "
+            "--max_target_len, --eval_batch_size or a smaller --model_preset, then continue with "
+            "--is_keep_training=True")
 
     def accumulate_gradients(self, window: list[dict], total_tokens: int | None = None) -> torch.Tensor:
         """Backward over one window; the gradient is that of (sum of token losses) / (target tokens
@@ -540,6 +597,9 @@ class LowMemTrainer:
         result = self.evaluate()
         metric = result[self.cfg.metric_for_best]
         improved = is_better(metric, self.state.best_metric, self.cfg.metric_for_best)
+        if improved and not all(bool(torch.isfinite(p).all()) for p in self.core.parameters()):
+            improved = False  # never export non-finite weights as best
+            self.say("the weights hold non-finite values: not saved as best")
         if improved:
             self.state.best_metric, self.state.best_step = metric, self.state.step
             self.export(self.out / "best")

@@ -8,6 +8,7 @@ not match it is skipped on resume in favour of the previous one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -18,7 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from config import UserError
+
 MANIFEST = "manifest.json"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 LATEST = "latest"
 PREFIX = "step_"
 
@@ -70,9 +74,25 @@ def atomic_folder(final: Path):
         else:
             tmp.rename(final)
         _fsync_path(final.parent)
-    except BaseException:
+    except BaseException as exc:
+        full = disk_full(exc, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise UserError(f"no space left on the device while writing {final}; it was not written and what "
+                            "was there before is intact. Free space (or lower --save_total_limit), then "
+                            "continue with --is_keep_training=True") from exc
         raise
+
+
+def disk_full(exc: BaseException, path: Path) -> bool:
+    """Whether a failed write ran out of space. torch.save reports a full disk as a RuntimeError
+    without an errno, so the free space is checked too (before the partial files are removed)."""
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL or "No space left" in str(exc):
+        return True
+    try:
+        return isinstance(exc, (OSError, RuntimeError)) and shutil.disk_usage(path).free < 4 * 2**20
+    except OSError:
+        return False
 
 
 def validate(folder: Path) -> str | None:

@@ -34,6 +34,14 @@ def memory_snapshot() -> dict:
     return snap
 
 
+_SELF = psutil.Process()
+
+
+def process_rss_bytes() -> int:
+    """This process's resident memory (cheap enough to read at every optimizer step)."""
+    return _SELF.memory_info().rss
+
+
 def free_memory() -> None:
     """Return freed Python objects and cached CUDA blocks (reference design: every N steps, each
     epoch, before evaluation)."""

@@ -15,6 +15,7 @@ import torch
 from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
 from safetensors.torch import load_file
 
+from config import UserError
 from lowmem import checkpoint
 
 SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=2"]
@@ -117,7 +118,7 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path):
     final = tmp_path / "best"
     with checkpoint.atomic_folder(final) as tmp:
         (tmp / "a.txt").write_text("old")
-    with pytest.raises(OSError), checkpoint.atomic_folder(final) as tmp:
+    with pytest.raises(UserError, match="no space left on the device"), checkpoint.atomic_folder(final) as tmp:
         (tmp / "a.txt").write_text("new")
         raise OSError(28, "No space left on device")
     assert (final / "a.txt").read_text() == "old" and checkpoint.validate(final) is None

@@ -1,0 +1,189 @@
+"""Bad input and faults: counted bad rows, one-line errors, the memory guard, non-finite steps, a full disk."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import metrics, run_cli, synthetic_rows, write_rows
+
+from lowmem import checkpoint
+
+SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=2",
+         "--gradient_accumulation_steps=4"]
+
+# One line of each kind of bad row (and the reason it is counted under).
+BAD_LINES = {
+    b"{not json": "malformed_json",
+    b"": "blank_line",
+    b"\xff\xfe{\"prompt\": \"a\"}": "invalid_utf8",
+    b"[\"prompt\", \"response\"]": "not_an_object",
+    b"{\"question\": \"p\", \"response\": \"r\"}": "missing_column",
+    b"{\"prompt\": null, \"response\": \"r\"}": "null_value",
+    b"{\"prompt\": \"p\", \"response\": 42}": "non_string_value",
+    b"{\"prompt\": \"p\", \"response\": \"  \"}": "empty_value",
+}
+
+
+def bad_corpus(path: Path, good: int, copies: int, seed: int = 0) -> dict:
+    """Good rows with ``copies`` of every bad kind at random places; returns the expected counts."""
+    lines = [json.dumps(r).encode() for r in synthetic_rows(good, seed=seed)]
+    rng = random.Random(seed)
+    for _ in range(copies):
+        for line in BAD_LINES:
+            lines.insert(rng.randrange(1, len(lines)), line)  # row 0 stays good
+    lines.append(json.dumps({"prompt": "long " * 400_000, "response": "ok"}).encode())  # 2 MB: truncated, used
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return {reason: copies for reason in BAD_LINES.values()}
+
+
+def error_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_bad_rows_are_skipped_and_counted_exactly(tmp_path):
+    train = tmp_path / "train.jsonl"
+    expected = bad_corpus(train, good=300, copies=2)  # 16 bad rows of 317 (5 %)
+    parquet = write_rows(tmp_path / "more.parquet", synthetic_rows(40, seed=4)
+                         + [{"prompt": None, "response": "x"}, {"prompt": "y", "response": None}])
+    expected["null_value"] += 2
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=9))
+    out = tmp_path / "run"
+    proc = run_cli("train", f"--train_file={train},{parquet}", f"--eval_file={evals}", f"--output_dir={out}",
+                   "--epochs=2", "--max_bad_rows_fraction=0.06", *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [event] = [r for r in metrics(out) if r["event"] == "data_errors"]
+    assert event["by_reason"] == expected  # counted once, not once per epoch
+    assert event["bad_rows"] == 18 and event["train_rows"] == 317 + 42 and event["rows_read"] == 359
+    assert event["by_file"] == {str(train): 16, str(parquet): 2}
+    assert len(event["first"]) == 5 and all(str(train) in f or str(parquet) in f for f in event["first"])
+    assert proc.stdout.count("skipping bad row:") == 5 and " line " in proc.stdout
+    assert "bad rows skipped: 18 of 359" in proc.stdout
+    assert [r for r in metrics(out) if r["event"] == "train"][-1]["examples"] == 2 * (359 - 18)  # every good row
+
+
+def test_too_many_bad_rows_and_only_bad_rows_stop_with_one_line(tmp_path):
+    train = tmp_path / "train.jsonl"
+    bad_corpus(train, good=300, copies=2)  # 5 % bad: above the default 1 %
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=9))
+    proc = run_cli("train", f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={tmp_path / 'a'}", *SMALL)
+    assert proc.returncode == 2
+    line = error_line(proc)
+    assert "--max_bad_rows_fraction=0.01" in line and "malformed_json: 2" in line
+    # The 1000-row shuffle buffer had read the whole file before the first step: all 16 are counted.
+    assert [r["bad_rows"] for r in metrics(tmp_path / "a") if r["event"] == "data_errors"] == [16]
+    assert not [r for r in metrics(tmp_path / "a") if r["event"] == "train"]  # stopped before any step
+
+    only_bad = tmp_path / "bad.jsonl"
+    only_bad.write_bytes(b"\n".join(list(BAD_LINES) * 3) + b"\n")
+    proc = run_cli("train", f"--train_file={only_bad}", f"--eval_file={evals}", f"--output_dir={tmp_path / 'b'}",
+                   "--max_bad_rows_fraction=1", *SMALL)
+    assert proc.returncode == 2
+    assert "yields no usable rows" in error_line(proc)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["train", "--learnrate=0.1"], "did you mean --learn_rate"),
+    (["train", "--batch_size=two"], "--batch_size"),
+    (["train", "--epochs=0"], "--epochs must be at least 1"),
+    (["train", "--mixed_precision=fp16"], "fp16"),
+    (["train", "--model_preset=huge"], "--model_preset must be one of"),
+    (["train", "--max_bad_rows_fraction=2"], "--max_bad_rows_fraction"),
+    (["train", "--train_file=/nonexistent/x.jsonl"], "does not exist"),
+    (["train", "--train_file=/nonexistent/*.jsonl"], "matches no file"),
+    (["train", "--is_finetune=True", "--init_from={tmp}"], "is not a model folder"),
+    (["train", "--is_keep_training=True", "--output_dir={tmp}/never_run"], "no run to continue"),
+    (["train", "--output_dir=/proc/t5-lowmem-run"], "not writable"),
+    (["train", "--config={tmp}/missing.yaml"], "missing.yaml"),
+    (["nosuchcommand"], "unknown command"),
+])
+def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
+    proc = run_cli(*[a.format(tmp=tmp_path) for a in args])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert fragment in error_line(proc)
+
+
+def test_memory_guard_checkpoints_and_the_run_resumes(tmp_path):
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(400, seed=1))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=2))
+    out = tmp_path / "run"
+    common = [f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={out}", "--max_steps=6", *SMALL]
+    proc = run_cli("train", *common, "--max_rss_gb=0.2")  # a tiny run already uses more than 90 % of this
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    line = error_line(proc)
+    assert "memory guard" in line and "--batch_size" in line and "--is_keep_training=True" in line
+    [saved] = checkpoint.step_folders(out / "checkpoints")
+    assert checkpoint.validate(saved) is None and saved.name == "step_000001"
+    proc = run_cli("train", *common, "--is_keep_training=True")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from" in proc.stdout and "steps:       6" in proc.stdout
+
+
+def test_non_finite_steps_are_skipped_counted_then_abort(tmp_path):
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(400, seed=1))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=2))
+    out = tmp_path / "run"
+    # An absurd learning rate blows the weights up within a few steps: every later loss is NaN.
+    proc = run_cli("train", f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={out}", "--max_steps=30",
+                   "--learn_rate=1e30", "--max_nonfinite_steps=3", "--eval_steps=1", *SMALL)
+    assert proc.returncode == 2
+    assert "3 optimizer steps in a row had a non-finite loss" in error_line(proc)
+    skipped = [r for r in metrics(out) if r["event"] == "nonfinite_step"]
+    assert [r["skipped_total"] for r in skipped] == [1, 2, 3]
+    from safetensors.torch import load_file
+
+    best = load_file(str(out / "best" / "model.safetensors"))
+    assert all(bool(t.isfinite().all()) for t in best.values())
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path):
+    disk = tmp_path / "disk"
+    if shutil.which("mount") is None or not _mount_tmpfs(disk, "64m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        train = write_rows(tmp_path / "train.jsonl", synthetic_rows(400, seed=1))
+        evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=2))
+        out = disk / "run"
+        common = [f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={out}", "--max_steps=12",
+                  "--save_steps=4", "--eval_steps=0", *SMALL]
+        filler = disk / "filler"
+
+        def fill_after_first_checkpoint():  # then the disk is full when the next checkpoint is written
+            while not (out / "checkpoints" / "latest").exists():
+                time.sleep(0.02)
+            with open(filler, "wb") as fh:
+                try:
+                    while True:
+                        fh.write(b"\0" * 2**20)
+                except OSError:
+                    pass
+
+        filling = threading.Thread(target=fill_after_first_checkpoint, daemon=True)
+        filling.start()
+        proc = run_cli("train", *common)
+        filling.join(timeout=60)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "no space left on the device" in error_line(proc)
+        kept = checkpoint.step_folders(out / "checkpoints")
+        assert kept and all(checkpoint.validate(f) is None for f in kept)
+        assert not list((out / "checkpoints").glob(".tmp-*"))  # the partial write was removed
+        filler.unlink()
+        proc = run_cli("train", *common, "--is_keep_training=True")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"resumed from {kept[0]}" in proc.stdout and "steps:       12" in proc.stdout
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
