@@ -210,6 +210,11 @@ class LowMemTrainer:
         self.accelerator = Accelerator(cpu=cfg.cpu, mixed_precision=cfg.mixed_precision,
                                        gradient_accumulation_steps=cfg.gradient_accumulation_steps)
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
+        sharded = self.accelerator.distributed_type.value
+        if sharded in ("DEEPSPEED", "FSDP"):
+            raise UserError(f"{sharded} is not supported by this trainer yet: its checkpoints, exports and "
+                            "uneven last windows assume whole weights on every process (see README, "
+                            "'DeepSpeed ZeRO and FSDP'); launch with accelerate_configs/multi_gpu.yaml")
         self.main = self.accelerator.is_main_process
         set_seed(cfg.seed)
         self.start_time = time.time()

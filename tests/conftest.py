@@ -76,3 +76,15 @@ def metrics(run_dir: Path) -> list[dict]:
     from lowmem.metrics import read_metrics
 
     return read_metrics(Path(run_dir) / "metrics.jsonl")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip cleanly on machines without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

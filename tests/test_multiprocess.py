@@ -136,3 +136,34 @@ def test_two_process_kill_and_resume_is_bit_identical(tmp_path):
             seen = Counter((f, int(row)) for e, _, f, row in lines if e == epoch)
             assert set(seen) == {(str(a), i) for i in range(180)} | {(str(b), i) for i in range(97)}
             assert max(seen.values()) == 1
+
+
+CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+
+
+def test_shipped_accelerate_configs_load_and_the_cpu_one_starts_two_processes(tmp_path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    kinds = {path.stem: ClusterConfig.from_yaml_file(str(path)).distributed_type.value for path in CONFIGS}
+    assert kinds == {"cpu_2proc": "MULTI_GPU", "multi_gpu": "MULTI_GPU", "fsdp": "FSDP",
+                     **{f"deepspeed_zero{z}{o}": "DEEPSPEED" for z in (2, 3) for o in ("", "_offload")}}
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(20, seed=1))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(3, seed=2))
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--main_process_port", "29541",
+                           str(REPO / "train_low_mem.py"), "train", "--cpu=True", f"--train_file={train}",
+                           f"--eval_file={evals}", f"--output_dir={tmp_path / 'run'}", "--max_steps=1",
+                           "--gradient_accumulation_steps=2", "--eval_steps=0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert next(r for r in metrics(tmp_path / "run") if r["event"] == "setup")["world_size"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deepspeed_zero2", "fsdp"])
+def test_sharded_configs_stop_with_a_clear_message(tmp_path, name):
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(REPO / "accelerate_configs" / f"{name}.yaml"), "--num_processes", "1",
+                           str(REPO / "train_low_mem.py"), "train", f"--output_dir={tmp_path / 'run'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "is not supported by this trainer yet" in proc.stderr
