@@ -524,6 +524,7 @@ class LowMemTrainer:
         self.export(self.out / "final")
         self.log_memory("end")
         errors = self.report_data_errors()
+        self.accelerator.wait_for_everyone()  # no process leaves while another is still in a collective
         return {"output_dir": str(self.out), "steps": self.state.step, "eval_loss": metrics["eval_loss"],
                 "bleu": metrics["bleu"], "best_metric": self.state.best_metric, "best_step": self.state.best_step,
                 "bad_rows": errors["bad_rows"]}
@@ -702,3 +703,8 @@ class LowMemTrainer:
             if log is not None:
                 log.close()
         self.metrics = self.consumed = None
+        if getattr(self, "accelerator", None) is not None:
+            # Tear the process group down before interpreter exit: gloo threads left to static
+            # destructors can abort a finished process ("terminate called without an active exception").
+            self.accelerator.end_training()
+            self.accelerator = None
