@@ -136,6 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
     try:
         fire.Fire(COMMANDS, command=argv, name="train_low_mem.py")
+        if "LOCAL_RANK" in os.environ:  # a launched worker whose work is done and flushed
+            # Skip interpreter teardown: C++ threads of the gloo process group left to static
+            # destructors can abort a finished worker ("terminate called without an active exception").
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except UserError as err:
         if debug:
             raise
