@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 from pathlib import Path
@@ -148,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except OSError as err:
-        if debug or err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        from lowmem.checkpoint import DISK_FULL  # torch is already loaded by any run that writes
+
+        if debug or err.errno not in DISK_FULL:
             raise
         print(f"error: no space left on the device ({err.filename or 'output'}); checkpoints are written "
               "atomically, so the last one is intact: free space, then continue with --is_keep_training=True",

@@ -159,16 +159,22 @@ def _json_array(path: Path) -> list:
     return data
 
 
-def read_range(path: Path, index: FileIndex, start: int, end: int) -> Iterator[tuple[int, dict | str]]:
-    """Rows ``start`` ≤ row < ``end`` of one file as (row, record) or (row, reason key) for a bad row."""
-    if start >= end:
+def read_range(path: Path, index: FileIndex | None, start: int = 0,
+               end: int | None = None) -> Iterator[tuple[int, dict | str]]:
+    """Rows ``start`` ≤ row < ``end`` (None: to the end) of one file as (row, record), or
+    (row, reason key) for a bad row. Reading from the first row needs no index (``index=None``):
+    no pass over the file is made first."""
+    if index is None and start:
+        raise ValueError("reading from a row other than the first needs the file's index")
+    if end is not None and start >= end:
         return
+    kind = index.kind if index is not None else file_kind(path)
     try:
-        if index.kind == "parquet":
+        if kind == "parquet":
             yield from _parquet_range(path, index, start, end)
-        elif index.kind == "csv":
+        elif kind == "csv":
             yield from _csv_range(path, index, start, end)
-        elif index.kind == "json-array":
+        elif kind == "json-array":
             for row, record in enumerate(_json_array(path)[start:end], start=start):
                 yield row, record if isinstance(record, dict) else "not_an_object"
         else:
@@ -177,11 +183,15 @@ def read_range(path: Path, index: FileIndex, start: int, end: int) -> Iterator[t
         raise UserError(f"cannot read {path}: {exc}") from exc
 
 
-def _jsonl_range(path: Path, index: FileIndex, start: int, end: int):
-    row, offset = index.seek_point(start)
+def _seek_point(index: FileIndex | None, start: int) -> tuple[int, int | None]:
+    return index.seek_point(start) if index is not None else (0, None)
+
+
+def _jsonl_range(path: Path, index: FileIndex | None, start: int, end: int | None):
+    row, offset = _seek_point(index, start)
     with open(path, "rb") as fh:
-        fh.seek(offset)
-        while row < end:
+        fh.seek(offset or 0)
+        while end is None or row < end:
             line = fh.readline()  # one row in memory at a time, however long it is
             if not line:
                 return
@@ -204,34 +214,35 @@ def _parse_line(line: bytes) -> dict | str:
     return record if isinstance(record, dict) else "not_an_object"
 
 
-def _parquet_range(path: Path, index: FileIndex, start: int, end: int):
+def _parquet_range(path: Path, index: FileIndex | None, start: int, end: int | None):
     import pyarrow.parquet as pq
 
-    first_row, group = index.seek_point(start)
+    first_row, group = _seek_point(index, start)
     pf = pq.ParquetFile(path)
-    groups = list(range(group, pf.metadata.num_row_groups))
+    groups = list(range(group or 0, pf.metadata.num_row_groups))
     row = first_row
     for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups):
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue
         for record in batch.to_pylist():
-            if start <= row < end:
+            if end is not None and row >= end:
+                return
+            if row >= start:
                 yield row, record
             row += 1
-            if row >= end:
-                return
 
 
-def _csv_range(path: Path, index: FileIndex, start: int, end: int):
-    row, offset = index.seek_point(start)
+def _csv_range(path: Path, index: FileIndex | None, start: int, end: int | None):
+    row, offset = _seek_point(index, start)
     with open(path, "rb") as fh:
         header = next(csv.reader(io.TextIOWrapper(io.BytesIO(fh.readline()), encoding="utf-8",
                                                   errors="replace")), [])
-        fh.seek(offset)
+        if offset is not None:  # without an index: the first record follows the header
+            fh.seek(offset)
         lines = _Lines(fh)
         for values in csv.reader(lines):
-            if row >= end:
+            if end is not None and row >= end:
                 return
             if row >= start:
                 yield row, "invalid_utf8" if lines.bad else dict(zip(header, values))

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import UserError
-from data.readers import REASONS, FileIndex, index_file, read_range, row_problem
+from data.readers import REASONS, FileIndex, file_kind, index_file, read_range, row_problem
 
-# File ending -> datasets' packaged builder.
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # file endings read by data.readers
 
 
 @dataclass(frozen=True)
@@ -98,19 +97,15 @@ class DataProblems:
         self.by_reason, self.by_file = Counter(state["by_reason"]), Counter(state["by_file"])
         self.first = list(state["first"])
 
-    def merge(self, states: list[dict]) -> dict:
+    @classmethod
+    def merge(cls, states: list[dict]) -> dict:
         """The sum of several processes' ``state_dict()``s."""
-        total = DataProblems()
+        total = cls()
         for state in states:
             total.by_reason.update(state["by_reason"])
             total.by_file.update(state["by_file"])
-            total.first.extend(state["first"][: self.REPORT_FIRST - len(total.first)])
+            total.first.extend(state["first"][: cls.REPORT_FIRST - len(total.first)])
         return total.state_dict()
-
-
-def count_rows(path: Path) -> int:
-    """Rows in one file (lines for jsonl, bad ones included), without holding it in memory."""
-    return index_file(path).rows
 
 
 def iter_rows(path: Path, file_index: int, columns: tuple[str, str], start_row: int = 0,
@@ -119,15 +114,17 @@ def iter_rows(path: Path, file_index: int, columns: tuple[str, str], start_row: 
     """Stream rows ``start_row`` ≤ row < ``end_row`` of one file (seeking, not reading, to the start).
 
     Yields an ``Example`` per usable row and ``None`` for a bad row (counted in ``problems``), so
-    the caller keeps an exact row position either way.
+    the caller keeps an exact row position either way. Only a start past the first row needs the
+    file's index (built here when not given); reading from the start makes no pass over it first.
     """
-    index = index or index_file(path)
-    end_row = index.rows if end_row is None else end_row
+    if index is None and start_row:
+        index = index_file(path)
+    kind = index.kind if index is not None else file_kind(path)
     for row, record in read_range(path, index, start_row, end_row):
         problem = row_problem(record, columns)
         if problem:
             if problems is not None:
-                problems.add(path, index.kind, row, *problem)
+                problems.add(path, kind, row, *problem)
             yield None
             continue
         yield Example(record[columns[0]], record[columns[1]], file_index, row)
@@ -137,8 +134,7 @@ def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample
     """Fail early, before any model is built, when no row among the first ``sample`` rows of the
     first file has the configured columns (single bad rows are counted later, not fatal)."""
     seen: dict[str, None] = {}
-    index = index_file(files[0])
-    for _, record in read_range(files[0], index, 0, min(index.rows, sample)):
+    for _, record in read_range(files[0], None, 0, sample):
         if isinstance(record, dict):
             if all(c in record for c in columns):
                 return

@@ -87,7 +87,7 @@ def atomic_folder(final: Path):
 def disk_full(exc: BaseException, path: Path) -> bool:
     """Whether a failed write ran out of space. torch.save reports a full disk as a RuntimeError
     without an errno, so the free space is checked too (before the partial files are removed)."""
-    if isinstance(exc, OSError) and exc.errno in DISK_FULL or "No space left" in str(exc):
+    if (isinstance(exc, OSError) and exc.errno in DISK_FULL) or "No space left" in str(exc):
         return True
     try:
         return isinstance(exc, (OSError, RuntimeError)) and shutil.disk_usage(path).free < 4 * 2**20

@@ -11,7 +11,7 @@ from conftest import synthetic_rows, write_rows
 from config import UserError
 from data.collate import Seq2SeqCollator
 from data.readers import index_file
-from data.sources import DataProblems, count_rows, iter_rows, resolve_files
+from data.sources import DataProblems, iter_rows, resolve_files
 from data.stream import ExampleStream, take_examples
 
 COLS = ("prompt", "response")
@@ -24,7 +24,7 @@ def test_every_format_streams_all_rows_in_order(tmp_path, ending):
     got = [e for e in iter_rows(path, 0, COLS) if e is not None]
     assert [(e.prompt, e.response) for e in got] == [(r["prompt"], r["response"]) for r in rows]
     assert [e.row for e in got] == list(range(150))
-    assert count_rows(path) == 150
+    assert index_file(path).rows == 150
 
 
 def test_resolve_files_globs_folders_and_errors(tmp_path):
