@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,33 @@ MODEL_PRESETS = {
     "tiny": dict(d_model=128, d_ff=512, num_heads=4, d_kv=32, num_layers=2, num_decoder_layers=2),
     "small": dict(d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6, num_decoder_layers=6),
     "base": dict(d_model=768, d_ff=3072, num_heads=12, d_kv=64, num_layers=10, num_decoder_layers=10),
+}
+
+
+OPTIMIZERS = ("adafactor", "adamw", "adamw8bit")
+LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo")
+ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
+CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+# Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
+# README, 'Memory profiles' (from `python train_low_mem.py plan --memory_profile=NAME`).
+MEMORY_PROFILES = {
+    # A 16 GB host, no GPU: fp32 on the CPU, the smallest optimizer state, and the memory guard
+    # checkpoints and stops before the OOM killer would.
+    "host16g": dict(cpu=True, mixed_precision="no", optimizer="adafactor", gradient_checkpointing=False,
+                    batch_size=2, gradient_accumulation_steps=16, max_rss_gb=14.0),
+    # Consumer GPUs: bf16 autocast everywhere; checkpointing and a micro-batch of 1 where memory is tightest.
+    "gpu8g": dict(mixed_precision="bf16", optimizer="adafactor", gradient_checkpointing=True,
+                  batch_size=1, gradient_accumulation_steps=32),
+    "gpu12g": dict(mixed_precision="bf16", optimizer="adafactor", gradient_checkpointing=True,
+                   batch_size=2, gradient_accumulation_steps=16),
+    "gpu16g": dict(mixed_precision="bf16", optimizer="adafactor", gradient_checkpointing=False,
+                   batch_size=2, gradient_accumulation_steps=16),
+    # Enough memory for full AdamW state: the fastest settings.
+    "gpu24g": dict(mixed_precision="bf16", optimizer="adamw", gradient_checkpointing=False,
+                   batch_size=2, gradient_accumulation_steps=16),
+    "gpu80g": dict(mixed_precision="bf16", optimizer="adamw", gradient_checkpointing=False,
+                   batch_size=2, gradient_accumulation_steps=16, eval_batch_size=4),
 }
 
 
@@ -95,6 +123,27 @@ class TrainConfig:
                                 "checkpoint and stop with exit code 3 instead of meeting the OOM killer.")
     mixed_precision: str = _f("no", "no or bf16 (bf16 halves activation memory where supported). fp16 is refused.")
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
+
+    # --- memory modes (see README, 'Memory modes'; `plan` predicts what each costs) ---
+    memory_profile: str | None = _f(None, "A named set of the flags below for a budget: "
+                                          + ", ".join(MEMORY_PROFILES) + ". Explicit flags win over it.")
+    gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward. True saves most "
+                                             "activation memory for about 20-35% more time.")
+    optimizer: str = _f("adafactor", "adafactor (factored second moments: the smallest state), adamw (2 x weights "
+                                     "of state) or adamw8bit (bitsandbytes, pip install .[gpu]: 1/4 of adamw).")
+    lora_r: int = _f(0, "LoRA rank (0 = off; peft, pip install .[gpu]). Only adapters get gradients and "
+                        "optimizer state; best/ and final/ are merged plain models. Nonzero saves memory.")
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = _f(0.05, "Dropout on the LoRA input.")
+    lora_target_modules: str = _f("q,v", "Comma list of T5 linear layers that get adapters: q, k, v, o "
+                                         "(attention), wi, wo (feed-forward). With SFT only the decoder's.")
+    encoder_cache: str = _f("off", "SFT only: compute the frozen encoder's outputs once per example and train "
+                                   "the decoder from them. off, disk (OUTPUT_DIR/encoder_cache), memory (the "
+                                   "same file read into RAM) or auto (memory when small). Saves the encoder's "
+                                   "compute, activations and, on a GPU, its weights.")
+    encoder_cache_dtype: str = _f("float32", "Storage of the encoder cache: float32 (the compute dtype: "
+                                             "training matches the uncached run), bfloat16 or float16 (half the "
+                                             "disk and RAM).")
 
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")
@@ -192,11 +241,61 @@ class TrainConfig:
             problems.append("--prompt_column and --response_column must differ")
         if self.resume_from and not self.is_keep_training:
             problems.append("--resume_from needs --is_keep_training=True")
+        problems += self._memory_mode_problems()
         if problems:
             raise UserError("; ".join(problems))
 
+    def _memory_mode_problems(self) -> list[str]:
+        problems = []
+        if self.memory_profile is not None and self.memory_profile not in MEMORY_PROFILES:
+            problems.append(f"--memory_profile must be one of {', '.join(MEMORY_PROFILES)} "
+                            f"(got {self.memory_profile!r})")
+        if self.optimizer not in OPTIMIZERS:
+            problems.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
+        if self.lora_r < 0:
+            problems.append(f"--lora_r must not be negative (got {self.lora_r})")
+        if self.lora_r and not self.is_finetune:
+            problems.append("--lora_r needs --is_finetune=True: LoRA adapts a trained model, pretraining from "
+                            "scratch must train every weight")
+        for flag, wanted, module in (("--optimizer=adamw8bit", self.optimizer == "adamw8bit", "bitsandbytes"),
+                                     ("--lora_r", self.lora_r > 0, "peft")):
+            if wanted and not _installed(module):
+                problems.append(f"{flag} needs the optional package {module}: pip install '.[gpu]' "
+                                f"(or pip install {module})")
+        if self.lora_r and self.lora_alpha <= 0:
+            problems.append(f"--lora_alpha must be positive (got {self.lora_alpha})")
+        if not 0 <= self.lora_dropout < 1:
+            problems.append(f"--lora_dropout must be in [0, 1) (got {self.lora_dropout})")
+        targets = self.lora_targets
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if bad or not targets:
+            problems.append(f"--lora_target_modules must be a comma list of {', '.join(LORA_TARGETS)} "
+                            f"(got {self.lora_target_modules!r})")
+        if self.encoder_cache not in ENCODER_CACHE_MODES:
+            problems.append(f"--encoder_cache must be one of {', '.join(ENCODER_CACHE_MODES)} "
+                            f"(got {self.encoder_cache!r})")
+        elif self.encoder_cache != "off" and not self.is_finetune:
+            problems.append("--encoder_cache needs --is_finetune=True: only SFT freezes the encoder "
+                            "(pretraining trains it, so its outputs change every step)")
+        if self.encoder_cache_dtype not in CACHE_DTYPES:
+            problems.append(f"--encoder_cache_dtype must be one of {', '.join(CACHE_DTYPES)} "
+                            f"(got {self.encoder_cache_dtype!r})")
+        return problems
+
+    @property
+    def lora_targets(self) -> list[str]:
+        return [t.strip() for t in str(self.lora_target_modules).split(",") if t.strip()]
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _installed(module: str) -> bool:
+    """Whether an optional package can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module blocked in sys.modules
+        return False
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -272,9 +371,17 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
             problems.append(str(err))
     if problems:
         raise UserError("; ".join(problems))
+    notes = []
+    profile = converted.get("memory_profile")
+    if profile in MEMORY_PROFILES:  # an unknown name is reported by validate()
+        for name, value in MEMORY_PROFILES[profile].items():
+            if name in converted and converted[name] != value:
+                notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
+                             f"wins over the profile's {value!r}")
+            converted.setdefault(name, value)
     cfg = TrainConfig(**converted)
     cfg.resolve_defaults()
-    notes = cfg.apply_caps()
+    notes += cfg.apply_caps()
     cfg.validate()
     return cfg, notes
 
@@ -298,7 +405,9 @@ def help_text() -> str:
     """The ``--help`` listing: every option with its type, default and help."""
     lines = ["t5-lowmem: low-memory T5 pretraining and SFT.", "",
              "usage: python train_low_mem.py COMMAND [--option=value ...] [--config=FILE.yaml]", "",
-             "commands: train, evaluate, generate, train_tokenizer", "", "options:"]
+             "commands: train, plan, evaluate, generate, train_tokenizer", "",
+             "plan also takes --json (one JSON object), --budget_gb=X and --device=cpu|gpu (recommend modes)", "",
+             "options:"]
     for f in dataclasses.fields(TrainConfig):
         hint = _HINTS[f.name]
         base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)

@@ -4,6 +4,7 @@
     python train_low_mem.py train --is_finetune=True                # SFT from runs/pretrain/best
     python train_low_mem.py train --is_keep_training=True           # resume the latest checkpoint
     accelerate launch --multi_gpu train_low_mem.py train --is_finetune=True
+    python train_low_mem.py plan --budget_gb=12 --device=gpu       # predicted peak memory, modes that fit
     python train_low_mem.py evaluate --init_from=runs/sft/best --is_finetune=True
     python train_low_mem.py generate --init_from=runs/sft/best --prompt="你好"
     python train_low_mem.py train_tokenizer --train_file=corpus.jsonl --tokenizer_dir=my_tokenizer
@@ -82,6 +83,19 @@ def mark_run_started(cfg) -> None:
         pass  # the trainer's own check reports an unwritable folder with a clear message
 
 
+def plan(config: str | None = None, **flags) -> None:
+    """Predicted peak memory by component (--json: one JSON object); --budget_gb=X --device=cpu|gpu
+    recommends the fastest modes that fit."""
+    from lowmem.planner import plan_command
+
+    as_json = bool(flags.pop("json", False))
+    budget_gb, device = flags.pop("budget_gb", None), flags.pop("device", None)
+    cfg, notes = load_config(flags, config)
+    for note in notes:
+        print(note, file=sys.stderr)
+    plan_command(cfg, as_json, budget_gb, device)
+
+
 def evaluate(config: str | None = None, **flags) -> dict:
     """Eval loss and BLEU of --init_from (default: OUTPUT_DIR/best) on --eval_file."""
     from trainer_low_mem import LowMemTrainer
@@ -119,7 +133,8 @@ def train_tokenizer(config: str | None = None, **flags) -> dict:
     return {"tokenizer_dir": cfg.tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}
 
 
-COMMANDS = {"train": train, "evaluate": evaluate, "generate": generate, "train_tokenizer": train_tokenizer}
+COMMANDS = {"train": train, "plan": plan, "evaluate": evaluate, "generate": generate,
+            "train_tokenizer": train_tokenizer}
 
 
 def main(argv: list[str] | None = None) -> None:

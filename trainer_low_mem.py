@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig, UserError
-from data.collate import Seq2SeqCollator
+from data.collate import CachedEncoderCollator, Seq2SeqCollator
 from data.readers import index_file
 from data.sources import DataProblems, check_columns, resolve_files
 from data.stream import ExampleStream, batched, take_examples
@@ -33,12 +33,16 @@ from lowmem.evaluation import bleu_score, is_better
 from lowmem.memory import free_memory, memory_snapshot, process_rss_bytes
 from lowmem.metrics import AppendLog, MetricsLog, train_line
 from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part of this module's API)
+    apply_memory_modes,
     build_model,
     build_optimizer,
     build_scheduler,
     count_parameters,
     freeze_for_sft,
+    frozen_encoder_states,
+    has_lora,
     load_model,
+    merged_state_dict,
     steps_per_epoch,
     token_loss_sum,
 )
@@ -94,6 +98,7 @@ class LowMemTrainer:
         self.stop_signal = None
         self.resumed_interval = None
         self.bar = None
+        self.encoder_cache = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> LowMemTrainer:
@@ -117,6 +122,7 @@ class LowMemTrainer:
         self.log_memory("start")
         if self.tokenizer is None:
             self.tokenizer = self._load_or_train_tokenizer()
+        self.memory_plan = self._predict_memory()  # before the model exists: the framework baseline
         if self.model is None:
             self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
                           else build_model(cfg, self.tokenizer))
@@ -126,6 +132,7 @@ class LowMemTrainer:
         self.run_config = self._run_config()  # the tokenizer is fixed for the run: fingerprint it once
         if cfg.is_finetune:
             freeze_for_sft(self.model)
+        self.model = apply_memory_modes(self.model, cfg)
         self.trainable, self.frozen = count_parameters(self.model)
         self.log_memory("model_built")
 
@@ -146,6 +153,7 @@ class LowMemTrainer:
         self.log_memory("prepared")
 
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len)
+        self.train_collator = self.collator
         self.stream = ExampleStream(self.train_files, columns, cfg.seed, cfg.shuffle_buffer_size,
                                     rank=self.rank, world_size=self.world, indexes=indexes,
                                     problems=DataProblems(report=self.warn))
@@ -155,6 +163,8 @@ class LowMemTrainer:
             raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
         if resume_dir is not None:
             self.load_checkpoint(resume_dir)
+        if cfg.encoder_cache != "off":
+            self._open_encoder_cache(indexes)
         self._announce(rows, per_epoch)
         return self
 
@@ -189,6 +199,76 @@ class LowMemTrainer:
                 out = self.core.generate(**batch, max_new_tokens=self.cfg.max_new_tokens, num_beams=self.cfg.num_beams)
             answers.extend(self.tokenizer.batch_decode(out, skip_special_tokens=True))
         return answers
+
+    def _predict_memory(self) -> dict:
+        """The planner's prediction for this run (``python train_low_mem.py plan`` prints the same)."""
+        from lowmem import planner
+
+        device = "gpu" if self.accelerator.device.type == "cuda" else "cpu"
+        lengths = planner.sample_lengths(self.cfg, self.tokenizer)
+        plan = planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(), device, self.world)
+        self.record("memory_plan", **plan)
+        return plan
+
+    def report_memory_peak(self) -> dict:
+        """Predicted and measured peak memory side by side (log line and a memory_peak event)."""
+        snap = memory_snapshot()
+        plan = self.memory_plan
+        fields = {"predicted_host_peak_mb": plan["host_peak_mb"], "measured_host_peak_mb": snap["peak_rss_mb"],
+                  "host_ratio": round(plan["host_peak_mb"] / max(snap["peak_rss_mb"], 1), 3)}
+        line = (f"peak host RAM: predicted {plan['host_peak_mb']:,.0f} MiB, measured {snap['peak_rss_mb']:,.0f} MiB "
+                f"(ratio {fields['host_ratio']:.2f})")
+        if "cuda_peak_mb" in snap:
+            from lowmem.planner import CUDA_CONTEXT_MB
+
+            measured = snap["cuda_reserved_peak_mb"] + CUDA_CONTEXT_MB
+            fields.update(predicted_gpu_peak_mb=plan["gpu_peak_mb"], measured_gpu_peak_mb=measured,
+                          gpu_ratio=round(plan["gpu_peak_mb"] / max(measured, 1), 3))
+            line += (f"; GPU: predicted {plan['gpu_peak_mb']:,.0f} MiB, measured {measured:,.0f} MiB "
+                     "(torch's reserved peak + CUDA context)")
+        self.record("memory_peak", **fields)
+        self.say(line)
+        return fields
+
+    def _open_encoder_cache(self, indexes: list) -> None:
+        """Build (or reuse) the frozen encoder's outputs for this process's rows; train from them."""
+        from lowmem import encoder_cache
+
+        cfg, columns = self.cfg, (self.cfg.prompt_column, self.cfg.response_column)
+        shares = [self.stream.share(i) for i in range(len(self.train_files))]
+        key = encoder_cache.fingerprint(self.core.encoder, self.run_config["tokenizer_sha1"], cfg.max_source_len,
+                                        cfg.encoder_cache_dtype, self.train_files, columns, self.world)
+
+        def build(folder: Path) -> None:
+            self.say(f"encoder cache: encoding {sum(e - s for s, e in shares):,} rows into {folder}")
+            bar = tqdm(total=sum(e - s for s, e in shares), desc="encoder cache", unit="row",
+                       disable=not (self.main and self._tty()))
+            encoder_cache.build(folder, self.rank, self.train_files, indexes, shares, columns, self._encode,
+                                self.core.config.d_model, cfg.encoder_cache_dtype, bar)
+            bar.close()
+
+        self.encoder_cache = encoder_cache.open_cache(self.out / "encoder_cache", key, self.rank, cfg.encoder_cache,
+                                                      shares, build, self.say)
+        self.train_collator = CachedEncoderCollator(self.collator, self.encoder_cache)
+        self.log_memory("encoder_cache")
+        if self.accelerator.device.type == "cuda":
+            # Training no longer runs the encoder: its blocks leave GPU memory (evaluation brings
+            # them back for its duration). The shared embedding stays: the decoder reads it.
+            self._move_encoder("cpu")
+            free_memory()
+
+    def _move_encoder(self, device) -> None:
+        for module in (self.core.encoder.block, self.core.encoder.final_layer_norm):
+            module.to(device)
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen encoder's outputs for ``prompts``, exactly as the uncached training step computes them."""
+        self.core.encoder.eval()
+        batch = self.to_device(self.collator.encode(prompts, self.cfg.max_source_len))
+        with self.accelerator.autocast():
+            hidden = frozen_encoder_states(self.core.encoder, batch["input_ids"], batch["attention_mask"])
+        return hidden, batch["attention_mask"]
 
     def _index_files(self, files: list[Path]) -> list:
         """Row counts and seek points of the training files, read once by the main process."""
@@ -244,8 +324,15 @@ class LowMemTrainer:
     def _announce(self, rows: int, per_epoch: int) -> None:
         cfg = self.cfg
         effective = cfg.batch_size * cfg.gradient_accumulation_steps * self.world
-        features = [f"mixed_precision={cfg.mixed_precision}", f"shuffle_buffer={cfg.shuffle_buffer_size} rows",
-                    "dynamic padding", "streamed data", f"gc every {cfg.gc_every_steps} steps"]
+        features = [f"mixed_precision={cfg.mixed_precision}", f"optimizer={cfg.optimizer}",
+                    f"gradient_checkpointing={cfg.gradient_checkpointing}",
+                    f"shuffle_buffer={cfg.shuffle_buffer_size} rows", "dynamic padding", "streamed data",
+                    f"gc every {cfg.gc_every_steps} steps"]
+        if cfg.lora_r:
+            features.append(f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on decoder {cfg.lora_target_modules}")
+        if cfg.encoder_cache != "off":
+            cache = self.encoder_cache
+            features.append(f"encoder cache ({'RAM' if cache.in_memory else 'disk'}, {cfg.encoder_cache_dtype})")
         if cfg.is_finetune:
             features.append("frozen encoder + embeddings (no_grad, eval mode)")
         lines = [
@@ -279,7 +366,7 @@ class LowMemTrainer:
             while True:
                 epoch = self.stream.epoch  # before drawing: the last window of an epoch moves it on
                 examples = next(windows, [])
-                window = [self.collator(mb) for mb in examples]
+                window = [self.train_collator(mb) for mb in examples]
                 counts = self.window_counts(window)
                 self.check_bad_rows(counts["bad_rows"])
                 if not counts["examples"]:
@@ -349,6 +436,9 @@ class LowMemTrainer:
         """A micro-batch with no target tokens, for a process whose share of the epoch ran out
         first: its backward adds zero gradient but keeps the all-reduce in step with the others."""
         eos = self.tokenizer.eos_token_id
+        if self.train_collator is not self.collator:  # the encoder cache: no input_ids, encoder states
+            return {"encoder_hidden_states": torch.zeros(1, 1, self.core.config.d_model),
+                    "attention_mask": torch.tensor([[1]]), "labels": torch.tensor([[-100]])}
         return {"input_ids": torch.tensor([[eos]]), "attention_mask": torch.tensor([[1]]),
                 "labels": torch.tensor([[-100]])}
 
@@ -523,6 +613,7 @@ class LowMemTrainer:
         self.save_checkpoint()
         self.export(self.out / "final")
         self.log_memory("end")
+        self.report_memory_peak()
         errors = self.report_data_errors()
         self.accelerator.wait_for_everyone()  # no process leaves while another is still in a collective
         return {"output_dir": str(self.out), "steps": self.state.step, "eval_loss": metrics["eval_loss"],
@@ -574,6 +665,9 @@ class LowMemTrainer:
 
         free_memory()  # before evaluation
         self.log_memory("eval_start")
+        offloaded = self.core.encoder.final_layer_norm.weight.device != self.accelerator.device
+        if offloaded:
+            self._move_encoder(self.accelerator.device)  # the eval set is not in the encoder cache
         self.model.eval()
         loss_sum, tokens, pairs = 0.0, 0, []
         mine = self.eval_examples[self.rank::self.world]
@@ -593,6 +687,9 @@ class LowMemTrainer:
             totals = self.accelerator.reduce(totals, "sum")
             pairs = gather_object(pairs)
         self._set_train_mode()
+        if offloaded:
+            self._move_encoder("cpu")
+            free_memory()
         result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5),
                   "bleu": round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4),
                   "eval_examples": len(pairs)}
@@ -618,7 +715,9 @@ class LowMemTrainer:
     def export(self, folder: Path) -> None:
         self.accelerator.wait_for_everyone()
         if self.main:
-            self.folder.export(folder, self.core, self.tokenizer, {"kind": self.cfg.kind, **self.state.state_dict()})
+            merged = merged_state_dict(self.core) if has_lora(self.core) else None  # a plain model, no adapters
+            self.folder.export(folder, self.core, self.tokenizer, {"kind": self.cfg.kind, **self.state.state_dict()},
+                               state_dict=merged)
         self.accelerator.wait_for_everyone()
 
     def save_checkpoint(self) -> Path:
@@ -703,6 +802,9 @@ class LowMemTrainer:
             if log is not None:
                 log.close()
         self.metrics = self.consumed = None
+        if getattr(self, "encoder_cache", None) is not None:
+            self.encoder_cache.close()
+            self.encoder_cache = None
         if getattr(self, "accelerator", None) is not None:
             # Tear the process group down before interpreter exit: gloo threads left to static
             # destructors can abort a finished process ("terminate called without an active exception").

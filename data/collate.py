@@ -33,3 +33,18 @@ class Seq2SeqCollator:
         target = self.encode([e.response for e in examples], self.max_target_len)
         labels = target["input_ids"].masked_fill(target["attention_mask"] == 0, -100)
         return {"input_ids": source["input_ids"], "attention_mask": source["attention_mask"], "labels": labels}
+
+
+class CachedEncoderCollator:
+    """Training batches for SFT with ``--encoder_cache``: the targets are tokenized as usual, the
+    source side is the cached encoder output (no source tokenization, no encoder forward)."""
+
+    def __init__(self, collator: Seq2SeqCollator, cache):
+        self.collator = collator
+        self.cache = cache
+
+    def __call__(self, examples: list[Example]) -> dict[str, torch.Tensor]:
+        target = self.collator.encode([e.response for e in examples], self.collator.max_target_len)
+        labels = target["input_ids"].masked_fill(target["attention_mask"] == 0, -100)
+        hidden, mask = self.cache.hidden_states(examples)
+        return {"encoder_hidden_states": hidden, "attention_mask": mask, "labels": labels}

@@ -30,7 +30,8 @@ def memory_snapshot() -> dict:
     if torch.cuda.is_available():
         snap.update(cuda_allocated_mb=round(torch.cuda.memory_allocated() / 2**20, 1),
                     cuda_reserved_mb=round(torch.cuda.memory_reserved() / 2**20, 1),
-                    cuda_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1))
+                    cuda_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
+                    cuda_reserved_peak_mb=round(torch.cuda.max_memory_reserved() / 2**20, 1))
     return snap
 
 

@@ -51,11 +51,93 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 def build_optimizer(cfg: TrainConfig, params):
-    """Adafactor with the learning rate applied as given (no relative step, no parameter scaling)."""
+    """The optimizer of ``--optimizer``, with the learning rate applied as given.
+
+    Adafactor: no relative step, no parameter scaling (the reference's ``relative_step=True`` ignored
+    the configured rate). adamw8bit keeps both moments in 8 bits (bitsandbytes, tensors of 4096+
+    elements; smaller ones stay 32-bit).
+    """
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw8bit":
+        bnb = optional_import("bitsandbytes", "--optimizer=adamw8bit")
+        return bnb.optim.AdamW8bit(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
     from transformers.optimization import Adafactor
 
     return Adafactor(params, lr=cfg.learn_rate, relative_step=False, scale_parameter=False,
                      warmup_init=False, weight_decay=cfg.weight_decay)
+
+
+def optional_import(module: str, flag: str):
+    """Import an optional extra, or say in one line how to install it."""
+    import importlib
+    import logging
+
+    # bitsandbytes (also imported by peft) tries to fetch an optional 4-bit CPU kernel from the hub
+    # at import and warns when it cannot; nothing here uses it.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{flag} needs the optional package {module}: pip install '.[gpu]' "
+                        f"(or pip install {module}), or choose another setting") from None
+
+
+def add_lora(model, cfg: TrainConfig):
+    """Inject LoRA adapters (peft) into the decoder's ``--lora_target_modules`` and freeze the rest.
+
+    The model stays a plain ``T5ForConditionalGeneration`` with LoRA layers inside, so the trainer
+    calls it as before; :func:`merged_state_dict` gives the plain weights for export.
+    """
+    peft = optional_import("peft", "--lora_r")
+    # A regex on the module path: only the decoder adapts (the encoder is frozen in SFT, and its
+    # outputs may be cached).
+    pattern = r"decoder\.block\.\d+\.layer\.\d+\.(SelfAttention|EncDecAttention|DenseReluDense)\.(" \
+              + "|".join(cfg.lora_targets) + ")"
+    config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                             target_modules=pattern, bias="none")
+    model = peft.inject_adapter_in_model(config, model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return model
+
+
+def apply_memory_modes(model, cfg: TrainConfig):
+    """LoRA adapters (``--lora_r``) and activation checkpointing (``--gradient_checkpointing``)."""
+    if cfg.lora_r:
+        model = add_lora(model, cfg)
+    if cfg.gradient_checkpointing:
+        # transformers 5's name for it (gradient_checkpointing_enable is deprecated); non-reentrant,
+        # and it keeps the dropout RNG state so the recomputed forward matches the first one.
+        model.activation_checkpointing_enable()
+        model.config.use_cache = False  # a KV cache is useless in training and conflicts with recompute
+    return model
+
+
+def has_lora(model) -> bool:
+    return any("lora_" in name for name, _ in model.named_parameters())
+
+
+def merged_state_dict(model) -> dict:
+    """The plain T5 weights of a model with LoRA layers: W + (alpha / r) B A, adapter keys dropped.
+
+    Computed out of place, so training goes on with the unmerged weights bit for bit.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    merged = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            with torch.no_grad():
+                delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+                merged[f"{name}.weight"] = (base.weight + delta).to(base.weight.dtype).detach().clone()
+    for key, tensor in model.state_dict().items():
+        if "lora_" in key:
+            continue
+        plain = key.replace(".base_layer.", ".")
+        merged.setdefault(plain, tensor)
+    return merged
 
 
 def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
@@ -71,19 +153,48 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False) -> to
     """Sum of the cross-entropy over the batch's target tokens (labels == -100 are ignored).
 
     ``model`` is what to call (possibly wrapped for DDP), ``core`` the plain T5 inside it. With a
-    frozen encoder it runs under ``no_grad`` so none of its activations are kept.
+    frozen encoder it runs under ``no_grad`` so none of its activations are kept; a batch from the
+    encoder cache carries ``encoder_hidden_states`` instead of ``input_ids``.
     """
     labels = batch["labels"]
     decoder_input_ids = core._shift_right(labels)
-    if frozen_encoder:
-        with torch.no_grad():
-            encoded = core.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
+        from transformers.modeling_outputs import BaseModelOutput
+
+        out = model(encoder_outputs=BaseModelOutput(last_hidden_state=batch["encoder_hidden_states"]),
+                    attention_mask=batch["attention_mask"], decoder_input_ids=decoder_input_ids, use_cache=False)
+    elif frozen_encoder:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        encoded = BaseModelOutput(last_hidden_state=frozen_encoder_states(core.encoder, batch["input_ids"],
+                                                                          batch["attention_mask"]))
         out = model(encoder_outputs=encoded, attention_mask=batch["attention_mask"],
                     decoder_input_ids=decoder_input_ids, use_cache=False)
     else:
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     decoder_input_ids=decoder_input_ids, use_cache=False)
     return F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+@torch.no_grad()
+def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The frozen encoder's outputs, each row computed alone at its own length (zeros at padding).
+
+    A row's result then never depends on the rows it is batched with. Batched, it would: padding
+    to a longer row, and even the number of rows (the CPU matmul kernels differ for small shapes),
+    change the floating-point reductions by ~1e-7, and training amplifies that. Computed alone, the
+    encoder cache (built once per row) gives the decoder the very same bits as an uncached run.
+    With micro-batches of 1-2 rows the extra encoder calls cost little (README, 'Memory modes').
+    """
+    lengths = attention_mask.sum(dim=1).tolist()
+    hidden = None
+    for row, length in enumerate(lengths):
+        states = encoder(input_ids=input_ids[row:row + 1, :length],
+                         attention_mask=attention_mask[row:row + 1, :length]).last_hidden_state
+        if hidden is None:
+            hidden = states.new_zeros(input_ids.shape[0], input_ids.shape[1], states.shape[-1])
+        hidden[row, :length] = states[0]
+    return hidden
 
 
 def steps_per_epoch(rows: int, batch_size: int, accumulation: int) -> int:

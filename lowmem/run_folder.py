@@ -126,10 +126,13 @@ class RunFolder:
 
     # ------------------------------------------------------------------ exports
     @staticmethod
-    def export(folder: Path, model, tokenizer, info: dict) -> None:
-        """A plain transformers model folder: safetensors weights, config, generation config, tokenizer."""
+    def export(folder: Path, model, tokenizer, info: dict, state_dict: dict | None = None) -> None:
+        """A plain transformers model folder: safetensors weights, config, generation config, tokenizer.
+
+        ``state_dict`` replaces the model's own weights (LoRA: the merged plain weights).
+        """
         with checkpoint.atomic_folder(folder) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
             (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
 

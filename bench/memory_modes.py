@@ -1,0 +1,111 @@
+"""Predicted versus measured peak RSS, and step time, for memory modes on the CPU.
+
+    python bench/memory_modes.py                 # every configuration (a few minutes on 2 cores)
+    python bench/memory_modes.py --quick         # tiny and small only
+
+Each configuration is a real ``train_low_mem.py train`` run in its own process (a few optimizer
+steps, a final checkpoint and exports included). The prediction is the ``memory_plan`` record the
+run writes at start (the same numbers ``plan`` prints); the measurement is the process's peak RSS
+(the kernel's high-water mark) at the end. Step time is the mean of the optimizer steps after the
+first, relative to the plain configuration of the same model and data.
+Target: every predicted / measured ratio within 0.85-1.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = ["--max_steps=8", "--gradient_accumulation_steps=4", "--eval_steps=0", "--max_eval_samples=8",
+         "--save_steps=0", "--logging_steps=1"]
+
+# name, preset, kind (pretrain on short / long rows, or sft), flags, the configuration it is timed against
+CONFIGS = [
+    ("tiny plain", "tiny", "long", [], None),
+    ("tiny checkpointing", "tiny", "long", ["--gradient_checkpointing=True"], "tiny plain"),
+    ("small plain", "small", "long", [], None),
+    ("small batch 1, source 64", "small", "long", ["--batch_size=1", "--max_source_len=64"], "small plain"),
+    ("small checkpointing", "small", "long", ["--gradient_checkpointing=True"], "small plain"),
+    ("small adamw", "small", "long", ["--optimizer=adamw", "--learn_rate=1e-3"], "small plain"),
+    ("small adamw8bit", "small", "long", ["--optimizer=adamw8bit", "--learn_rate=1e-3"], "small plain"),
+    ("small bf16 autocast", "small", "long", ["--mixed_precision=bf16"], "small plain"),
+    ("small SFT", "small", "sft", [], None),
+    ("small SFT LoRA r=8", "small", "sft", ["--lora_r=8", "--learn_rate=1e-3"], "small SFT"),
+    ("small SFT encoder cache", "small", "sft", ["--encoder_cache=memory"], "small SFT"),
+    ("base plain, short rows", "base", "short", [], None),
+    ("base adamw, short rows", "base", "short", ["--optimizer=adamw", "--learn_rate=1e-3"], "base plain, short rows"),
+]
+
+
+def make_corpora(folder: Path) -> dict[str, Path]:
+    """Short rows (the shipped pinyin pairs) and long rows (several chatterbot turns joined)."""
+    rows = [json.loads(line) for line in (REPO / "data/chatterbot/train.jsonl").read_text().splitlines()]
+    rng = random.Random(0)
+    long_rows = []
+    for _ in range(600):
+        picked = rng.sample(rows, 8)
+        long_rows.append({"prompt": " ".join(r["prompt"] + " " + r["response"] for r in picked[:5]),
+                          "response": " ".join(r["response"] for r in picked[5:])})
+    long_path = folder / "long.jsonl"
+    long_path.write_text("".join(json.dumps(r) + "\n" for r in long_rows))
+    return {"short": REPO / "data/pinyin/train.jsonl", "long": long_path,
+            "sft": REPO / "data/chatterbot/train.jsonl"}
+
+
+def run(args: list[str]) -> None:
+    done = subprocess.run([sys.executable, str(REPO / "train_low_mem.py"), "train", *args], cwd=REPO,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"failed: {' '.join(args)}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+
+
+def measure(out: Path) -> dict:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    peak = next(r for r in records if r["event"] == "memory_peak")
+    train = [r for r in records if r["event"] == "train"]
+    step_s = (train[-1]["elapsed_s"] - train[0]["elapsed_s"]) / max(len(train) - 1, 1)
+    return {"predicted": peak["predicted_host_peak_mb"], "measured": peak["measured_host_peak_mb"],
+            "ratio": peak["host_ratio"], "step_s": step_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny and small configurations only")
+    parser.add_argument("--only", default="", help="run configurations whose name contains this")
+    options = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        corpora = make_corpora(tmp)
+        inits = {}
+        results = {}
+        print(f"{'configuration':<28}{'predicted MiB':>14}{'measured MiB':>14}{'ratio':>7}{'step s':>8}"
+              f"{'rel. time':>10}")
+        for name, preset, kind, flags, baseline in CONFIGS:
+            if (options.quick and preset == "base") or options.only not in name:
+                continue
+            out = tmp / name.replace(" ", "_").replace(",", "").replace("=", "")
+            data = ["--train_file=" + str(corpora[kind]), "--model_preset=" + preset]
+            if kind == "sft":
+                if preset not in inits:  # a pretrained model to fine-tune (one step is enough)
+                    inits[preset] = tmp / f"init_{preset}"
+                    run([*data, f"--output_dir={inits[preset]}", "--max_steps=1", "--gradient_accumulation_steps=1",
+                         "--eval_steps=0", "--max_eval_samples=2"])
+                data = ["--is_finetune=True", f"--init_from={inits[preset]}/final", f"--train_file={corpora[kind]}"]
+            run([*data, *STEPS, *flags, f"--output_dir={out}"])
+            result = results[name] = measure(out)
+            rel = result["step_s"] / results[baseline]["step_s"] if baseline in results else 1.0
+            print(f"{name:<28}{result['predicted']:>14,.0f}{result['measured']:>14,.0f}{result['ratio']:>7.2f}"
+                  f"{result['step_s']:>8.2f}{rel:>10.2f}", flush=True)
+        ratios = [r["ratio"] for r in results.values()]
+        within = sum(0.85 <= r <= 1.15 for r in ratios)
+        print(f"{within} of {len(ratios)} predictions within +-15% (ratios {min(ratios):.2f} to {max(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The frozen encoder's outputs, computed once per example and read back instead of running it.
+
+In SFT the encoder (and the embedding it reads) is frozen and in eval mode, so its output for a
+row depends only on the row's source tokens: ``--encoder_cache`` computes it once for every row of
+this process's share of the training files, streamed in chunks (bounded RAM), and training feeds
+it to the decoder as ``encoder_outputs``. Stored in the compute dtype (float32) the decoder sees
+the same numbers as an uncached run.
+
+Layout of ``OUTPUT_DIR/encoder_cache/<fingerprint>/`` (one set per process):
+
+    rows-rank{R}.bin    int64 pairs (offset in tokens, length; -1 for a bad row), one per row of the share
+    states-rank{R}.bin  hidden states, token after token, d_model values each in the storage dtype
+    done-rank{R}.json   written last: the cache is complete
+
+The fingerprint covers the encoder's weights, the tokenizer, --max_source_len, the storage dtype,
+the files (path, size, modification time) and the process layout, so any change builds a new cache
+(the old ones are removed). ``disk`` reads rows with ``pread`` (no memory map: its pages would count
+in the RSS); ``memory`` reads the states file into RAM once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from config import UserError
+from data.sources import iter_rows
+from data.stream import batched
+
+STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
+           "float16": (torch.float16, torch.float16)}  # name -> (torch dtype, numpy-compatible view)
+BUILD_CHUNK = 256  # rows read per encoder call while building (equal lengths share a forward)
+AUTO_MEMORY_FRACTION = 0.1  # auto keeps the cache in RAM when it is at most this share of free RAM
+
+
+def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, files: list[Path],
+                columns: tuple[str, str], world: int) -> str:
+    """What the cached outputs depend on, hashed (the encoder's weights byte by byte)."""
+    digest = hashlib.sha1()
+    for name, tensor in sorted(encoder.state_dict().items()):
+        digest.update(name.encode())
+        flat = tensor.detach().cpu().contiguous()
+        flat = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).reshape(-1)
+        digest.update(memoryview(flat.numpy()).cast("B"))  # no copy of the weights
+    stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    digest.update(json.dumps([tokenizer_sha1, max_source_len, dtype, stats, list(columns), world]).encode())
+    return digest.hexdigest()[:16]
+
+
+class EncoderCache:
+    """This process's cached encoder outputs; ``hidden_states(examples)`` gives a padded batch."""
+
+    def __init__(self, folder: Path, rank: int, shares: list[tuple[int, int]], d_model: int, dtype: str,
+                 in_memory: bool):
+        self.folder, self.rank, self.d_model, self.dtype = folder, rank, d_model, dtype
+        self.shares = shares
+        self.bases = np.cumsum([0] + [end - start for start, end in shares]).tolist()
+        self.torch_dtype, self.view_dtype = STORAGE[dtype]
+        self.row_bytes = d_model * self.torch_dtype.itemsize
+        self.rows_fd = os.open(folder / f"rows-rank{rank}.bin", os.O_RDONLY)
+        self.states_fd = os.open(folder / f"states-rank{rank}.bin", os.O_RDONLY)
+        self.states = None
+        if in_memory:
+            size = os.fstat(self.states_fd).st_size
+            self.states = np.fromfile(folder / f"states-rank{rank}.bin", dtype=np.uint8, count=size)
+        self.in_memory = in_memory
+
+    @property
+    def nbytes(self) -> int:
+        return os.fstat(self.states_fd).st_size
+
+    def entry(self, file_index: int, row: int) -> tuple[int, int]:
+        start = self.shares[file_index][0]
+        raw = os.pread(self.rows_fd, 16, (self.bases[file_index] + row - start) * 16)
+        offset, length = np.frombuffer(raw, dtype=np.int64)
+        return int(offset), int(length)
+
+    def row_states(self, file_index: int, row: int) -> torch.Tensor:
+        offset, length = self.entry(file_index, row)
+        if length < 0:
+            raise RuntimeError(f"encoder cache {self.folder} has no entry for file {file_index} row {row}")
+        begin, size = offset * self.row_bytes, length * self.row_bytes
+        raw = self.states[begin:begin + size].tobytes() if self.states is not None \
+            else os.pread(self.states_fd, size, begin)
+        flat = torch.frombuffer(bytearray(raw), dtype=self.view_dtype).view(self.torch_dtype)
+        return flat.view(length, self.d_model)
+
+    def hidden_states(self, examples, compute_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states [B, S, d_model], attention mask [B, S]) padded to the batch's longest source.
+
+        Padding positions hold zeros: the decoder's cross-attention masks them, as it masks the
+        encoder's outputs at pad tokens in an uncached run.
+        """
+        rows = [self.row_states(e.file_index, e.row) for e in examples]
+        longest = max(r.shape[0] for r in rows)
+        hidden = torch.zeros(len(rows), longest, self.d_model, dtype=compute_dtype)
+        mask = torch.zeros(len(rows), longest, dtype=torch.long)
+        for i, r in enumerate(rows):
+            hidden[i, :r.shape[0]] = r.to(compute_dtype)
+            mask[i, :r.shape[0]] = 1
+        return hidden, mask
+
+    def close(self) -> None:
+        for fd in (self.rows_fd, self.states_fd):
+            os.close(fd)
+        self.states = None
+
+
+def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tuple[int, int]],
+          columns: tuple[str, str], encode, d_model: int, dtype: str, progress=None) -> None:
+    """Encode every usable row of this process's shares and write the cache files of ``rank``.
+
+    ``encode(prompts)`` returns (hidden states [B, S, d], attention mask [B, S]) for a list of texts.
+    Rows are streamed in chunks of BUILD_CHUNK, so RAM holds one chunk whatever the corpus size.
+    """
+    torch_dtype, view_dtype = STORAGE[dtype]
+    folder.mkdir(parents=True, exist_ok=True)
+    offset = 0
+    with open(folder / f"rows-rank{rank}.bin", "wb") as rows_out, \
+            open(folder / f"states-rank{rank}.bin", "wb") as states_out:
+        for file_index, (path, index, (start, end)) in enumerate(zip(files, indexes, shares)):
+            items = iter_rows(path, file_index, columns, start, end, index)
+            for chunk in batched(items, BUILD_CHUNK):
+                good = [e for e in chunk if e is not None]
+                entries = {}
+                if good:
+                    hidden, mask = encode([e.prompt for e in good])
+                    lengths = mask.sum(dim=1).tolist()
+                    for i, (example, length) in enumerate(zip(good, lengths)):
+                        states = hidden[i, :length].to("cpu", torch_dtype).contiguous()
+                        states_out.write(states.view(view_dtype).numpy().tobytes())
+                        entries[id(example)] = (offset, length)
+                        offset += length
+                    del hidden, mask
+                pairs = [entries.get(id(e), (-1, -1)) if e is not None else (-1, -1) for e in chunk]
+                rows_out.write(np.asarray(pairs, dtype=np.int64).tobytes())
+                if progress is not None:
+                    progress.update(len(chunk))
+        for out in (rows_out, states_out):
+            out.flush()
+            os.fsync(out.fileno())
+    meta = {"d_model": d_model, "dtype": dtype, "tokens": offset,
+            "bytes": offset * d_model * torch_dtype.itemsize}
+    (folder / f"done-rank{rank}.json").write_text(json.dumps(meta))
+
+
+def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[int, int]], build_fn,
+               say=print) -> EncoderCache:
+    """Reuse the complete cache for ``key`` or build it with ``build_fn(folder)`` (removing caches of
+    other keys), then open it in RAM (``memory``, or ``auto`` when small) or on disk."""
+    folder = root / key
+    done = folder / f"done-rank{rank}.json"
+    if done.is_file():
+        say(f"encoder cache: reusing {folder}")
+    else:
+        if root.is_dir():
+            for old in root.iterdir():
+                if old.name != key:
+                    shutil.rmtree(old, ignore_errors=True)  # data, tokenizer or encoder changed
+        try:
+            build_fn(folder)
+        except BaseException:
+            for part in ("rows", "states", "done"):  # never leave a half-written cache behind
+                for f in folder.glob(f"{part}-rank{rank}.*"):
+                    f.unlink()
+            raise
+    meta = json.loads(done.read_text())
+    available = _available_ram()
+    in_memory = mode == "memory" or (mode == "auto" and meta["bytes"] <= AUTO_MEMORY_FRACTION * available)
+    if mode == "memory" and meta["bytes"] > 0.5 * available:
+        raise UserError(f"--encoder_cache=memory: the cache is {meta['bytes'] / 2**20:.0f} MiB, more than half "
+                        f"of the free RAM; use --encoder_cache=disk (or auto)")
+    cache = EncoderCache(folder, rank, shares, meta["d_model"], meta["dtype"], in_memory)
+    say(f"encoder cache: {meta['tokens']:,} tokens, {meta['bytes'] / 2**20:.1f} MiB "
+        f"({meta['dtype']}), {'in RAM' if in_memory else 'read from disk'}")
+    return cache
+
+
+def _available_ram() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available

@@ -1,0 +1,305 @@
+"""Peak-memory prediction by component, and the fastest memory modes that fit a budget.
+
+    python train_low_mem.py plan [train flags]                      # table: host RAM and GPU memory
+    python train_low_mem.py plan --json                             # the same as one JSON object
+    python train_low_mem.py plan --budget_gb=12 --device=gpu        # recommend flags that fit
+
+Figures are MiB. Weights, gradients and optimizer state are counted exactly from the model's
+shapes; activations from the T5 layer shapes at the longest batch the data can produce (sampled
+from the training files, capped by --max_source_len / --max_target_len); the framework baseline is
+measured in this process (Python, torch, transformers, tokenizer). On the CPU the host figure is
+checked against measured peak RSS by ``bench/memory_modes.py``; the GPU figures are estimates
+(no GPU was available to check them, see README).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from config import MODEL_PRESETS, TrainConfig
+
+MB = 2**20
+# Heap memory the CPU allocator keeps after freeing activations and optimizer temporaries
+# (glibc reuses it, but it stays resident): a share of the bytes that are allocated and freed at
+# every step. Calibrated with bench/memory_modes.py on the CPU.
+ALLOCATOR_SLACK = 0.45
+FIRST_STEP_MB = 60  # kernels, thread pools and autograd bookkeeping created by the first step
+CUDA_CONTEXT_MB = 500  # CUDA context and kernels on the GPU (outside torch's allocator)
+CUDA_HOST_MB = 1500  # host RSS of the CUDA runtime libraries once initialised
+GPU_ALLOCATOR_SLACK = 0.10  # torch's caching allocator: reserved above allocated
+
+# Relative step-time factors (1.0 = fp32, no checkpointing, AdamW-class optimizer) used to rank modes.
+SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03}
+
+
+def model_dims(cfg: TrainConfig, vocab_size: int) -> dict:
+    """d_model, d_ff, heads, d_kv, layers and vocabulary of the model the run trains."""
+    if cfg.is_finetune and cfg.init_from and (Path(cfg.init_from) / "config.json").is_file():
+        saved = json.loads((Path(cfg.init_from) / "config.json").read_text())
+        dims = {k: saved[k] for k in ("d_model", "d_ff", "num_heads", "d_kv", "num_layers")}
+        dims["num_decoder_layers"] = saved.get("num_decoder_layers") or saved["num_layers"]
+        dims["vocab_size"] = saved["vocab_size"]
+        return dims
+    return {**MODEL_PRESETS[cfg.model_preset], "vocab_size": vocab_size}
+
+
+def parameter_shapes(dims: dict) -> dict[str, list[tuple[int, ...]]]:
+    """Parameter shapes of a tied T5 by part: shared embedding, encoder, decoder."""
+    d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
+    attention = [(i, d), (i, d), (i, d), (d, i), (d,)]  # q k v o, layer norm
+    ff = [(f, d), (d, f), (d,)]
+    encoder = [(32, h)] + (attention + ff) * dims["num_layers"] + [(d,)]
+    decoder = [(32, h)] + (attention * 2 + ff) * dims["num_decoder_layers"] + [(d,)]
+    return {"shared": [(dims["vocab_size"], d)], "encoder": encoder, "decoder": decoder}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def trainable_shapes(cfg: TrainConfig, dims: dict) -> list[tuple[int, ...]]:
+    shapes = parameter_shapes(dims)
+    if cfg.lora_r:
+        d, f, i = dims["d_model"], dims["d_ff"], dims["num_heads"] * dims["d_kv"]
+        per_target = {"q": (d, i), "k": (d, i), "v": (d, i), "o": (i, d), "wi": (d, f), "wo": (f, d)}
+        out = []
+        for name in cfg.lora_targets:
+            fan_in, fan_out = per_target[name]
+            blocks = 2 if name in ("q", "k", "v", "o") else 1  # self- and cross-attention
+            out += [(cfg.lora_r, fan_in), (fan_out, cfg.lora_r)] * blocks * dims["num_decoder_layers"]
+        return out
+    if cfg.is_finetune:
+        return shapes["decoder"]
+    return shapes["shared"] + shapes["encoder"] + shapes["decoder"]
+
+
+def optimizer_bytes(cfg: TrainConfig, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+    """(state bytes, largest per-step temporary) of --optimizer for these trainable shapes."""
+    state, temp = 0, 0
+    for shape in shapes:
+        n = _numel(shape)
+        if cfg.optimizer == "adamw":
+            state += 8 * n
+        elif cfg.optimizer == "adamw8bit":
+            state += (2 * n + 8 * (n // 256 + 1)) if n >= 4096 else 8 * n
+        else:  # Adafactor: factored second moment for matrices, full for vectors
+            state += 4 * (shape[0] + shape[1]) if len(shape) == 2 else 4 * n
+        temp = max(temp, 8 * n)  # two update-sized tensors live at once inside step()
+    return state, temp
+
+
+def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: int, device: str = "cpu") -> dict:
+    """Bytes saved for backward (and live at the backward peak) for one micro-batch."""
+    b, s, t = cfg.batch_size, source_len, target_len
+    d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
+    # On a GPU bf16 halves the matmul outputs (not norms / softmax); CPU autocast measured no saving.
+    width = 2.4 if cfg.mixed_precision == "bf16" and device == "gpu" else 4
+    block = 8 * d + 4 * i + 3.25 * f  # per token: norms, q k v o, feed-forward, dropout masks
+    enc_layer = b * s * (block + 4.25 * h * s) * width
+    dec_layer = b * t * (block + 4 * d + 2 * i + 4.25 * h * (t + s)) * width + b * s * 2 * i * width
+    n_enc, n_dec = dims["num_layers"], dims["num_decoder_layers"]
+    frozen_encoder = cfg.is_finetune
+    encoder_saved = 0 if frozen_encoder else enc_layer * n_enc
+    encoder_peak = enc_layer if frozen_encoder and cfg.encoder_cache == "off" else 0  # transient, no_grad
+    if cfg.gradient_checkpointing:  # each block keeps its input; one block is recomputed at a time
+        encoder_saved = 0 if frozen_encoder else b * s * d * 4 * n_enc + enc_layer
+        decoder_saved = b * t * d * 4 * n_dec + dec_layer
+    else:
+        decoder_saved = dec_layer * n_dec
+    logits = b * t * dims["vocab_size"] * (4 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
+    encoder_out = b * s * d * 4
+    return {"activations": encoder_saved + decoder_saved + max(encoder_peak, 0) + encoder_out, "logits": logits}
+
+
+def sample_lengths(cfg: TrainConfig, tokenizer, rows: int = 2000) -> dict:
+    """Token lengths of the first training rows (capped): the longest batch sets the activation peak."""
+    from data.sources import iter_rows, resolve_files
+
+    files = resolve_files(cfg.train_file, "--train_file")
+    src, tgt, text_bytes = [], [], []
+    for index, path in enumerate(files):
+        for item in iter_rows(path, index, (cfg.prompt_column, cfg.response_column), 0, rows - len(src)):
+            if item is not None:
+                src.append(item.prompt)
+                tgt.append(item.response)
+                text_bytes.append(len(item.prompt.encode()) + len(item.response.encode()))
+        if len(src) >= rows:
+            break
+    if not src:
+        return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
+                "row_bytes": 0, "rows": 0}
+    cut = 16 * max(cfg.max_source_len, cfg.max_target_len)
+    s = [len(x) for x in tokenizer([p[:cut] for p in src], truncation=True, max_length=cfg.max_source_len)["input_ids"]]
+    t = [len(x) for x in tokenizer([r[:cut] for r in tgt], truncation=True, max_length=cfg.max_target_len)["input_ids"]]
+    total_bytes = sum(Path(f).stat().st_size for f in files)
+    mean_row = sum(text_bytes) / len(text_bytes)
+    return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
+            "row_bytes": mean_row, "rows": int(total_bytes / max(mean_row + 30, 1))}
+
+
+def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str = "cpu",
+            world: int = 1) -> dict:
+    """Peak memory by component for host RAM and GPU memory (MiB), plus their totals."""
+    dims = model_dims(cfg, vocab_size)
+    shapes = parameter_shapes(dims)
+    n_params = sum(_numel(x) for part in shapes.values() for x in part)
+    train_shapes = trainable_shapes(cfg, dims)
+    n_train = sum(_numel(x) for x in train_shapes)
+    weights = 4 * (n_params + (n_train if cfg.lora_r else 0))
+    grads = 4 * n_train
+    opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
+    act = activation_bytes(cfg, dims, lengths["max_source"], lengths["max_target"], device)
+    # Autocast keeps a bf16 copy of every trainable weight for the step (frozen ones are cast per use).
+    cast_cache = 2 * n_train if cfg.mixed_precision == "bf16" else 0
+    cache = 0
+    rows_share = lengths["rows"] / world
+    cache_bytes = rows_share * lengths["mean_source"] * dims["d_model"] * (4 if cfg.encoder_cache_dtype == "float32"
+                                                                             else 2)
+    if cfg.encoder_cache in ("memory", "auto"):
+        import psutil
+
+        if cfg.encoder_cache == "memory" or cache_bytes <= 0.1 * psutil.virtual_memory().available:
+            cache = cache_bytes
+    buffers = (cfg.shuffle_buffer_size + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400)
+    step_bytes = act["activations"] + act["logits"] + opt_temp
+    # The exports and checkpoints copy the weights into one safetensors buffer on the host.
+    serialize = 4 * n_params
+    if device == "gpu":
+        encoder_weights = 4 * sum(_numel(x) for x in shapes["encoder"]) if cfg.encoder_cache != "off" else 0
+        gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": weights - encoder_weights, "gradients": grads,
+               "optimizer": opt_state, "bf16_weight_copies": cast_cache, "activations": act["activations"],
+               "logits_loss": act["logits"], "optimizer_step_temp": opt_temp}
+        live = sum(v for k, v in gpu.items() if k != "cuda_context")
+        gpu["allocator_slack"] = GPU_ALLOCATOR_SLACK * live
+        host = {"framework": framework_mb * MB + CUDA_HOST_MB * MB, "weights_on_host": max(4 * n_params, serialize),
+                "encoder_offloaded": encoder_weights, "caches": cache, "data_buffers": buffers}
+    else:
+        gpu = {}
+        slack = ALLOCATOR_SLACK * (grads + step_bytes) + FIRST_STEP_MB * MB
+        host = {"framework": framework_mb * MB, "weights": weights, "gradients": grads, "optimizer": opt_state,
+                "bf16_weight_copies": cast_cache, "activations": act["activations"],
+                "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "allocator_slack": slack,
+                "caches": cache, "data_buffers": buffers}
+        # Saving frees nothing of the above but the gradients (set to None after each step).
+        host["checkpoint_copy"] = max(0, serialize - grads - step_bytes - slack)
+    host_mb = {k: round(v / MB, 1) for k, v in host.items()}
+    gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
+    return {"device": device, "parameters": n_params, "trainable_parameters": n_train,
+            "max_source_tokens": lengths["max_source"], "max_target_tokens": lengths["max_target"],
+            "host_mb": host_mb, "gpu_mb": gpu_mb, "host_peak_mb": round(sum(host_mb.values()), 1),
+            "gpu_peak_mb": round(sum(gpu_mb.values()), 1)}
+
+
+def relative_time(cfg: TrainConfig, device: str) -> float:
+    """Step time relative to fp32, no checkpointing, AdamW (a ranking model, not a measurement)."""
+    factor = SPEED["checkpointing"] if cfg.gradient_checkpointing else 1.0
+    if cfg.mixed_precision == "bf16":
+        factor *= SPEED["bf16_gpu"] if device == "gpu" else SPEED["bf16_cpu"]
+    factor *= SPEED.get(cfg.optimizer, 1.0)
+    if cfg.encoder_cache != "off":
+        factor *= 0.7
+    return round(factor * 2 / (cfg.batch_size + 0.0), 3) if cfg.batch_size < 2 else round(factor, 3)
+
+
+def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, lengths: dict,
+              framework_mb: float) -> dict | None:
+    """The fastest combination of modes whose predicted peak fits ``budget_gb`` (None: nothing fits).
+
+    Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
+    micro-batch 2 or 1 (accumulation doubled to keep the batch) and, for SFT, the encoder cache.
+    Sequence lengths, LoRA and the model are never changed: they change what is trained.
+    """
+    import importlib.util
+
+    optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if importlib.util.find_spec("bitsandbytes") else [])
+    caches = ["off", "auto"] if cfg.is_finetune else ["off"]
+    precisions = ["no", "bf16"] if device == "gpu" else ["no"]
+    best = None
+    for ckpt, prec, opt, batch, cache in itertools.product([False, True], precisions, optimizers, [2, 1], caches):
+        accumulation = max(1, cfg.gradient_accumulation_steps * cfg.batch_size // batch)
+        trial = replace(cfg, gradient_checkpointing=ckpt, mixed_precision=prec, optimizer=opt, batch_size=batch,
+                        gradient_accumulation_steps=accumulation, encoder_cache=cache,
+                        cpu=device == "cpu")
+        plan = predict(trial, vocab_size, lengths, framework_mb, device)
+        peak = plan["gpu_peak_mb"] if device == "gpu" else plan["host_peak_mb"]
+        if peak > budget_gb * 1024:
+            continue
+        speed = relative_time(trial, device)
+        if best is None or speed < best[0]:
+            flags = {"gradient_checkpointing": ckpt, "mixed_precision": prec, "optimizer": opt, "batch_size": batch,
+                     "gradient_accumulation_steps": accumulation}
+            if cfg.is_finetune:
+                flags["encoder_cache"] = cache
+            if device == "cpu":
+                flags["cpu"] = True
+            best = (speed, flags, peak)
+    if best is None:
+        return None
+    return {"flags": best[1], "predicted_peak_mb": best[2], "relative_step_time": best[0]}
+
+
+def format_table(plan: dict) -> str:
+    lines = [f"{'component':<22}{'host RAM (MiB)':>16}{'GPU (MiB)':>12}"]
+    for key in dict.fromkeys(list(plan["host_mb"]) + list(plan["gpu_mb"])):
+        host, gpu = plan["host_mb"].get(key), plan["gpu_mb"].get(key)
+        lines.append(f"{key:<22}{'' if host is None else f'{host:,.0f}':>16}{'' if gpu is None else f'{gpu:,.0f}':>12}")
+    gpu_total = f"{plan['gpu_peak_mb']:,.0f}" if plan["gpu_mb"] else "-"
+    lines.append(f"{'total (peak)':<22}{plan['host_peak_mb']:>16,.0f}{gpu_total:>12}")
+    return "\n".join(lines)
+
+
+def framework_mb() -> float:
+    """RSS (MiB) of this process once the training stack is imported: the framework baseline."""
+    import accelerate  # noqa: F401
+    import psutil
+    import torch  # noqa: F401
+    from transformers import T5ForConditionalGeneration  # noqa: F401
+
+    return psutil.Process().memory_info().rss / MB
+
+
+def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, device: str | None) -> dict:
+    """What ``python train_low_mem.py plan`` prints: the table (or JSON) and, with a budget, the flags."""
+    import torch
+
+    from config import UserError
+    from data.tokenization import load_tokenizer
+
+    device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
+    if device not in ("cpu", "gpu"):
+        raise UserError(f"--device must be cpu or gpu (got {device!r})")
+    if budget_gb is not None and (not isinstance(budget_gb, (int, float)) or budget_gb <= 0):
+        raise UserError(f"--budget_gb must be a positive number of GB (got {budget_gb!r})")
+    folder = Path(cfg.tokenizer_dir)
+    if not (folder / "tokenizer.json").is_file():
+        raise UserError(f"--tokenizer_dir={folder} holds no tokenizer.json; train one first (train_tokenizer)")
+    tokenizer = load_tokenizer(folder)
+    baseline = framework_mb()
+    lengths = sample_lengths(cfg, tokenizer)
+    result = predict(cfg, len(tokenizer), lengths, baseline, device)
+    if budget_gb is not None:
+        result["budget_gb"] = budget_gb
+        result["recommendation"] = recommend(cfg, budget_gb, device, len(tokenizer), lengths, baseline)
+    if as_json:
+        print(json.dumps(result))
+        return result
+    print(f"predicted peak memory ({device}; model {cfg.model_preset if not cfg.is_finetune else cfg.init_from}, "
+          f"{result['parameters']:,} parameters, {result['trainable_parameters']:,} trainable; longest batch "
+          f"{cfg.batch_size} x {result['max_source_tokens']} source / {result['max_target_tokens']} target tokens)")
+    print(format_table(result))
+    if budget_gb is not None:
+        rec = result["recommendation"]
+        if rec is None:
+            print(f"nothing fits {budget_gb} GB on the {device}: lower --max_source_len / --max_target_len, "
+                  "use a smaller --model_preset, or --lora_r for SFT")
+        else:
+            flags = " ".join(f"--{k}={v}" for k, v in rec["flags"].items())
+            print(f"fits {budget_gb} GB ({device}): {flags}  (predicted peak {rec['predicted_peak_mb']:,.0f} MiB, "
+                  f"relative step time {rec['relative_step_time']})")
+    return result

@@ -1,0 +1,216 @@
+"""Memory modes (checkpointing, optimizers, LoRA, encoder cache, profiles) and the planner."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+
+from config import MEMORY_PROFILES, load_config
+
+FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny pretrained model (a few steps on learnable synthetic pairs) to fine-tune."""
+    folder = tmp_path_factory.mktemp("pre")
+    data = write_rows(folder / "train.jsonl", synthetic_rows(400, seed=1))
+    done = run_cli("train", f"--train_file={data}", f"--eval_file={data}", f"--output_dir={folder / 'run'}",
+                   "--max_steps=10", "--gradient_accumulation_steps=2", *FAST)
+    assert done.returncode == 0, done.stderr
+    return folder / "run" / "final"
+
+
+def sft(tmp_path, init, name, *flags, steps=30):
+    data = tmp_path / "sft.jsonl"
+    if not data.exists():  # written once: rewriting it would (rightly) invalidate an encoder cache
+        write_rows(data, synthetic_rows(300, seed=2))
+    out = tmp_path / name
+    done = run_cli("train", "--is_finetune=True", f"--init_from={init}", f"--train_file={data}",
+                   f"--eval_file={data}", f"--output_dir={out}", f"--max_steps={steps}",
+                   "--gradient_accumulation_steps=2", *FAST, *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done
+
+
+def weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def train_losses(run):
+    return [r["loss"] for r in metrics(run) if r["event"] == "train"]
+
+
+@pytest.mark.slow
+def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrained):
+    plain, _ = sft(tmp_path, pretrained, "plain", steps=50)
+    cached, done = sft(tmp_path, pretrained, "cached", "--encoder_cache=disk", steps=50)
+    assert "encoder cache: encoding" in done.stdout
+    a, b = weights(plain / "final"), weights(cached / "final")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    memory, _ = sft(tmp_path, pretrained, "memory", "--encoder_cache=memory", steps=50)
+    c = weights(memory / "final")
+    assert max(float((a[k] - c[k]).abs().max()) for k in a) <= 1e-6
+
+    # Resuming reuses the cache; changed data builds a new one and removes the old.
+    keys = sorted(p.name for p in (cached / "encoder_cache").iterdir())
+    done = run_cli("train", "--is_finetune=True", f"--init_from={pretrained}", f"--output_dir={cached}",
+                   f"--train_file={tmp_path / 'sft.jsonl'}", f"--eval_file={tmp_path / 'sft.jsonl'}",
+                   "--is_keep_training=True", "--max_steps=52", "--encoder_cache=disk",
+                   "--gradient_accumulation_steps=2", *FAST)
+    assert done.returncode == 0 and "encoder cache: reusing" in done.stdout, done.stdout
+    write_rows(tmp_path / "sft.jsonl", synthetic_rows(300, seed=3))
+    done = run_cli("train", "--is_finetune=True", f"--init_from={pretrained}", f"--output_dir={cached}",
+                   f"--train_file={tmp_path / 'sft.jsonl'}", f"--eval_file={tmp_path / 'sft.jsonl'}",
+                   "--overwrite_output_dir=True", "--max_steps=2", "--encoder_cache=disk", *FAST)
+    assert done.returncode == 0 and "encoder cache: encoding" in done.stdout
+    new_keys = sorted(p.name for p in (cached / "encoder_cache").iterdir())
+    assert len(new_keys) == 1 and new_keys != keys
+
+
+@pytest.mark.slow
+def test_lora_trains_only_adapters_and_exports_a_merged_plain_model(tmp_path, pretrained):
+    from transformers import T5ForConditionalGeneration
+
+    out, done = sft(tmp_path, pretrained, "lora", "--lora_r=8", "--learn_rate=1e-2", "--encoder_cache=auto")
+    setup = next(r for r in metrics(out) if r["event"] == "setup")
+    assert 0 < setup["trainable_params"] < 0.05 * setup["frozen_params"]
+    losses = train_losses(out)
+    assert losses[-1] < losses[0]
+    exported = weights(out / "final")
+    assert not any("lora" in k for k in exported)
+    base = weights(pretrained)
+    changed = [k for k in base if not torch.equal(base[k], exported[k])]
+    # Adapters sit on the decoder's q and v (self- and cross-attention): only those weights move.
+    assert changed and all(k.startswith("decoder.") and k.endswith((".q.weight", ".v.weight")) for k in changed)
+    model = T5ForConditionalGeneration.from_pretrained(out / "final")
+    assert type(model.decoder.block[0].layer[0].SelfAttention.q) is torch.nn.Linear
+
+
+def test_merged_weights_give_the_lora_models_outputs(tokenizer):
+    from lowmem.modeling import add_lora, build_model, merged_state_dict
+
+    cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "lora_r": 4, "lora_target_modules": "q,v,wi"})
+    torch.manual_seed(0)
+    model = add_lora(build_model(cfg, tokenizer), cfg).eval()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)  # B starts at zero: make the adapters matter
+    plain = build_model(cfg, tokenizer).eval()
+    plain.load_state_dict(merged_state_dict(model))
+    ids, decoder_ids = torch.tensor([[5, 6, 7, 1]]), torch.tensor([[0, 8, 9]])
+    with torch.no_grad():
+        adapted = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
+        merged = plain(input_ids=ids, decoder_input_ids=decoder_ids).logits
+    assert torch.allclose(adapted, merged, atol=1e-4)
+    assert not torch.allclose(adapted, build_model(cfg, tokenizer)(input_ids=ids, decoder_input_ids=decoder_ids).logits)
+
+
+@pytest.mark.slow
+def test_adamw8bit_trains_and_exports(tmp_path, pretrained):
+    from transformers import T5ForConditionalGeneration
+
+    out, _ = sft(tmp_path, pretrained, "bnb", "--optimizer=adamw8bit", "--learn_rate=3e-3")
+    losses = train_losses(out)
+    assert losses[-1] < losses[0]
+    T5ForConditionalGeneration.from_pretrained(out / "final")
+    state = torch.load(out / "checkpoints" / "step_000030" / "optimizer.pt", weights_only=False)["state"]
+
+    def tensors(item):
+        if torch.is_tensor(item):
+            yield item
+        elif isinstance(item, dict):
+            for value in item.values():
+                yield from tensors(value)
+
+    assert any(t.dtype == torch.uint8 for t in tensors(state))  # the moments are stored in 8 bits
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
+    from lowmem.modeling import apply_memory_modes, build_model
+
+    cfg, _ = load_config({"dropout_rate": 0.0})
+    torch.manual_seed(0)
+    plain = build_model(cfg, tokenizer)
+    ckpt_cfg, _ = load_config({"dropout_rate": 0.0, "gradient_checkpointing": True})
+    checkpointed = apply_memory_modes(build_model(cfg, tokenizer), ckpt_cfg)
+    checkpointed.load_state_dict(plain.state_dict())
+    assert checkpointed.decoder.gradient_checkpointing and not checkpointed.config.use_cache
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 1], [8, 9, 1, 0]]), "labels": torch.tensor([[4, 5, 1], [6, 1, -100]])}
+    for model in (plain, checkpointed):
+        model.train()
+        model(**batch).loss.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=1e-5), name
+
+
+def test_every_profile_is_valid_and_explicit_flags_win():
+    for name, flags in MEMORY_PROFILES.items():
+        cfg, notes = load_config({"memory_profile": name})
+        assert all(getattr(cfg, k) == v for k, v in flags.items() if k != "batch_size" or v <= 2), name
+    cfg, notes = load_config({"memory_profile": "gpu8g", "batch_size": 2})
+    assert cfg.batch_size == 2 and cfg.gradient_checkpointing and "wins" in notes[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile", ["host16g", "gpu8g"])
+def test_profile_trains_on_the_cpu(tmp_path, profile):
+    data = write_rows(tmp_path / "d.jsonl", synthetic_rows(60))
+    done = run_cli("train", f"--memory_profile={profile}", "--cpu=True", f"--train_file={data}",
+                   f"--eval_file={data}", f"--output_dir={tmp_path / 'run'}", "--max_steps=2", *FAST)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_train_reports_predicted_and_measured_peak_side_by_side(tmp_path):
+    data = write_rows(tmp_path / "d.jsonl", synthetic_rows(200))
+    done = run_cli("train", f"--train_file={data}", f"--eval_file={data}", f"--output_dir={tmp_path / 'run'}",
+                   "--max_steps=4", "--gradient_accumulation_steps=2", *FAST)
+    assert done.returncode == 0, done.stderr
+    assert "peak host RAM: predicted" in done.stdout
+    records = metrics(tmp_path / "run")
+    plan = next(r for r in records if r["event"] == "memory_plan")
+    peak = next(r for r in records if r["event"] == "memory_peak")
+    assert plan["host_peak_mb"] == peak["predicted_host_peak_mb"]
+    assert 0.85 <= peak["host_ratio"] <= 1.15, peak
+
+
+def test_plan_json_table_and_recommendation(tmp_path):
+    done = run_cli("plan", "--json", "--model_preset=small")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout.strip().splitlines()[-1])
+    assert plan["host_peak_mb"] > plan["host_mb"]["weights"] > 150 and plan["gpu_peak_mb"] == 0
+    assert plan["host_mb"]["gradients"] == plan["host_mb"]["weights"]  # pretraining trains every weight
+    ckpt = json.loads(run_cli("plan", "--json", "--model_preset=small", "--gradient_checkpointing=True",
+                              "--max_source_len=512", "--max_target_len=512").stdout.strip().splitlines()[-1])
+    gpu = json.loads(run_cli("plan", "--json", "--device=gpu", "--model_preset=small").stdout.strip().splitlines()[-1])
+    assert gpu["gpu_peak_mb"] > gpu["gpu_mb"]["weights"] and ckpt["host_mb"]["activations"] >= 0
+    table = run_cli("plan", "--budget_gb=2", "--device=gpu", "--model_preset=base")
+    assert table.returncode == 0 and "total (peak)" in table.stdout and "fits 2 GB" in table.stdout, table.stdout
+    nothing = run_cli("plan", "--budget_gb=0.1", "--device=cpu")
+    assert nothing.returncode == 0 and "nothing fits" in nothing.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--encoder_cache=disk"], "--encoder_cache needs --is_finetune=True"),
+    (["--lora_r=4"], "--lora_r needs --is_finetune=True"),
+    (["--optimizer=sgd"], "--optimizer must be one of"),
+    (["--memory_profile=gpu4g"], "--memory_profile must be one of"),
+    (["--is_finetune=True", "--lora_r=4", "--lora_target_modules=q,x"], "--lora_target_modules must be"),
+])
+def test_invalid_mode_flags_give_one_line(tmp_path, flags, message):
+    done = run_cli("train", f"--output_dir={tmp_path / 'run'}", *flags)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+def test_missing_optional_package_is_named(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['bitsandbytes'] = None\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--optimizer=adamw8bit", env=env)
+    assert done.returncode == 2 and "pip install '.[gpu]'" in done.stderr, done.stderr
