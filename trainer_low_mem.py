@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import signal
 import sys
@@ -47,6 +48,11 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
     token_loss_sum,
 )
 from lowmem.run_folder import RunFolder
+
+# When installed, bitsandbytes is imported by the libraries below even if unused, and warns that it
+# cannot fetch an optional 4-bit CPU kernel from the hub (nothing here uses it): one line of noise
+# that would break the one-line error promise.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 class StoppedBySignal(Exception):
