@@ -259,9 +259,8 @@ class TrainConfig:
                             "scratch must train every weight")
         for flag, wanted, module in (("--optimizer=adamw8bit", self.optimizer == "adamw8bit", "bitsandbytes"),
                                      ("--lora_r", self.lora_r > 0, "peft")):
-            if wanted and not _installed(module):
-                problems.append(f"{flag} needs the optional package {module}: pip install '.[gpu]' "
-                                f"(or pip install {module})")
+            if wanted and not installed(module):
+                problems.append(optional_package_missing(flag, module))
         if self.lora_r and self.lora_alpha <= 0:
             problems.append(f"--lora_alpha must be positive (got {self.lora_alpha})")
         if not 0 <= self.lora_dropout < 1:
@@ -290,7 +289,11 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _installed(module: str) -> bool:
+def optional_package_missing(flag: str, module: str) -> str:
+    return f"{flag} needs the optional package {module}: pip install '.[gpu]' (or pip install {module})"
+
+
+def installed(module: str) -> bool:
     """Whether an optional package can be imported (checked without importing it)."""
     try:
         return importlib.util.find_spec(module) is not None

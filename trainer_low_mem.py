@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import signal
 import sys
@@ -48,11 +47,6 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
     token_loss_sum,
 )
 from lowmem.run_folder import RunFolder
-
-# When installed, bitsandbytes is imported by the libraries below even if unused, and warns that it
-# cannot fetch an optional 4-bit CPU kernel from the hub (nothing here uses it): one line of noise
-# that would break the one-line error promise.
-logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 class StoppedBySignal(Exception):
@@ -211,7 +205,7 @@ class LowMemTrainer:
         from lowmem import planner
 
         device = "gpu" if self.accelerator.device.type == "cuda" else "cpu"
-        lengths = planner.sample_lengths(self.cfg, self.tokenizer)
+        lengths = planner.sample_lengths(self.cfg, self.tokenizer, self.train_files)
         plan = planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(), device, self.world)
         self.record("memory_plan", **plan)
         return plan
@@ -245,9 +239,11 @@ class LowMemTrainer:
         key = encoder_cache.fingerprint(self.core.encoder, self.run_config["tokenizer_sha1"], cfg.max_source_len,
                                         cfg.encoder_cache_dtype, self.train_files, columns, self.world)
 
+        rows = sum(end - start for start, end in shares)
+
         def build(folder: Path) -> None:
-            self.say(f"encoder cache: encoding {sum(e - s for s, e in shares):,} rows into {folder}")
-            bar = tqdm(total=sum(e - s for s, e in shares), desc="encoder cache", unit="row",
+            self.say(f"encoder cache: encoding {rows:,} rows into {folder}")
+            bar = tqdm(total=rows, desc="encoder cache", unit="row",
                        disable=not (self.main and self._tty()))
             encoder_cache.build(folder, self.rank, self.train_files, indexes, shares, columns, self._encode,
                                 self.core.config.d_model, cfg.encoder_cache_dtype, bar)
@@ -441,12 +437,7 @@ class LowMemTrainer:
     def _empty_batch(self) -> dict:
         """A micro-batch with no target tokens, for a process whose share of the epoch ran out
         first: its backward adds zero gradient but keeps the all-reduce in step with the others."""
-        eos = self.tokenizer.eos_token_id
-        if self.train_collator is not self.collator:  # the encoder cache: no input_ids, encoder states
-            return {"encoder_hidden_states": torch.zeros(1, 1, self.core.config.d_model),
-                    "attention_mask": torch.tensor([[1]]), "labels": torch.tensor([[-100]])}
-        return {"input_ids": torch.tensor([[eos]]), "attention_mask": torch.tensor([[1]]),
-                "labels": torch.tensor([[-100]])}
+        return self.train_collator.empty()
 
     def train_step(self, window: list[dict], counts: dict) -> bool:
         """One optimizer step over an accumulation window of collated micro-batches.

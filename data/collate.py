@@ -28,11 +28,19 @@ class Seq2SeqCollator:
         return self.tokenizer([t[:cut] for t in texts], max_length=max_len, truncation=True,
                               padding="longest", return_tensors="pt")
 
+    def labels(self, examples: list[Example]) -> torch.Tensor:
+        target = self.encode([e.response for e in examples], self.max_target_len)
+        return target["input_ids"].masked_fill(target["attention_mask"] == 0, -100)
+
     def __call__(self, examples: list[Example]) -> dict[str, torch.Tensor]:
         source = self.encode([e.prompt for e in examples], self.max_source_len)
-        target = self.encode([e.response for e in examples], self.max_target_len)
-        labels = target["input_ids"].masked_fill(target["attention_mask"] == 0, -100)
-        return {"input_ids": source["input_ids"], "attention_mask": source["attention_mask"], "labels": labels}
+        return {"input_ids": source["input_ids"], "attention_mask": source["attention_mask"],
+                "labels": self.labels(examples)}
+
+    def empty(self) -> dict[str, torch.Tensor]:
+        """A micro-batch with no target tokens (one source token): its backward adds zero gradient."""
+        return {"input_ids": torch.tensor([[self.tokenizer.eos_token_id]]), "attention_mask": torch.tensor([[1]]),
+                "labels": torch.tensor([[-100]])}
 
 
 class CachedEncoderCollator:
@@ -44,7 +52,10 @@ class CachedEncoderCollator:
         self.cache = cache
 
     def __call__(self, examples: list[Example]) -> dict[str, torch.Tensor]:
-        target = self.collator.encode([e.response for e in examples], self.collator.max_target_len)
-        labels = target["input_ids"].masked_fill(target["attention_mask"] == 0, -100)
         hidden, mask = self.cache.hidden_states(examples)
-        return {"encoder_hidden_states": hidden, "attention_mask": mask, "labels": labels}
+        return {"encoder_hidden_states": hidden, "attention_mask": mask, "labels": self.collator.labels(examples)}
+
+    def empty(self) -> dict[str, torch.Tensor]:
+        """A micro-batch with no target tokens (one zero encoder state): its backward adds zero gradient."""
+        return {"encoder_hidden_states": torch.zeros(1, 1, self.cache.d_model), "attention_mask": torch.tensor([[1]]),
+                "labels": torch.tensor([[-100]])}

@@ -35,7 +35,7 @@ from data.stream import batched
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
            "float16": (torch.float16, torch.float16)}  # name -> (torch dtype, numpy-compatible view)
-BUILD_CHUNK = 256  # rows read per encoder call while building (equal lengths share a forward)
+BUILD_CHUNK = 256  # rows read and tokenized together while building (each is encoded alone)
 AUTO_MEMORY_FRACTION = 0.1  # auto keeps the cache in RAM when it is at most this share of free RAM
 
 
@@ -48,7 +48,7 @@ def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, f
         flat = tensor.detach().cpu().contiguous()
         flat = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).reshape(-1)
         digest.update(memoryview(flat.numpy()).cast("B"))  # no copy of the weights
-    stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    stats = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in ((f, os.stat(f)) for f in files)]
     digest.update(json.dumps([tokenizer_sha1, max_source_len, dtype, stats, list(columns), world]).encode())
     return digest.hexdigest()[:16]
 
@@ -70,10 +70,6 @@ class EncoderCache:
             size = os.fstat(self.states_fd).st_size
             self.states = np.fromfile(folder / f"states-rank{rank}.bin", dtype=np.uint8, count=size)
         self.in_memory = in_memory
-
-    @property
-    def nbytes(self) -> int:
-        return os.fstat(self.states_fd).st_size
 
     def entry(self, file_index: int, row: int) -> tuple[int, int]:
         start = self.shares[file_index][0]
@@ -128,17 +124,16 @@ def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tupl
             items = iter_rows(path, file_index, columns, start, end, index)
             for chunk in batched(items, BUILD_CHUNK):
                 good = [e for e in chunk if e is not None]
-                entries = {}
+                spans = {}  # row -> (offset, length); bad rows (None) get none
                 if good:
                     hidden, mask = encode([e.prompt for e in good])
-                    lengths = mask.sum(dim=1).tolist()
-                    for i, (example, length) in enumerate(zip(good, lengths)):
+                    for i, (example, length) in enumerate(zip(good, mask.sum(dim=1).tolist())):
                         states = hidden[i, :length].to("cpu", torch_dtype).contiguous()
                         states_out.write(states.view(view_dtype).numpy().tobytes())
-                        entries[id(example)] = (offset, length)
+                        spans[example.row] = (offset, length)
                         offset += length
                     del hidden, mask
-                pairs = [entries.get(id(e), (-1, -1)) if e is not None else (-1, -1) for e in chunk]
+                pairs = [spans[e.row] if e is not None else (-1, -1) for e in chunk]
                 rows_out.write(np.asarray(pairs, dtype=np.int64).tobytes())
                 if progress is not None:
                     progress.update(len(chunk))

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from config import MODEL_PRESETS, TrainConfig, UserError
+from config import MODEL_PRESETS, TrainConfig, UserError, optional_package_missing
+
+# When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
+# warns that it cannot fetch an optional 4-bit CPU kernel from the hub (nothing here uses it): one
+# line of noise that would break the one-line error promise.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def build_model(cfg: TrainConfig, tokenizer):
@@ -71,16 +77,11 @@ def build_optimizer(cfg: TrainConfig, params):
 def optional_import(module: str, flag: str):
     """Import an optional extra, or say in one line how to install it."""
     import importlib
-    import logging
 
-    # bitsandbytes (also imported by peft) tries to fetch an optional 4-bit CPU kernel from the hub
-    # at import and warns when it cannot; nothing here uses it.
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UserError(f"{flag} needs the optional package {module}: pip install '.[gpu]' "
-                        f"(or pip install {module}), or choose another setting") from None
+        raise UserError(optional_package_missing(flag, module)) from None
 
 
 def add_lora(model, cfg: TrainConfig):

@@ -114,14 +114,14 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
         decoder_saved = dec_layer * n_dec
     logits = b * t * dims["vocab_size"] * (4 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
     encoder_out = b * s * d * 4
-    return {"activations": encoder_saved + decoder_saved + max(encoder_peak, 0) + encoder_out, "logits": logits}
+    return {"activations": encoder_saved + decoder_saved + encoder_peak + encoder_out, "logits": logits}
 
 
-def sample_lengths(cfg: TrainConfig, tokenizer, rows: int = 2000) -> dict:
+def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None, rows: int = 2000) -> dict:
     """Token lengths of the first training rows (capped): the longest batch sets the activation peak."""
     from data.sources import iter_rows, resolve_files
 
-    files = resolve_files(cfg.train_file, "--train_file")
+    files = files if files is not None else resolve_files(cfg.train_file, "--train_file")
     src, tgt, text_bytes = [], [], []
     for index, path in enumerate(files):
         for item in iter_rows(path, index, (cfg.prompt_column, cfg.response_column), 0, rows - len(src)):
@@ -204,7 +204,7 @@ def relative_time(cfg: TrainConfig, device: str) -> float:
     factor *= SPEED.get(cfg.optimizer, 1.0)
     if cfg.encoder_cache != "off":
         factor *= 0.7
-    return round(factor * 2 / (cfg.batch_size + 0.0), 3) if cfg.batch_size < 2 else round(factor, 3)
+    return round(factor * 2 / min(cfg.batch_size, 2), 3)  # a micro-batch of 1 takes twice the steps
 
 
 def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, lengths: dict,
@@ -215,9 +215,9 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     micro-batch 2 or 1 (accumulation doubled to keep the batch) and, for SFT, the encoder cache.
     Sequence lengths, LoRA and the model are never changed: they change what is trained.
     """
-    import importlib.util
+    from config import installed
 
-    optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if importlib.util.find_spec("bitsandbytes") else [])
+    optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
     caches = ["off", "auto"] if cfg.is_finetune else ["off"]
     precisions = ["no", "bf16"] if device == "gpu" else ["no"]
     best = None
