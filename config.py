@@ -43,6 +43,7 @@ OPTIMIZERS = ("adafactor", "adamw", "adamw8bit")
 LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo")
 ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
+REPORT_TO = ("none", "tensorboard")  # accelerate trackers we test; each is an optional package
 
 # Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
 # README, 'Memory profiles' (from `python train_low_mem.py plan --memory_profile=NAME`).
@@ -154,6 +155,9 @@ class TrainConfig:
     save_steps: int = _f(100, "Write a resumable checkpoint every N optimizer steps (0 = only at the end).")
     save_total_limit: int = _f(2, "Checkpoints kept in output_dir/checkpoints (best/ and final/ are extra).")
     gc_every_steps: int = _f(100, "Run gc.collect() (+ CUDA cache clearing) every N optimizer steps.")
+    report_to: str = _f("none", "Also send the train/eval scalars of metrics.jsonl to a tracker (accelerate): none "
+                                "or tensorboard (pip install '.[tensorboard]'; event files in "
+                                "OUTPUT_DIR/tensorboard; view with tensorboard --logdir OUTPUT_DIR/tensorboard).")
 
     # --- tokenizer training ---
     vocab_size: int = _f(8000, "Tokenizer vocabulary size before the 100 sentinels (train_tokenizer).")
@@ -241,6 +245,11 @@ class TrainConfig:
             problems.append("--prompt_column and --response_column must differ")
         if self.resume_from and not self.is_keep_training:
             problems.append("--resume_from needs --is_keep_training=True")
+        if self.report_to not in REPORT_TO:
+            problems.append(f"--report_to must be one of {', '.join(REPORT_TO)} (got {self.report_to!r})")
+        elif self.report_to != "none" and not installed(self.report_to):
+            problems.append(optional_package_missing(f"--report_to={self.report_to}", self.report_to,
+                                                     extra=self.report_to))
         problems += self._memory_mode_problems()
         if problems:
             raise UserError("; ".join(problems))
@@ -289,8 +298,8 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def optional_package_missing(flag: str, module: str) -> str:
-    return f"{flag} needs the optional package {module}: pip install '.[gpu]' (or pip install {module})"
+def optional_package_missing(flag: str, module: str, extra: str = "gpu") -> str:
+    return f"{flag} needs the optional package {module}: pip install '.[{extra}]' (or pip install {module})"
 
 
 def installed(module: str) -> bool:
@@ -408,8 +417,11 @@ def help_text() -> str:
     """The ``--help`` listing: every option with its type, default and help."""
     lines = ["t5-lowmem: low-memory T5 pretraining and SFT.", "",
              "usage: python train_low_mem.py COMMAND [--option=value ...] [--config=FILE.yaml]", "",
-             "commands: train, plan, evaluate, generate, train_tokenizer", "",
+             "commands: train, plan, evaluate, generate, train_tokenizer, prepare, plot", "",
+             "prepare takes --train_file and --prepared_dir (default runs/prepared): token-id parquet shards that "
+             "train reads with --train_file=PREPARED_DIR", "",
              "plan also takes --json (one JSON object), --budget_gb=X and --device=cpu|gpu (recommend modes)", "",
+             "plot takes --output_dir=RUN and --plot_dir (default RUN/plots): PNG charts of RUN/metrics.jsonl", "",
              "options:"]
     for f in dataclasses.fields(TrainConfig):
         hint = _HINTS[f.name]

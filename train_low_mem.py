@@ -7,7 +7,9 @@
     python train_low_mem.py plan --budget_gb=12 --device=gpu       # predicted peak memory, modes that fit
     python train_low_mem.py evaluate --init_from=runs/sft/best --is_finetune=True
     python train_low_mem.py generate --init_from=runs/sft/best --prompt="你好"
+    python train_low_mem.py plot --output_dir=runs/pretrain         # PNG charts in runs/pretrain/plots
     python train_low_mem.py train_tokenizer --train_file=corpus.jsonl --tokenizer_dir=my_tokenizer
+    python train_low_mem.py prepare --train_file=corpus.jsonl --prepared_dir=corpus.prepared  # tokenize once
 """
 
 from __future__ import annotations
@@ -133,8 +135,28 @@ def train_tokenizer(config: str | None = None, **flags) -> dict:
     return {"tokenizer_dir": cfg.tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}
 
 
+def prepare(config: str | None = None, **flags) -> dict:
+    """Tokenize --train_file once into parquet shards in --prepared_dir (default: runs/prepared);
+    then train with --train_file=PREPARED_DIR (no tokenization in any epoch)."""
+    from data.prepare import prepare_command
+
+    out_dir = flags.pop("prepared_dir", "runs/prepared")
+    cfg, _ = load_config(flags, config)
+    return prepare_command(cfg, Path(out_dir))
+
+
+def plot(config: str | None = None, **flags) -> dict:
+    """PNG charts of OUTPUT_DIR/metrics.jsonl (loss, BLEU, learning rate, tokens/s, RSS) into --plot_dir
+    (default: OUTPUT_DIR/plots)."""
+    from lowmem.plots import plot_run
+
+    plot_dir = flags.pop("plot_dir", None)
+    cfg, _ = load_config(flags, config)
+    return plot_run(cfg.output_dir, plot_dir)
+
+
 COMMANDS = {"train": train, "plan": plan, "evaluate": evaluate, "generate": generate,
-            "train_tokenizer": train_tokenizer}
+            "train_tokenizer": train_tokenizer, "prepare": prepare, "plot": plot}
 
 
 def main(argv: list[str] | None = None) -> None:

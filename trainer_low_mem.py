@@ -11,7 +11,6 @@ Lifecycle: ``setup()`` (seed, accelerator, tokenizer, model, optimizer, schedule
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import signal
@@ -25,13 +24,15 @@ from tqdm import tqdm
 
 from config import TrainConfig, UserError
 from data.collate import CachedEncoderCollator, Seq2SeqCollator
-from data.readers import index_file
+from data.prepare import check_manifest, manifest_of
+from data.readers import TOKEN_COLUMNS, index_file
 from data.sources import DataProblems, check_columns, resolve_files
 from data.stream import ExampleStream, batched, take_examples
+from data.tokenization import tokenizer_sha1
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
 from lowmem.memory import free_memory, memory_snapshot, process_rss_bytes
-from lowmem.metrics import AppendLog, MetricsLog, train_line
+from lowmem.metrics import AppendLog, MetricsLog, tracker_scalars, train_line
 from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part of this module's API)
     apply_memory_modes,
     build_model,
@@ -107,7 +108,12 @@ class LowMemTrainer:
         self.train_files = resolve_files(cfg.train_file, "--train_file")
         self.eval_files = resolve_files(cfg.eval_file, "--eval_file")
         columns = (cfg.prompt_column, cfg.response_column)
-        check_columns(self.train_files, columns, "--train_file")
+        self.prepared = manifest_of(self.train_files)  # a corpus tokenized by `prepare`: token-id columns
+        train_columns = TOKEN_COLUMNS if self.prepared else columns
+        if manifest_of(self.eval_files):
+            raise UserError("--eval_file must be text (BLEU compares decoded answers): pass the original corpus, "
+                            "not prepared shards")
+        check_columns(self.train_files, train_columns, "--train_file")
         check_columns(self.eval_files, columns, "--eval_file")
         if cfg.is_finetune and self.model is None:
             if not (Path(cfg.init_from) / "config.json").is_file():
@@ -122,6 +128,8 @@ class LowMemTrainer:
         self.log_memory("start")
         if self.tokenizer is None:
             self.tokenizer = self._load_or_train_tokenizer()
+        if self.prepared:
+            check_manifest(self.prepared, tokenizer_sha1(self.tokenizer), cfg.max_source_len, cfg.max_target_len)
         self.memory_plan = self._predict_memory()  # before the model exists: the framework baseline
         if self.model is None:
             self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
@@ -154,7 +162,7 @@ class LowMemTrainer:
 
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len)
         self.train_collator = self.collator
-        self.stream = ExampleStream(self.train_files, columns, cfg.seed, cfg.shuffle_buffer_size,
+        self.stream = ExampleStream(self.train_files, train_columns, cfg.seed, cfg.shuffle_buffer_size,
                                     rank=self.rank, world_size=self.world, indexes=indexes,
                                     problems=DataProblems(report=self.warn))
         self.eval_problems = DataProblems(report=self.say)
@@ -163,6 +171,11 @@ class LowMemTrainer:
             raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
         if resume_dir is not None:
             self.load_checkpoint(resume_dir)
+        if cfg.report_to != "none":
+            # Events go to OUTPUT_DIR/tensorboard. On resume, SummaryWriter's purge_step hides what the stopped
+            # run logged after its checkpoint (metrics.jsonl is cut back there the same way).
+            purge = {"purge_step": self.state.step + 1} if resume_dir is not None else {}
+            self.accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": purge})
         if cfg.encoder_cache != "off":
             self._open_encoder_cache(indexes)
         self._announce(rows, per_epoch)
@@ -289,8 +302,10 @@ class LowMemTrainer:
         if cfg.mixed_precision == "bf16" and torch.cuda.is_available() and not cfg.cpu \
                 and not torch.cuda.is_bf16_supported():
             raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=no")
+        # --report_to: accelerate's tracker, its files under OUTPUT_DIR (started by setup(), once the step is known)
+        tracking = {} if cfg.report_to == "none" else {"log_with": cfg.report_to, "project_dir": cfg.output_dir}
         self.accelerator = Accelerator(cpu=cfg.cpu, mixed_precision=cfg.mixed_precision,
-                                       gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+                                       gradient_accumulation_steps=cfg.gradient_accumulation_steps, **tracking)
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         sharded = self.accelerator.distributed_type.value
         if sharded in ("DEEPSPEED", "FSDP"):
@@ -316,6 +331,9 @@ class LowMemTrainer:
         folder = Path(cfg.tokenizer_dir)
         if (folder / "tokenizer.json").is_file():
             return load_tokenizer(folder)
+        if self.prepared:
+            raise UserError(f"no tokenizer in --tokenizer_dir={folder}; pass the one the corpus was prepared with "
+                            f"({self.prepared['tokenizer_dir']})")
         self.say(f"no tokenizer in {folder}: training one on {cfg.train_file}")
         if self.main:
             train_tokenizer(self.train_files, folder, (cfg.prompt_column, cfg.response_column),
@@ -368,7 +386,7 @@ class LowMemTrainer:
             while True:
                 epoch = self.stream.epoch  # before drawing: the last window of an epoch moves it on
                 examples = next(windows, [])
-                window = [self.train_collator(mb) for mb in examples]
+                window = self.train_collator.window(examples, self.cfg.batch_size) if examples else []
                 counts = self.window_counts(window)
                 self.check_bad_rows(counts["bad_rows"])
                 if not counts["examples"]:
@@ -402,14 +420,14 @@ class LowMemTrainer:
         return self.state.epoch >= self.cfg.epochs
 
     def _epoch_windows(self):
-        """This process's accumulation windows (lists of micro-batches of examples) for the epoch.
+        """This process's accumulation windows (batch_size x accumulation examples) for the epoch.
 
         A process whose share ran out before the others' is already at the next epoch: until all
         agree the epoch is over it has nothing more (it was checkpointed in that state, or is resuming).
         """
         if self.stream.epoch > self.state.epoch:
             return iter(())
-        return batched(batched(self.stream.iter_epoch(), self.cfg.batch_size), self.cfg.gradient_accumulation_steps)
+        return batched(self.stream.iter_epoch(), self.cfg.batch_size * self.cfg.gradient_accumulation_steps)
 
     def _set_train_mode(self) -> None:
         self.model.train()
@@ -529,11 +547,11 @@ class LowMemTrainer:
         return {k: (v.pin_memory() if pin else v).to(self.accelerator.device, non_blocking=pin)
                 for k, v in batch.items()}
 
-    def log_consumed(self, examples: list[list], epoch: int) -> None:
+    def log_consumed(self, examples: list, epoch: int) -> None:
         """With --dump_consumed: one line per example of this step (epoch, rank, file, row)."""
         if self.consumed is not None:
             self.consumed.write("".join(f"{epoch}\t{self.rank}\t{self.train_files[e.file_index]}\t{e.row}\n"
-                                        for micro in examples for e in micro))
+                                        for e in examples))
 
     def _install_signal_handlers(self) -> None:
         """SIGTERM / SIGINT: finish the current optimizer step, checkpoint, exit cleanly."""
@@ -761,11 +779,8 @@ class LowMemTrainer:
 
     def _run_config(self) -> dict:
         """The options plus what identifies the tokenizer (checked on resume)."""
-        # The vocabulary, not the backend's JSON: that also holds the truncation / padding state
-        # left by the last call.
-        vocab = json.dumps(sorted(self.tokenizer.get_vocab().items()), ensure_ascii=False).encode("utf-8")
         return {**self.cfg.to_dict(), "tokenizer_size": len(self.tokenizer),
-                "tokenizer_sha1": hashlib.sha1(vocab).hexdigest()}
+                "tokenizer_sha1": tokenizer_sha1(self.tokenizer)}
 
     # ------------------------------------------------------------------ logging
     def elapsed(self) -> float:
@@ -774,6 +789,9 @@ class LowMemTrainer:
     def record(self, event: str, **fields) -> None:
         if self.metrics is not None:
             self.metrics.write(event, self.state.step, **fields)
+            scalars = tracker_scalars(event, fields)  # --report_to: the numbers `plot` draws
+            if scalars:
+                self.accelerator.log(scalars, step=self.state.step)
 
     def log_memory(self, where: str, **extra) -> None:
         snap = memory_snapshot()

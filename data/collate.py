@@ -1,21 +1,45 @@
-"""Tokenization and dynamic padding of a micro-batch, in one batched tokenizer call per side."""
+"""Tokenization and dynamic padding: a whole accumulation window in one tokenizer call per side,
+rows of similar length paired into micro-batches, each padded to its own longest row."""
 
 from __future__ import annotations
 
 import torch
 
 from data.sources import Example
+from data.stream import batched
 
 # sentencepiece pieces are at most 16 characters, so cutting the text to 16 characters per allowed
 # token never changes the truncated result, and a megabyte-long row costs no more than a short one.
 _CHARS_PER_TOKEN_BOUND = 16
 
 
+def pad(rows: list[list[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, longest], attention mask [B, longest]) with ``value`` at the padding positions."""
+    longest = max(len(r) for r in rows)
+    ids = torch.full((len(rows), longest), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+def by_length(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Row positions grouped into micro-batches of similar length (stable: ties keep stream order).
+
+    Within one accumulation window the gradient is a sum over its rows, so how they are split into
+    micro-batches does not change it; pairing similar lengths only removes padding (with micro-batch
+    2 and rows of mixed length, a third or more of the padded tokens). Sorting never crosses a
+    window, so the stream position at each optimizer step, and with it resume, is unchanged.
+    """
+    return list(batched(sorted(range(len(lengths)), key=lengths.__getitem__), batch_size))
+
+
 class Seq2SeqCollator:
     """Turn examples into ``input_ids``, ``attention_mask`` and ``labels`` tensors.
 
-    Each side is padded to the longest row of this batch (not to a fixed length); label padding is
-    -100 so it never counts in the loss.
+    Each side is padded to the longest row of its micro-batch (not to a fixed length); label padding
+    is -100 so it never counts in the loss.
     """
 
     def __init__(self, tokenizer, max_source_len: int, max_target_len: int):
@@ -23,19 +47,43 @@ class Seq2SeqCollator:
         self.max_source_len = max_source_len
         self.max_target_len = max_target_len
 
-    def encode(self, texts: list[str], max_len: int) -> dict:
-        cut = max_len * _CHARS_PER_TOKEN_BOUND
-        return self.tokenizer([t[:cut] for t in texts], max_length=max_len, truncation=True,
-                              padding="longest", return_tensors="pt")
+    def token_ids(self, texts: list, max_len: int) -> list[list[int]]:
+        """One batched tokenizer call (the Rust tokenizer spreads a batch over threads).
 
-    def labels(self, examples: list[Example]) -> torch.Tensor:
-        target = self.encode([e.response for e in examples], self.max_target_len)
-        return target["input_ids"].masked_fill(target["attention_mask"] == 0, -100)
+        Rows of a prepared corpus are token ids already: they are only cut to ``max_len``, the way the
+        tokenizer truncates (the last kept position holds the end-of-sequence token).
+        """
+        if texts and isinstance(texts[0], list):
+            eos = self.tokenizer.eos_token_id
+            return [ids if len(ids) <= max_len else ids[:max_len - 1] + [eos] for ids in texts]
+        cut = max_len * _CHARS_PER_TOKEN_BOUND
+        return self.tokenizer([t[:cut] for t in texts], max_length=max_len, truncation=True)["input_ids"]
+
+    def encode(self, texts: list[str], max_len: int) -> dict:
+        ids, mask = pad(self.token_ids(texts, max_len), self.tokenizer.pad_token_id)
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def targets(self, examples: list[Example]) -> list[list[int]]:
+        return self.token_ids([e.response for e in examples], self.max_target_len)
+
+    @staticmethod
+    def labels(targets: list[list[int]]) -> torch.Tensor:
+        return pad(targets, -100)[0]
 
     def __call__(self, examples: list[Example]) -> dict[str, torch.Tensor]:
-        source = self.encode([e.prompt for e in examples], self.max_source_len)
-        return {"input_ids": source["input_ids"], "attention_mask": source["attention_mask"],
-                "labels": self.labels(examples)}
+        """One micro-batch, rows in the given order."""
+        return self.window(examples, len(examples), group=False)[0]
+
+    def window(self, examples: list[Example], batch_size: int, group: bool = True) -> list[dict]:
+        """The micro-batches of one accumulation window (rows of similar length together)."""
+        sources = self.token_ids([e.prompt for e in examples], self.max_source_len)
+        targets = self.targets(examples)
+        lengths = [len(s) + len(t) for s, t in zip(sources, targets)] if group else [0] * len(examples)
+        out = []
+        for rows in by_length(lengths, batch_size):
+            ids, mask = pad([sources[i] for i in rows], self.tokenizer.pad_token_id)
+            out.append({"input_ids": ids, "attention_mask": mask, "labels": self.labels([targets[i] for i in rows])})
+        return out
 
     def empty(self) -> dict[str, torch.Tensor]:
         """A micro-batch with no target tokens (one source token): its backward adds zero gradient."""
@@ -52,8 +100,20 @@ class CachedEncoderCollator:
         self.cache = cache
 
     def __call__(self, examples: list[Example]) -> dict[str, torch.Tensor]:
-        hidden, mask = self.cache.hidden_states(examples)
-        return {"encoder_hidden_states": hidden, "attention_mask": mask, "labels": self.collator.labels(examples)}
+        return self.window(examples, len(examples), group=False)[0]
+
+    def window(self, examples: list[Example], batch_size: int, group: bool = True) -> list[dict]:
+        """Like ``Seq2SeqCollator.window``, grouped by the same lengths (the cached source length is
+        the tokenized one), so cached and uncached runs form identical micro-batches."""
+        targets = self.collator.targets(examples)
+        lengths = [self.cache.entry(e.file_index, e.row)[1] + len(t) for e, t in zip(examples, targets)] \
+            if group else [0] * len(examples)
+        out = []
+        for rows in by_length(lengths, batch_size):
+            hidden, mask = self.cache.hidden_states([examples[i] for i in rows])
+            out.append({"encoder_hidden_states": hidden, "attention_mask": mask,
+                        "labels": self.collator.labels([targets[i] for i in rows])})
+        return out
 
     def empty(self) -> dict[str, torch.Tensor]:
         """A micro-batch with no target tokens (one zero encoder state): its backward adds zero gradient."""

@@ -30,6 +30,7 @@ from config import UserError
 
 SEEK_EVERY = 1 << 20  # bytes between index entries: at most this much is read and dropped per seek
 BATCH_ROWS = 256  # parquet rows decoded at once
+TOKEN_COLUMNS = ("input_ids", "labels")  # the columns of a corpus prepared by ``data.prepare`` (token ids)
 
 # Reason keys for bad rows (they appear in the log and in metrics.jsonl).
 REASONS = {
@@ -251,17 +252,21 @@ def _csv_range(path: Path, index: FileIndex | None, start: int, end: int | None)
 
 
 def row_problem(record: dict | str, columns: tuple[str, str]) -> tuple[str, str] | None:
-    """(reason key, column) when a record cannot be used as a training pair, else None."""
+    """(reason key, column) when a record cannot be used as a training pair, else None.
+
+    Values are text, except in a prepared corpus (``TOKEN_COLUMNS``), whose values are token ids.
+    """
     if isinstance(record, str):
         return record, ""
+    kind = list if columns == TOKEN_COLUMNS else str
     for column in columns:
         if column not in record:
             return "missing_column", column
         value = record[column]
         if value is None:
             return "null_value", column
-        if not isinstance(value, str):
+        if not isinstance(value, kind):
             return "non_string_value", column
-        if not value.strip():
+        if not (value if kind is list else value.strip()):
             return "empty_value", column
     return None

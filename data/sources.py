@@ -21,10 +21,13 @@ FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # file endings read by data.r
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt/response pair and where it came from (file index in the run's file list, row)."""
+    """One prompt/response pair and where it came from (file index in the run's file list, row).
 
-    prompt: str
-    response: str
+    Text, or token ids when the corpus was prepared (``python train_low_mem.py prepare``).
+    """
+
+    prompt: str | list[int]
+    response: str | list[int]
     file_index: int
     row: int
 

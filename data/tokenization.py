@@ -9,6 +9,7 @@ without protobuf and without the original ``spiece.model``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -98,6 +99,13 @@ def _spm_reason(err: RuntimeError) -> str:
         needed = text.split("vs")[-1].split(".")[0].strip()
         return f"--vocab_size is below the {needed} pieces this corpus needs (characters + bytes); raise it"
     return text.splitlines()[0]
+
+
+def tokenizer_sha1(tokenizer) -> str:
+    """What identifies a tokenizer: its vocabulary (not the backend's JSON, which also holds the
+    truncation / padding state left by the last call)."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode("utf-8")
+    return hashlib.sha1(vocab).hexdigest()
 
 
 def load_tokenizer(path: str | Path):

@@ -60,3 +60,15 @@ def train_line(step: int, total: int, loss: float, lr: float, tokens_per_s: floa
     """The fixed-order training log line."""
     return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | tok/s {tokens_per_s:,.0f} | "
             f"rss {rss_mb / 1024:.2f} GiB")
+
+
+def tracker_scalars(event: str, fields: dict) -> dict:
+    """The numbers of one metrics.jsonl record that ``--report_to`` sends to a tracker: every number of a
+    ``train`` or ``eval`` record and the predicted / measured pairs of ``memory_peak`` (what ``plot``
+    draws), named ``EVENT/FIELD``; empty for the other events."""
+    if event not in ("train", "eval", "memory_peak"):
+        return {}
+    names = [n for n in fields if event != "memory_peak" or n.endswith("_peak_mb")]
+    # bool is an int subclass: eval's "best" flag is not a scalar to chart
+    return {f"{event}/{n}": fields[n] for n in names
+            if isinstance(fields[n], (int, float)) and not isinstance(fields[n], bool)}

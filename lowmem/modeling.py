@@ -68,10 +68,9 @@ def build_optimizer(cfg: TrainConfig, params):
     if cfg.optimizer == "adamw8bit":
         bnb = optional_import("bitsandbytes", "--optimizer=adamw8bit")
         return bnb.optim.AdamW8bit(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
-    from transformers.optimization import Adafactor
+    from lowmem.optim import Adafactor
 
-    return Adafactor(params, lr=cfg.learn_rate, relative_step=False, scale_parameter=False,
-                     warmup_init=False, weight_decay=cfg.weight_decay)
+    return Adafactor(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
 
 
 def optional_import(module: str, flag: str):
@@ -143,11 +142,9 @@ def merged_state_dict(model) -> dict:
 
 def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     """Linear warmup, then linear / cosine decay to 0 at ``total_steps`` (or constant)."""
-    from transformers import get_scheduler
+    from lowmem.optim import warmup_schedule
 
-    name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=min(cfg.warmup_steps, total_steps),
-                         num_training_steps=total_steps)
+    return warmup_schedule(optimizer, cfg.lr_scheduler, min(cfg.warmup_steps, total_steps), total_steps)
 
 
 def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False) -> torch.Tensor:

@@ -119,24 +119,30 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
 
 def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None, rows: int = 2000) -> dict:
     """Token lengths of the first training rows (capped): the longest batch sets the activation peak."""
+    from data.collate import Seq2SeqCollator
+    from data.prepare import manifest_of
+    from data.readers import TOKEN_COLUMNS
     from data.sources import iter_rows, resolve_files
 
     files = files if files is not None else resolve_files(cfg.train_file, "--train_file")
+    columns = TOKEN_COLUMNS if manifest_of(files) else (cfg.prompt_column, cfg.response_column)
     src, tgt, text_bytes = [], [], []
     for index, path in enumerate(files):
-        for item in iter_rows(path, index, (cfg.prompt_column, cfg.response_column), 0, rows - len(src)):
+        for item in iter_rows(path, index, columns, 0, rows - len(src)):
             if item is not None:
                 src.append(item.prompt)
                 tgt.append(item.response)
-                text_bytes.append(len(item.prompt.encode()) + len(item.response.encode()))
+                # held in the shuffle buffer as text, or as Python lists of ints (~36 bytes a token)
+                text_bytes.append(36 * (len(item.prompt) + len(item.response)) if columns == TOKEN_COLUMNS
+                                  else len(item.prompt.encode()) + len(item.response.encode()))
         if len(src) >= rows:
             break
     if not src:
         return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
                 "row_bytes": 0, "rows": 0}
-    cut = 16 * max(cfg.max_source_len, cfg.max_target_len)
-    s = [len(x) for x in tokenizer([p[:cut] for p in src], truncation=True, max_length=cfg.max_source_len)["input_ids"]]
-    t = [len(x) for x in tokenizer([r[:cut] for r in tgt], truncation=True, max_length=cfg.max_target_len)["input_ids"]]
+    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    s = [len(x) for x in collator.token_ids(src, cfg.max_source_len)]
+    t = [len(x) for x in collator.token_ids(tgt, cfg.max_target_len)]
     total_bytes = sum(Path(f).stat().st_size for f in files)
     mean_row = sum(text_bytes) / len(text_bytes)
     return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),

@@ -5,6 +5,8 @@
                                           run_config.json process_{R}.pt manifest.json
     OUTPUT_DIR/checkpoints/latest
     OUTPUT_DIR/best/  OUTPUT_DIR/final/   save_pretrained folders
+    OUTPUT_DIR/tensorboard/               event files (--report_to=tensorboard)
+    OUTPUT_DIR/plots/                     charts of metrics.jsonl (the plot command)
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class RunFolder:
 
     def run_files(self) -> list[Path]:
         files = [self.checkpoints, self.path / "best", self.path / "final", self.path / "metrics.jsonl",
-                 *self.path.glob("consumed-rank*.tsv")]
+                 self.path / "tensorboard", self.path / "plots", *self.path.glob("consumed-rank*.tsv")]
         return [p for p in files if p.exists()]
 
     def check(self, cfg: TrainConfig, rank: int, say=print) -> tuple[Path | None, list[Path]]:

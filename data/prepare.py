@@ -1,0 +1,123 @@
+"""``prepare``: tokenize a corpus once into parquet shards that training streams directly.
+
+    python train_low_mem.py prepare --train_file=corpus.jsonl --prepared_dir=corpus.prepared
+    python train_low_mem.py train --train_file=corpus.prepared
+
+Each shard holds the columns ``input_ids`` and ``labels`` (token ids, already truncated) in row
+groups of ``GROUP_ROWS`` rows; ``prepared.manifest`` (JSON) records the tokenizer's fingerprint, the length
+limits, the source files and the bad rows that were skipped. Training from the shards skips
+tokenization in every epoch, and refuses a different tokenizer or longer limits than the shards
+were cut to. Memory stays bounded: rows are read one at a time and written ``GROUP_ROWS`` at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from config import UserError
+from data.readers import TOKEN_COLUMNS
+from data.sources import DataProblems, iter_rows
+
+MANIFEST = "prepared.manifest"  # JSON; not a data-file ending, so a folder glob never reads it as rows
+GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
+SHARD_ROWS = 100_000  # rows per shard: several shards let each epoch visit them in a new order
+
+
+def prepare_command(cfg, out_dir: Path) -> dict:
+    """The ``prepare`` command: resolve and check the corpus, load the tokenizer, write the shards."""
+    from data.collate import Seq2SeqCollator
+    from data.sources import check_columns, resolve_files
+    from data.tokenization import load_tokenizer, tokenizer_sha1
+
+    files = resolve_files(cfg.train_file, "--train_file")
+    if manifest_of(files):
+        raise UserError(f"--train_file={cfg.train_file} is prepared already; train from it directly")
+    columns = (cfg.prompt_column, cfg.response_column)
+    check_columns(files, columns, "--train_file")
+    if not (Path(cfg.tokenizer_dir) / "tokenizer.json").is_file():
+        raise UserError(f"no tokenizer in --tokenizer_dir={cfg.tokenizer_dir}; train one first "
+                        "(python train_low_mem.py train_tokenizer) or pass the folder that has it")
+    tokenizer = load_tokenizer(cfg.tokenizer_dir)
+    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    manifest = prepare(files, columns, collator, out_dir, tokenizer_sha1(tokenizer), cfg.tokenizer_dir)
+    return {"prepared_dir": str(out_dir), "rows": manifest["rows"], "tokens": manifest["tokens"],
+            "shards": len(manifest["shards"]), "bad_rows": manifest["bad_rows"]}
+
+
+def manifest_of(files: list[Path]) -> dict | None:
+    """The manifest when ``files`` are the shards of one prepared folder, else None."""
+    folders = {f.parent for f in files}
+    if len(folders) != 1 or not (next(iter(folders)) / MANIFEST).is_file():
+        return None
+    return json.loads((next(iter(folders)) / MANIFEST).read_text(encoding="utf-8"))
+
+
+def check_manifest(manifest: dict, tokenizer_sha1: str, max_source_len: int, max_target_len: int) -> None:
+    """Refuse shards made with another tokenizer, or cut shorter than this run's limits."""
+    if manifest["tokenizer_sha1"] != tokenizer_sha1:
+        raise UserError(f"--train_file was prepared with another tokenizer ({manifest['tokenizer_dir']}); pass "
+                        "that --tokenizer_dir, or prepare the corpus again with this one")
+    for flag, limit in (("max_source_len", max_source_len), ("max_target_len", max_target_len)):
+        if limit > manifest[flag]:
+            raise UserError(f"--train_file was prepared with --{flag}={manifest[flag]}: train with --{flag} at "
+                            f"most {manifest[flag]}, or prepare again with --{flag}={limit}")
+
+
+def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path, tokenizer_sha1: str,
+            tokenizer_dir: str, report=print) -> dict:
+    """Tokenize ``files`` into parquet shards in ``out_dir`` (written aside, renamed into place at the end).
+
+    Returns:
+        The manifest (also written as ``out_dir/prepared.manifest``).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if out_dir.exists():
+        raise UserError(f"--prepared_dir={out_dir} exists; remove it or choose another folder")
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    problems = DataProblems(report=report)
+    schema = pa.schema([(c, pa.list_(pa.int32())) for c in TOKEN_COLUMNS])
+    shards, writer, in_shard, rows, tokens = [], None, 0, 0, 0
+
+    def flush(group: list) -> None:
+        nonlocal writer, in_shard, rows, tokens
+        if writer is None or in_shard >= SHARD_ROWS:
+            if writer is not None:
+                writer.close()
+            shards.append(f"shard-{len(shards):05d}.parquet")
+            writer, in_shard = pq.ParquetWriter(tmp / shards[-1], schema), 0
+        sources = collator.token_ids([e.prompt for e in group], collator.max_source_len)
+        targets = collator.targets(group)
+        writer.write_table(pa.table([sources, targets], schema=schema), row_group_size=GROUP_ROWS)
+        in_shard, rows = in_shard + len(group), rows + len(group)
+        tokens += sum(map(len, sources)) + sum(map(len, targets))
+
+    group = []
+    for index, path in enumerate(files):
+        for item in iter_rows(path, index, columns, problems=problems):
+            if item is not None:
+                group.append(item)
+            if len(group) == GROUP_ROWS:
+                flush(group)
+                group = []
+    if group:
+        flush(group)
+    if writer is not None:
+        writer.close()
+    if not rows:
+        shutil.rmtree(tmp)
+        raise UserError(f"--train_file holds no usable rows ({problems.total} bad); nothing to prepare")
+    manifest = {"rows": rows, "tokens": tokens, "shards": shards, "tokenizer_sha1": tokenizer_sha1,
+                "tokenizer_dir": str(tokenizer_dir), "max_source_len": collator.max_source_len,
+                "max_target_len": collator.max_target_len, "columns": list(columns),
+                "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
+                "bad_rows": problems.total, "bad_rows_by_reason": dict(problems.by_reason)}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, out_dir)
+    return manifest

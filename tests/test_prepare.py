@@ -1,0 +1,64 @@
+"""``prepare``: a corpus tokenized once into parquet shards trains exactly like the text it came from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from safetensors.torch import load_file
+
+TRAIN = ["--max_steps=4", "--gradient_accumulation_steps=2", "--eval_steps=0", "--save_steps=0",
+         "--max_eval_samples=4", "--logging_steps=1", "--max_source_len=24", "--max_target_len=24"]
+
+
+def test_prepared_ids_are_cut_like_the_tokenizer_cuts_text(tokenizer):
+    from data.collate import Seq2SeqCollator
+
+    collate = Seq2SeqCollator(tokenizer, max_source_len=64, max_target_len=64)
+    texts = [" ".join(r["prompt"] for r in synthetic_rows(n, seed=n)) for n in (1, 3, 9, 20)]
+    full = collate.token_ids(texts, 64)
+    for limit in (4, 9, 64):
+        assert collate.token_ids(full, limit) == collate.token_ids(texts, limit)
+
+
+@pytest.mark.slow
+def test_training_from_prepared_shards_equals_training_from_text(tmp_path):
+    rows = synthetic_rows(600, seed=5)
+    rows.insert(7, {"prompt": None, "response": "x"})  # a bad row: counted by prepare, never trained on
+    corpus = write_rows(tmp_path / "corpus.jsonl", rows)
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=6))
+    prepared = tmp_path / "prepared"
+    proc = run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}", "--max_source_len=24",
+                   "--max_target_len=24")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    manifest = json.loads((prepared / "prepared.manifest").read_text())
+    assert manifest["rows"] == 600 and manifest["bad_rows"] == 1 and manifest["max_source_len"] == 24
+
+    runs = {}
+    for name, source in (("text", corpus), ("prepared", prepared)):
+        out = tmp_path / f"run_{name}"
+        proc = run_cli("train", f"--train_file={source}", f"--eval_file={evals}", f"--output_dir={out}", *TRAIN)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[name] = out
+    losses = {n: [r["loss"] for r in metrics(o) if r["event"] == "train"] for n, o in runs.items()}
+    assert losses["text"] == losses["prepared"] and len(losses["text"]) == 4
+    a, b = (load_file(str(o / "final" / "model.safetensors")) for o in runs.values())
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # Shorter limits than the shards were cut to are fine (cut again); longer ones, or another tokenizer, are refused.
+    longer = run_cli("train", f"--train_file={prepared}", f"--eval_file={evals}", f"--output_dir={tmp_path / 'x'}",
+                     "--max_source_len=64", "--max_steps=1")
+    assert longer.returncode == 2 and "--max_source_len=24" in longer.stderr
+    assert len(longer.stderr.strip().splitlines()) == 1
+    other = tmp_path / "other_tokenizer"
+    other.mkdir()
+    for f in (REPO / "data" / "tokenizer").iterdir():
+        text = f.read_text(encoding="utf-8")
+        (other / f.name).write_text(text.replace('"▁the"', '"▁thee"') if f.name == "tokenizer.json" else text)
+    refused = run_cli("train", f"--train_file={prepared}", f"--eval_file={evals}", f"--tokenizer_dir={other}",
+                      f"--output_dir={tmp_path / 'y'}", *TRAIN)
+    assert refused.returncode == 2 and "another tokenizer" in refused.stderr
+    again = run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}")
+    assert again.returncode == 2 and "exists" in again.stderr
