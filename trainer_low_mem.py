@@ -45,6 +45,7 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
     load_model,
     merged_state_dict,
     steps_per_epoch,
+    target_index,
     token_loss_sum,
 )
 from lowmem.run_folder import RunFolder
@@ -543,6 +544,9 @@ class LowMemTrainer:
         return loss_sum
 
     def to_device(self, batch: dict) -> dict:
+        """The batch on the training device, with its target positions found here on the host."""
+        if "labels" in batch:
+            batch = {**batch, "target_index": target_index(batch["labels"])}
         pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"
         return {k: (v.pin_memory() if pin else v).to(self.accelerator.device, non_blocking=pin)
                 for k, v in batch.items()}

@@ -35,9 +35,13 @@ CONFIGS = [
     ("small adamw", "small", "long", ["--optimizer=adamw", "--learn_rate=1e-3"], "small plain"),
     ("small adamw8bit", "small", "long", ["--optimizer=adamw8bit", "--learn_rate=1e-3"], "small plain"),
     ("small bf16 autocast", "small", "long", ["--mixed_precision=bf16"], "small plain"),
+    ("tiny SFT", "tiny", "sft", [], None),
+    ("tiny SFT encoder cache", "tiny", "sft", ["--encoder_cache=memory"], "tiny SFT"),
     ("small SFT", "small", "sft", [], None),
     ("small SFT LoRA r=8", "small", "sft", ["--lora_r=8", "--learn_rate=1e-3"], "small SFT"),
     ("small SFT encoder cache", "small", "sft", ["--encoder_cache=memory"], "small SFT"),
+    ("small SFT long prompts", "small", "sft_long", [], None),
+    ("small SFT long prompts, cache", "small", "sft_long", ["--encoder_cache=memory"], "small SFT long prompts"),
     ("base plain, short rows", "base", "short", [], None),
     ("base adamw, short rows", "base", "short", ["--optimizer=adamw", "--learn_rate=1e-3"], "base plain, short rows"),
 ]
@@ -47,15 +51,19 @@ def make_corpora(folder: Path) -> dict[str, Path]:
     """Short rows (the shipped pinyin pairs) and long rows (several chatterbot turns joined)."""
     rows = [json.loads(line) for line in (REPO / "data/chatterbot/train.jsonl").read_text().splitlines()]
     rng = random.Random(0)
-    long_rows = []
+    long_rows, sft_rows = [], []
     for _ in range(600):
         picked = rng.sample(rows, 8)
         long_rows.append({"prompt": " ".join(r["prompt"] + " " + r["response"] for r in picked[:5]),
                           "response": " ".join(r["response"] for r in picked[5:])})
+        sft_rows.append({"prompt": long_rows[-1]["prompt"], "response": picked[5]["response"]})
     long_path = folder / "long.jsonl"
     long_path.write_text("".join(json.dumps(r) + "\n" for r in long_rows))
+    # SFT with a conversation as the prompt and one reply as the answer (the encoder's share is larger)
+    sft_long = folder / "sft_long.jsonl"
+    sft_long.write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
     return {"short": REPO / "data/pinyin/train.jsonl", "long": long_path,
-            "sft": REPO / "data/chatterbot/train.jsonl"}
+            "sft": REPO / "data/chatterbot/train.jsonl", "sft_long": sft_long}
 
 
 def run(args: list[str]) -> None:
@@ -91,7 +99,7 @@ def main() -> None:
                 continue
             out = tmp / name.replace(" ", "_").replace(",", "").replace("=", "")
             data = ["--train_file=" + str(corpora[kind]), "--model_preset=" + preset]
-            if kind == "sft":
+            if kind.startswith("sft"):
                 if preset not in inits:  # a pretrained model to fine-tune (one step is enough)
                     inits[preset] = tmp / f"init_{preset}"
                     run([*data, f"--output_dir={inits[preset]}", "--max_steps=1", "--gradient_accumulation_steps=1",

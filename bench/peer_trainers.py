@@ -69,9 +69,20 @@ def build(options):
     from lowmem.modeling import build_model
 
     set_seed(options.seed)  # the trainer seeds before building the model: same initial weights
-    tokenizer = load_tokenizer(REPO / "data" / "tokenizer")
+    tokenizer = load_tokenizer(options.tokenizer_dir or REPO / "data" / "tokenizer")
     cfg, _ = load_config({"model_preset": options.model_preset, "max_target_len": options.max_target_len})
     return tokenizer, build_model(cfg, tokenizer)
+
+
+def builder_of(path: str) -> str:
+    """The datasets builder (and pyarrow reader) for a file: json (.jsonl, .json), csv or parquet."""
+    suffix = Path(path).suffix.lower()
+    return {".parquet": "parquet", ".csv": "csv"}.get(suffix, "json")
+
+
+def is_json_array(path: str) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4096).lstrip()[:1] == b"["
 
 
 # --------------------------------------------------------------------------- Seq2SeqTrainer
@@ -146,8 +157,13 @@ def run_seq2seq_trainer(options, log: StepLog) -> None:
     tokenizer, model = build(options)
     tokenize = tokenize_function(tokenizer, options.max_source_len, options.max_target_len)
     streaming = options.kind == "streaming"
-    dataset = load_dataset("json", data_files=options.train_file, split="train", streaming=streaming,
-                           cache_dir=options.cache_dir)
+    dataset = load_dataset(builder_of(options.train_file), data_files=options.train_file, split="train",
+                           streaming=streaming, cache_dir=options.cache_dir)
+    dataset = dataset.select_columns([options.prompt_column, options.response_column])
+    renames = {options.prompt_column: "prompt", options.response_column: "response"}
+    renames = {old: new for old, new in renames.items() if old != new}
+    if renames:
+        dataset = dataset.rename_columns(renames)
     if streaming:
         # The same shuffle buffer as this trainer's default (without one, rows come in file order).
         dataset = dataset.shuffle(seed=options.seed, buffer_size=options.shuffle_buffer)
@@ -172,11 +188,25 @@ def run_seq2seq_trainer(options, log: StepLog) -> None:
 class InMemoryTable(torch.utils.data.Dataset):
     """The whole corpus as one in-memory Arrow table (the reference read its table with ``pq.read_table``)."""
 
-    def __init__(self, path: str):
-        import pyarrow.json as pj
+    def __init__(self, path: str, prompt_column: str, response_column: str):
+        kind = builder_of(path)
+        if kind == "parquet":
+            import pyarrow.parquet as pq
 
-        table = pj.read_json(path)
-        self.prompts, self.responses = table.column("prompt"), table.column("response")
+            table = pq.read_table(path, columns=[prompt_column, response_column])
+        elif kind == "csv":
+            import pyarrow.csv as pc
+
+            table = pc.read_csv(path)
+        elif is_json_array(path):  # pyarrow reads JSON lines only
+            import pyarrow as pa
+
+            table = pa.Table.from_pylist(json.loads(Path(path).read_text(encoding="utf-8")))
+        else:
+            import pyarrow.json as pj
+
+            table = pj.read_json(path)
+        self.prompts, self.responses = table.column(prompt_column), table.column(response_column)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -192,7 +222,7 @@ def run_reference(options, log: StepLog) -> None:
     tokenizer, model = build(options)
     device = torch.device(options.device)
     model.to(device).train()
-    table = InMemoryTable(options.train_file)
+    table = InMemoryTable(options.train_file, options.prompt_column, options.response_column)
 
     def collate(rows):  # tokenization per micro-batch, padded to its longest row
         prompts, responses = zip(*rows)
@@ -246,6 +276,9 @@ def main() -> None:
     parser.add_argument("--output_dir", default=None, help="Trainer output folder (nothing is saved in it)")
     parser.add_argument("--cache_dir", default=None, help="datasets cache folder (the caller deletes it)")
     parser.add_argument("--model_preset", default="tiny")
+    parser.add_argument("--tokenizer_dir", default=None, help="default: the shipped data/tokenizer")
+    parser.add_argument("--prompt_column", default="prompt")
+    parser.add_argument("--response_column", default="response")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--accumulation", type=int, default=16)

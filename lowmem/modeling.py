@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -147,31 +148,54 @@ def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     return warmup_schedule(optimizer, cfg.lr_scheduler, min(cfg.warmup_steps, total_steps), total_steps)
 
 
+def target_index(labels: torch.Tensor) -> torch.Tensor:
+    """Flat positions of the target tokens (labels != -100). Found on the host, before the batch moves
+    to the GPU, this costs no device synchronisation (``nonzero`` on a CUDA tensor waits for it)."""
+    return labels.flatten().ne(-100).nonzero().squeeze(1)
+
+
+@contextlib.contextmanager
+def logits_only_at(core, index: torch.Tensor):
+    """While inside, the LM head computes logits only at the flat positions ``index`` of its input.
+
+    The head (d_model x vocabulary per position) is the largest matrix product of a small T5, and
+    padded target positions contribute nothing to the loss: skipping them saves their share of the
+    forward and the backward, and of the logits' memory. The loss and gradients are unchanged up to
+    float summation order. Returned logits are then (len(index), vocabulary).
+    """
+    handle = core.lm_head.register_forward_pre_hook(
+        lambda _module, args: (args[0].flatten(0, -2).index_select(0, index), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False) -> torch.Tensor:
     """Sum of the cross-entropy over the batch's target tokens (labels == -100 are ignored).
 
     ``model`` is what to call (possibly wrapped for DDP), ``core`` the plain T5 inside it. With a
     frozen encoder it runs under ``no_grad`` so none of its activations are kept; a batch from the
-    encoder cache carries ``encoder_hidden_states`` instead of ``input_ids``.
+    encoder cache carries ``encoder_hidden_states`` instead of ``input_ids``. Logits are computed
+    only at target positions (``batch["target_index"]`` when the caller found them on the host).
     """
     labels = batch["labels"]
-    decoder_input_ids = core._shift_right(labels)
-    if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
-        from transformers.modeling_outputs import BaseModelOutput
+    index = batch["target_index"] if "target_index" in batch else target_index(labels)
+    decoder = dict(attention_mask=batch["attention_mask"], decoder_input_ids=core._shift_right(labels),
+                   use_cache=False)
+    with logits_only_at(core, index):
+        if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
+            from transformers.modeling_outputs import BaseModelOutput
 
-        out = model(encoder_outputs=BaseModelOutput(last_hidden_state=batch["encoder_hidden_states"]),
-                    attention_mask=batch["attention_mask"], decoder_input_ids=decoder_input_ids, use_cache=False)
-    elif frozen_encoder:
-        from transformers.modeling_outputs import BaseModelOutput
+            out = model(encoder_outputs=BaseModelOutput(last_hidden_state=batch["encoder_hidden_states"]), **decoder)
+        elif frozen_encoder:
+            from transformers.modeling_outputs import BaseModelOutput
 
-        encoded = BaseModelOutput(last_hidden_state=frozen_encoder_states(core.encoder, batch["input_ids"],
-                                                                          batch["attention_mask"]))
-        out = model(encoder_outputs=encoded, attention_mask=batch["attention_mask"],
-                    decoder_input_ids=decoder_input_ids, use_cache=False)
-    else:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    decoder_input_ids=decoder_input_ids, use_cache=False)
-    return F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+            encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"])
+            out = model(encoder_outputs=BaseModelOutput(last_hidden_state=encoded), **decoder)
+        else:
+            out = model(input_ids=batch["input_ids"], **decoder)
+    return F.cross_entropy(out.logits.float(), labels.flatten().index_select(0, index), reduction="sum")
 
 
 @torch.no_grad()

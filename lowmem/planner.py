@@ -26,7 +26,7 @@ MB = 2**20
 # (glibc reuses it, but it stays resident): a share of the bytes that are allocated and freed at
 # every step. Calibrated with bench/memory_modes.py on the CPU.
 ALLOCATOR_SLACK = 0.45
-FIRST_STEP_MB = 60  # kernels, thread pools and autograd bookkeeping created by the first step
+FIRST_STEP_MB = 20  # kernels, thread pools and autograd bookkeeping created by the first step
 CUDA_CONTEXT_MB = 500  # CUDA context and kernels on the GPU (outside torch's allocator)
 CUDA_HOST_MB = 1500  # host RSS of the CUDA runtime libraries once initialised
 GPU_ALLOCATOR_SLACK = 0.10  # torch's caching allocator: reserved above allocated

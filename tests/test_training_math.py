@@ -8,7 +8,7 @@ from conftest import synthetic_rows, write_rows
 
 from config import load_config
 from data.stream import take_examples
-from trainer_low_mem import LowMemTrainer, build_model, token_loss_sum
+from trainer_low_mem import LowMemTrainer, build_model, target_index, token_loss_sum
 
 COLS = ("prompt", "response")
 
@@ -81,8 +81,20 @@ def test_token_loss_sum_matches_transformers_loss(tmp_path, tokenizer):
     from data.sources import Example
 
     batch = Seq2SeqCollator(tokenizer, 32, 32)([Example(r["prompt"], r["response"], 0, i) for i, r in enumerate(rows)])
-    ours = token_loss_sum(model, model, batch) / (batch["labels"] != -100).sum()
-    assert torch.allclose(ours, model(**batch).loss, rtol=1e-6)
+    assert (batch["labels"] == -100).any()  # padded targets: the logits skip them
+    ours = token_loss_sum(model, model, batch)
+    (ours / (batch["labels"] != -100).sum()).backward()
+    selected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    theirs = model(**batch).loss
+    theirs.backward()
+    assert torch.allclose(ours / (batch["labels"] != -100).sum(), theirs, rtol=1e-6)
+    full = [p.grad for p in model.parameters()]
+    for mine, ref in zip(selected, full):
+        assert torch.allclose(mine, ref, rtol=1e-5, atol=1e-8)
+    # the positions found on the host (as the trainer passes them) give the same loss
+    with_index = token_loss_sum(model, model, {**batch, "target_index": target_index(batch["labels"])})
+    assert torch.equal(with_index.detach(), ours.detach())
 
 
 def test_sft_trains_only_the_decoder(tmp_path, tokenizer):

@@ -1,0 +1,101 @@
+"""Where the time of a training run goes: phases (py-spy) and operators (torch.profiler).
+
+    python bench/profile_run.py --train_file=corpus.jsonl --max_steps=40         # phases, via py-spy
+    python bench/profile_run.py --ops --train_file=corpus.jsonl --max_steps=10   # top operators
+
+Phases: ``py-spy record`` (pip install py-spy) samples ``train_low_mem.py train`` with the given flags,
+and each sampled stack is put in the first phase whose function it contains (evaluation and saving
+before the training loop's parts, so the backward of an evaluation is not counted as training).
+Operators: the same run in this process under ``torch.profiler``, operators by self CPU time.
+Results and their reading: BENCHMARKS.md, 'Where the time goes'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# (phase, substrings of a py-spy frame "function (file:line)"); the first phase that matches wins
+PHASES = [
+    ("imports", ["_find_and_load"]),
+    ("evaluation", ["LowMemTrainer.evaluate (", "evaluate_and_keep_best"]),
+    ("checkpoint and export", ["save_checkpoint", "LowMemTrainer.export", "report_memory_peak"]),
+    ("setup (model, planner, index)", ["LowMemTrainer.setup ("]),
+    ("tokenization and padding", ["token_ids (data/collate", "pad (data/collate"]),
+    ("reading and shuffling rows", ["iter_epoch (data/stream", "_upstream", "iter_rows"]),
+    ("backward", ["backward ("]),
+    ("optimizer step", ["(lowmem/optim.py"]),
+    ("forward and loss", ["token_loss_sum"]),
+    ("grad norm and counts", ["clip_grad_norm", "window_counts"]),
+    ("logging and gc", ["maybe_log", "maybe_gc", "free_memory", "log_memory"]),
+]
+LOOP = {"tokenization and padding", "reading and shuffling rows", "backward", "optimizer step", "forward and loss",
+        "grad norm and counts", "logging and gc", "other"}
+
+
+def classify(raw: Path) -> collections.Counter:
+    """Samples per phase from py-spy's raw (collapsed) output: one 'frame;frame;... count' line per stack."""
+    totals = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        phase = next((name for name, keys in PHASES if any(k in stack for k in keys)), "other")
+        totals[phase] += int(count)
+    return totals
+
+
+def phases(flags: list[str], rate: int) -> None:
+    if shutil.which("py-spy") is None:
+        raise SystemExit("py-spy is not installed: pip install py-spy (or use --ops for torch.profiler)")
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "stacks.txt"
+        out = [f for f in flags if f.startswith("--output_dir=")] or [f"--output_dir={tmp}/run"]
+        subprocess.run(["py-spy", "record", "-r", str(rate), "-f", "raw", "-o", str(raw), "--", sys.executable,
+                        str(REPO / "train_low_mem.py"), "train", *[f for f in flags if f not in out], *out,
+                        "--overwrite_output_dir=True"], check=True, capture_output=True)
+        totals = classify(raw)
+    run, loop = sum(totals.values()), sum(v for k, v in totals.items() if k in LOOP)
+    print(f"{'phase':<32}{'share of run':>14}{'share of loop':>15}")
+    for name, count in totals.most_common():
+        in_loop = f"{count / loop:>15.1%}" if name in LOOP else f"{'':>15}"
+        print(f"{name:<32}{count / run:>14.1%}{in_loop}")
+
+
+def operators(flags: list[str], rows: int) -> None:
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from config import load_config
+    from trainer_low_mem import LowMemTrainer
+
+    options = dict(f.lstrip("-").split("=", 1) for f in flags)
+    with tempfile.TemporaryDirectory() as tmp:
+        options.setdefault("output_dir", f"{tmp}/run")
+        cfg, _ = load_config({**options, "overwrite_output_dir": True})
+        trainer = LowMemTrainer(cfg).setup()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            trainer.train()
+        trainer.close()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", action="store_true", help="operators by self CPU time (torch.profiler)")
+    parser.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
+    parser.add_argument("--rows", type=int, default=15, help="operators listed with --ops")
+    options, flags = parser.parse_known_args()
+    flags = flags or ["--max_steps=40"]
+    if options.ops:
+        operators(flags, options.rows)
+    else:
+        phases(flags, options.rate)
+
+
+if __name__ == "__main__":
+    main()
