@@ -18,8 +18,33 @@ from config import MODEL_PRESETS, TrainConfig, UserError, optional_package_missi
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
+def import_transformers_models() -> None:
+    """Import transformers' model stack without scipy: -40 MiB RSS and -0.3 s per process.
+
+    transformers imports ``scipy.optimize`` whenever scipy is installed, only for the Hungarian
+    matching of its object-detection losses, which a T5 never calls. Those loss modules alone are
+    imported while ``is_scipy_available`` answers False; the real answer is restored right after,
+    so everything else in transformers still sees scipy.
+    """
+    import sys
+
+    if "transformers.loss.loss_utils" in sys.modules:
+        return
+    import transformers.utils
+
+    is_scipy_available = transformers.utils.is_scipy_available
+    transformers.utils.is_scipy_available = lambda: False
+    try:
+        import transformers.loss.loss_utils  # noqa: F401
+    except ImportError:  # another transformers layout: import as usual, scipy included
+        pass
+    finally:
+        transformers.utils.is_scipy_available = is_scipy_available
+
+
 def build_model(cfg: TrainConfig, tokenizer):
     """A fresh T5 from a ``T5Config`` of the chosen preset (never a hub download)."""
+    import_transformers_models()
     from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration
 
     t5_config = T5Config(vocab_size=len(tokenizer), dropout_rate=cfg.dropout_rate,
@@ -36,6 +61,7 @@ def build_model(cfg: TrainConfig, tokenizer):
 def load_model(path: str | Path, **config_overrides):
     """Load a saved model folder (``save_pretrained`` layout); ``config_overrides`` such as
     ``dropout_rate`` replace values of its saved config."""
+    import_transformers_models()
     from transformers import T5ForConditionalGeneration
 
     if not (Path(path) / "config.json").is_file():

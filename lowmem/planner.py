@@ -265,6 +265,10 @@ def framework_mb() -> float:
     import accelerate  # noqa: F401
     import psutil
     import torch  # noqa: F401
+
+    from lowmem.modeling import import_transformers_models
+
+    import_transformers_models()
     from transformers import T5ForConditionalGeneration  # noqa: F401
 
     return psutil.Process().memory_info().rss / MB
