@@ -5,8 +5,9 @@
     python train_low_mem.py plan --budget_gb=12 --device=gpu        # recommend flags that fit
 
 Figures are MiB. Weights, gradients and optimizer state are counted exactly from the model's
-shapes; activations from the T5 layer shapes at the longest batch the data can produce (sampled
-from the training files, capped by --max_source_len / --max_target_len); the framework baseline is
+shapes; activations from the T5 layer shapes at the costliest batch the run is expected to meet
+(lengths sampled from the training files, capped by --max_source_len / --max_target_len: the longest
+batch when the run reads every row, a typical worst one for a short --max_steps run); the framework baseline is
 measured in this process (Python, torch, transformers, tokenizer). On the CPU the host figure is
 checked against measured peak RSS by ``bench/memory_modes.py``; the GPU figures are estimates
 (no GPU was available to check them, see README).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +27,7 @@ MB = 2**20
 # Heap memory the CPU allocator keeps after freeing activations and optimizer temporaries
 # (glibc reuses it, but it stays resident): a share of the bytes that are allocated and freed at
 # every step. Calibrated with bench/memory_modes.py on the CPU.
-ALLOCATOR_SLACK = 0.45
+ALLOCATOR_SLACK = 0.35
 FIRST_STEP_MB = 20  # kernels, thread pools and autograd bookkeeping created by the first step
 CUDA_CONTEXT_MB = 500  # CUDA context and kernels on the GPU (outside torch's allocator)
 CUDA_HOST_MB = 1500  # host RSS of the CUDA runtime libraries once initialised
@@ -139,14 +141,38 @@ def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None,
             break
     if not src:
         return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
-                "row_bytes": 0, "rows": 0}
+                "row_bytes": 0, "rows": 0, "pairs": []}
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
     s = [len(x) for x in collator.token_ids(src, cfg.max_source_len)]
     t = [len(x) for x in collator.token_ids(tgt, cfg.max_target_len)]
     total_bytes = sum(Path(f).stat().st_size for f in files)
     mean_row = sum(text_bytes) / len(text_bytes)
     return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
-            "row_bytes": mean_row, "rows": int(total_bytes / max(mean_row + 30, 1))}
+            "row_bytes": mean_row, "rows": int(total_bytes / max(mean_row + 30, 1)), "pairs": list(zip(s, t))}
+
+
+def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str, world: int) -> tuple[int, int]:
+    """Source and target lengths of the costliest micro-batch the run is expected to meet.
+
+    A run that reads every row meets the longest source and the longest target (rows of similar
+    length share a micro-batch, so both can meet in one). A shorter run (``--max_steps``) reading n
+    of the m sampled rows meets the median of the costliest of n draws: the row at rank
+    ``m * 0.5 ** (1 / n)`` when the sample is sorted by the activation bytes a row costs.
+    """
+    pairs = lengths.get("pairs") or []
+    read = lengths["rows"] * cfg.epochs / world
+    if cfg.max_steps > 0:
+        read = min(read, cfg.max_steps * cfg.batch_size * cfg.gradient_accumulation_steps)
+    if not pairs or read >= lengths["rows"]:
+        return lengths["max_source"], lengths["max_target"]
+
+    def cost(pair: tuple[int, int]) -> float:
+        act = activation_bytes(cfg, dims, pair[0], pair[1], device)
+        return act["activations"] + act["logits"]
+
+    ranked = sorted(pairs, key=cost)
+    rank = math.ceil(len(ranked) * 0.5 ** (1 / max(read, 1)))
+    return ranked[min(max(rank, 1), len(ranked)) - 1]
 
 
 def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str = "cpu",
@@ -160,7 +186,8 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     weights = 4 * (n_params + (n_train if cfg.lora_r else 0))
     grads = 4 * n_train
     opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
-    act = activation_bytes(cfg, dims, lengths["max_source"], lengths["max_target"], device)
+    source_len, target_len = peak_batch_lengths(cfg, dims, lengths, device, world)
+    act = activation_bytes(cfg, dims, source_len, target_len, device)
     # Autocast keeps a bf16 copy of every trainable weight for the step (frozen ones are cast per use).
     cast_cache = 2 * n_train if cfg.mixed_precision == "bf16" else 0
     cache = 0
@@ -197,7 +224,7 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     host_mb = {k: round(v / MB, 1) for k, v in host.items()}
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
     return {"device": device, "parameters": n_params, "trainable_parameters": n_train,
-            "max_source_tokens": lengths["max_source"], "max_target_tokens": lengths["max_target"],
+            "max_source_tokens": source_len, "max_target_tokens": target_len,
             "host_mb": host_mb, "gpu_mb": gpu_mb, "host_peak_mb": round(sum(host_mb.values()), 1),
             "gpu_peak_mb": round(sum(gpu_mb.values()), 1)}
 
@@ -300,7 +327,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
         print(json.dumps(result))
         return result
     print(f"predicted peak memory ({device}; model {cfg.model_preset if not cfg.is_finetune else cfg.init_from}, "
-          f"{result['parameters']:,} parameters, {result['trainable_parameters']:,} trainable; longest batch "
+          f"{result['parameters']:,} parameters, {result['trainable_parameters']:,} trainable; costliest batch "
           f"{cfg.batch_size} x {result['max_source_tokens']} source / {result['max_target_tokens']} target tokens)")
     print(format_table(result))
     if budget_gb is not None:

@@ -199,6 +199,27 @@ def test_plan_json_table_and_recommendation(tmp_path):
     assert nothing.returncode == 0 and "nothing fits" in nothing.stdout
 
 
+def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
+    from lowmem import planner
+
+    # 1,000 rows: 990 with 20-token targets, 10 at the 128-token cap (1 %)
+    pairs = [(100, 20)] * 990 + [(100, 128)] * 10
+    lengths = {"max_source": 100, "max_target": 128, "mean_source": 100, "row_bytes": 500, "rows": 1000,
+               "pairs": pairs}
+    dims = planner.model_dims(load_config({})[0], 8000)
+
+    def target_len(**flags):
+        return planner.peak_batch_lengths(load_config(flags)[0], dims, lengths, "cpu", 1)[1]
+
+    # 8 rows: the costliest of 8 draws is a short row more often than not; 400 rows: almost surely a long one
+    assert target_len(max_steps=1, batch_size=2, gradient_accumulation_steps=4) == 20
+    assert target_len(max_steps=50, batch_size=2, gradient_accumulation_steps=4) == 128
+    assert target_len() == 128  # a whole epoch meets every row
+    plan_short = planner.predict(load_config({"max_steps": 1})[0], 8000, lengths, 300.0)
+    plan_epoch = planner.predict(load_config({})[0], 8000, lengths, 300.0)
+    assert plan_short["host_mb"]["activations"] < plan_epoch["host_mb"]["activations"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--encoder_cache=disk"], "--encoder_cache needs --is_finetune=True"),
     (["--lora_r=4"], "--lora_r needs --is_finetune=True"),
