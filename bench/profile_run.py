@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # (phase, substrings of a py-spy frame "function (file:line)"); the first phase that matches wins
 PHASES = [
+    ("background threads (mostly idle)", ["Thread._bootstrap", "Condition.wait (threading"]),
     ("imports", ["_find_and_load"]),
     ("evaluation", ["LowMemTrainer.evaluate (", "evaluate_and_keep_best"]),
     ("checkpoint and export", ["save_checkpoint", "LowMemTrainer.export", "report_memory_peak"]),
@@ -44,6 +45,9 @@ def classify(raw: Path) -> collections.Counter:
     totals = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        if not stack.strip():  # a sample py-spy could not unwind (native start-up and shut-down)
+            totals["unresolved"] += int(count)
+            continue
         phase = next((name for name, keys in PHASES if any(k in stack for k in keys)), "other")
         totals[phase] += int(count)
     return totals
