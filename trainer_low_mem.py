@@ -31,7 +31,7 @@ from data.stream import ExampleStream, batched, take_examples
 from data.tokenization import tokenizer_sha1
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
-from lowmem.memory import free_memory, memory_snapshot, process_rss_bytes
+from lowmem.memory import free_memory, freeze_long_lived, memory_snapshot, process_rss_bytes, thaw_long_lived
 from lowmem.metrics import AppendLog, MetricsLog, tracker_scalars, train_line
 from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part of this module's API)
     apply_memory_modes,
@@ -381,6 +381,7 @@ class LowMemTrainer:
         self._reset_interval(self.resumed_interval)
         if state.step == 0 and self.cfg.eval_steps:
             self.evaluate_and_keep_best()  # the baseline every later eval is compared with
+        freeze_long_lived()  # later collections skip the imports, model and tokenizer
         while not self._finished():
             free_memory()  # at each epoch start
             windows = self._epoch_windows()
@@ -817,6 +818,7 @@ class LowMemTrainer:
         return sys.stderr.isatty()
 
     def close(self) -> None:
+        thaw_long_lived()
         for log in (self.metrics, self.consumed):
             if log is not None:
                 log.close()
