@@ -51,7 +51,12 @@ def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
     args = [f"--output_dir={broken}", *common]
     logs = [tmp_path / f"launch{i}.log" for i in range(7)]
     child = launch(args, logs[0])
-    time.sleep(5)  # before any checkpoint exists: resume starts the run again from step 0
+    # Killed once setup has written its first record, before any checkpoint exists (the baseline
+    # eval and 3 optimizer steps come first): resume starts the run again from step 0.
+    started = time.time()
+    while not _safe_metrics(broken):
+        assert child.poll() is None and time.time() < started + 300, logs[0].read_text()[-2000:]
+        time.sleep(0.05)
     child.kill()
     child.wait()
     for attempt in range(5):
