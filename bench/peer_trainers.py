@@ -75,14 +75,11 @@ def build(options):
 
 
 def builder_of(path: str) -> str:
-    """The datasets builder (and pyarrow reader) for a file: json (.jsonl, .json), csv or parquet."""
-    suffix = Path(path).suffix.lower()
-    return {".parquet": "parquet", ".csv": "csv"}.get(suffix, "json")
+    """The datasets builder for a file: parquet, csv, or json (JSON lines or one JSON array)."""
+    from data.readers import file_kind
 
-
-def is_json_array(path: str) -> bool:
-    with open(path, "rb") as fh:
-        return fh.read(4096).lstrip()[:1] == b"["
+    kind = file_kind(Path(path))
+    return kind if kind in ("parquet", "csv") else "json"
 
 
 # --------------------------------------------------------------------------- Seq2SeqTrainer
@@ -189,7 +186,9 @@ class InMemoryTable(torch.utils.data.Dataset):
     """The whole corpus as one in-memory Arrow table (the reference read its table with ``pq.read_table``)."""
 
     def __init__(self, path: str, prompt_column: str, response_column: str):
-        kind = builder_of(path)
+        from data.readers import file_kind
+
+        kind = file_kind(Path(path))
         if kind == "parquet":
             import pyarrow.parquet as pq
 
@@ -198,7 +197,7 @@ class InMemoryTable(torch.utils.data.Dataset):
             import pyarrow.csv as pc
 
             table = pc.read_csv(path)
-        elif is_json_array(path):  # pyarrow reads JSON lines only
+        elif kind == "json-array":  # pyarrow reads JSON lines only
             import pyarrow as pa
 
             table = pa.Table.from_pylist(json.loads(Path(path).read_text(encoding="utf-8")))

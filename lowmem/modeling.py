@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -26,8 +27,6 @@ def import_transformers_models() -> None:
     imported while ``is_scipy_available`` answers False; the real answer is restored right after,
     so everything else in transformers still sees scipy.
     """
-    import sys
-
     if "transformers.loss.loss_utils" in sys.modules:
         return
     import transformers.utils
@@ -209,18 +208,19 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False) -> to
     index = batch["target_index"] if "target_index" in batch else target_index(labels)
     decoder = dict(attention_mask=batch["attention_mask"], decoder_input_ids=core._shift_right(labels),
                    use_cache=False)
+    if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
+        encoded = batch["encoder_hidden_states"]
+    elif frozen_encoder:
+        encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"])
+    else:
+        encoded = None
     with logits_only_at(core, index):
-        if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
-            from transformers.modeling_outputs import BaseModelOutput
-
-            out = model(encoder_outputs=BaseModelOutput(last_hidden_state=batch["encoder_hidden_states"]), **decoder)
-        elif frozen_encoder:
-            from transformers.modeling_outputs import BaseModelOutput
-
-            encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"])
-            out = model(encoder_outputs=BaseModelOutput(last_hidden_state=encoded), **decoder)
-        else:
+        if encoded is None:
             out = model(input_ids=batch["input_ids"], **decoder)
+        else:
+            from transformers.modeling_outputs import BaseModelOutput
+
+            out = model(encoder_outputs=BaseModelOutput(last_hidden_state=encoded), **decoder)
     return F.cross_entropy(out.logits.float(), labels.flatten().index_select(0, index), reduction="sum")
 
 

@@ -159,11 +159,12 @@ def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
     of the m sampled rows meets the median of the costliest of n draws: the row at rank
     ``m * 0.5 ** (1 / n)`` when the sample is sorted by the activation bytes a row costs.
     """
-    pairs = lengths.get("pairs") or []
-    read = lengths["rows"] * cfg.epochs / world
+    pairs = lengths["pairs"]
+    share = lengths["rows"] / world  # the rows each process reads per epoch
+    read = share * cfg.epochs
     if cfg.max_steps > 0:
         read = min(read, cfg.max_steps * cfg.batch_size * cfg.gradient_accumulation_steps)
-    if not pairs or read >= lengths["rows"]:
+    if not pairs or read >= share:
         return lengths["max_source"], lengths["max_target"]
 
     def cost(pair: tuple[int, int]) -> float:

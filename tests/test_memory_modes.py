@@ -215,6 +215,9 @@ def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
     assert target_len(max_steps=1, batch_size=2, gradient_accumulation_steps=4) == 20
     assert target_len(max_steps=50, batch_size=2, gradient_accumulation_steps=4) == 128
     assert target_len() == 128  # a whole epoch meets every row
+    # ... on every process: each of 2 processes reads all of its half, which may hold the one longest row
+    one_long = {**lengths, "pairs": [(100, 20)] * 999 + [(100, 128)]}
+    assert planner.peak_batch_lengths(load_config({})[0], dims, one_long, "cpu", 2)[1] == 128
     plan_short = planner.predict(load_config({"max_steps": 1})[0], 8000, lengths, 300.0)
     plan_epoch = planner.predict(load_config({})[0], 8000, lengths, 300.0)
     assert plan_short["host_mb"]["activations"] < plan_epoch["host_mb"]["activations"]
