@@ -220,7 +220,8 @@ class LowMemTrainer:
 
         device = "gpu" if self.accelerator.device.type == "cuda" else "cpu"
         lengths = planner.sample_lengths(self.cfg, self.tokenizer, self.train_files)
-        plan = planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(), device, self.world)
+        plan = planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(self.cfg), device,
+                              self.world)
         self.record("memory_plan", **plan)
         return plan
 

@@ -288,17 +288,30 @@ def format_table(plan: dict) -> str:
     return "\n".join(lines)
 
 
-def framework_mb() -> float:
-    """RSS (MiB) of this process once the training stack is imported: the framework baseline."""
+def framework_mb(cfg: TrainConfig | None = None) -> float:
+    """RSS (MiB) of this process once the training stack is imported: the framework baseline.
+
+    With ``cfg``, the optional extras the run will import count too (peft for LoRA: about 55 MiB,
+    bitsandbytes for adamw8bit, tensorboard for --report_to), when they are installed.
+    """
+    import importlib
+
     import accelerate  # noqa: F401
     import psutil
     import torch  # noqa: F401
 
+    from config import installed
     from lowmem.modeling import import_transformers_models
 
     import_transformers_models()
     from transformers import T5ForConditionalGeneration  # noqa: F401
 
+    extras = [] if cfg is None else [module for module, used in (
+        ("peft", cfg.lora_r > 0), ("bitsandbytes", cfg.optimizer == "adamw8bit"),
+        ("torch.utils.tensorboard", cfg.report_to == "tensorboard")) if used]
+    for module in extras:
+        if installed(module.split(".")[0]):
+            importlib.import_module(module)
     return psutil.Process().memory_info().rss / MB
 
 
@@ -318,8 +331,8 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     if not (folder / "tokenizer.json").is_file():
         raise UserError(f"--tokenizer_dir={folder} holds no tokenizer.json; train one first (train_tokenizer)")
     tokenizer = load_tokenizer(folder)
-    baseline = framework_mb()
     lengths = sample_lengths(cfg, tokenizer)
+    baseline = framework_mb(cfg)  # after reading, as in the trainer: the data readers' imports count
     result = predict(cfg, len(tokenizer), lengths, baseline, device)
     if budget_gb is not None:
         result["budget_gb"] = budget_gb

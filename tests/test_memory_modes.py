@@ -181,6 +181,13 @@ def test_train_reports_predicted_and_measured_peak_side_by_side(tmp_path):
     # A sanity band: the +-15% target is checked by bench/memory_modes.py (the allocator's retained
     # heap varies between runs of a tiny model by more than the model's own memory).
     assert 0.6 <= peak["host_ratio"] <= 1.4, peak
+    # `plan` with the same flags predicts what the run predicted (the baseline is measured in each
+    # process after the same imports, so only a few MiB of process-to-process noise remain).
+    alone = run_cli("plan", "--json", f"--train_file={data}", f"--eval_file={data}", "--max_steps=4",
+                    "--gradient_accumulation_steps=2", *FAST)
+    assert alone.returncode == 0, alone.stderr
+    assert json.loads(alone.stdout.strip().splitlines()[-1])["host_peak_mb"] == pytest.approx(plan["host_peak_mb"],
+                                                                                               rel=0.02)
 
 
 def test_plan_json_table_and_recommendation(tmp_path):
@@ -197,6 +204,16 @@ def test_plan_json_table_and_recommendation(tmp_path):
     assert table.returncode == 0 and "total (peak)" in table.stdout and "fits 2 GB" in table.stdout, table.stdout
     nothing = run_cli("plan", "--budget_gb=0.1", "--device=cpu")
     assert nothing.returncode == 0 and "nothing fits" in nothing.stdout
+
+
+def test_plan_counts_the_extras_a_run_imports(pretrained):
+    # peft (about 55 MiB once imported) is part of a LoRA run's framework baseline.
+    def framework(*flags):
+        done = run_cli("plan", "--json", "--is_finetune=True", f"--init_from={pretrained}", *flags)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])["host_mb"]["framework"]
+
+    assert framework("--lora_r=8") > framework() + 25
 
 
 def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
