@@ -145,10 +145,28 @@ def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None,
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
     s = [len(x) for x in collator.token_ids(src, cfg.max_source_len)]
     t = [len(x) for x in collator.token_ids(tgt, cfg.max_target_len)]
-    total_bytes = sum(Path(f).stat().st_size for f in files)
     mean_row = sum(text_bytes) / len(text_bytes)
     return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
-            "row_bytes": mean_row, "rows": int(total_bytes / max(mean_row + 30, 1)), "pairs": list(zip(s, t))}
+            "row_bytes": mean_row, "rows": estimated_rows(files, mean_row, columns), "pairs": list(zip(s, t))}
+
+
+def estimated_rows(files: list[Path], mean_row_bytes: float, columns: tuple[str, str]) -> int:
+    """Rows in ``files`` without reading them: parquet footers hold the count (their bytes are
+    compressed); text files are estimated from their size, the sampled rows' mean text size and
+    what each row adds around its text (JSON keys and quotes, CSV separators)."""
+    from data.readers import file_kind
+
+    rows = 0
+    for path in files:
+        kind = file_kind(Path(path))
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            rows += pq.ParquetFile(path).metadata.num_rows
+        else:
+            framing = 4 if kind == "csv" else sum(len(c) for c in columns) + 16
+            rows += int(Path(path).stat().st_size / max(mean_row_bytes + framing, 1))
+    return rows
 
 
 def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str, world: int) -> tuple[int, int]:
@@ -200,7 +218,9 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
 
         if cfg.encoder_cache == "memory" or cache_bytes <= 0.1 * psutil.virtual_memory().available:
             cache = cache_bytes
-    buffers = (cfg.shuffle_buffer_size + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400)
+    # The shuffle buffer never holds more than a process's share of the corpus.
+    buffered = min(cfg.shuffle_buffer_size, math.ceil(rows_share)) if lengths["rows"] else cfg.shuffle_buffer_size
+    buffers = (buffered + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400)
     step_bytes = act["activations"] + act["logits"] + opt_temp
     # The exports and checkpoints copy the weights into one safetensors buffer on the host.
     serialize = 4 * n_params

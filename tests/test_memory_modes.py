@@ -240,6 +240,35 @@ def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
     assert plan_short["host_mb"]["activations"] < plan_epoch["host_mb"]["activations"]
 
 
+def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
+    from lowmem import planner
+
+    lengths = {"max_source": 50, "max_target": 20, "mean_source": 40, "row_bytes": 500, "rows": 1000,
+               "pairs": [(40, 20)] * 1000}
+
+    def buffers(rows, world=1, **flags):
+        plan = planner.predict(load_config({"max_eval_samples": 1, **flags})[0], 8000,
+                               {**lengths, "rows": rows}, 300.0, world=world)
+        return plan["host_mb"]["data_buffers"]
+
+    # 1,000 rows of 500 bytes (~1,400 bytes each in the buffer): a 100,000-row buffer holds 1,000
+    assert buffers(1000, shuffle_buffer_size=100_000) == buffers(1000, shuffle_buffer_size=1000) == pytest.approx(
+        1001 * 1400 / 2**20, abs=0.1)
+    assert buffers(1000, world=2, shuffle_buffer_size=100_000) == buffers(1000, shuffle_buffer_size=500)
+    assert buffers(10**6, shuffle_buffer_size=100_000) == pytest.approx(100_001 * 1400 / 2**20, abs=0.1)
+    # the planner counts a parquet corpus's rows from its footer, a text corpus's from its size
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"question {i} " * 5, "response": f"answer {i}"} for i in range(777)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    write_rows(tmp_path / "d.jsonl", rows)
+    assert planner.estimated_rows([tmp_path / "d.parquet"], 1e6, ("prompt", "response")) == 777
+    estimated = planner.estimated_rows([tmp_path / "d.jsonl"], sum(len(r["prompt"]) + len(r["response"]) for r in rows)
+                                       / 777, ("prompt", "response"))
+    assert estimated == pytest.approx(777, rel=0.05)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--encoder_cache=disk"], "--encoder_cache needs --is_finetune=True"),
     (["--lora_r=4"], "--lora_r needs --is_finetune=True"),
