@@ -161,7 +161,7 @@ class LowMemTrainer:
         self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
         self.log_memory("prepared")
 
-        self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len)
+        self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len, self.shape_multiple)
         self.train_collator = self.collator
         self.stream = ExampleStream(self.train_files, train_columns, cfg.seed, cfg.shuffle_buffer_size,
                                     rank=self.rank, world_size=self.world, indexes=indexes,
@@ -198,7 +198,7 @@ class LowMemTrainer:
             self.tokenizer = load_tokenizer(model_dir if saved else cfg.tokenizer_dir)
         self.model = self.accelerator.prepare(self.model)
         self.core = self.accelerator.unwrap_model(self.model)
-        self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len)
+        self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len, self.shape_multiple)
         self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples)
         return self
 
@@ -284,7 +284,8 @@ class LowMemTrainer:
         self.core.encoder.eval()
         batch = self.to_device(self.collator.encode(prompts, self.cfg.max_source_len))
         with self.accelerator.autocast():
-            hidden = frozen_encoder_states(self.core.encoder, batch["input_ids"], batch["attention_mask"])
+            hidden = frozen_encoder_states(self.core.encoder, batch["input_ids"], batch["attention_mask"],
+                                           self.shape_multiple)
         return hidden, batch["attention_mask"]
 
     def _index_files(self, files: list[Path]) -> list:
@@ -315,6 +316,11 @@ class LowMemTrainer:
                             "uneven last windows assume whole weights on every process (see README, "
                             "'DeepSpeed ZeRO and FSDP'); launch with accelerate_configs/multi_gpu.yaml")
         self.main = self.accelerator.is_main_process
+        # oneDNN's bf16 kernels on the CPU keep a primitive, with a packed copy of the weight, per
+        # matrix shape: dynamic padding makes hundreds of shapes, and host RSS grew by ~0.7 GB in 24
+        # steps (tiny, 16k vocabulary). Lengths and target counts rounded up to multiples of 16 keep
+        # a few dozen shapes and RSS flat. fp32 and CUDA kernels keep no such state: no rounding.
+        self.shape_multiple = 16 if cfg.mixed_precision == "bf16" and self.accelerator.device.type == "cpu" else 1
         set_seed(cfg.seed)
         self.start_time = time.time()
 
@@ -539,7 +545,8 @@ class LowMemTrainer:
             batch = self.to_device(micro)
             with self.accelerator.accumulate(self.model):
                 with self.accelerator.autocast():
-                    loss = token_loss_sum(self.model, self.core, batch, frozen_encoder=self.cfg.is_finetune)
+                    loss = token_loss_sum(self.model, self.core, batch, frozen_encoder=self.cfg.is_finetune,
+                                          multiple=self.shape_multiple)
                 self.accelerator.backward(loss * scale)  # all-reduce only on the window's last micro-batch
             loss_sum += loss.detach()
             del batch, loss  # free this micro-batch's activations before the next one
@@ -548,7 +555,7 @@ class LowMemTrainer:
     def to_device(self, batch: dict) -> dict:
         """The batch on the training device, with its target positions found here on the host."""
         if "labels" in batch:
-            batch = {**batch, "target_index": target_index(batch["labels"])}
+            batch = {**batch, "target_index": target_index(batch["labels"], self.shape_multiple)}
         pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"
         return {k: (v.pin_memory() if pin else v).to(self.accelerator.device, non_blocking=pin)
                 for k, v in batch.items()}
@@ -696,7 +703,7 @@ class LowMemTrainer:
                           disable=not (self.main and self._tty())):
             batch = self.to_device(self.collator(chunk))
             with self.accelerator.autocast():
-                loss_sum += float(token_loss_sum(self.model, self.core, batch))
+                loss_sum += float(token_loss_sum(self.model, self.core, batch, multiple=self.shape_multiple))
                 generated = self.core.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                                max_new_tokens=self.cfg.max_target_len, num_beams=self.cfg.num_beams)
             tokens += int(batch["labels"].ne(-100).sum())

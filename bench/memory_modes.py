@@ -35,6 +35,8 @@ CONFIGS = [
     ("small adamw", "small", "long", ["--optimizer=adamw", "--learn_rate=1e-3"], "small plain"),
     ("small adamw8bit", "small", "long", ["--optimizer=adamw8bit", "--learn_rate=1e-3"], "small plain"),
     ("small bf16 autocast", "small", "long", ["--mixed_precision=bf16"], "small plain"),
+    ("tiny short rows", "tiny", "short", [], None),
+    ("tiny bf16, short rows", "tiny", "short", ["--mixed_precision=bf16"], "tiny short rows"),
     ("tiny SFT", "tiny", "sft", [], None),
     ("tiny SFT encoder cache", "tiny", "sft", ["--encoder_cache=memory"], "tiny SFT"),
     ("small SFT", "small", "sft", [], None),

@@ -13,9 +13,14 @@ from data.stream import batched
 _CHARS_PER_TOKEN_BOUND = 16
 
 
-def pad(rows: list[list[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [B, longest], attention mask [B, longest]) with ``value`` at the padding positions."""
-    longest = max(len(r) for r in rows)
+def round_up(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def pad(rows: list[list[int]], value: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, longest], attention mask [B, longest]) with ``value`` at the padding positions;
+    ``longest`` rounded up to a multiple of ``multiple``."""
+    longest = round_up(max(len(r) for r in rows), multiple)
     ids = torch.full((len(rows), longest), value, dtype=torch.long)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     for i, r in enumerate(rows):
@@ -38,14 +43,16 @@ def by_length(lengths: list[int], batch_size: int) -> list[list[int]]:
 class Seq2SeqCollator:
     """Turn examples into ``input_ids``, ``attention_mask`` and ``labels`` tensors.
 
-    Each side is padded to the longest row of its micro-batch (not to a fixed length); label padding
-    is -100 so it never counts in the loss.
+    Each side is padded to the longest row of its micro-batch (not to a fixed length), rounded up to
+    a multiple of ``pad_multiple`` (see ``trainer_low_mem.shape_multiple``); label padding is -100 so
+    it never counts in the loss.
     """
 
-    def __init__(self, tokenizer, max_source_len: int, max_target_len: int):
+    def __init__(self, tokenizer, max_source_len: int, max_target_len: int, pad_multiple: int = 1):
         self.tokenizer = tokenizer
         self.max_source_len = max_source_len
         self.max_target_len = max_target_len
+        self.pad_multiple = pad_multiple
 
     def token_ids(self, texts: list, max_len: int) -> list[list[int]]:
         """One batched tokenizer call (the Rust tokenizer spreads a batch over threads).
@@ -60,15 +67,14 @@ class Seq2SeqCollator:
         return self.tokenizer([t[:cut] for t in texts], max_length=max_len, truncation=True)["input_ids"]
 
     def encode(self, texts: list[str], max_len: int) -> dict:
-        ids, mask = pad(self.token_ids(texts, max_len), self.tokenizer.pad_token_id)
+        ids, mask = pad(self.token_ids(texts, max_len), self.tokenizer.pad_token_id, self.pad_multiple)
         return {"input_ids": ids, "attention_mask": mask}
 
     def targets(self, examples: list[Example]) -> list[list[int]]:
         return self.token_ids([e.response for e in examples], self.max_target_len)
 
-    @staticmethod
-    def labels(targets: list[list[int]]) -> torch.Tensor:
-        return pad(targets, -100)[0]
+    def labels(self, targets: list[list[int]]) -> torch.Tensor:
+        return pad(targets, -100, self.pad_multiple)[0]
 
     def __call__(self, examples: list[Example]) -> dict[str, torch.Tensor]:
         """One micro-batch, rows in the given order."""
@@ -81,7 +87,7 @@ class Seq2SeqCollator:
         lengths = [len(s) + len(t) for s, t in zip(sources, targets)] if group else [0] * len(examples)
         out = []
         for rows in by_length(lengths, batch_size):
-            ids, mask = pad([sources[i] for i in rows], self.tokenizer.pad_token_id)
+            ids, mask = pad([sources[i] for i in rows], self.tokenizer.pad_token_id, self.pad_multiple)
             out.append({"input_ids": ids, "attention_mask": mask, "labels": self.labels([targets[i] for i in rows])})
         return out
 
@@ -110,7 +116,7 @@ class CachedEncoderCollator:
             if group else [0] * len(examples)
         out = []
         for rows in by_length(lengths, batch_size):
-            hidden, mask = self.cache.hidden_states([examples[i] for i in rows])
+            hidden, mask = self.cache.hidden_states([examples[i] for i in rows], self.collator.pad_multiple)
             out.append({"encoder_hidden_states": hidden, "attention_mask": mask,
                         "labels": self.collator.labels([targets[i] for i in rows])})
         return out

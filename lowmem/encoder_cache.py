@@ -87,14 +87,18 @@ class EncoderCache:
         flat = torch.frombuffer(bytearray(raw), dtype=self.view_dtype).view(self.torch_dtype)
         return flat.view(length, self.d_model)
 
-    def hidden_states(self, examples, compute_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states [B, S, d_model], attention mask [B, S]) padded to the batch's longest source.
+    def hidden_states(self, examples, multiple: int = 1,
+                      compute_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states [B, S, d_model], attention mask [B, S]) padded to the batch's longest source
+        (rounded up to a multiple of ``multiple``, as the collator pads token ids).
 
         Padding positions hold zeros: the decoder's cross-attention masks them, as it masks the
         encoder's outputs at pad tokens in an uncached run.
         """
+        from data.collate import round_up
+
         rows = [self.row_states(e.file_index, e.row) for e in examples]
-        longest = max(r.shape[0] for r in rows)
+        longest = round_up(max(r.shape[0] for r in rows), multiple)
         hidden = torch.zeros(len(rows), longest, self.d_model, dtype=compute_dtype)
         mask = torch.zeros(len(rows), longest, dtype=torch.long)
         for i, r in enumerate(rows):

@@ -173,10 +173,19 @@ def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     return warmup_schedule(optimizer, cfg.lr_scheduler, min(cfg.warmup_steps, total_steps), total_steps)
 
 
-def target_index(labels: torch.Tensor) -> torch.Tensor:
+def target_index(labels: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     """Flat positions of the target tokens (labels != -100). Found on the host, before the batch moves
-    to the GPU, this costs no device synchronisation (``nonzero`` on a CUDA tensor waits for it)."""
-    return labels.flatten().ne(-100).nonzero().squeeze(1)
+    to the GPU, this costs no device synchronisation (``nonzero`` on a CUDA tensor waits for it).
+
+    With ``multiple`` > 1 the count is rounded up to a multiple of it with padding positions (label
+    -100: the loss ignores them), which the padded ``labels`` (a multiple of it in size) always hold.
+    """
+    is_target = labels.flatten().ne(-100)
+    index = is_target.nonzero().squeeze(1)
+    extra = -len(index) % multiple
+    if extra:
+        index = torch.cat([index, is_target.logical_not().nonzero().squeeze(1)[:extra]])
+    return index
 
 
 @contextlib.contextmanager
@@ -196,7 +205,7 @@ def logits_only_at(core, index: torch.Tensor):
         handle.remove()
 
 
-def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False) -> torch.Tensor:
+def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multiple: int = 1) -> torch.Tensor:
     """Sum of the cross-entropy over the batch's target tokens (labels == -100 are ignored).
 
     ``model`` is what to call (possibly wrapped for DDP), ``core`` the plain T5 inside it. With a
@@ -205,13 +214,13 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False) -> to
     only at target positions (``batch["target_index"]`` when the caller found them on the host).
     """
     labels = batch["labels"]
-    index = batch["target_index"] if "target_index" in batch else target_index(labels)
+    index = batch["target_index"] if "target_index" in batch else target_index(labels, multiple)
     decoder = dict(attention_mask=batch["attention_mask"], decoder_input_ids=core._shift_right(labels),
                    use_cache=False)
     if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
         encoded = batch["encoder_hidden_states"]
     elif frozen_encoder:
-        encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"])
+        encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple)
     else:
         encoded = None
     with logits_only_at(core, index):
@@ -225,7 +234,8 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False) -> to
 
 
 @torch.no_grad()
-def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          multiple: int = 1) -> torch.Tensor:
     """The frozen encoder's outputs, each row computed alone at its own length (zeros at padding).
 
     A row's result then never depends on the rows it is batched with. Batched, it would: padding
@@ -233,15 +243,20 @@ def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torc
     change the floating-point reductions by ~1e-7, and training amplifies that. Computed alone, the
     encoder cache (built once per row) gives the decoder the very same bits as an uncached run.
     With micro-batches of 1-2 rows the extra encoder calls cost little (README, 'Memory modes').
+    With ``multiple`` > 1 each row runs padded to a multiple of it (still alone: the result depends
+    on the row only).
     """
+    from data.collate import round_up
+
     lengths = attention_mask.sum(dim=1).tolist()
     hidden = None
     for row, length in enumerate(lengths):
-        states = encoder(input_ids=input_ids[row:row + 1, :length],
-                         attention_mask=attention_mask[row:row + 1, :length]).last_hidden_state
+        width = min(round_up(length, multiple), input_ids.shape[1])
+        states = encoder(input_ids=input_ids[row:row + 1, :width],
+                         attention_mask=attention_mask[row:row + 1, :width]).last_hidden_state
         if hidden is None:
             hidden = states.new_zeros(input_ids.shape[0], input_ids.shape[1], states.shape[-1])
-        hidden[row, :length] = states[0]
+        hidden[row, :length] = states[0, :length]
     return hidden
 
 

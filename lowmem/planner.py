@@ -206,6 +206,8 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     grads = 4 * n_train
     opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
     source_len, target_len = peak_batch_lengths(cfg, dims, lengths, device, world)
+    if cfg.mixed_precision == "bf16" and device == "cpu":  # padded to multiples of 16 (the trainer's shape_multiple)
+        source_len, target_len = (-(-n // 16) * 16 for n in (source_len, target_len))
     act = activation_bytes(cfg, dims, source_len, target_len, device)
     # Autocast keeps a bf16 copy of every trainable weight for the step (frozen ones are cast per use).
     cast_cache = 2 * n_train if cfg.mixed_precision == "bf16" else 0

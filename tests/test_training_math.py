@@ -97,6 +97,34 @@ def test_token_loss_sum_matches_transformers_loss(tmp_path, tokenizer):
     assert torch.equal(with_index.detach(), ours.detach())
 
 
+def test_padding_to_multiples_changes_no_loss_and_no_encoder_state(tokenizer):
+    """bf16 on the CPU pads lengths and target counts to multiples of 16 (trainer.shape_multiple):
+    the shapes change, the loss and the frozen encoder's outputs must not."""
+    from data.collate import Seq2SeqCollator
+    from data.sources import Example
+    from lowmem.modeling import frozen_encoder_states
+
+    cfg, _ = load_config({"dropout_rate": 0.0})
+    model = build_model(cfg, tokenizer).eval()
+    examples = [Example(r["prompt"], r["response"], 0, i) for i, r in enumerate(synthetic_rows(5, seed=3))]
+    plain = Seq2SeqCollator(tokenizer, 40, 40)(examples)
+    padded = Seq2SeqCollator(tokenizer, 40, 40, pad_multiple=16)(examples)
+    assert padded["input_ids"].shape[1] % 16 == 0 and padded["labels"].shape[1] % 16 == 0
+    assert padded["input_ids"].shape[1] > plain["input_ids"].shape[1]
+    index = target_index(padded["labels"], 16)
+    assert len(index) % 16 == 0 and len(index) > int((padded["labels"] != -100).sum())
+    assert torch.equal(index[:len(target_index(padded["labels"]))], target_index(padded["labels"]))
+    with torch.no_grad():
+        loss = token_loss_sum(model, model, plain)
+        loss_padded = token_loss_sum(model, model, padded, frozen_encoder=True, multiple=16)
+        assert torch.allclose(loss_padded, token_loss_sum(model, model, plain, frozen_encoder=True), rtol=1e-6)
+        assert torch.allclose(loss_padded, loss, rtol=1e-6)
+        states = frozen_encoder_states(model.encoder, plain["input_ids"], plain["attention_mask"])
+        states_padded = frozen_encoder_states(model.encoder, padded["input_ids"], padded["attention_mask"], 16)
+    width = states.shape[1]
+    assert torch.allclose(states_padded[:, :width], states, atol=1e-6) and not states_padded[:, width:].any()
+
+
 def test_sft_trains_only_the_decoder(tmp_path, tokenizer):
     cfg, _ = load_config({"dropout_rate": 0.0})
     pretrained = build_model(cfg, tokenizer)
