@@ -87,15 +87,21 @@ def mark_run_started(cfg) -> None:
 
 def plan(config: str | None = None, **flags) -> None:
     """Predicted peak memory by component (--json: one JSON object); --budget_gb=X --device=cpu|gpu
-    recommends the fastest modes that fit."""
+    recommends the fastest modes that fit; --num_processes=N [--num_machines=M] plans N processes."""
     from lowmem.planner import plan_command
 
     as_json = bool(flags.pop("json", False))
     budget_gb, device = flags.pop("budget_gb", None), flags.pop("device", None)
+    # Under `accelerate launch` the launcher's process counts are the defaults, and one process prints.
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    num_processes = flags.pop("num_processes", world)
+    num_machines = flags.pop("num_machines", world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     cfg, notes = load_config(flags, config)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
     for note in notes:
         print(note, file=sys.stderr)
-    plan_command(cfg, as_json, budget_gb, device)
+    plan_command(cfg, as_json, budget_gb, device, num_processes, num_machines)
 
 
 def evaluate(config: str | None = None, **flags) -> dict:

@@ -299,7 +299,7 @@ class LowMemTrainer:
 
     def _start_accelerator(self) -> None:
         from accelerate import Accelerator
-        from accelerate.utils import set_seed
+        from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
         cfg = self.cfg
         if cfg.mixed_precision == "bf16" and torch.cuda.is_available() and not cfg.cpu \
@@ -307,8 +307,12 @@ class LowMemTrainer:
             raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=no")
         # --report_to: accelerate's tracker, its files under OUTPUT_DIR (started by setup(), once the step is known)
         tracking = {} if cfg.report_to == "none" else {"log_with": cfg.report_to, "project_dir": cfg.output_dir}
+        # DDP all-reduces through buckets that, by default, are a second copy of every gradient; as
+        # views the gradients live in the buckets themselves (one copy fewer per process).
+        ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
         self.accelerator = Accelerator(cpu=cfg.cpu, mixed_precision=cfg.mixed_precision,
-                                       gradient_accumulation_steps=cfg.gradient_accumulation_steps, **tracking)
+                                       gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                       kwargs_handlers=[ddp], **tracking)
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         sharded = self.accelerator.distributed_type.value
         if sharded in ("DEEPSPEED", "FSDP"):

@@ -224,13 +224,19 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     buffered = min(cfg.shuffle_buffer_size, math.ceil(rows_share)) if lengths["rows"] else cfg.shuffle_buffer_size
     buffers = (buffered + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400)
     step_bytes = act["activations"] + act["logits"] + opt_temp
+    # Under DDP (world > 1) the gradients live in its all-reduce buckets (as views), which stay
+    # allocated between steps. Between all-reduces (no_sync micro-steps) autograd accumulates into
+    # fresh tensors beside them: one more copy of the gradients whenever accumulation > 1.
+    ddp_copy = grads if world > 1 and cfg.gradient_accumulation_steps > 1 else 0
+    # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
+    freed_at_save = step_bytes + ddp_copy + (grads if world == 1 else 0)
     # The exports and checkpoints copy the weights into one safetensors buffer on the host.
     serialize = 4 * n_params
     if device == "gpu":
         encoder_weights = 4 * sum(_numel(x) for x in shapes["encoder"]) if cfg.encoder_cache != "off" else 0
         gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": weights - encoder_weights, "gradients": grads,
                "optimizer": opt_state, "bf16_weight_copies": cast_cache, "activations": act["activations"],
-               "logits_loss": act["logits"], "optimizer_step_temp": opt_temp}
+               "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "ddp_gradient_copy": ddp_copy}
         live = sum(v for k, v in gpu.items() if k != "cuda_context")
         gpu["allocator_slack"] = GPU_ALLOCATOR_SLACK * live
         host = {"framework": framework_mb * MB + CUDA_HOST_MB * MB, "weights_on_host": max(4 * n_params, serialize),
@@ -240,10 +246,9 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
         slack = ALLOCATOR_SLACK * (grads + step_bytes) + FIRST_STEP_MB * MB
         host = {"framework": framework_mb * MB, "weights": weights, "gradients": grads, "optimizer": opt_state,
                 "bf16_weight_copies": cast_cache, "activations": act["activations"],
-                "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "allocator_slack": slack,
-                "caches": cache, "data_buffers": buffers}
-        # Saving frees nothing of the above but the gradients (set to None after each step).
-        host["checkpoint_copy"] = max(0, serialize - grads - step_bytes - slack)
+                "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "ddp_gradient_copy": ddp_copy,
+                "allocator_slack": slack, "caches": cache, "data_buffers": buffers}
+        host["checkpoint_copy"] = max(0, serialize - freed_at_save - slack)
     host_mb = {k: round(v / MB, 1) for k, v in host.items()}
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
     return {"device": device, "parameters": n_params, "trainable_parameters": n_train,
@@ -264,8 +269,9 @@ def relative_time(cfg: TrainConfig, device: str) -> float:
 
 
 def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, lengths: dict,
-              framework_mb: float) -> dict | None:
-    """The fastest combination of modes whose predicted peak fits ``budget_gb`` (None: nothing fits).
+              framework_mb: float, world: int = 1, per_machine: int = 1) -> dict | None:
+    """The fastest combination of modes whose predicted peak fits ``budget_gb`` (None: nothing fits):
+    one GPU's memory, or on the CPU the host RAM of ``per_machine`` processes together.
 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
     micro-batch 2 or 1 (accumulation doubled to keep the batch) and, for SFT, the encoder cache.
@@ -282,8 +288,8 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         trial = replace(cfg, gradient_checkpointing=ckpt, mixed_precision=prec, optimizer=opt, batch_size=batch,
                         gradient_accumulation_steps=accumulation, encoder_cache=cache,
                         cpu=device == "cpu")
-        plan = predict(trial, vocab_size, lengths, framework_mb, device)
-        peak = plan["gpu_peak_mb"] if device == "gpu" else plan["host_peak_mb"]
+        plan = predict(trial, vocab_size, lengths, framework_mb, device, world)
+        peak = plan["gpu_peak_mb"] if device == "gpu" else per_machine * plan["host_peak_mb"]
         if peak > budget_gb * 1024:
             continue
         speed = relative_time(trial, device)
@@ -337,8 +343,14 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
     return psutil.Process().memory_info().rss / MB
 
 
-def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, device: str | None) -> dict:
-    """What ``python train_low_mem.py plan`` prints: the table (or JSON) and, with a budget, the flags."""
+def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, device: str | None,
+                 num_processes: int = 1, num_machines: int = 1) -> dict:
+    """What ``python train_low_mem.py plan`` prints: the table (or JSON) and, with a budget, the flags.
+
+    With ``num_processes`` N over ``num_machines`` M, each process reads 1/N of the data and a machine
+    hosts N/M processes: the host total is theirs together (the budget of ``--device=cpu`` is the
+    machine's RAM; that of ``--device=gpu`` one GPU's memory).
+    """
     import torch
 
     from config import UserError
@@ -349,23 +361,37 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
         raise UserError(f"--device must be cpu or gpu (got {device!r})")
     if budget_gb is not None and (not isinstance(budget_gb, (int, float)) or budget_gb <= 0):
         raise UserError(f"--budget_gb must be a positive number of GB (got {budget_gb!r})")
+    for name, value in (("num_processes", num_processes), ("num_machines", num_machines)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"--{name} must be a positive whole number (got {value!r})")
+    if num_processes % num_machines:
+        raise UserError(f"--num_processes={num_processes} is the total over all machines: it must be a multiple "
+                        f"of --num_machines={num_machines}, as for accelerate launch")
+    per_machine = num_processes // num_machines
     folder = Path(cfg.tokenizer_dir)
     if not (folder / "tokenizer.json").is_file():
         raise UserError(f"--tokenizer_dir={folder} holds no tokenizer.json; train one first (train_tokenizer)")
     tokenizer = load_tokenizer(folder)
     lengths = sample_lengths(cfg, tokenizer)
     baseline = framework_mb(cfg)  # after reading, as in the trainer: the data readers' imports count
-    result = predict(cfg, len(tokenizer), lengths, baseline, device)
+    result = predict(cfg, len(tokenizer), lengths, baseline, device, num_processes)
+    result.update(num_processes=num_processes, processes_per_machine=per_machine,
+                  host_total_mb=round(per_machine * result["host_peak_mb"], 1))
     if budget_gb is not None:
         result["budget_gb"] = budget_gb
-        result["recommendation"] = recommend(cfg, budget_gb, device, len(tokenizer), lengths, baseline)
+        result["recommendation"] = recommend(cfg, budget_gb, device, len(tokenizer), lengths, baseline,
+                                             num_processes, per_machine)
     if as_json:
         print(json.dumps(result))
         return result
+    processes = f"; per process, {num_processes} processes" if num_processes > 1 else ""
     print(f"predicted peak memory ({device}; model {cfg.model_preset if not cfg.is_finetune else cfg.init_from}, "
           f"{result['parameters']:,} parameters, {result['trainable_parameters']:,} trainable; costliest batch "
-          f"{cfg.batch_size} x {result['max_source_tokens']} source / {result['max_target_tokens']} target tokens)")
+          f"{cfg.batch_size} x {result['max_source_tokens']} source / {result['max_target_tokens']} target "
+          f"tokens{processes})")
     print(format_table(result))
+    if per_machine > 1:
+        print(f"{f'host total, {per_machine} processes':<22}{result['host_total_mb']:>16,.0f}")
     if budget_gb is not None:
         rec = result["recommendation"]
         if rec is None:

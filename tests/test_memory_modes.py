@@ -206,6 +206,29 @@ def test_plan_json_table_and_recommendation(tmp_path):
     assert nothing.returncode == 0 and "nothing fits" in nothing.stdout
 
 
+def test_plan_for_several_processes():
+    def plan(*flags):
+        done = run_cli("plan", "--json", "--model_preset=small", *flags)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    one, two = plan("--gradient_accumulation_steps=4"), plan("--gradient_accumulation_steps=4", "--num_processes=2")
+    assert one["host_mb"]["ddp_gradient_copy"] == 0 and one["num_processes"] == 1
+    # DDP: between all-reduces the gradients accumulate beside its buckets, one more copy of them
+    assert two["host_mb"]["ddp_gradient_copy"] == two["host_mb"]["gradients"] > 150
+    assert two["host_total_mb"] == pytest.approx(2 * two["host_peak_mb"], abs=0.2)
+    # without accumulation the gradients are the buckets; 4 processes on 2 machines: 2 share a host
+    no_accumulation = plan("--gradient_accumulation_steps=1", "--num_processes=4", "--num_machines=2")
+    assert no_accumulation["host_mb"]["ddp_gradient_copy"] == 0 and no_accumulation["processes_per_machine"] == 2
+    assert no_accumulation["host_total_mb"] == pytest.approx(2 * no_accumulation["host_peak_mb"], abs=0.2)
+    table = run_cli("plan", "--model_preset=small", "--num_processes=2")
+    assert table.returncode == 0 and "host total, 2 processes" in table.stdout, table.stdout
+    for flags, message in ((["--num_processes=3", "--num_machines=2"], "must be a multiple of --num_machines=2"),
+                           (["--num_processes=0"], "--num_processes must be a positive whole number")):
+        done = run_cli("plan", *flags)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
 def test_plan_counts_the_extras_a_run_imports(pretrained):
     # peft (about 55 MiB once imported) is part of a LoRA run's framework baseline.
     def framework(*flags):
