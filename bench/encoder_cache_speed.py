@@ -1,0 +1,128 @@
+"""SFT step time with the encoder cache versus without, measured interleaved in one process.
+
+    python bench/encoder_cache_speed.py                          # tiny and small, three corpora
+    python bench/encoder_cache_speed.py --presets=small --windows=20
+    python bench/encoder_cache_speed.py --corpus=my.jsonl         # your own prompt/response jsonl
+
+Timing two separate runs on a shared machine compares two moments as much as two code paths (on
+the 2-core development VM the same run's step time drifted by 30 % within a minute). Here every
+accumulation window is trained twice, once per path, in alternating order (ABBA), on the same
+model in the same process, and the ratio is the median of the per-window ratios.
+
+Both paths are the trainer's own: ``token_loss_sum`` with the frozen encoder running (under
+``no_grad``, each row at its own length) or with ``encoder_hidden_states`` in the batch — the very
+tensors the cache stores, computed here by the same ``frozen_encoder_states`` — then the backward,
+gradient clipping and the Adafactor step. Collation (tokenizing, reading the cache) is left out of
+both: it is under 3 % of a step (bench/profile_run.py). Micro-batch 2 x accumulation 16, the
+defaults, so the numbers describe ``train --is_finetune=True`` with and without
+``--encoder_cache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def corpora(extra: list[str]) -> dict[str, list[dict]]:
+    """The shipped chat pairs and pinyin pairs, long-prompt SFT (five chat turns in, one reply out),
+    and any jsonl files given."""
+    chat = [json.loads(line) for line in (REPO / "data/chatterbot/train.jsonl").read_text().splitlines()]
+    rng = random.Random(0)
+    long_prompts = []
+    for _ in range(1000):
+        picked = rng.sample(chat, 6)
+        long_prompts.append({"prompt": " ".join(r["prompt"] + " " + r["response"] for r in picked[:5]),
+                             "response": picked[5]["response"]})
+    out = {"chat pairs": chat, "pinyin pairs":
+           [json.loads(line) for line in (REPO / "data/pinyin/train.jsonl").read_text().splitlines()],
+           "long prompts": long_prompts}
+    for path in extra:
+        out[Path(path).name] = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return out
+
+
+def measure(preset: str, rows: list[dict], windows: int, seed: int = 0) -> dict:
+    from config import load_config
+    from data.collate import Seq2SeqCollator
+    from data.sources import Example
+    from data.tokenization import load_tokenizer
+    from lowmem.modeling import build_model, build_optimizer, freeze_for_sft, frozen_encoder_states, token_loss_sum
+
+    cfg = load_config({"model_preset": preset, "is_finetune": True})[0]
+    tokenizer = load_tokenizer(cfg.tokenizer_dir)
+    torch.manual_seed(seed)
+    model = build_model(cfg, tokenizer)
+    freeze_for_sft(model)
+    model.train()
+    model.encoder.eval()  # frozen: no dropout, as in the trainer
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg, params)
+    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    rng = random.Random(seed)
+    size = cfg.batch_size * cfg.gradient_accumulation_steps
+    plain, cached = [], []
+    for _ in range(windows + 1):  # the first window warms both paths up and is not counted
+        examples = [Example(r["prompt"], r["response"], 0, i) for i, r in enumerate(rng.sample(rows, size))]
+        batches = collator.window(examples, cfg.batch_size)
+        stored = [{"encoder_hidden_states": frozen_encoder_states(model.encoder, b["input_ids"], b["attention_mask"]),
+                   "attention_mask": b["attention_mask"], "labels": b["labels"]} for b in batches]
+        plain.append(batches)
+        cached.append(stored)
+    tokens = [sum(int(b["labels"].ne(-100).sum()) for b in w) for w in plain]
+
+    def step(window: list[dict], n_tokens: int, frozen_encoder: bool) -> float:
+        start = time.perf_counter()
+        for batch in window:
+            (token_loss_sum(model, model, batch, frozen_encoder=frozen_encoder) / n_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    ratios, plain_s, cached_s = [], [], []
+    for i in range(windows + 1):
+        if i % 2:  # ABBA: neither path always runs first
+            c = step(cached[i], tokens[i], False)
+            p = step(plain[i], tokens[i], True)
+        else:
+            p = step(plain[i], tokens[i], True)
+            c = step(cached[i], tokens[i], False)
+        if i:
+            ratios.append(c / p)
+            plain_s.append(p)
+            cached_s.append(c)
+    source = statistics.mean(int(b["attention_mask"].sum()) for w in plain for b in w) / cfg.batch_size
+    target = statistics.mean(int(b["labels"].ne(-100).sum()) for w in plain for b in w) / cfg.batch_size
+    return {"plain_s": statistics.median(plain_s), "cached_s": statistics.median(cached_s),
+            "ratio": statistics.median(ratios), "spread": (min(ratios), max(ratios)),
+            "source_tokens": source, "target_tokens": target}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="tiny,small", help="comma-separated model presets")
+    parser.add_argument("--windows", type=int, default=12, help="accumulation windows timed per path")
+    parser.add_argument("--corpus", action="append", default=[], help="a prompt/response jsonl file (repeatable)")
+    options = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    print(f"{'preset':<8}{'corpus':<16}{'src tok':>8}{'tgt tok':>8}{'uncached s':>12}{'cached s':>10}"
+          f"{'ratio':>7}  {'per-window range':<16}")
+    for name, rows in corpora(options.corpus).items():
+        for preset in options.presets.split(","):
+            r = measure(preset, rows, options.windows)
+            print(f"{preset:<8}{name:<16}{r['source_tokens']:>8.1f}{r['target_tokens']:>8.1f}{r['plain_s']:>12.3f}"
+                  f"{r['cached_s']:>10.3f}{r['ratio']:>7.2f}  {r['spread'][0]:.2f}-{r['spread'][1]:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
