@@ -25,6 +25,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,21 +34,19 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def corpora(extra: list[str]) -> dict[str, list[dict]]:
-    """The shipped chat pairs and pinyin pairs, long-prompt SFT (five chat turns in, one reply out),
-    and any jsonl files given."""
-    chat = [json.loads(line) for line in (REPO / "data/chatterbot/train.jsonl").read_text().splitlines()]
-    rng = random.Random(0)
-    long_prompts = []
-    for _ in range(1000):
-        picked = rng.sample(chat, 6)
-        long_prompts.append({"prompt": " ".join(r["prompt"] + " " + r["response"] for r in picked[:5]),
-                             "response": picked[5]["response"]})
-    out = {"chat pairs": chat, "pinyin pairs":
-           [json.loads(line) for line in (REPO / "data/pinyin/train.jsonl").read_text().splitlines()],
-           "long prompts": long_prompts}
-    for path in extra:
-        out[Path(path).name] = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def corpora(folder: Path, extra: list[str]) -> dict[str, list[dict]]:
+    """The shipped chat and pinyin pairs, the long-prompt SFT corpus of bench/memory_modes.py (five
+    chat turns in, one reply out), and any jsonl files given."""
+    from memory_modes import make_corpora  # this folder is on sys.path when the script runs
+
+    made = make_corpora(folder)
+    out = {name: read_jsonl(made[kind]) for name, kind in
+           (("chat pairs", "sft"), ("pinyin pairs", "short"), ("long prompts", "sft_long"))}
+    out.update({Path(path).name: read_jsonl(path) for path in extra})
     return out
 
 
@@ -117,7 +116,9 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     print(f"{'preset':<8}{'corpus':<16}{'src tok':>8}{'tgt tok':>8}{'uncached s':>12}{'cached s':>10}"
           f"{'ratio':>7}  {'per-window range':<16}")
-    for name, rows in corpora(options.corpus).items():
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_by_name = corpora(Path(tmp), options.corpus)
+    for name, rows in rows_by_name.items():
         for preset in options.presets.split(","):
             r = measure(preset, rows, options.windows)
             print(f"{preset:<8}{name:<16}{r['source_tokens']:>8.1f}{r['target_tokens']:>8.1f}{r['plain_s']:>12.3f}"

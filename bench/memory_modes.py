@@ -73,12 +73,12 @@ def make_corpora(folder: Path) -> dict[str, Path]:
             "sft": REPO / "data/chatterbot/train.jsonl", "sft_long": sft_long}
 
 
-def run(args: list[str], processes: int = 1) -> None:
+def run(args: list[str], two_processes: bool = False) -> None:
     command, env = [sys.executable, str(REPO / "train_low_mem.py"), "train", *args], None
-    if processes > 1:  # N gloo ranks on the CPU (see README, "Several processes")
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-                   str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "--main_process_port", "29533", *command[1:], "--cpu=True"]
+    if two_processes:  # two gloo ranks on the CPU, with the shipped accelerate config
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(REPO / "accelerate_configs/cpu_2proc.yaml"), "--main_process_port", "29533", *command[1:],
+                   "--cpu=True"]
         env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
     if done.returncode:
@@ -117,10 +117,11 @@ def main() -> None:
                     run([*data, f"--output_dir={inits[preset]}", "--max_steps=1", "--gradient_accumulation_steps=1",
                          "--eval_steps=0", "--max_eval_samples=2"])
                 data = ["--is_finetune=True", f"--init_from={inits[preset]}/final", f"--train_file={corpora[kind]}"]
-            run([*data, *STEPS, *flags, f"--output_dir={out}"], processes=2 if "2 processes" in name else 1)
+            two_processes = "2 processes" in name
+            run([*data, *STEPS, *flags, f"--output_dir={out}"], two_processes)
             result = results[name] = measure(out)
             rel = result["step_s"] / results[baseline]["step_s"] if baseline in results else 1.0
-            shown = "-" if "2 processes" in name else f"{rel:.2f}"
+            shown = "-" if two_processes else f"{rel:.2f}"
             print(f"{name:<28}{result['predicted']:>14,.0f}{result['measured']:>14,.0f}{result['ratio']:>7.2f}"
                   f"{result['step_s']:>8.2f}{shown:>10}", flush=True)
         ratios = [r["ratio"] for r in results.values()]
