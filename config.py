@@ -43,6 +43,7 @@ OPTIMIZERS = ("adafactor", "adamw", "adamw8bit")
 LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo")
 ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
+FROZEN_DTYPES = ("float32", "bfloat16")
 REPORT_TO = ("none", "tensorboard")  # accelerate trackers we test; each is an optional package
 
 # Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
@@ -145,6 +146,9 @@ class TrainConfig:
     encoder_cache_dtype: str = _f("float32", "Storage of the encoder cache: float32 (the compute dtype: "
                                              "training matches the uncached run), bfloat16 or float16 (half the "
                                              "disk and RAM).")
+    frozen_dtype: str = _f("float32", "SFT: storage of the frozen weight matrices (shared embedding and encoder; with "
+                                      "LoRA the base decoder too). bfloat16 (needs --mixed_precision=bf16) halves "
+                                      "their memory; exports are float32.")
 
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")
@@ -285,6 +289,11 @@ class TrainConfig:
         elif self.encoder_cache != "off" and not self.is_finetune:
             problems.append("--encoder_cache needs --is_finetune=True: only SFT freezes the encoder "
                             "(pretraining trains it, so its outputs change every step)")
+        if self.frozen_dtype not in FROZEN_DTYPES:
+            problems.append(f"--frozen_dtype must be one of {', '.join(FROZEN_DTYPES)} (got {self.frozen_dtype!r})")
+        elif self.frozen_dtype == "bfloat16" and not (self.is_finetune and self.mixed_precision == "bf16"):
+            problems.append("--frozen_dtype=bfloat16 needs --is_finetune=True (only SFT freezes weights) and "
+                            "--mixed_precision=bf16 (bf16 weights are only used inside bf16 autocast)")
         if self.encoder_cache_dtype not in CACHE_DTYPES:
             problems.append(f"--encoder_cache_dtype must be one of {', '.join(CACHE_DTYPES)} "
                             f"(got {self.encoder_cache_dtype!r})")

@@ -39,14 +39,15 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
     build_optimizer,
     build_scheduler,
     count_parameters,
+    export_state_dict,
     freeze_for_sft,
     frozen_encoder_states,
-    has_lora,
     load_model,
-    merged_state_dict,
     steps_per_epoch,
+    store_frozen_in_bf16,
     target_index,
     token_loss_sum,
+    weights_in_float32,
 )
 from lowmem.run_folder import RunFolder
 
@@ -101,6 +102,7 @@ class LowMemTrainer:
         self.resumed_interval = None
         self.bar = None
         self.encoder_cache = None
+        self.frozen_bf16 = 0  # frozen weight elements stored in bf16 (--frozen_dtype)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> LowMemTrainer:
@@ -131,7 +133,8 @@ class LowMemTrainer:
             self.tokenizer = self._load_or_train_tokenizer()
         if self.prepared:
             check_manifest(self.prepared, tokenizer_sha1(self.tokenizer), cfg.max_source_len, cfg.max_target_len)
-        self.memory_plan = self._predict_memory()  # before the model exists: the framework baseline
+        indexes = self._index_files(self.train_files)
+        self.memory_plan = self._predict_memory(indexes, resuming=resume_dir is not None)  # before the model exists
         if self.model is None:
             self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
                           else build_model(cfg, self.tokenizer))
@@ -143,9 +146,9 @@ class LowMemTrainer:
             freeze_for_sft(self.model)
         self.model = apply_memory_modes(self.model, cfg)
         self.trainable, self.frozen = count_parameters(self.model)
+        self.frozen_bf16 = store_frozen_in_bf16(self.model) if cfg.frozen_dtype == "bfloat16" else 0
         self.log_memory("model_built")
 
-        indexes = self._index_files(self.train_files)
         rows = sum(i.rows for i in indexes)
         for path, index in zip(self.train_files, indexes):
             if not index.rows:
@@ -214,12 +217,20 @@ class LowMemTrainer:
             answers.extend(self.tokenizer.batch_decode(out, skip_special_tokens=True))
         return answers
 
-    def _predict_memory(self) -> dict:
-        """The planner's prediction for this run (``python train_low_mem.py plan`` prints the same)."""
+    def _predict_memory(self, indexes: list, resuming: bool) -> dict:
+        """The planner's prediction for this run (``python train_low_mem.py plan`` prints the same).
+
+        Made before the model exists (the framework baseline is measured here). A run from the start
+        replays this process's stream to find its costliest micro-batch; a resumed one, which starts
+        mid-stream, is planned from the sampled lengths.
+        """
         from lowmem import planner
 
         device = "gpu" if self.accelerator.device.type == "cuda" else "cpu"
         lengths = planner.sample_lengths(self.cfg, self.tokenizer, self.train_files)
+        if not resuming:
+            lengths["windows"] = planner.replay_windows(self.cfg, self.tokenizer, self.train_files, self.rank,
+                                                        self.world, indexes)
         plan = planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(self.cfg), device,
                               self.world)
         self.record("memory_plan", **plan)
@@ -251,8 +262,10 @@ class LowMemTrainer:
 
         cfg, columns = self.cfg, (self.cfg.prompt_column, self.cfg.response_column)
         shares = [self.stream.share(i) for i in range(len(self.train_files))]
+        # How the encoder runs counts too: bf16 autocast (and its padding) or not, on which device.
+        compute = f"{cfg.mixed_precision}/{self.accelerator.device.type}/{self.shape_multiple}"
         key = encoder_cache.fingerprint(self.core.encoder, self.run_config["tokenizer_sha1"], cfg.max_source_len,
-                                        cfg.encoder_cache_dtype, self.train_files, columns, self.world)
+                                        cfg.encoder_cache_dtype, self.train_files, columns, self.world, compute)
 
         rows = sum(end - start for start, end in shares)
 
@@ -367,6 +380,8 @@ class LowMemTrainer:
             features.append(f"encoder cache ({'RAM' if cache.in_memory else 'disk'}, {cfg.encoder_cache_dtype})")
         if cfg.is_finetune:
             features.append("frozen encoder + embeddings (no_grad, eval mode)")
+        if self.frozen_bf16:
+            features.append(f"{self.frozen_bf16:,} frozen weights stored in bf16")
         lines = [
             f"device {self.accelerator.device} x {self.world} process(es) | model {cfg.model_preset} | "
             f"params trainable {self.trainable:,} / frozen {self.frozen:,}",
@@ -378,7 +393,8 @@ class LowMemTrainer:
         ]
         for line in lines:
             self.say(line)
-        self.record("setup", trainable_params=self.trainable, frozen_params=self.frozen, effective_batch=effective,
+        self.record("setup", trainable_params=self.trainable, frozen_params=self.frozen,
+                    frozen_bf16_params=self.frozen_bf16, effective_batch=effective,
                     train_rows=rows, total_steps=self.total_steps, world_size=self.world)
 
     # ------------------------------------------------------------------ train
@@ -747,9 +763,11 @@ class LowMemTrainer:
     def export(self, folder: Path) -> None:
         self.accelerator.wait_for_everyone()
         if self.main:
-            merged = merged_state_dict(self.core) if has_lora(self.core) else None  # a plain model, no adapters
-            self.folder.export(folder, self.core, self.tokenizer, {"kind": self.cfg.kind, **self.state.state_dict()},
-                               state_dict=merged)
+            with weights_in_float32(self.core):
+                plain = export_state_dict(self.core)  # LoRA merged: a plain model, no adapters
+                self.folder.export(folder, self.core, self.tokenizer,
+                                   {"kind": self.cfg.kind, **self.state.state_dict()}, state_dict=plain)
+                del plain
         self.accelerator.wait_for_everyone()
 
     def save_checkpoint(self) -> Path:

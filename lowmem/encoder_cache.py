@@ -40,8 +40,9 @@ AUTO_MEMORY_FRACTION = 0.1  # auto keeps the cache in RAM when it is at most thi
 
 
 def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, files: list[Path],
-                columns: tuple[str, str], world: int) -> str:
-    """What the cached outputs depend on, hashed (the encoder's weights byte by byte)."""
+                columns: tuple[str, str], world: int, compute: str = "") -> str:
+    """What the cached outputs depend on, hashed (the encoder's weights byte by byte; ``compute``
+    names how the encoder runs: precision, device, padding)."""
     digest = hashlib.sha1()
     for name, tensor in sorted(encoder.state_dict().items()):
         digest.update(name.encode())
@@ -49,7 +50,7 @@ def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, f
         flat = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).reshape(-1)
         digest.update(memoryview(flat.numpy()).cast("B"))  # no copy of the weights
     stats = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in ((f, os.stat(f)) for f in files)]
-    digest.update(json.dumps([tokenizer_sha1, max_source_len, dtype, stats, list(columns), world]).encode())
+    digest.update(json.dumps([tokenizer_sha1, max_source_len, dtype, stats, list(columns), world, compute]).encode())
     return digest.hexdigest()[:16]
 
 

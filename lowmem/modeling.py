@@ -76,6 +76,23 @@ def freeze_for_sft(model) -> None:
             param.requires_grad_(False)
 
 
+def store_frozen_in_bf16(model) -> int:
+    """Keep the frozen weight matrices in bfloat16 (half their memory); returns their element count.
+
+    Inside bf16 autocast every matrix product reads its weights in bf16 anyway: the frozen ones are
+    now rounded once, here, instead of at every use. Vectors (layer norms) and the small relative
+    position tables stay float32, and the shared embedding's output is turned back to float32, so
+    the residual stream keeps the precision it has with float32 weights.
+    """
+    stored = 0
+    for name, param in model.named_parameters():  # tied tensors are listed once
+        if not param.requires_grad and param.dim() == 2 and "relative_attention_bias" not in name:
+            param.data = param.data.to(torch.bfloat16)
+            stored += param.numel()
+    model.shared.register_forward_hook(lambda _module, _args, out: out.float())
+    return stored
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, frozen) parameter counts; tied tensors are counted once."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -113,7 +130,7 @@ def add_lora(model, cfg: TrainConfig):
     """Inject LoRA adapters (peft) into the decoder's ``--lora_target_modules`` and freeze the rest.
 
     The model stays a plain ``T5ForConditionalGeneration`` with LoRA layers inside, so the trainer
-    calls it as before; :func:`merged_state_dict` gives the plain weights for export.
+    calls it as before; :func:`export_state_dict` gives the plain weights for export.
     """
     peft = optional_import("peft", "--lora_r")
     # A regex on the module path: only the decoder adapts (the encoder is frozen in SFT, and its
@@ -144,11 +161,14 @@ def has_lora(model) -> bool:
     return any("lora_" in name for name, _ in model.named_parameters())
 
 
-def merged_state_dict(model) -> dict:
-    """The plain T5 weights of a model with LoRA layers: W + (alpha / r) B A, adapter keys dropped.
+def export_state_dict(model) -> dict | None:
+    """The plain T5 weights of a model with LoRA layers: W + (alpha / r) B A, adapter keys dropped
+    (None without LoRA: the model's own state dict is plain).
 
     Computed out of place, so training goes on with the unmerged weights bit for bit.
     """
+    if not has_lora(model):
+        return None
     from peft.tuners.lora import LoraLayer
 
     merged = {}
@@ -161,9 +181,26 @@ def merged_state_dict(model) -> dict:
     for key, tensor in model.state_dict().items():
         if "lora_" in key:
             continue
-        plain = key.replace(".base_layer.", ".")
-        merged.setdefault(plain, tensor)
+        merged.setdefault(key.replace(".base_layer.", "."), tensor)
     return merged
+
+
+@contextlib.contextmanager
+def weights_in_float32(model):
+    """While inside, weights stored in bf16 (``--frozen_dtype``) are float32 again, so an export
+    holds one dtype (``from_pretrained`` would otherwise load the whole model in bf16).
+
+    One tensor at a time: the peak is what float32 storage would have cost all along. Back to bf16
+    on exit, exactly (every bf16 value is a float32 value), so training goes on bit for bit.
+    """
+    halves = [p for p in model.parameters() if p.dtype == torch.bfloat16]  # tied tensors listed once
+    for param in halves:
+        param.data = param.data.float()
+    try:
+        yield
+    finally:
+        for param in halves:
+            param.data = param.data.to(torch.bfloat16)
 
 
 def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):

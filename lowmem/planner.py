@@ -32,6 +32,8 @@ FIRST_STEP_MB = 20  # kernels, thread pools and autograd bookkeeping created by 
 CUDA_CONTEXT_MB = 500  # CUDA context and kernels on the GPU (outside torch's allocator)
 CUDA_HOST_MB = 1500  # host RSS of the CUDA runtime libraries once initialised
 GPU_ALLOCATOR_SLACK = 0.10  # torch's caching allocator: reserved above allocated
+ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
+REPLAY_ROWS = 20_000  # runs reading at most this many rows have their stream replayed (a few seconds)
 
 # Relative step-time factors (1.0 = fp32, no checkpointing, AdamW-class optimizer) used to rank modes.
 SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03}
@@ -81,6 +83,16 @@ def trainable_shapes(cfg: TrainConfig, dims: dict) -> list[tuple[int, ...]]:
     return shapes["shared"] + shapes["encoder"] + shapes["decoder"]
 
 
+def frozen_matrix_elements(cfg: TrainConfig, shapes: dict) -> int:
+    """Elements of the frozen weight matrices (what ``--frozen_dtype=bfloat16`` stores in bf16): in
+    SFT the shared embedding and the encoder's, with LoRA the decoder's too; never the norms or the
+    relative position tables (the first shape of each stack)."""
+    if not cfg.is_finetune:
+        return 0
+    parts = [p for p in ("shared", "encoder") + (("decoder",) if cfg.lora_r else ()) if p in shapes]
+    return sum(_numel(x) for p in parts for x in shapes[p][0 if p == "shared" else 1:] if len(x) == 2)
+
+
 def optimizer_bytes(cfg: TrainConfig, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
     """(state bytes, largest per-step temporary) of --optimizer for these trainable shapes."""
     state, temp = 0, 0
@@ -96,27 +108,38 @@ def optimizer_bytes(cfg: TrainConfig, shapes: list[tuple[int, ...]]) -> tuple[in
     return state, temp
 
 
-def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: int, device: str = "cpu") -> dict:
-    """Bytes saved for backward (and live at the backward peak) for one micro-batch."""
+def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: int, device: str = "cpu",
+                     target_tokens: int | None = None) -> dict:
+    """Bytes saved for backward (and live at the backward peak) for one micro-batch padded to these
+    lengths; logits exist only at its ``target_tokens`` real target positions (default: all)."""
     b, s, t = cfg.batch_size, source_len, target_len
     d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
     # On a GPU bf16 halves the matmul outputs (not norms / softmax); CPU autocast measured no saving.
     width = 2.4 if cfg.mixed_precision == "bf16" and device == "gpu" else 4
     block = 8 * d + 4 * i + 3.25 * f  # per token: norms, q k v o, feed-forward, dropout masks
-    enc_layer = b * s * (block + 4.25 * h * s) * width
-    dec_layer = b * t * (block + 4 * d + 2 * i + 4.25 * h * (t + s)) * width + b * s * 2 * i * width
+    # Attention keeps 3 values per head and (query, key) pair (softmax output, dropout output and its
+    # batched-matmul copy; counted with saved-tensor hooks), and the backward of one layer holds
+    # ATTENTION_GRADS more of them at a time.
+    enc_layer = b * s * (block + 3 * h * s) * width
+    dec_layer = b * t * (block + 4 * d + 2 * i + 3 * h * (t + s)) * width + b * s * 2 * i * width
     n_enc, n_dec = dims["num_layers"], dims["num_decoder_layers"]
     frozen_encoder = cfg.is_finetune
+    attention_grads = ATTENTION_GRADS * b * h * max(t * (t + s), 0 if frozen_encoder else s * s) * 4
     encoder_saved = 0 if frozen_encoder else enc_layer * n_enc
-    encoder_peak = enc_layer if frozen_encoder and cfg.encoder_cache == "off" else 0  # transient, no_grad
+    # A frozen encoder runs under no_grad, one row at a time (frozen_encoder_states): only one layer's
+    # scores and softmax, feed-forward and a few hidden states of one row are alive at once.
+    frozen_pass = s * (2 * h * s + 2 * f + 6 * d) * width
+    encoder_peak = frozen_pass if frozen_encoder and cfg.encoder_cache == "off" else 0
     if cfg.gradient_checkpointing:  # each block keeps its input; one block is recomputed at a time
         encoder_saved = 0 if frozen_encoder else b * s * d * 4 * n_enc + enc_layer
         decoder_saved = b * t * d * 4 * n_dec + dec_layer
     else:
         decoder_saved = dec_layer * n_dec
-    logits = b * t * dims["vocab_size"] * (4 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
+    positions = b * t if target_tokens is None else target_tokens
+    logits = positions * dims["vocab_size"] * (4 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
     encoder_out = b * s * d * 4
-    return {"activations": encoder_saved + decoder_saved + encoder_peak + encoder_out, "logits": logits}
+    return {"activations": encoder_saved + decoder_saved + encoder_peak + encoder_out + attention_grads,
+            "logits": logits}
 
 
 def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None, rows: int = 2000) -> dict:
@@ -169,14 +192,93 @@ def estimated_rows(files: list[Path], mean_row_bytes: float, columns: tuple[str,
     return rows
 
 
-def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str, world: int) -> tuple[int, int]:
-    """Source and target lengths of the costliest micro-batch the run is expected to meet.
+def replay_windows(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0, world: int = 1,
+                   indexes: list | None = None) -> list[list[tuple[int, int]]] | None:
+    """The (source, target) token lengths of every accumulation window this process will train on,
+    from the start of the run, or None when the run reads more than ``REPLAY_ROWS`` rows.
 
-    A run that reads every row meets the longest source and the longest target (rows of similar
-    length share a micro-batch, so both can meet in one). A shorter run (``--max_steps``) reading n
-    of the m sampled rows meets the median of the costliest of n draws: the row at rank
-    ``m * 0.5 ** (1 / n)`` when the sample is sorted by the activation bytes a row costs.
+    The training stream is deterministic (seeded file order and shuffle buffer, this process's share
+    of each file), so the planner replays it with the trainer's own ``ExampleStream`` instead of
+    guessing: the costliest micro-batch is then known exactly. Only lengths are kept.
     """
+    from data.collate import Seq2SeqCollator
+    from data.prepare import manifest_of
+    from data.readers import TOKEN_COLUMNS, index_file
+    from data.stream import ExampleStream, batched
+
+    indexes = indexes if indexes is not None else [index_file(f) for f in files]
+    share = math.ceil(sum(i.rows for i in indexes) / world)
+    steps = cfg.max_steps if cfg.max_steps > 0 else math.inf
+    epochs = cfg.epochs if cfg.max_steps <= 0 else math.inf
+    window_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+    if min(steps * window_rows, epochs * share) > REPLAY_ROWS:
+        return None
+    columns = TOKEN_COLUMNS if manifest_of(files) else (cfg.prompt_column, cfg.response_column)
+    stream = ExampleStream(files, columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank, world_size=world,
+                           indexes=indexes)
+    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    windows = []
+    while len(windows) < steps and stream.epoch < epochs:
+        before = len(windows)
+        for window in batched(stream.iter_epoch(), window_rows):
+            sources = collator.token_ids([e.prompt for e in window], cfg.max_source_len)
+            windows.append([(len(s), len(t)) for s, t in zip(sources, collator.targets(window))])
+            if len(windows) >= steps:
+                break
+        if len(windows) == before:  # an epoch without a usable row: the trainer stops there too
+            break
+    return windows
+
+
+def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int) -> list[tuple[int, int, int]]:
+    """(longest source, longest target, target tokens) of each micro-batch, grouped as the trainer's
+    collator does (the LM head runs at the target tokens only: see ``logits_only_at``)."""
+    from data.collate import by_length
+
+    out = []
+    for window in windows:
+        for rows in by_length([s + t for s, t in window], batch_size):
+            out.append((max(window[i][0] for i in rows), max(window[i][1] for i in rows),
+                        sum(window[i][1] for i in rows)))
+    return out
+
+
+def batch_cost(cfg: TrainConfig, dims: dict, device: str):
+    """Bytes a micro-batch of (source, target[, target tokens]) lengths holds at its backward peak."""
+
+    def cost(batch: tuple[int, ...]) -> float:
+        act = activation_bytes(cfg, dims, *batch[:2], device, *batch[2:])
+        return act["activations"] + act["logits"]
+
+    return cost
+
+
+def runner_up_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str) -> tuple[int, ...] | None:
+    """The second costliest micro-batch of a replayed run (None when not replayed, or only one).
+
+    The heap the allocator keeps from earlier micro-batches sits beside the costliest one at the
+    peak: it was shaped by the other batches. A long batch met once leaves less than a run of them.
+    """
+    batches = micro_batch_lengths(lengths["windows"], cfg.batch_size) if lengths.get("windows") else []
+    if len(batches) < 2:
+        return None
+    return sorted(batches, key=batch_cost(cfg, dims, device))[-2]
+
+
+def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str, world: int) -> tuple[int, ...]:
+    """Source and target lengths (and, when replayed, target tokens) of the costliest micro-batch the
+    run is expected to meet.
+
+    When the run's stream was replayed (``lengths["windows"]``, see :func:`replay_windows`), that
+    is the costliest micro-batch it will train on. Otherwise a run that reads every row meets the
+    longest source and the longest target (rows of similar length share a micro-batch, so both can
+    meet in one), and a shorter run (``--max_steps``) reading n of the m sampled rows meets the
+    median of the costliest of n draws: the row at rank ``m * 0.5 ** (1 / n)`` when the sample is
+    sorted by the activation bytes a row costs.
+    """
+    cost = batch_cost(cfg, dims, device)
+    if lengths.get("windows"):
+        return max(micro_batch_lengths(lengths["windows"], cfg.batch_size), key=cost)
     pairs = lengths["pairs"]
     share = lengths["rows"] / world  # the rows each process reads per epoch
     read = share * cfg.epochs
@@ -184,11 +286,6 @@ def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
         read = min(read, cfg.max_steps * cfg.batch_size * cfg.gradient_accumulation_steps)
     if not pairs or read >= share:
         return lengths["max_source"], lengths["max_target"]
-
-    def cost(pair: tuple[int, int]) -> float:
-        act = activation_bytes(cfg, dims, pair[0], pair[1], device)
-        return act["activations"] + act["logits"]
-
     ranked = sorted(pairs, key=cost)
     rank = math.ceil(len(ranked) * 0.5 ** (1 / max(read, 1)))
     return ranked[min(max(rank, 1), len(ranked)) - 1]
@@ -202,13 +299,17 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     n_params = sum(_numel(x) for part in shapes.values() for x in part)
     train_shapes = trainable_shapes(cfg, dims)
     n_train = sum(_numel(x) for x in train_shapes)
-    weights = 4 * (n_params + (n_train if cfg.lora_r else 0))
+    half = frozen_matrix_elements(cfg, shapes) if cfg.frozen_dtype == "bfloat16" else 0
+    weights = 4 * (n_params + (n_train if cfg.lora_r else 0)) - 2 * half  # --frozen_dtype=bfloat16: 2 bytes
     grads = 4 * n_train
     opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
-    source_len, target_len = peak_batch_lengths(cfg, dims, lengths, device, world)
+    peak = peak_batch_lengths(cfg, dims, lengths, device, world)
+    runner_up = runner_up_lengths(cfg, dims, lengths, device) or peak
     if cfg.mixed_precision == "bf16" and device == "cpu":  # padded to multiples of 16 (the trainer's shape_multiple)
-        source_len, target_len = (-(-n // 16) * 16 for n in (source_len, target_len))
-    act = activation_bytes(cfg, dims, source_len, target_len, device)
+        peak, runner_up = (tuple(-(-n // 16) * 16 for n in batch) for batch in (peak, runner_up))
+    source_len, target_len = peak[:2]
+    act = activation_bytes(cfg, dims, *peak[:2], device, *peak[2:])
+    before = activation_bytes(cfg, dims, *runner_up[:2], device, *runner_up[2:])  # shaped the heap kept beside it
     # Autocast keeps a bf16 copy of every trainable weight for the step (frozen ones are cast per use).
     cast_cache = 2 * n_train if cfg.mixed_precision == "bf16" else 0
     cache = 0
@@ -230,10 +331,14 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     ddp_copy = grads if world > 1 and cfg.gradient_accumulation_steps > 1 else 0
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
     freed_at_save = step_bytes + ddp_copy + (grads if world == 1 else 0)
-    # The exports and checkpoints copy the weights into one safetensors buffer on the host.
-    serialize = 4 * n_params
+    # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
+    # safetensors that is not zero-copy (recent ones write straight from the tensors' memory).
+    serialize = 4 * n_params if device == "gpu" or not zero_copy_save() else 0
+    serialize += 2 * half  # exports hold bf16-stored weights in float32 again, one tensor at a time
     if device == "gpu":
         encoder_weights = 4 * sum(_numel(x) for x in shapes["encoder"]) if cfg.encoder_cache != "off" else 0
+        if encoder_weights and half:
+            encoder_weights -= 2 * frozen_matrix_elements(cfg, {"encoder": shapes["encoder"]})
         gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": weights - encoder_weights, "gradients": grads,
                "optimizer": opt_state, "bf16_weight_copies": cast_cache, "activations": act["activations"],
                "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "ddp_gradient_copy": ddp_copy}
@@ -243,7 +348,7 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
                 "encoder_offloaded": encoder_weights, "caches": cache, "data_buffers": buffers}
     else:
         gpu = {}
-        slack = ALLOCATOR_SLACK * (grads + step_bytes) + FIRST_STEP_MB * MB
+        slack = ALLOCATOR_SLACK * (grads + before["activations"] + before["logits"] + opt_temp) + FIRST_STEP_MB * MB
         host = {"framework": framework_mb * MB, "weights": weights, "gradients": grads, "optimizer": opt_state,
                 "bf16_weight_copies": cast_cache, "activations": act["activations"],
                 "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "ddp_gradient_copy": ddp_copy,
@@ -253,8 +358,18 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
     return {"device": device, "parameters": n_params, "trainable_parameters": n_train,
             "max_source_tokens": source_len, "max_target_tokens": target_len,
+            "peak_batch_target_tokens": peak[2] if len(peak) > 2 else cfg.batch_size * target_len,
             "host_mb": host_mb, "gpu_mb": gpu_mb, "host_peak_mb": round(sum(host_mb.values()), 1),
             "gpu_peak_mb": round(sum(gpu_mb.values()), 1)}
+
+
+def zero_copy_save() -> bool:
+    """Whether the installed safetensors writes CPU tensors without copying them to bytes first
+    (measured: saving a 654 MiB model raised peak RSS by 0 MiB with safetensors 0.8; older releases
+    built a bytes copy of every tensor, safetensors issue #458)."""
+    import safetensors.torch
+
+    return hasattr(safetensors.torch, "_flatten_as_ptr")
 
 
 def relative_time(cfg: TrainConfig, device: str) -> float:
@@ -354,6 +469,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     import torch
 
     from config import UserError
+    from data.sources import resolve_files
     from data.tokenization import load_tokenizer
 
     device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
@@ -373,6 +489,9 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
         raise UserError(f"--tokenizer_dir={folder} holds no tokenizer.json; train one first (train_tokenizer)")
     tokenizer = load_tokenizer(folder)
     lengths = sample_lengths(cfg, tokenizer)
+    # the first process's share of the stream (the one that prints)
+    lengths["windows"] = replay_windows(cfg, tokenizer, resolve_files(cfg.train_file, "--train_file"), 0,
+                                        num_processes)
     baseline = framework_mb(cfg)  # after reading, as in the trainer: the data readers' imports count
     result = predict(cfg, len(tokenizer), lengths, baseline, device, num_processes)
     result.update(num_processes=num_processes, processes_per_machine=per_machine,

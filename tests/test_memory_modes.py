@@ -72,6 +72,13 @@ def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrai
     assert done.returncode == 0 and "encoder cache: encoding" in done.stdout
     new_keys = sorted(p.name for p in (cached / "encoder_cache").iterdir())
     assert len(new_keys) == 1 and new_keys != keys
+    # How the encoder runs counts too: under bf16 autocast its outputs differ from float32 ones.
+    done = run_cli("train", "--is_finetune=True", f"--init_from={pretrained}", f"--output_dir={cached}",
+                   f"--train_file={tmp_path / 'sft.jsonl'}", f"--eval_file={tmp_path / 'sft.jsonl'}",
+                   "--overwrite_output_dir=True", "--max_steps=2", "--encoder_cache=disk",
+                   "--mixed_precision=bf16", *FAST)
+    assert done.returncode == 0 and "encoder cache: encoding" in done.stdout
+    assert sorted(p.name for p in (cached / "encoder_cache").iterdir()) != new_keys
 
 
 @pytest.mark.slow
@@ -94,7 +101,7 @@ def test_lora_trains_only_adapters_and_exports_a_merged_plain_model(tmp_path, pr
 
 
 def test_merged_weights_give_the_lora_models_outputs(tokenizer):
-    from lowmem.modeling import add_lora, build_model, merged_state_dict
+    from lowmem.modeling import add_lora, build_model, export_state_dict
 
     cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "lora_r": 4, "lora_target_modules": "q,v,wi"})
     torch.manual_seed(0)
@@ -103,13 +110,67 @@ def test_merged_weights_give_the_lora_models_outputs(tokenizer):
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)  # B starts at zero: make the adapters matter
     plain = build_model(cfg, tokenizer).eval()
-    plain.load_state_dict(merged_state_dict(model))
+    plain.load_state_dict(export_state_dict(model))
     ids, decoder_ids = torch.tensor([[5, 6, 7, 1]]), torch.tensor([[0, 8, 9]])
     with torch.no_grad():
         adapted = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
         merged = plain(input_ids=ids, decoder_input_ids=decoder_ids).logits
     assert torch.allclose(adapted, merged, atol=1e-4)
     assert not torch.allclose(adapted, build_model(cfg, tokenizer)(input_ids=ids, decoder_input_ids=decoder_ids).logits)
+
+
+@pytest.mark.slow
+def test_frozen_weights_in_bf16_train_and_export_float32(tmp_path, pretrained):
+    from transformers import T5ForConditionalGeneration
+
+    flags = ["--mixed_precision=bf16", "--learn_rate=3e-3"]
+    plain, _ = sft(tmp_path, pretrained, "fp32", *flags, steps=20)
+    half, done = sft(tmp_path, pretrained, "bf16", *flags, "--frozen_dtype=bfloat16", "--encoder_cache=disk",
+                     steps=20)
+    assert "frozen weights stored in bf16" in done.stdout
+    losses = train_losses(half)
+    assert losses[-1] < losses[0]
+    start, end = weights(pretrained), weights(half / "final")
+    assert all(t.dtype == torch.float32 for t in end.values())  # one dtype for from_pretrained
+    # the frozen matrices are the pretrained ones rounded to bf16 once; norms and the decoder train
+    shared = start["shared.weight"]
+    assert torch.equal(end["shared.weight"], shared.to(torch.bfloat16).float()) and not torch.equal(
+        end["shared.weight"], shared)
+    assert torch.equal(end["encoder.block.0.layer.0.SelfAttention.q.weight"],
+                       start["encoder.block.0.layer.0.SelfAttention.q.weight"].to(torch.bfloat16).float())
+    assert torch.equal(end["encoder.final_layer_norm.weight"], start["encoder.final_layer_norm.weight"])
+    assert not torch.equal(end["decoder.block.0.layer.0.SelfAttention.q.weight"],
+                           start["decoder.block.0.layer.0.SelfAttention.q.weight"])
+    model = T5ForConditionalGeneration.from_pretrained(half / "final")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    # the planner counts 2 bytes for each frozen matrix element, the trainer stores as many
+    plan = {r["event"]: r for r in metrics(half) if r["event"] in ("memory_plan", "setup")}
+    plan_fp32 = next(r for r in metrics(plain) if r["event"] == "memory_plan")
+    saved = plan_fp32["host_mb"]["weights"] - plan["memory_plan"]["host_mb"]["weights"]
+    assert saved == pytest.approx(2 * plan["setup"]["frozen_bf16_params"] / 2**20, abs=0.2)
+
+
+def test_bf16_frozen_weights_are_float32_while_exported(tokenizer):
+    from lowmem.modeling import build_model, freeze_for_sft, store_frozen_in_bf16, weights_in_float32
+
+    cfg, _ = load_config({"is_finetune": True, "init_from": "unused"})
+    model = build_model(cfg, tokenizer)
+    freeze_for_sft(model)
+    stored = store_frozen_in_bf16(model)
+    assert model.shared.weight.dtype == torch.bfloat16 and model.lm_head.weight is model.shared.weight
+    assert model.decoder.block[0].layer[0].SelfAttention.q.weight.dtype == torch.float32  # trainable
+    assert model.encoder.final_layer_norm.weight.dtype == torch.float32  # vectors stay float32
+    assert stored == model.shared.weight.numel() + sum(
+        p.numel() for n, p in model.encoder.named_parameters() if p.dim() == 2 and "relative" not in n
+        and "embed_tokens" not in n)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with weights_in_float32(model):
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert model.lm_head.weight is model.shared.weight  # still tied
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())  # exact
+    ids = torch.tensor([[5, 6, 7, 1]])
+    assert model.get_input_embeddings()(ids).dtype == torch.float32  # the residual stream stays float32
 
 
 @pytest.mark.slow
@@ -263,6 +324,39 @@ def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
     assert plan_short["host_mb"]["activations"] < plan_epoch["host_mb"]["activations"]
 
 
+def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer):
+    import random
+
+    from conftest import WORDS
+
+    from data.collate import Seq2SeqCollator
+    from lowmem import planner
+
+    rng = random.Random(3)  # 2 to 50 words on both sides (under the 128-token caps): every run meets other maxima
+    rows = [{"prompt": " ".join(rng.choices(WORDS, k=rng.randint(2, 50))),
+             "response": " ".join(rng.choices(WORDS, k=rng.randint(2, 50)))} for _ in range(300)]
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    for seed in (1, 2):
+        out = tmp_path / f"run{seed}"
+        done = run_cli("train", f"--train_file={data}", f"--output_dir={out}", f"--seed={seed}", "--max_steps=3",
+                       "--gradient_accumulation_steps=3", "--dump_consumed=True", "--shuffle_buffer_size=50", *FAST)
+        assert done.returncode == 0, done.stderr
+        plan = next(r for r in metrics(out) if r["event"] == "memory_plan")
+        # the windows the run consumed, grouped into micro-batches as the trainer's collator does
+        consumed = [rows[int(line.split("\t")[3])] for line in (out / "consumed-rank0.tsv").read_text().splitlines()]
+        collator = Seq2SeqCollator(tokenizer, 128, 128)
+        sources = collator.token_ids([r["prompt"] for r in consumed], 128)
+        targets = collator.token_ids([r["response"] for r in consumed], 128)
+        pairs = [(len(a), len(b)) for a, b in zip(sources, targets)]
+        windows = [pairs[i:i + 6] for i in range(0, len(pairs), 6)]
+        assert len(windows) == 3
+        met = planner.micro_batch_lengths(windows, 2)
+        cost = planner.batch_cost(load_config({})[0], planner.model_dims(load_config({})[0], len(tokenizer)), "cpu")
+        costliest = max(met, key=cost)
+        assert (plan["max_source_tokens"], plan["max_target_tokens"]) == costliest[:2]
+        assert plan["peak_batch_target_tokens"] == costliest[2] < 2 * costliest[1]  # logits at real targets only
+
+
 def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
     from lowmem import planner
 
@@ -297,6 +391,9 @@ def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
     (["--lora_r=4"], "--lora_r needs --is_finetune=True"),
     (["--optimizer=sgd"], "--optimizer must be one of"),
     (["--memory_profile=gpu4g"], "--memory_profile must be one of"),
+    (["--is_finetune=True", "--frozen_dtype=bfloat16"], "--frozen_dtype=bfloat16 needs"),
+    (["--mixed_precision=bf16", "--frozen_dtype=bfloat16"], "--frozen_dtype=bfloat16 needs --is_finetune=True"),
+    (["--frozen_dtype=float16"], "--frozen_dtype must be one of"),
     (["--is_finetune=True", "--lora_r=4", "--lora_target_modules=q,x"], "--lora_target_modules must be"),
 ])
 def test_invalid_mode_flags_give_one_line(tmp_path, flags, message):
