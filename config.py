@@ -47,7 +47,7 @@ FROZEN_DTYPES = ("float32", "bfloat16")
 REPORT_TO = ("none", "tensorboard")  # accelerate trackers we test; each is an optional package
 
 # Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
-# README, 'Memory profiles' (from `python train_low_mem.py plan --memory_profile=NAME`).
+# README, 'Memory modes, profiles and the planner' (python bench/profile_table.py).
 MEMORY_PROFILES = {
     # A 16 GB host, no GPU: fp32 on the CPU, the smallest optimizer state, and the memory guard
     # checkpoints and stops before the OOM killer would.

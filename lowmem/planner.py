@@ -33,7 +33,7 @@ CUDA_CONTEXT_MB = 500  # CUDA context and kernels on the GPU (outside torch's al
 CUDA_HOST_MB = 1500  # host RSS of the CUDA runtime libraries once initialised
 GPU_ALLOCATOR_SLACK = 0.10  # torch's caching allocator: reserved above allocated
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
-REPLAY_ROWS = 20_000  # runs reading at most this many rows have their stream replayed (a few seconds)
+REPLAY_ROWS = 10_000  # runs reading at most this many rows have their stream replayed (seconds)
 
 # Relative step-time factors (1.0 = fp32, no checkpointing, AdamW-class optimizer) used to rank modes.
 SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03}
@@ -217,16 +217,26 @@ def replay_windows(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0
     stream = ExampleStream(files, columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank, world_size=world,
                            indexes=indexes)
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
-    windows = []
-    while len(windows) < steps and stream.epoch < epochs:
-        before = len(windows)
+    windows, pending = [], []  # pending: windows read but not tokenized yet (one tokenizer call per ~1k rows)
+
+    def tokenize_pending() -> None:
+        rows = [e for window in pending for e in window]
+        pairs = zip(collator.token_ids([e.prompt for e in rows], cfg.max_source_len), collator.targets(rows))
+        for window in pending:
+            windows.append([(len(s), len(t)) for s, t in itertools.islice(pairs, len(window))])
+        pending.clear()
+
+    while len(windows) + len(pending) < steps and stream.epoch < epochs:
+        before = len(windows) + len(pending)
         for window in batched(stream.iter_epoch(), window_rows):
-            sources = collator.token_ids([e.prompt for e in window], cfg.max_source_len)
-            windows.append([(len(s), len(t)) for s, t in zip(sources, collator.targets(window))])
-            if len(windows) >= steps:
+            pending.append(window)
+            if sum(map(len, pending)) >= 1024:
+                tokenize_pending()
+            if len(windows) + len(pending) >= steps:
                 break
-        if len(windows) == before:  # an epoch without a usable row: the trainer stops there too
+        if len(windows) + len(pending) == before:  # an epoch without a usable row: the trainer stops there too
             break
+    tokenize_pending()
     return windows
 
 
@@ -389,7 +399,8 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     one GPU's memory, or on the CPU the host RAM of ``per_machine`` processes together.
 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
-    micro-batch 2 or 1 (accumulation doubled to keep the batch) and, for SFT, the encoder cache.
+    micro-batch 2 or 1 (accumulation doubled to keep the batch) and, for SFT, the encoder cache and
+    (with bf16) bf16 storage of the frozen weights.
     Sequence lengths, LoRA and the model are never changed: they change what is trained.
     """
     from config import installed
@@ -397,11 +408,15 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
     caches = ["off", "auto"] if cfg.is_finetune else ["off"]
     precisions = ["no", "bf16"] if device == "gpu" else ["no"]
+    frozen = ["float32", "bfloat16"] if cfg.is_finetune else ["float32"]
     best = None
-    for ckpt, prec, opt, batch, cache in itertools.product([False, True], precisions, optimizers, [2, 1], caches):
+    for ckpt, prec, opt, batch, cache, frozen_dtype in itertools.product(
+            [False, True], precisions, optimizers, [2, 1], caches, frozen):
+        if frozen_dtype == "bfloat16" and prec != "bf16":
+            continue
         accumulation = max(1, cfg.gradient_accumulation_steps * cfg.batch_size // batch)
         trial = replace(cfg, gradient_checkpointing=ckpt, mixed_precision=prec, optimizer=opt, batch_size=batch,
-                        gradient_accumulation_steps=accumulation, encoder_cache=cache,
+                        gradient_accumulation_steps=accumulation, encoder_cache=cache, frozen_dtype=frozen_dtype,
                         cpu=device == "cpu")
         plan = predict(trial, vocab_size, lengths, framework_mb, device, world)
         peak = plan["gpu_peak_mb"] if device == "gpu" else per_machine * plan["host_peak_mb"]
@@ -412,7 +427,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
             flags = {"gradient_checkpointing": ckpt, "mixed_precision": prec, "optimizer": opt, "batch_size": batch,
                      "gradient_accumulation_steps": accumulation}
             if cfg.is_finetune:
-                flags["encoder_cache"] = cache
+                flags.update(encoder_cache=cache, frozen_dtype=frozen_dtype)
             if device == "cpu":
                 flags["cpu"] = True
             best = (speed, flags, peak)

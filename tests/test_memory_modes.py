@@ -267,6 +267,28 @@ def test_plan_json_table_and_recommendation(tmp_path):
     assert nothing.returncode == 0 and "nothing fits" in nothing.stdout
 
 
+def test_recommendation_stores_frozen_weights_in_bf16_only_when_it_must():
+    from dataclasses import replace
+
+    from lowmem import planner
+
+    # with LoRA the base decoder is frozen too (the encoder cache already takes the encoder off the GPU)
+    cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "model_preset": "base", "lora_r": 8})
+    lengths = {"max_source": 128, "max_target": 128, "mean_source": 60, "row_bytes": 500, "rows": 1000,
+               "pairs": [(128, 128)] * 1000}
+
+    def peak(frozen_dtype):  # the leanest combination the search can reach
+        lean = replace(cfg, gradient_checkpointing=True, mixed_precision="bf16", optimizer="adafactor", batch_size=1,
+                       gradient_accumulation_steps=32, encoder_cache="auto", frozen_dtype=frozen_dtype)
+        return planner.predict(lean, 8000, lengths, 300.0, "gpu")["gpu_peak_mb"]
+
+    assert peak("bfloat16") < peak("float32") - 150  # the base decoder's matrices: 2 x ~100M bytes less
+    roomy = planner.recommend(cfg, 80, "gpu", 8000, lengths, 300.0)
+    assert roomy["flags"]["frozen_dtype"] == "float32"
+    tight = planner.recommend(cfg, (peak("bfloat16") + peak("float32")) / 2 / 1024, "gpu", 8000, lengths, 300.0)
+    assert tight["flags"]["frozen_dtype"] == "bfloat16" and tight["flags"]["mixed_precision"] == "bf16"
+
+
 def test_plan_for_several_processes():
     def plan(*flags):
         done = run_cli("plan", "--json", "--model_preset=small", *flags)

@@ -1,0 +1,46 @@
+"""The README's memory-profile table: the planner's expected peak for every profile and preset.
+
+    python bench/profile_table.py
+
+Pretraining with the shipped tokenizer, every batch at --max_source_len=128 --max_target_len=128
+(the longest the defaults allow), the framework baseline measured in this process. host16g is
+planned on the CPU (host RAM), the gpu* profiles on a GPU (GPU memory, plus the host RAM beside it).
+Relative step time is the planner's ranking model, not a measurement.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from config import MEMORY_PROFILES, MODEL_PRESETS, SHIPPED_TOKENIZER_DIR, load_config  # noqa: E402
+from data.tokenization import load_tokenizer  # noqa: E402
+from lowmem import planner  # noqa: E402
+
+
+def main() -> None:
+    vocab = len(load_tokenizer(SHIPPED_TOKENIZER_DIR))
+    lengths = {"max_source": 128, "max_target": 128, "mean_source": 128, "row_bytes": 1000, "rows": 100_000,
+               "pairs": [(128, 128)]}
+    baseline = planner.framework_mb()
+    print(f"| profile | flags | {' | '.join(MODEL_PRESETS)} | relative step time |")
+    print("|---|---|" + "---|" * len(MODEL_PRESETS) + "---|")
+    for name, flags in MEMORY_PROFILES.items():
+        device = "cpu" if flags.get("cpu") else "gpu"
+        cells = []
+        for preset in MODEL_PRESETS:
+            cfg, _ = load_config({"memory_profile": name, "model_preset": preset, "max_source_len": 128,
+                                  "max_target_len": 128})
+            plan = planner.predict(cfg, vocab, lengths, baseline, device)
+            if device == "cpu":
+                cells.append(f"{plan['host_peak_mb'] / 1024:.1f} GB host")
+            else:
+                cells.append(f"{plan['gpu_peak_mb'] / 1024:.1f} GB GPU (+{plan['host_peak_mb'] / 1024:.1f} host)")
+        shown = ", ".join(f"`{k}={v}`" for k, v in flags.items())
+        print(f"| `{name}` | {shown} | {' | '.join(cells)} | {planner.relative_time(cfg, device):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
