@@ -11,6 +11,7 @@ Lifecycle: ``setup()`` (seed, accelerator, tokenizer, model, optimizer, schedule
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -763,8 +764,11 @@ class LowMemTrainer:
     def export(self, folder: Path) -> None:
         self.accelerator.wait_for_everyone()
         if self.main:
-            with weights_in_float32(self.core):
-                plain = export_state_dict(self.core)  # LoRA merged: a plain model, no adapters
+            # One dtype and no adapters: on the CPU bf16-stored weights turn float32 in place; from a
+            # GPU every tensor is copied to the host as float32 (nothing new on the GPU).
+            on_gpu = self.accelerator.device.type == "cuda"
+            with contextlib.nullcontext() if on_gpu else weights_in_float32(self.core):
+                plain = export_state_dict(self.core, to_host=on_gpu)
                 self.folder.export(folder, self.core, self.tokenizer,
                                    {"kind": self.cfg.kind, **self.state.state_dict()}, state_dict=plain)
                 del plain

@@ -89,6 +89,10 @@ def store_frozen_in_bf16(model) -> int:
         if not param.requires_grad and param.dim() == 2 and "relative_attention_bias" not in name:
             param.data = param.data.to(torch.bfloat16)
             stored += param.numel()
+        else:
+            # from_pretrained maps the checkpoint file: while any tensor is a view of that mapping, every
+            # page the cast read stays resident. Own copies let it go (the planner counts the moment).
+            param.data = param.data.clone()
     model.shared.register_forward_hook(lambda _module, _args, out: out.float())
     return stored
 
@@ -161,28 +165,39 @@ def has_lora(model) -> bool:
     return any("lora_" in name for name, _ in model.named_parameters())
 
 
-def export_state_dict(model) -> dict | None:
-    """The plain T5 weights of a model with LoRA layers: W + (alpha / r) B A, adapter keys dropped
-    (None without LoRA: the model's own state dict is plain).
+def export_state_dict(model, to_host: bool = False) -> dict | None:
+    """The plain float32 weights to export, or None when the model's own state dict is that.
 
-    Computed out of place, so training goes on with the unmerged weights bit for bit.
+    LoRA layers are merged: W + (alpha / r) B A, adapter keys dropped, computed out of place (one
+    layer at a time), so training goes on with the unmerged weights bit for bit. With ``to_host``
+    (a model on a GPU) every tensor is copied to host memory as float32 here, one at a time, so an
+    export allocates nothing on the GPU beyond one layer's delta; on the CPU, bf16-stored weights
+    are turned float32 in place first (:func:`weights_in_float32`). Tied tensors stay shared.
     """
-    if not has_lora(model):
+    lora = has_lora(model)
+    if not lora and not to_host:
         return None
-    from peft.tuners.lora import LoraLayer
+    plain = {}
+    if lora:
+        from peft.tuners.lora import LoraLayer
 
-    merged = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            base = module.get_base_layer()
-            with torch.no_grad():
-                delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
-                merged[f"{name}.weight"] = (base.weight + delta).to(base.weight.dtype).detach().clone()
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer):
+                with torch.no_grad():
+                    delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+                    weight = module.get_base_layer().weight
+                    merged = weight.float() + delta.float()
+                    plain[f"{name}.weight"] = merged.cpu() if to_host else merged.to(weight.dtype)
+    copies = {}  # storage -> its host copy
     for key, tensor in model.state_dict().items():
-        if "lora_" in key:
+        key = key.replace(".base_layer.", ".")
+        if "lora_" in key or key in plain:
             continue
-        merged.setdefault(key.replace(".base_layer.", "."), tensor)
-    return merged
+        if to_host:
+            ptr = tensor.untyped_storage().data_ptr()
+            tensor = copies[ptr] if ptr in copies else copies.setdefault(ptr, tensor.detach().to("cpu", torch.float32))
+        plain[key] = tensor
+    return plain
 
 
 @contextlib.contextmanager

@@ -83,6 +83,21 @@ def trainable_shapes(cfg: TrainConfig, dims: dict) -> list[tuple[int, ...]]:
     return shapes["shared"] + shapes["encoder"] + shapes["decoder"]
 
 
+def frozen_cast_bytes(n_params: int, half: int) -> int:
+    """Host bytes while ``--frozen_dtype=bfloat16`` converts a loaded float32 checkpoint: the mapped
+    file's pages (all read), the bf16 copies and float32 copies of the rest, until the file is let go."""
+    return 4 * n_params + 2 * half + 4 * (n_params - half) if half else 0
+
+
+def lora_merged_elements(cfg: TrainConfig, dims: dict) -> int:
+    """Elements of the base weights that carry LoRA adapters (an export holds their merged copies)."""
+    if not cfg.lora_r:
+        return 0
+    d, f, i = dims["d_model"], dims["d_ff"], dims["num_heads"] * dims["d_kv"]
+    per_layer = {"q": 2 * d * i, "k": 2 * d * i, "v": 2 * d * i, "o": 2 * d * i, "wi": d * f, "wo": d * f}
+    return sum(per_layer[name] for name in cfg.lora_targets) * dims["num_decoder_layers"]
+
+
 def frozen_matrix_elements(cfg: TrainConfig, shapes: dict) -> int:
     """Elements of the frozen weight matrices (what ``--frozen_dtype=bfloat16`` stores in bf16): in
     SFT the shared embedding and the encoder's, with LoRA the decoder's too; never the norms or the
@@ -344,7 +359,10 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
     # safetensors that is not zero-copy (recent ones write straight from the tensors' memory).
     serialize = 4 * n_params if device == "gpu" or not zero_copy_save() else 0
-    serialize += 2 * half  # exports hold bf16-stored weights in float32 again, one tensor at a time
+    # Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored ones
+    # (one tensor at a time). They are large (mmapped fresh, not carved from the freed heap): counted whole.
+    # (From a GPU they are made on the host, within the host copy of the weights counted below.)
+    export_copies = 4 * lora_merged_elements(cfg, dims) + 2 * half
     if device == "gpu":
         encoder_weights = 4 * sum(_numel(x) for x in shapes["encoder"]) if cfg.encoder_cache != "off" else 0
         if encoder_weights and half:
@@ -356,6 +374,7 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
         gpu["allocator_slack"] = GPU_ALLOCATOR_SLACK * live
         host = {"framework": framework_mb * MB + CUDA_HOST_MB * MB, "weights_on_host": max(4 * n_params, serialize),
                 "encoder_offloaded": encoder_weights, "caches": cache, "data_buffers": buffers}
+        host["frozen_cast"] = max(0, frozen_cast_bytes(n_params, half) - host["weights_on_host"])
     else:
         gpu = {}
         slack = ALLOCATOR_SLACK * (grads + before["activations"] + before["logits"] + opt_temp) + FIRST_STEP_MB * MB
@@ -363,7 +382,8 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
                 "bf16_weight_copies": cast_cache, "activations": act["activations"],
                 "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "ddp_gradient_copy": ddp_copy,
                 "allocator_slack": slack, "caches": cache, "data_buffers": buffers}
-        host["checkpoint_copy"] = max(0, serialize - freed_at_save - slack)
+        host["checkpoint_copy"] = max(0, serialize - freed_at_save - slack) + export_copies
+        host["frozen_cast"] = max(0, frozen_cast_bytes(n_params, half) - sum(host.values()) + host["framework"])
     host_mb = {k: round(v / MB, 1) for k, v in host.items()}
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
     return {"device": device, "parameters": n_params, "trainable_parameters": n_train,

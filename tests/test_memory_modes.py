@@ -151,7 +151,7 @@ def test_frozen_weights_in_bf16_train_and_export_float32(tmp_path, pretrained):
 
 
 def test_bf16_frozen_weights_are_float32_while_exported(tokenizer):
-    from lowmem.modeling import build_model, freeze_for_sft, store_frozen_in_bf16, weights_in_float32
+    from lowmem.modeling import build_model, export_state_dict, freeze_for_sft, store_frozen_in_bf16, weights_in_float32
 
     cfg, _ = load_config({"is_finetune": True, "init_from": "unused"})
     model = build_model(cfg, tokenizer)
@@ -169,6 +169,11 @@ def test_bf16_frozen_weights_are_float32_while_exported(tokenizer):
         assert model.lm_head.weight is model.shared.weight  # still tied
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())  # exact
+    # from a GPU the export copies each tensor to the host as float32 instead (here: from the CPU)
+    host = export_state_dict(model, to_host=True)
+    assert {t.dtype for t in host.values()} == {torch.float32} and host["shared.weight"] is host["lm_head.weight"]
+    assert torch.equal(host["shared.weight"], model.shared.weight.float())
+    assert model.shared.weight.dtype == torch.bfloat16
     ids = torch.tensor([[5, 6, 7, 1]])
     assert model.get_input_embeddings()(ids).dtype == torch.float32  # the residual stream stays float32
 
