@@ -1,0 +1,126 @@
+"""Which micro-batches a run will train on: token lengths sampled from, or replayed through, its stream.
+
+The planner (``lowmem.planner``) sizes activations from these lengths. Only lengths are kept: a replay
+of 10,000 rows holds a few hundred KB.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+from config import TrainConfig
+
+REPLAY_ROWS = 10_000  # runs reading at most this many rows have their stream replayed (seconds)
+
+
+def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None, rows: int = 2000) -> dict:
+    """Token lengths of the first training rows (capped): the longest batch sets the activation peak."""
+    from data.collate import Seq2SeqCollator
+    from data.prepare import manifest_of
+    from data.readers import TOKEN_COLUMNS
+    from data.sources import iter_rows, resolve_files
+
+    files = files if files is not None else resolve_files(cfg.train_file, "--train_file")
+    columns = TOKEN_COLUMNS if manifest_of(files) else (cfg.prompt_column, cfg.response_column)
+    src, tgt, text_bytes = [], [], []
+    for index, path in enumerate(files):
+        for item in iter_rows(path, index, columns, 0, rows - len(src)):
+            if item is not None:
+                src.append(item.prompt)
+                tgt.append(item.response)
+                # held in the shuffle buffer as text, or as Python lists of ints (~36 bytes a token)
+                text_bytes.append(36 * (len(item.prompt) + len(item.response)) if columns == TOKEN_COLUMNS
+                                  else len(item.prompt.encode()) + len(item.response.encode()))
+        if len(src) >= rows:
+            break
+    if not src:
+        return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
+                "row_bytes": 0, "rows": 0, "pairs": []}
+    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    s = [len(x) for x in collator.token_ids(src, cfg.max_source_len)]
+    t = [len(x) for x in collator.token_ids(tgt, cfg.max_target_len)]
+    mean_row = sum(text_bytes) / len(text_bytes)
+    return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
+            "row_bytes": mean_row, "rows": estimated_rows(files, mean_row, columns), "pairs": list(zip(s, t))}
+
+
+def estimated_rows(files: list[Path], mean_row_bytes: float, columns: tuple[str, str]) -> int:
+    """Rows in ``files`` without reading them: parquet footers hold the count (their bytes are
+    compressed); text files are estimated from their size, the sampled rows' mean text size and
+    what each row adds around its text (JSON keys and quotes, CSV separators)."""
+    from data.readers import file_kind
+
+    rows = 0
+    for path in files:
+        kind = file_kind(Path(path))
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            rows += pq.ParquetFile(path).metadata.num_rows
+        else:
+            framing = 4 if kind == "csv" else sum(len(c) for c in columns) + 16
+            rows += int(Path(path).stat().st_size / max(mean_row_bytes + framing, 1))
+    return rows
+
+
+def replay_windows(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0, world: int = 1,
+                   indexes: list | None = None) -> list[list[tuple[int, int]]] | None:
+    """The (source, target) token lengths of every accumulation window this process will train on,
+    from the start of the run, or None when the run reads more than ``REPLAY_ROWS`` rows.
+
+    The training stream is deterministic (seeded file order and shuffle buffer, this process's share
+    of each file), so the planner replays it with the trainer's own ``ExampleStream`` instead of
+    guessing: the costliest micro-batch is then known exactly. Only lengths are kept.
+    """
+    from data.collate import Seq2SeqCollator
+    from data.prepare import manifest_of
+    from data.readers import TOKEN_COLUMNS, index_file
+    from data.stream import ExampleStream, batched
+
+    indexes = indexes if indexes is not None else [index_file(f) for f in files]
+    share = math.ceil(sum(i.rows for i in indexes) / world)
+    steps = cfg.max_steps if cfg.max_steps > 0 else math.inf
+    epochs = cfg.epochs if cfg.max_steps <= 0 else math.inf
+    window_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+    if min(steps * window_rows, epochs * share) > REPLAY_ROWS:
+        return None
+    columns = TOKEN_COLUMNS if manifest_of(files) else (cfg.prompt_column, cfg.response_column)
+    stream = ExampleStream(files, columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank, world_size=world,
+                           indexes=indexes)
+    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    windows, pending = [], []  # pending: windows read but not tokenized yet (one tokenizer call per ~1k rows)
+
+    def tokenize_pending() -> None:
+        rows = [e for window in pending for e in window]
+        pairs = zip(collator.token_ids([e.prompt for e in rows], cfg.max_source_len), collator.targets(rows))
+        for window in pending:
+            windows.append([(len(s), len(t)) for s, t in itertools.islice(pairs, len(window))])
+        pending.clear()
+
+    while len(windows) + len(pending) < steps and stream.epoch < epochs:
+        before = len(windows) + len(pending)
+        for window in batched(stream.iter_epoch(), window_rows):
+            pending.append(window)
+            if sum(map(len, pending)) >= 1024:
+                tokenize_pending()
+            if len(windows) + len(pending) >= steps:
+                break
+        if len(windows) + len(pending) == before:  # an epoch without a usable row: the trainer stops there too
+            break
+    tokenize_pending()
+    return windows
+
+
+def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int) -> list[tuple[int, int, int]]:
+    """(longest source, longest target, target tokens) of each micro-batch, grouped as the trainer's
+    collator does (the LM head runs at the target tokens only: see ``logits_only_at``)."""
+    from data.collate import by_length
+
+    out = []
+    for window in windows:
+        for rows in by_length([s + t for s, t in window], batch_size):
+            out.append((max(window[i][0] for i in rows), max(window[i][1] for i in rows),
+                        sum(window[i][1] for i in rows)))
+    return out
