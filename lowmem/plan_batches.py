@@ -94,6 +94,8 @@ def replay_windows(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0
 
     def tokenize_pending() -> None:
         rows = [e for window in pending for e in window]
+        if not rows:  # a corpus with no usable row: the trainer says so after planning
+            return
         pairs = zip(collator.token_ids([e.prompt for e in rows], cfg.max_source_len), collator.targets(rows))
         for window in pending:
             windows.append([(len(s), len(t)) for s, t in itertools.islice(pairs, len(window))])
