@@ -15,15 +15,22 @@ from config import TrainConfig
 REPLAY_ROWS = 10_000  # runs reading at most this many rows have their stream replayed (seconds)
 
 
+def training_columns(cfg: TrainConfig, files: list[Path]) -> tuple[str, str]:
+    """The columns the trainer reads: token ids for a prepared corpus, else the text columns."""
+    from data.prepare import manifest_of
+    from data.readers import TOKEN_COLUMNS
+
+    return TOKEN_COLUMNS if manifest_of(files) else (cfg.prompt_column, cfg.response_column)
+
+
 def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None, rows: int = 2000) -> dict:
     """Token lengths of the first training rows (capped): the longest batch sets the activation peak."""
     from data.collate import Seq2SeqCollator
-    from data.prepare import manifest_of
     from data.readers import TOKEN_COLUMNS
     from data.sources import iter_rows, resolve_files
 
     files = files if files is not None else resolve_files(cfg.train_file, "--train_file")
-    columns = TOKEN_COLUMNS if manifest_of(files) else (cfg.prompt_column, cfg.response_column)
+    columns = training_columns(cfg, files)
     src, tgt, text_bytes = [], [], []
     for index, path in enumerate(files):
         for item in iter_rows(path, index, columns, 0, rows - len(src)):
@@ -75,8 +82,7 @@ def replay_windows(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0
     guessing: the costliest micro-batch is then known exactly. Only lengths are kept.
     """
     from data.collate import Seq2SeqCollator
-    from data.prepare import manifest_of
-    from data.readers import TOKEN_COLUMNS, index_file
+    from data.readers import index_file
     from data.stream import ExampleStream, batched
 
     indexes = indexes if indexes is not None else [index_file(f) for f in files]
@@ -86,9 +92,8 @@ def replay_windows(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0
     window_rows = cfg.batch_size * cfg.gradient_accumulation_steps
     if min(steps * window_rows, epochs * share) > REPLAY_ROWS:
         return None
-    columns = TOKEN_COLUMNS if manifest_of(files) else (cfg.prompt_column, cfg.response_column)
-    stream = ExampleStream(files, columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank, world_size=world,
-                           indexes=indexes)
+    stream = ExampleStream(files, training_columns(cfg, files), cfg.seed, cfg.shuffle_buffer_size, rank=rank,
+                           world_size=world, indexes=indexes)
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
     windows, pending = [], []  # pending: windows read but not tokenized yet (one tokenizer call per ~1k rows)
 
@@ -101,15 +106,17 @@ def replay_windows(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0
             windows.append([(len(s), len(t)) for s, t in itertools.islice(pairs, len(window))])
         pending.clear()
 
-    while len(windows) + len(pending) < steps and stream.epoch < epochs:
-        before = len(windows) + len(pending)
+    read = 0  # windows read so far
+    while read < steps and stream.epoch < epochs:
+        before = read
         for window in batched(stream.iter_epoch(), window_rows):
             pending.append(window)
-            if sum(map(len, pending)) >= 1024:
+            read += 1
+            if len(pending) * window_rows >= 1024:
                 tokenize_pending()
-            if len(windows) + len(pending) >= steps:
+            if read >= steps:
                 break
-        if len(windows) + len(pending) == before:  # an epoch without a usable row: the trainer stops there too
+        if read == before:  # an epoch without a usable row: the trainer stops there too
             break
     tokenize_pending()
     return windows

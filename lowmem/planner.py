@@ -103,14 +103,19 @@ def lora_merged_elements(cfg: TrainConfig, dims: dict) -> int:
     return sum(per_layer[name] for name in cfg.lora_targets) * dims["num_decoder_layers"]
 
 
+def stack_matrix_elements(stack: list[tuple[int, ...]]) -> int:
+    """Elements of a stack's weight matrices: not its norms nor its relative position table (its first
+    shape), which ``--frozen_dtype=bfloat16`` keeps float32."""
+    return sum(_numel(x) for x in stack[1:] if len(x) == 2)
+
+
 def frozen_matrix_elements(cfg: TrainConfig, shapes: dict) -> int:
     """Elements of the frozen weight matrices (what ``--frozen_dtype=bfloat16`` stores in bf16): in
-    SFT the shared embedding and the encoder's, with LoRA the decoder's too; never the norms or the
-    relative position tables (the first shape of each stack)."""
+    SFT the shared embedding and the encoder's, with LoRA the decoder's too."""
     if not cfg.is_finetune:
         return 0
-    parts = [p for p in ("shared", "encoder") + (("decoder",) if cfg.lora_r else ()) if p in shapes]
-    return sum(_numel(x) for p in parts for x in shapes[p][0 if p == "shared" else 1:] if len(x) == 2)
+    stacks = ["encoder"] + (["decoder"] if cfg.lora_r else [])
+    return _numel(shapes["shared"][0]) + sum(stack_matrix_elements(shapes[name]) for name in stacks)
 
 
 def optimizer_bytes(cfg: TrainConfig, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
@@ -261,7 +266,7 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     if device == "gpu":
         encoder_weights = 4 * sum(_numel(x) for x in shapes["encoder"]) if cfg.encoder_cache != "off" else 0
         if encoder_weights and half:
-            encoder_weights -= 2 * frozen_matrix_elements(cfg, {"encoder": shapes["encoder"]})
+            encoder_weights -= 2 * stack_matrix_elements(shapes["encoder"])
         gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": weights - encoder_weights, "gradients": grads,
                "optimizer": opt_state, "bf16_weight_copies": cast_cache, "activations": act["activations"],
                "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "ddp_gradient_copy": ddp_copy}
@@ -419,10 +424,9 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     if not (folder / "tokenizer.json").is_file():
         raise UserError(f"--tokenizer_dir={folder} holds no tokenizer.json; train one first (train_tokenizer)")
     tokenizer = load_tokenizer(folder)
-    lengths = sample_lengths(cfg, tokenizer)
-    # the first process's share of the stream (the one that prints)
-    lengths["windows"] = replay_windows(cfg, tokenizer, resolve_files(cfg.train_file, "--train_file"), 0,
-                                        num_processes)
+    files = resolve_files(cfg.train_file, "--train_file")
+    lengths = sample_lengths(cfg, tokenizer, files)
+    lengths["windows"] = replay_windows(cfg, tokenizer, files, 0, num_processes)  # the first process's share
     baseline = framework_mb(cfg)  # after reading, as in the trainer: the data readers' imports count
     result = predict(cfg, len(tokenizer), lengths, baseline, device, num_processes)
     result.update(num_processes=num_processes, processes_per_machine=per_machine,
