@@ -158,7 +158,7 @@ class TrainConfig:
     logging_steps: int = _f(10, "Log a line and a metrics.jsonl record every N optimizer steps.")
     save_steps: int = _f(100, "Write a resumable checkpoint every N optimizer steps (0 = only at the end).")
     save_total_limit: int = _f(2, "Checkpoints kept in output_dir/checkpoints (best/ and final/ are extra).")
-    gc_every_steps: int = _f(100, "Run gc.collect() (+ CUDA cache clearing) every N optimizer steps.")
+    gc_every_steps: int = _f(100, "Run gc.collect() and malloc_trim (+ CUDA cache clearing) every N optimizer steps.")
     report_to: str = _f("none", "Also send the train/eval scalars of metrics.jsonl to a tracker (accelerate): none "
                                 "or tensorboard (pip install '.[tensorboard]'; event files in "
                                 "OUTPUT_DIR/tensorboard; view with tensorboard --logdir OUTPUT_DIR/tensorboard).")

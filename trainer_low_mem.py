@@ -232,6 +232,7 @@ class LowMemTrainer:
         if not resuming:
             lengths["windows"] = planner.replay_windows(self.cfg, self.tokenizer, self.train_files, self.rank,
                                                         self.world, indexes)
+        lengths["eval"] = planner.eval_batch_lengths(self.cfg, self.tokenizer, self.eval_files, self.rank, self.world)
         plan = planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(self.cfg), device,
                               self.world)
         self.record("memory_plan", **plan)
@@ -738,7 +739,7 @@ class LowMemTrainer:
         self._set_train_mode()
         if offloaded:
             self._move_encoder("cpu")
-            free_memory()
+        free_memory()  # after evaluation: training does not build on the heap generation left
         result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5),
                   "bleu": round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4),
                   "eval_examples": len(pairs)}

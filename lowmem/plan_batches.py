@@ -133,3 +133,25 @@ def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int) -
             out.append((max(window[i][0] for i in rows), max(window[i][1] for i in rows),
                         sum(window[i][1] for i in rows)))
     return out
+
+
+def eval_batch_lengths(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0,
+                       world: int = 1) -> list[tuple[int, int, int, int]]:
+    """(rows, longest source, longest target, target tokens) of each evaluation batch this process runs: the first
+    ``--max_eval_samples`` rows of ``--eval_file``, every world-th one, in batches of ``--eval_batch_size``
+    (as ``LowMemTrainer.evaluate`` takes them)."""
+    from data.collate import Seq2SeqCollator
+    from data.stream import take_examples
+
+    examples = take_examples(files, (cfg.prompt_column, cfg.response_column), cfg.max_eval_samples)[rank::world]
+    if not examples:
+        return []
+    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    sources = [len(x) for x in collator.token_ids([e.prompt for e in examples], cfg.max_source_len)]
+    targets = [len(x) for x in collator.targets(examples)]
+    out = []
+    for start in range(0, len(examples), cfg.eval_batch_size):
+        end = start + cfg.eval_batch_size
+        out.append((len(sources[start:end]), max(sources[start:end]), max(targets[start:end]),
+                    sum(targets[start:end])))
+    return out

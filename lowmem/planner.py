@@ -24,6 +24,7 @@ from pathlib import Path
 from config import MODEL_PRESETS, TrainConfig
 from lowmem.plan_batches import (  # noqa: F401  (part of the planner's API)
     estimated_rows,
+    eval_batch_lengths,
     micro_batch_lengths,
     replay_windows,
     sample_lengths,
@@ -39,6 +40,7 @@ CUDA_CONTEXT_MB = 500  # CUDA context and kernels on the GPU (outside torch's al
 CUDA_HOST_MB = 1500  # host RSS of the CUDA runtime libraries once initialised
 GPU_ALLOCATOR_SLACK = 0.10  # torch's caching allocator: reserved above allocated
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
+EVAL_FIRST_MB = 35  # resident after the first evaluation, heap trimmed: generation's kernels and objects (27-48)
 
 # Relative step-time factors (1.0 = fp32, no checkpointing, AdamW-class optimizer) used to rank modes.
 SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03}
@@ -177,6 +179,36 @@ def batch_cost(cfg: TrainConfig, dims: dict, device: str):
     return cost
 
 
+def kv_cache_bytes(dims: dict, sequences: int, positions: int, width: int) -> int:
+    """A decoder's key/value cache: a key and a value per layer, head and position of each sequence."""
+    return sequences * 2 * dims["num_heads"] * dims["d_kv"] * dims["num_decoder_layers"] * width * positions
+
+
+def evaluation_bytes(cfg: TrainConfig, dims: dict, batches: list[tuple[int, int, int, int]]) -> float:
+    """Bytes the costliest evaluation batch allocates (no_grad): the eval loss's forward, then
+    ``generate``, each batch of (rows, longest source, longest target, target tokens).
+
+    Generation is planned to run to ``--max_target_len`` (an untrained model never stops early). Its
+    cache holds a key and a value per decoder layer and position for every beam (self-attention over
+    the generated tokens, cross-attention over the source); the self-attention ones grow by
+    concatenation a token at a time, so the heap holds about two of them, and beam search copies
+    every layer's cache (cross-attention's too) when it reorders the beams at each step.
+    Measured on the CPU (small, 512 tokens): 101 MiB predicted 119 (greedy), 511 predicted 572 (4 beams).
+    """
+    d, h, vocab, beams = dims["d_model"], dims["num_heads"], dims["vocab_size"], cfg.num_beams
+    width = 2 if cfg.mixed_precision == "bf16" else 4
+    worst = 0.0
+    for rows, source, target, tokens in batches:
+        n = rows * beams
+        positions = 2 * cfg.max_target_len + (2 if beams > 1 else 1) * source
+        generate = kv_cache_bytes(dims, n, positions, width) + n * source * d * 4 + 3 * n * vocab * 4
+        # logits at the target tokens and their log-softmax, and one layer's attention scores and softmax
+        loss = (tokens * vocab * (8 if cfg.mixed_precision == "no" else 10)
+                + 2 * rows * h * max(target * (target + source), source * source) * 4)
+        worst = max(worst, generate, loss)
+    return worst
+
+
 def runner_up_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str) -> tuple[int, ...] | None:
     """The second costliest micro-batch of a replayed run (None when not replayed, or only one).
 
@@ -263,6 +295,7 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     # allocator kept; they only reuse the share of the last step's memory that went back to the OS.
     # (From a GPU they are made on the host, within the host copy of the weights counted below.)
     export_copies = 4 * lora_merged_elements(cfg, dims) + 2 * half
+    evaluation = evaluation_bytes(cfg, dims, lengths.get("eval", []))
     if device == "gpu":
         encoder_weights = 4 * sum(_numel(x) for x in shapes["encoder"]) if cfg.encoder_cache != "off" else 0
         if encoder_weights and half:
@@ -272,6 +305,9 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
                "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "ddp_gradient_copy": ddp_copy}
         live = sum(v for k, v in gpu.items() if k != "cuda_context")
         gpu["allocator_slack"] = GPU_ALLOCATOR_SLACK * live
+        # Evaluation (cache emptied before it): the whole model on the GPU again, the optimizer state.
+        at_eval = CUDA_CONTEXT_MB * MB + weights + opt_state + (1 + GPU_ALLOCATOR_SLACK) * evaluation
+        gpu["evaluation"] = max(0, at_eval - sum(gpu.values()))
         host = {"framework": framework_mb * MB + CUDA_HOST_MB * MB, "weights_on_host": max(4 * n_params, serialize),
                 "encoder_offloaded": encoder_weights, "caches": cache, "data_buffers": buffers}
         host["frozen_cast"] = max(0, frozen_cast_bytes(n_params, half) - host["weights_on_host"])
@@ -285,6 +321,13 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
         host["checkpoint_copy"] = (max(0, serialize - freed_at_save - slack)
                                    + max(0, export_copies - (1 - ALLOCATOR_SLACK) * freed_at_save))
         host["frozen_cast"] = max(0, frozen_cast_bytes(n_params, half) - sum(host.values()) + host["framework"])
+        # Evaluation runs between optimizer steps (gradients freed, heap trimmed): what stays is the
+        # framework, the weights, the optimizer state, caches and buffers. An evaluation before the
+        # training peak (step 0, then every --eval_steps) leaves EVAL_FIRST_MB resident under it.
+        resident = EVAL_FIRST_MB * MB if cfg.eval_steps > 0 else 0
+        kept = sum(host[k] for k in ("framework", "weights", "optimizer", "caches", "data_buffers"))
+        at_eval = kept + (FIRST_STEP_MB + EVAL_FIRST_MB) * MB + evaluation
+        host["evaluation"] = resident + max(0, at_eval - sum(host.values()) - resident)
     host_mb = {k: round(v / MB, 1) for k, v in host.items()}
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
     return {"device": device, "parameters": n_params, "trainable_parameters": n_train,
@@ -427,6 +470,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     files = resolve_files(cfg.train_file, "--train_file")
     lengths = sample_lengths(cfg, tokenizer, files)
     lengths["windows"] = replay_windows(cfg, tokenizer, files, 0, num_processes)  # the first process's share
+    lengths["eval"] = eval_batch_lengths(cfg, tokenizer, resolve_files(cfg.eval_file, "--eval_file"), 0, num_processes)
     baseline = framework_mb(cfg)  # after reading, as in the trainer: the data readers' imports count
     result = predict(cfg, len(tokenizer), lengths, baseline, device, num_processes)
     result.update(num_processes=num_processes, processes_per_machine=per_machine,

@@ -384,6 +384,56 @@ def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer):
         assert plan["peak_batch_target_tokens"] == costliest[2] < 2 * costliest[1]  # logits at real targets only
 
 
+def test_the_plan_counts_evaluation_and_its_generation_cache(tokenizer):
+    from lowmem import planner
+    from lowmem.modeling import build_model
+
+    # the cache the planner counts is the one generate() builds (2 rows, a 30-token source, 20 new tokens)
+    for beams in (1, 3):
+        cfg, _ = load_config({"num_beams": beams, "max_target_len": 20})
+        model = build_model(cfg, tokenizer).eval()
+        ids = torch.randint(5, 100, (2, 30))
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                                 min_new_tokens=20, num_beams=beams, return_dict_in_generate=True)
+        cache = out.past_key_values
+        held = sum(t.numel() * t.element_size() for part in (cache.self_attention_cache, cache.cross_attention_cache)
+                   for layer in part.layers for t in (layer.keys, layer.values))
+        assert held == planner.kv_cache_bytes(planner.model_dims(cfg, len(tokenizer)), 2 * beams, 20 + 30, 4)
+
+    # training on short rows, evaluating on long ones: evaluation is the peak, and beams multiply it
+    train = {"max_source": 64, "max_target": 64, "mean_source": 64, "row_bytes": 300, "rows": 1000,
+             "pairs": [(64, 64)] * 1000}
+
+    def evaluation(eval_batches, **flags):
+        cfg, _ = load_config({"model_preset": "small", "max_source_len": 512, "max_target_len": 512, **flags})
+        return planner.predict(cfg, 8000, {**train, "eval": eval_batches}, 300.0)["host_mb"]["evaluation"]
+
+    long_batches = [(8, 512, 512, 4000)] * 3
+    greedy, beams4 = evaluation(long_batches, eval_steps=0), evaluation(long_batches, eval_steps=0, num_beams=4)
+    assert beams4 > greedy + 600  # 4 x the cache, copied at each reordering
+    assert evaluation(long_batches, eval_steps=0, num_beams=4, mixed_precision="bf16") < beams4
+    # a short eval set costs nothing beyond what training peaks at; evaluating during training leaves a little
+    assert evaluation([(4, 20, 20, 60)], eval_steps=0) == 0
+    assert evaluation([(4, 20, 20, 60)], eval_steps=100) == planner.EVAL_FIRST_MB
+
+
+def test_trim_heap_returns_freed_memory():
+    import gc
+
+    from lowmem import memory
+
+    if memory._LIBC is None:
+        pytest.skip("malloc_trim is glibc's")
+    blocks = [b"\1" * 65536 for _ in range(3000)]  # 188 MiB in heap-sized blocks (below mmap's threshold)
+    pin = b"\2" * 65536  # allocated last: the heap's top stays in use, so free() alone returns nothing
+    del blocks
+    gc.collect()
+    before = memory.process_rss_bytes()
+    memory.trim_heap()
+    assert before - memory.process_rss_bytes() > 100 * 2**20 and pin
+
+
 def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
     from lowmem import planner
 
