@@ -60,23 +60,25 @@ class Adafactor(torch.optim.Optimizer):
         state["step"] += 1
         lr = group["lr"]
         beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
-        update = (grad**2) + group["eps"][0]
+        # one full-size temporary per parameter, reused in place (each new one would be a fresh block
+        # of a size the heap may not have free: the base model's first step grew RSS by ~600 MiB)
+        update = torch.square(grad).add_(group["eps"][0])
         if factored:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
             col.mul_(beta2t).add_(update.mean(dim=-2), alpha=(1.0 - beta2t))
             r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
-            update = torch.mul(r_factor, col.unsqueeze(-2).rsqrt()).mul_(grad)
+            torch.mul(r_factor, col.unsqueeze(-2).rsqrt(), out=update).mul_(grad)
         else:
             state["exp_avg_sq"].mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
-            update = state["exp_avg_sq"].rsqrt().mul_(grad)
+            torch.rsqrt(state["exp_avg_sq"], out=update).mul_(grad)
         update.div_((self._rms(update) / group["clip_threshold"]).clamp_(min=1.0))
         update.mul_(lr)
         if first_moment:
             update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=(1 - group["beta1"]))
         if group["weight_decay"] != 0:
             weights.add_(weights, alpha=(-group["weight_decay"] * lr))
-        weights.add_(-update)
+        weights.sub_(update)
         if p.dtype in (torch.float16, torch.bfloat16):
             p.copy_(weights)
 
