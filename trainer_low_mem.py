@@ -135,6 +135,10 @@ class LowMemTrainer:
         if self.prepared:
             check_manifest(self.prepared, tokenizer_sha1(self.tokenizer), cfg.max_source_len, cfg.max_target_len)
         indexes = self._index_files(self.train_files)
+        self.eval_problems = DataProblems(report=self.say)
+        self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples, self.eval_problems)
+        if not self.eval_examples:
+            raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
         self.memory_plan = self._predict_memory(indexes, resuming=resume_dir is not None)  # before the model exists
         if self.model is None:
             self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
@@ -170,10 +174,6 @@ class LowMemTrainer:
         self.stream = ExampleStream(self.train_files, train_columns, cfg.seed, cfg.shuffle_buffer_size,
                                     rank=self.rank, world_size=self.world, indexes=indexes,
                                     problems=DataProblems(report=self.warn))
-        self.eval_problems = DataProblems(report=self.say)
-        self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples, self.eval_problems)
-        if not self.eval_examples:
-            raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
         if resume_dir is not None:
             self.load_checkpoint(resume_dir)
         if cfg.report_to != "none":
@@ -232,7 +232,8 @@ class LowMemTrainer:
         if not resuming:
             lengths["windows"] = planner.replay_windows(self.cfg, self.tokenizer, self.train_files, self.rank,
                                                         self.world, indexes)
-        lengths["eval"] = planner.eval_batch_lengths(self.cfg, self.tokenizer, self.eval_files, self.rank, self.world)
+        lengths["eval"] = planner.eval_batch_lengths(self.cfg, self.tokenizer, self.eval_examples, self.rank,
+                                                     self.world)
         plan = planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(self.cfg), device,
                               self.world)
         self.record("memory_plan", **plan)
@@ -739,7 +740,7 @@ class LowMemTrainer:
         self._set_train_mode()
         if offloaded:
             self._move_encoder("cpu")
-        free_memory()  # after evaluation: training does not build on the heap generation left
+        free_memory()  # after evaluation: the heap generation's growing cache left goes back to the OS
         result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5),
                   "bleu": round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4),
                   "eval_examples": len(pairs)}

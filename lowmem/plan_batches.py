@@ -135,23 +135,20 @@ def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int) -
     return out
 
 
-def eval_batch_lengths(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0,
+def eval_batch_lengths(cfg: TrainConfig, tokenizer, examples: list, rank: int = 0,
                        world: int = 1) -> list[tuple[int, int, int, int]]:
-    """(rows, longest source, longest target, target tokens) of each evaluation batch this process runs: the first
-    ``--max_eval_samples`` rows of ``--eval_file``, every world-th one, in batches of ``--eval_batch_size``
-    (as ``LowMemTrainer.evaluate`` takes them)."""
+    """(rows, longest source, longest target, target tokens) of each evaluation batch this process runs:
+    every world-th of the eval ``examples`` (``take_examples``' first ``--max_eval_samples`` rows), in
+    batches of ``--eval_batch_size``, as ``LowMemTrainer.evaluate`` takes them."""
     from data.collate import Seq2SeqCollator
-    from data.stream import take_examples
+    from data.stream import batched
 
-    examples = take_examples(files, (cfg.prompt_column, cfg.response_column), cfg.max_eval_samples)[rank::world]
-    if not examples:
+    mine = examples[rank::world]
+    if not mine:
         return []
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
-    sources = [len(x) for x in collator.token_ids([e.prompt for e in examples], cfg.max_source_len)]
-    targets = [len(x) for x in collator.targets(examples)]
+    pairs = zip(collator.token_ids([e.prompt for e in mine], cfg.max_source_len), collator.targets(mine))
     out = []
-    for start in range(0, len(examples), cfg.eval_batch_size):
-        end = start + cfg.eval_batch_size
-        out.append((len(sources[start:end]), max(sources[start:end]), max(targets[start:end]),
-                    sum(targets[start:end])))
+    for batch in batched([(len(s), len(t)) for s, t in pairs], cfg.eval_batch_size):
+        out.append((len(batch), max(s for s, _ in batch), max(t for _, t in batch), sum(t for _, t in batch)))
     return out

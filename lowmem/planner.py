@@ -449,6 +449,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
 
     from config import UserError
     from data.sources import resolve_files
+    from data.stream import take_examples
     from data.tokenization import load_tokenizer
 
     device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
@@ -470,7 +471,9 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     files = resolve_files(cfg.train_file, "--train_file")
     lengths = sample_lengths(cfg, tokenizer, files)
     lengths["windows"] = replay_windows(cfg, tokenizer, files, 0, num_processes)  # the first process's share
-    lengths["eval"] = eval_batch_lengths(cfg, tokenizer, resolve_files(cfg.eval_file, "--eval_file"), 0, num_processes)
+    eval_examples = take_examples(resolve_files(cfg.eval_file, "--eval_file"), (cfg.prompt_column, cfg.response_column),
+                                  cfg.max_eval_samples)
+    lengths["eval"] = eval_batch_lengths(cfg, tokenizer, eval_examples, 0, num_processes)
     baseline = framework_mb(cfg)  # after reading, as in the trainer: the data readers' imports count
     result = predict(cfg, len(tokenizer), lengths, baseline, device, num_processes)
     result.update(num_processes=num_processes, processes_per_machine=per_machine,
