@@ -101,6 +101,7 @@ class LowMemTrainer:
         self.consumed = None
         self.stop_signal = None
         self.resumed_interval = None
+        self.timed = {"seconds": 0.0, "steps": 0}  # training time in this process, evaluations and saves left out
         self.bar = None
         self.encoder_cache = None
         self.frozen_bf16 = 0  # frozen weight elements stored in bf16 (--frozen_dtype)
@@ -408,9 +409,9 @@ class LowMemTrainer:
         self._set_train_mode()
         self.bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
                         disable=not (self.main and self._tty()), dynamic_ncols=True)
-        self._reset_interval(self.resumed_interval)
         if state.step == 0 and self.cfg.eval_steps:
             self.evaluate_and_keep_best()  # the baseline every later eval is compared with
+        self._reset_interval(self.resumed_interval)  # after the baseline: tok/s and step_s time training only
         freeze_long_lived()  # later collections skip the imports, model and tokenizer
         while not self._finished():
             free_memory()  # at each epoch start
@@ -429,8 +430,9 @@ class LowMemTrainer:
                 if stepped:
                     self.maybe_log()
                     self.maybe_gc()
-                    self.maybe_eval()
-                    self.maybe_save()
+                    with self.untimed():
+                        self.maybe_eval()
+                        self.maybe_save()
                 if counts["stop"]:
                     self.stop_for_signal()
                 if counts["memory"]:
@@ -513,6 +515,7 @@ class LowMemTrainer:
         self.interval["tokens"] += counts["local_tokens"]
         self.interval["all_tokens"] += counts["local_all_tokens"]
         self.interval["steps"] += 1
+        self.interval["timed_steps"] += 1
         self.bar.update()
         return True
 
@@ -621,9 +624,12 @@ class LowMemTrainer:
             sums = self.accelerator.reduce(sums, "sum")
         loss_sum, tokens, all_tokens = sums.tolist()
         seconds = max(time.time() - iv["t0"], 1e-9)
+        self.timed["seconds"] += seconds
+        self.timed["steps"] += iv["timed_steps"]
         lr = self.scheduler.get_last_lr()[0]
         mem = memory_snapshot()
         fields = dict(loss=round(loss_sum / max(tokens, 1), 5), lr=lr, tokens_per_s=round(all_tokens / seconds, 1),
+                      step_s=round(seconds / max(iv["timed_steps"], 1), 4),
                       elapsed_s=round(self.elapsed(), 2), epoch=state.epoch, examples=state.examples,
                       tokens=state.tokens, **mem)
         if self.world > 1:  # every process's own RSS: N processes should cost about N x one
@@ -641,9 +647,21 @@ class LowMemTrainer:
         self._reset_interval()
 
     def _reset_interval(self, saved: dict | None = None) -> None:
-        saved = saved or {"loss": 0.0, "tokens": 0, "all_tokens": 0, "steps": 0}
+        """Start a logging interval. ``saved`` (on resume) carries the loss and token sums of the steps
+        since the last log line, so the next logged loss averages the same steps as an uninterrupted run;
+        the rates (tok/s, step_s) count only steps timed in this process."""
+        saved = saved or {"loss": 0.0, "tokens": 0, "steps": 0}
         self.interval = {**saved, "loss": torch.tensor(saved["loss"], device=self.accelerator.device),
-                         "t0": time.time()}
+                         "all_tokens": 0, "timed_steps": 0, "t0": time.time()}
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Leave what runs inside (evaluation, saving) out of the interval's tok/s and step_s."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.interval["t0"] += time.time() - start
 
     def maybe_gc(self) -> None:
         if self.state.step % self.cfg.gc_every_steps == 0:
@@ -667,7 +685,8 @@ class LowMemTrainer:
         self.report_memory_peak()
         errors = self.report_data_errors()
         self.accelerator.wait_for_everyone()  # no process leaves while another is still in a collective
-        return {"output_dir": str(self.out), "steps": self.state.step, "eval_loss": metrics["eval_loss"],
+        return {"output_dir": str(self.out), "steps": self.state.step, "step_s": self.mean_step_seconds(),
+                "eval_loss": metrics["eval_loss"],
                 "bleu": metrics["bleu"], "best_metric": self.state.best_metric, "best_step": self.state.best_step,
                 "bad_rows": errors["bad_rows"]}
 
@@ -714,6 +733,7 @@ class LowMemTrainer:
         """
         from accelerate.utils import gather_object
 
+        start = time.time()
         free_memory()  # before evaluation
         self.log_memory("eval_start")
         offloaded = self.core.encoder.final_layer_norm.weight.device != self.accelerator.device
@@ -743,7 +763,7 @@ class LowMemTrainer:
         free_memory()  # after evaluation: the heap generation's growing cache left goes back to the OS
         result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5),
                   "bleu": round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4),
-                  "eval_examples": len(pairs)}
+                  "eval_examples": len(pairs), "eval_s": round(time.time() - start, 2)}
         self.log_memory("eval_end")
         return result
 
@@ -797,7 +817,8 @@ class LowMemTrainer:
             offsets["consumed"] = self.consumed.tell(sync=True)
         if self.metrics is not None:
             offsets["metrics"] = self.metrics.tell()
-        interval = {k: float(v) if k == "loss" else v for k, v in self.interval.items() if k != "t0"}
+        interval = {k: float(v) if k == "loss" else v for k, v in self.interval.items()
+                    if k in ("loss", "tokens", "steps")}
         return {"rank": self.rank, "world_size": self.world, "rng": checkpoint.rng_state(),
                 "data": self.stream.state_dict(), "log_offsets": offsets, "interval": interval}
 
@@ -824,6 +845,11 @@ class LowMemTrainer:
                 "tokenizer_sha1": tokenizer_sha1(self.tokenizer)}
 
     # ------------------------------------------------------------------ logging
+    def mean_step_seconds(self) -> float | None:
+        """Seconds per optimizer step of this invocation's training: data, forward, backward and
+        optimizer; evaluation, saving, setup and the encoder cache's build left out."""
+        return round(self.timed["seconds"] / self.timed["steps"], 4) if self.timed["steps"] else None
+
     def elapsed(self) -> float:
         return self.state.elapsed_s + time.time() - self.start_time if hasattr(self, "start_time") else 0.0
 

@@ -36,8 +36,15 @@ def test_pretrain_sft_resume_and_export(tmp_path):
     records = metrics(pre)
     train = [r for r in records if r["event"] == "train"]
     evals = [r for r in records if r["event"] == "eval"]
-    assert {"loss", "lr", "tokens_per_s", "rss_mb", "elapsed_s"} <= set(train[0])
+    assert {"loss", "lr", "tokens_per_s", "step_s", "rss_mb", "elapsed_s"} <= set(train[0])
     assert [r["step"] for r in evals] == [0, 20, 40]
+    # step_s times training only: between two log lines, the steps' time plus the evaluations run
+    # in between fit in the wall time that passed (evaluation counted in step_s would overflow it).
+    for before, after in zip(train, train[1:]):
+        steps = after["step"] - before["step"]
+        eval_s = sum(r["eval_s"] for r in evals if before["step"] <= r["step"] < after["step"])
+        assert 0 < after["step_s"] * steps + eval_s <= after["time"] - before["time"] + 0.01 * steps
+    assert "step_s:" in proc.stdout
     assert evals[-1]["eval_loss"] < 0.7 * evals[0]["eval_loss"]
     assert {"start", "model_built", "prepared", "eval_start", "eval_end", "end"} <= {
         r["where"] for r in records if r["event"] == "memory"}
