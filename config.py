@@ -121,8 +121,9 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "Clip the gradient norm to this (0 = no clipping).")
     max_nonfinite_steps: int = _f(5, "Optimizer steps with a non-finite loss or gradient are skipped and counted; "
                                      "abort after this many in a row.")
-    max_rss_gb: float = _f(0.0, "Memory guard (0 = off): when a process's RSS nears this many GB, write a "
-                                "checkpoint and stop with exit code 3 instead of meeting the OOM killer.")
+    max_rss_gb: float = _f(0.0, "Memory guard (0 = off): when a process's RSS nears this many GiB (2^30 bytes, "
+                                "like plan's --budget_gb), write a checkpoint and stop with exit code 3 instead "
+                                "of meeting the OOM killer.")
     mixed_precision: str = _f("no", "no or bf16 (bf16 halves activation memory where supported). fp16 is refused.")
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
 
@@ -429,7 +430,7 @@ def help_text() -> str:
              "commands: train, plan, evaluate, generate, train_tokenizer, prepare, plot", "",
              "prepare takes --train_file and --prepared_dir (default runs/prepared): token-id parquet shards that "
              "train reads with --train_file=PREPARED_DIR", "",
-             "plan also takes --json (one JSON object), --budget_gb=X and --device=cpu|gpu (recommend modes)", "",
+             "plan also takes --json (one JSON object), --budget_gb=X (GiB) and --device=cpu|gpu (recommend modes)", "",
              "plot takes --output_dir=RUN and --plot_dir (default RUN/plots): PNG charts of RUN/metrics.jsonl", "",
              "options:"]
     for f in dataclasses.fields(TrainConfig):

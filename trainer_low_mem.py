@@ -538,15 +538,15 @@ class LowMemTrainer:
         """Whether this process's RSS has reached MEMORY_GUARD_AT of --max_rss_gb (off at 0)."""
         if not self.cfg.max_rss_gb:
             return False
-        return process_rss_bytes() >= MEMORY_GUARD_AT * self.cfg.max_rss_gb * 1e9
+        return process_rss_bytes() >= MEMORY_GUARD_AT * self.cfg.max_rss_gb * 2**30
 
     def stop_for_memory(self) -> None:
         folder = self.save_checkpoint()
         self.bar.close()
-        rss = process_rss_bytes() / 1e9
+        rss = process_rss_bytes() / 2**30
         self.record("memory_guard", rss_gb=rss, max_rss_gb=self.cfg.max_rss_gb)
         raise StoppedForMemory(
-            f"memory guard: RSS {rss:.2f} GB reached {MEMORY_GUARD_AT:.0%} of --max_rss_gb={self.cfg.max_rss_gb} "
+            f"memory guard: RSS {rss:.2f} GiB reached {MEMORY_GUARD_AT:.0%} of --max_rss_gb={self.cfg.max_rss_gb} "
             f"at step {self.state.step}; checkpoint {folder}. Lower memory with --shuffle_buffer_size, "
             "--batch_size (raise --gradient_accumulation_steps to keep the batch), --max_source_len / "
             "--max_target_len, --eval_batch_size or a smaller --model_preset, then continue with "
