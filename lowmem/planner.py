@@ -40,6 +40,7 @@ CUDA_CONTEXT_MB = 500  # CUDA context and kernels on the GPU (outside torch's al
 CUDA_HOST_MB = 1500  # host RSS of the CUDA runtime libraries once initialised
 GPU_ALLOCATOR_SLACK = 0.10  # torch's caching allocator: reserved above allocated
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
+RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: peaks measured up to ~5 % over plan
 EVAL_FIRST_MB = 35  # resident after the first evaluation, heap trimmed: generation's kernels and objects (27-48)
 
 # Relative step-time factors (1.0 = fp32, no checkpointing, AdamW-class optimizer) used to rank modes.
@@ -358,9 +359,12 @@ def relative_time(cfg: TrainConfig, device: str) -> float:
 
 
 def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, lengths: dict,
-              framework_mb: float, world: int = 1, per_machine: int = 1) -> dict | None:
-    """The fastest combination of modes whose predicted peak fits ``budget_gb`` (None: nothing fits):
-    one GPU's memory, or on the CPU the host RAM of ``per_machine`` processes together.
+              framework_mb: float, world: int = 1, per_machine: int = 1,
+              import_mb: dict[str, float] | None = None) -> dict | None:
+    """The fastest combination of modes whose predicted peak fits ``budget_gb`` GiB less
+    RECOMMEND_HEADROOM (None: nothing fits): one GPU's memory, or on the CPU the host RAM of
+    ``per_machine`` processes together. ``import_mb`` adds to ``framework_mb`` what importing an
+    optimizer's package costs (bitsandbytes for adamw8bit) when the baseline was taken without it.
 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
     micro-batch 2 or 1 (accumulation doubled to keep the batch) and, for SFT, the encoder cache and
@@ -382,9 +386,10 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         trial = replace(cfg, gradient_checkpointing=ckpt, mixed_precision=prec, optimizer=opt, batch_size=batch,
                         gradient_accumulation_steps=accumulation, encoder_cache=cache, frozen_dtype=frozen_dtype,
                         cpu=device == "cpu")
-        plan = predict(trial, vocab_size, lengths, framework_mb, device, world)
+        baseline = framework_mb + (import_mb or {}).get(opt, 0.0)
+        plan = predict(trial, vocab_size, lengths, baseline, device, world)
         peak = plan["gpu_peak_mb"] if device == "gpu" else per_machine * plan["host_peak_mb"]
-        if peak > budget_gb * 1024:
+        if peak > budget_gb * 1024 * (1 - RECOMMEND_HEADROOM):
             continue
         speed = relative_time(trial, device)
         if best is None or speed < best[0]:
@@ -447,7 +452,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     """
     import torch
 
-    from config import UserError
+    from config import UserError, installed
     from data.sources import resolve_files
     from data.stream import take_examples
     from data.tokenization import load_tokenizer
@@ -456,7 +461,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     if device not in ("cpu", "gpu"):
         raise UserError(f"--device must be cpu or gpu (got {device!r})")
     if budget_gb is not None and (not isinstance(budget_gb, (int, float)) or budget_gb <= 0):
-        raise UserError(f"--budget_gb must be a positive number of GB (got {budget_gb!r})")
+        raise UserError(f"--budget_gb must be a positive number of GiB (got {budget_gb!r})")
     for name, value in (("num_processes", num_processes), ("num_machines", num_machines)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UserError(f"--{name} must be a positive whole number (got {value!r})")
@@ -475,13 +480,16 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
                                   cfg.max_eval_samples)
     lengths["eval"] = eval_batch_lengths(cfg, tokenizer, eval_examples, 0, num_processes)
     baseline = framework_mb(cfg)  # after reading, as in the trainer: the data readers' imports count
+    import_mb = {}  # the search also tries adamw8bit: what importing bitsandbytes adds to this baseline
+    if budget_gb is not None and cfg.optimizer != "adamw8bit" and installed("bitsandbytes"):
+        import_mb["adamw8bit"] = max(0.0, framework_mb(replace(cfg, optimizer="adamw8bit")) - baseline)
     result = predict(cfg, len(tokenizer), lengths, baseline, device, num_processes)
     result.update(num_processes=num_processes, processes_per_machine=per_machine,
                   host_total_mb=round(per_machine * result["host_peak_mb"], 1))
     if budget_gb is not None:
         result["budget_gb"] = budget_gb
         result["recommendation"] = recommend(cfg, budget_gb, device, len(tokenizer), lengths, baseline,
-                                             num_processes, per_machine)
+                                             num_processes, per_machine, import_mb)
     if as_json:
         print(json.dumps(result))
         return result
@@ -496,10 +504,12 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     if budget_gb is not None:
         rec = result["recommendation"]
         if rec is None:
-            print(f"nothing fits {budget_gb} GB on the {device}: lower --max_source_len / --max_target_len, "
+            print(f"nothing fits {budget_gb} GiB on the {device} with {RECOMMEND_HEADROOM:.0%} headroom: lower "
+                  "--max_source_len / --max_target_len, "
                   "use a smaller --model_preset, or --lora_r for SFT")
         else:
             flags = " ".join(f"--{k}={v}" for k, v in rec["flags"].items())
-            print(f"fits {budget_gb} GB ({device}): {flags}  (predicted peak {rec['predicted_peak_mb']:,.0f} MiB, "
+            print(f"fits {budget_gb} GiB ({device}, {RECOMMEND_HEADROOM:.0%} headroom): {flags}  (predicted peak "
+                  f"{rec['predicted_peak_mb']:,.0f} MiB, "
                   f"relative step time {rec['relative_step_time']})")
     return result
