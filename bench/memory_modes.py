@@ -126,7 +126,8 @@ def measure(out: Path) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     peak = next(r for r in records if r["event"] == "memory_peak")
     train = [r for r in records if r["event"] == "train"]
-    step_s = (train[-1]["elapsed_s"] - train[0]["elapsed_s"]) / max(len(train) - 1, 1)
+    later = train[1:] or train  # logged every step: each record's step_s is one step's time
+    step_s = sum(r["step_s"] for r in later) / len(later)
     return {"predicted": peak["predicted_host_peak_mb"], "measured": peak["measured_host_peak_mb"],
             "ratio": peak["host_ratio"], "step_s": step_s}
 
