@@ -363,8 +363,8 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
               import_mb: dict[str, float] | None = None) -> dict | None:
     """The fastest combination of modes whose predicted peak fits ``budget_gb`` GiB less
     RECOMMEND_HEADROOM (None: nothing fits): one GPU's memory, or on the CPU the host RAM of
-    ``per_machine`` processes together. ``import_mb`` adds to ``framework_mb`` what importing an
-    optimizer's package costs (bitsandbytes for adamw8bit) when the baseline was taken without it.
+    ``per_machine`` processes together. ``import_mb`` adds to ``framework_mb`` (taken without
+    bitsandbytes) what importing an optimizer's package costs (bitsandbytes for adamw8bit).
 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
     micro-batch 2 or 1 (accumulation doubled to keep the batch) and, for SFT, the encoder cache and
@@ -479,16 +479,18 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     eval_examples = take_examples(resolve_files(cfg.eval_file, "--eval_file"), (cfg.prompt_column, cfg.response_column),
                                   cfg.max_eval_samples)
     lengths["eval"] = eval_batch_lengths(cfg, tokenizer, eval_examples, 0, num_processes)
-    baseline = framework_mb(cfg)  # after reading, as in the trainer: the data readers' imports count
-    import_mb = {}  # the search also tries adamw8bit: what importing bitsandbytes adds to this baseline
-    if budget_gb is not None and cfg.optimizer != "adamw8bit" and installed("bitsandbytes"):
-        import_mb["adamw8bit"] = max(0.0, framework_mb(replace(cfg, optimizer="adamw8bit")) - baseline)
-    result = predict(cfg, len(tokenizer), lengths, baseline, device, num_processes)
+    # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
+    # then what importing it adds, so every optimizer the search tries gets its own baseline.
+    core = framework_mb(replace(cfg, optimizer="adafactor"))
+    import_mb = {}
+    if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
+        import_mb["adamw8bit"] = max(0.0, framework_mb(replace(cfg, optimizer="adamw8bit")) - core)
+    result = predict(cfg, len(tokenizer), lengths, core + import_mb.get(cfg.optimizer, 0.0), device, num_processes)
     result.update(num_processes=num_processes, processes_per_machine=per_machine,
                   host_total_mb=round(per_machine * result["host_peak_mb"], 1))
     if budget_gb is not None:
         result["budget_gb"] = budget_gb
-        result["recommendation"] = recommend(cfg, budget_gb, device, len(tokenizer), lengths, baseline,
+        result["recommendation"] = recommend(cfg, budget_gb, device, len(tokenizer), lengths, core,
                                              num_processes, per_machine, import_mb)
     if as_json:
         print(json.dumps(result))
