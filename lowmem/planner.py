@@ -35,6 +35,8 @@ MB = 2**20
 # (glibc reuses it, but it stays resident): a share of the bytes that are allocated and freed at
 # every step. Calibrated with bench/memory_modes.py on the CPU.
 ALLOCATOR_SLACK = 0.35
+# glibc serves blocks above this with mmap and unmaps them when freed: they leave no heap behind.
+MMAP_THRESHOLD = 32 * 2**20
 FIRST_STEP_MB = 20  # kernels, thread pools and autograd bookkeeping created by the first step
 CUDA_CONTEXT_MB = 500  # CUDA context and kernels on the GPU (outside torch's allocator)
 CUDA_HOST_MB = 1500  # host RSS of the CUDA runtime libraries once initialised
@@ -167,7 +169,39 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     logits = positions * dims["vocab_size"] * (4 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
     encoder_out = b * s * d * 4
     return {"activations": encoder_saved + decoder_saved + encoder_peak + encoder_out + attention_grads,
-            "logits": logits}
+            "logits": logits, "encoder_saved": encoder_saved, "decoder_saved": decoder_saved}
+
+
+def alive_at_peak(cfg: TrainConfig, dims: dict, act: dict, grads: int, opt_temp: int, ddp_copy: int,
+                  world: int) -> dict:
+    """What a training step holds at its costliest moment, by component (bytes): the backward of its
+    costliest micro-batch, or the optimizer step (every gradient and the optimizer's temporaries;
+    the activations are freed by then).
+
+    Gradients accumulated from earlier micro-batches (``--gradient_accumulation_steps`` > 1), or
+    kept in DDP's buckets (several processes), are all alive during the backward. With one process
+    and no accumulation, each optimizer step sets them to None, so the backward creates them while
+    it frees the activations, layer by layer: its costliest moment is its start (everything saved,
+    the logits and their gradient, and the tied embedding's gradient, which the output layer creates
+    first), the end of the decoder's backward, or its end (every gradient, and one more
+    embedding-sized one that the input embeddings' backward adds into it).
+    """
+    def moment(gradients, activations=0.0, logits=0.0, temp=0.0, copy=0.0) -> dict:
+        return {"gradients": gradients, "activations": activations, "logits_loss": logits,
+                "optimizer_step_temp": temp, "ddp_gradient_copy": copy}
+
+    moments = [moment(grads, temp=opt_temp)]
+    if world > 1 or cfg.gradient_accumulation_steps > 1:
+        moments.append(moment(grads, act["activations"], act["logits"], copy=ddp_copy))
+    else:
+        pretraining = not (cfg.is_finetune or cfg.lora_r)
+        embedding = 4 * dims["vocab_size"] * dims["d_model"] if pretraining else 0
+        decoder = 4 * sum(_numel(x) for x in parameter_shapes(dims)["decoder"]) if pretraining else grads
+        after_decoder = act["activations"] - act["decoder_saved"]
+        moments += [moment(embedding, act["activations"], act["logits"]),
+                    moment(embedding + decoder + embedding, after_decoder),
+                    moment(grads + embedding, after_decoder - act["encoder_saved"])]
+    return max(moments, key=lambda parts: sum(parts.values()))
 
 
 def batch_cost(cfg: TrainConfig, dims: dict, device: str):
@@ -286,6 +320,7 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     # allocated between steps. Between all-reduces (no_sync micro-steps) autograd accumulates into
     # fresh tensors beside them: one more copy of the gradients whenever accumulation > 1.
     ddp_copy = grads if world > 1 and cfg.gradient_accumulation_steps > 1 else 0
+    alive = alive_at_peak(cfg, dims, act, grads, opt_temp, ddp_copy, world)
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
     freed_at_save = step_bytes + ddp_copy + (grads if world == 1 else 0)
     # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
@@ -301,9 +336,8 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
         encoder_weights = 4 * sum(_numel(x) for x in shapes["encoder"]) if cfg.encoder_cache != "off" else 0
         if encoder_weights and half:
             encoder_weights -= 2 * stack_matrix_elements(shapes["encoder"])
-        gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": weights - encoder_weights, "gradients": grads,
-               "optimizer": opt_state, "bf16_weight_copies": cast_cache, "activations": act["activations"],
-               "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "ddp_gradient_copy": ddp_copy}
+        gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": weights - encoder_weights,
+               "gradients": alive["gradients"], "optimizer": opt_state, "bf16_weight_copies": cast_cache, **alive}
         live = sum(v for k, v in gpu.items() if k != "cuda_context")
         gpu["allocator_slack"] = GPU_ALLOCATOR_SLACK * live
         # Evaluation (cache emptied before it): the whole model on the GPU again, the optimizer state.
@@ -314,10 +348,14 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
         host["frozen_cast"] = max(0, frozen_cast_bytes(n_params, half) - host["weights_on_host"])
     else:
         gpu = {}
-        slack = ALLOCATOR_SLACK * (grads + before["activations"] + before["logits"] + opt_temp) + FIRST_STEP_MB * MB
-        host = {"framework": framework_mb * MB, "weights": weights, "gradients": grads, "optimizer": opt_state,
-                "bf16_weight_copies": cast_cache, "activations": act["activations"],
-                "logits_loss": act["logits"], "optimizer_step_temp": opt_temp, "ddp_gradient_copy": ddp_copy,
+        # The tensors of each step that outlive no step: gradients (set to None at every optimizer step),
+        # activations, logits and the optimizer's temporaries; those above the mmap threshold (a large
+        # vocabulary's embedding gradient and its update) go back to the system when freed.
+        on_heap = [x for x in train_shapes if 4 * _numel(x) <= MMAP_THRESHOLD]
+        churn = 4 * sum(_numel(x) for x in on_heap) + optimizer_bytes(cfg, on_heap)[1]
+        slack = ALLOCATOR_SLACK * (churn + before["activations"] + before["logits"]) + FIRST_STEP_MB * MB
+        host = {"framework": framework_mb * MB, "weights": weights, "gradients": alive["gradients"],
+                "optimizer": opt_state, "bf16_weight_copies": cast_cache, **alive,
                 "allocator_slack": slack, "caches": cache, "data_buffers": buffers}
         host["checkpoint_copy"] = (max(0, serialize - freed_at_save - slack)
                                    + max(0, export_copies - (1 - ALLOCATOR_SLACK) * freed_at_save))
