@@ -372,6 +372,7 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     return {"device": device, "parameters": n_params, "trainable_parameters": n_train,
             "max_source_tokens": source_len, "max_target_tokens": target_len,
             "peak_batch_target_tokens": peak[2] if len(peak) > 2 else cfg.batch_size * target_len,
+            "training_peak_at": "optimizer step" if alive["optimizer_step_temp"] else "backward",
             "host_mb": host_mb, "gpu_mb": gpu_mb, "host_peak_mb": round(sum(host_mb.values()), 1),
             "gpu_peak_mb": round(sum(gpu_mb.values()), 1)}
 
@@ -537,7 +538,8 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     print(f"predicted peak memory ({device}; model {cfg.model_preset if not cfg.is_finetune else cfg.init_from}, "
           f"{result['parameters']:,} parameters, {result['trainable_parameters']:,} trainable; costliest batch "
           f"{cfg.batch_size} x {result['max_source_tokens']} source / {result['max_target_tokens']} target "
-          f"tokens{processes})")
+          f"tokens{processes}; a training step peaks {'in' if result['training_peak_at'] == 'backward' else 'at'} the "
+          f"{result['training_peak_at']})")
     print(format_table(result))
     if per_machine > 1:
         print(f"{f'host total, {per_machine} processes':<22}{result['host_total_mb']:>16,.0f}")

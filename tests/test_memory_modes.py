@@ -277,6 +277,7 @@ def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_t
     peak = next(r for r in records if r["event"] == "memory_peak")
     # the costliest moment is the backward's start: of the gradients, only the tied embedding's exists
     all_gradients = plan["trainable_parameters"] * 4 / 2**20
+    assert plan["training_peak_at"] == "backward"
     assert plan["host_mb"]["gradients"] < 0.1 * all_gradients < plan["host_mb"]["activations"]
     assert 0.9 <= peak["host_ratio"] <= 1.1, peak
 
