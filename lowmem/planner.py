@@ -172,7 +172,7 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
             "logits": logits, "encoder_saved": encoder_saved, "decoder_saved": decoder_saved}
 
 
-def alive_at_peak(cfg: TrainConfig, dims: dict, act: dict, grads: int, opt_temp: int, ddp_copy: int,
+def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_temp: int, ddp_copy: int,
                   world: int) -> dict:
     """What a training step holds at its costliest moment, by component (bytes): the backward of its
     costliest micro-batch, or the optimizer step (every gradient and the optimizer's temporaries;
@@ -195,8 +195,8 @@ def alive_at_peak(cfg: TrainConfig, dims: dict, act: dict, grads: int, opt_temp:
         moments.append(moment(grads, act["activations"], act["logits"], copy=ddp_copy))
     else:
         pretraining = not (cfg.is_finetune or cfg.lora_r)
-        embedding = 4 * dims["vocab_size"] * dims["d_model"] if pretraining else 0
-        decoder = 4 * sum(_numel(x) for x in parameter_shapes(dims)["decoder"]) if pretraining else grads
+        embedding = 4 * _numel(shapes["shared"][0]) if pretraining else 0
+        decoder = 4 * sum(_numel(x) for x in shapes["decoder"]) if pretraining else grads
         after_decoder = act["activations"] - act["decoder_saved"]
         moments += [moment(embedding, act["activations"], act["logits"]),
                     moment(embedding + decoder + embedding, after_decoder),
@@ -320,7 +320,7 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     # allocated between steps. Between all-reduces (no_sync micro-steps) autograd accumulates into
     # fresh tensors beside them: one more copy of the gradients whenever accumulation > 1.
     ddp_copy = grads if world > 1 and cfg.gradient_accumulation_steps > 1 else 0
-    alive = alive_at_peak(cfg, dims, act, grads, opt_temp, ddp_copy, world)
+    alive = alive_at_peak(cfg, shapes, act, grads, opt_temp, ddp_copy, world)
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
     freed_at_save = step_bytes + ddp_copy + (grads if world == 1 else 0)
     # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
