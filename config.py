@@ -143,7 +143,8 @@ class TrainConfig:
     encoder_cache: str = _f("off", "SFT only: compute the frozen encoder's outputs once per example and train "
                                    "the decoder from them. off, disk (OUTPUT_DIR/encoder_cache), memory (the "
                                    "same file read into RAM) or auto (memory when small). Saves the encoder's "
-                                   "compute, activations and, on a GPU, its weights.")
+                                   "compute, activations and, on a GPU, its weights: small's step takes ~0.8x "
+                                   "with prompts as long as the answers, ~0.7x with prompts 4x longer.")
     encoder_cache_dtype: str = _f("float32", "Storage of the encoder cache: float32 (the compute dtype: "
                                              "training matches the uncached run), bfloat16 or float16 (half the "
                                              "disk and RAM).")

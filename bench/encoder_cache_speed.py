@@ -1,6 +1,6 @@
 """SFT step time with the encoder cache versus without, measured interleaved in one process.
 
-    python bench/encoder_cache_speed.py                          # tiny and small, three corpora
+    python bench/encoder_cache_speed.py                          # tiny and small, six corpora
     python bench/encoder_cache_speed.py --presets=small --windows=20
     python bench/encoder_cache_speed.py --corpus=my.jsonl         # your own prompt/response jsonl
 
@@ -38,14 +38,24 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def corpora(folder: Path, extra: list[str]) -> dict[str, list[dict]]:
-    """The shipped chat and pinyin pairs, the long-prompt SFT corpus of bench/memory_modes.py (five
-    chat turns in, one reply out), and any jsonl files given."""
+def corpora(folder: Path, extra: list[str], turns: list[int]) -> dict[str, list[dict]]:
+    """The shipped chat and pinyin pairs, prompts of k chat turns for each k in ``turns`` (the
+    source grows, the answer stays one reply), the long-prompt SFT corpus of bench/memory_modes.py
+    (five turns in, one reply out), and any jsonl files given."""
     from memory_modes import make_corpora  # this folder is on sys.path when the script runs
 
     made = make_corpora(folder)
-    out = {name: read_jsonl(made[kind]) for name, kind in
-           (("chat pairs", "sft"), ("pinyin pairs", "short"), ("long prompts", "sft_long"))}
+    out = {"chat pairs": read_jsonl(made["sft"]), "pinyin pairs": read_jsonl(made["short"])}
+    pairs = out["chat pairs"]
+    rng = random.Random(1)
+    for k in turns:
+        rows = []
+        for _ in range(600):
+            picked = rng.sample(pairs, k + 1)
+            rows.append({"prompt": " ".join(r["prompt"] + " " + r["response"] for r in picked[:k]),
+                         "response": picked[k]["response"]})
+        out[f"{k}-turn prompts"] = rows
+    out["long prompts"] = read_jsonl(made["sft_long"])
     out.update({Path(path).name: read_jsonl(path) for path in extra})
     return out
 
@@ -112,12 +122,14 @@ def main() -> None:
     parser.add_argument("--presets", default="tiny,small", help="comma-separated model presets")
     parser.add_argument("--windows", type=int, default=12, help="accumulation windows timed per path")
     parser.add_argument("--corpus", action="append", default=[], help="a prompt/response jsonl file (repeatable)")
+    parser.add_argument("--turns", default="1,2,3",
+                        help="comma-separated chat turns per prompt for the k-turn corpora ('' for none)")
     options = parser.parse_args()
     sys.path.insert(0, str(REPO))
     print(f"{'preset':<8}{'corpus':<16}{'src tok':>8}{'tgt tok':>8}{'uncached s':>12}{'cached s':>10}"
           f"{'ratio':>7}  {'per-window range':<16}")
     with tempfile.TemporaryDirectory() as tmp:
-        rows_by_name = corpora(Path(tmp), options.corpus)
+        rows_by_name = corpora(Path(tmp), options.corpus, [int(k) for k in options.turns.split(",") if k])
     for name, rows in rows_by_name.items():
         for preset in options.presets.split(","):
             r = measure(preset, rows, options.windows)
