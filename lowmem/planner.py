@@ -510,7 +510,8 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     per_machine = num_processes // num_machines
     folder = Path(cfg.tokenizer_dir)
     if not (folder / "tokenizer.json").is_file():
-        raise UserError(f"--tokenizer_dir={folder} holds no tokenizer.json; train one first (train_tokenizer)")
+        raise UserError(f"no tokenizer in --tokenizer_dir={folder} to measure the corpus with; train one first "
+                        "(python train_low_mem.py train_tokenizer, same flags) or pass the folder that has it")
     tokenizer = load_tokenizer(folder)
     files = resolve_files(cfg.train_file, "--train_file")
     lengths = sample_lengths(cfg, tokenizer, files)
