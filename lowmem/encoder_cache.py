@@ -8,14 +8,18 @@ the same numbers as an uncached run.
 
 Layout of ``OUTPUT_DIR/encoder_cache/<fingerprint>/`` (one set per process):
 
-    rows-rank{R}.bin    int64 pairs (offset in tokens, length; -1 for a bad row), one per row of the share
+    rows-rank{R}.bin    int64 triples (offset in tokens, length, CRC-32 of the source text; -1, -1, 0
+                        for a bad row), one per row of the share
     states-rank{R}.bin  hidden states, token after token, d_model values each in the storage dtype
     done-rank{R}.json   written last: the cache is complete
 
 The fingerprint covers the encoder's weights, the tokenizer, --max_source_len, the storage dtype,
 the files (path, size, modification time) and the process layout, so any change builds a new cache
-(the old ones are removed). ``disk`` reads rows with ``pread`` (no memory map: its pages would count
-in the RSS); ``memory`` reads the states file into RAM once.
+(the old ones are removed). A file rewritten under the same size and modification time (``cp -p``,
+``rsync -t``, or two writes within the file system's clock tick) escapes the fingerprint; the
+checksum of each row's source, compared as the row is read, catches it: the run stops with a clear
+error and removes the stale cache, so the next one rebuilds it. ``disk`` reads rows with ``pread``
+(no memory map: its pages would count in the RSS); ``memory`` reads the states file into RAM once.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +42,8 @@ STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat1
            "float16": (torch.float16, torch.float16)}  # name -> (torch dtype, numpy-compatible view)
 BUILD_CHUNK = 256  # rows read and tokenized together while building (each is encoded alone)
 AUTO_MEMORY_FRACTION = 0.1  # auto keeps the cache in RAM when it is at most this share of free RAM
+ROW_FIELDS = 3  # offset, length, source checksum: int64 each in rows-rank{R}.bin
+LAYOUT = "rows: offset, length, crc32 of the source"  # part of the fingerprint: a new layout rebuilds
 
 
 def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, files: list[Path],
@@ -50,7 +57,8 @@ def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, f
         flat = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).reshape(-1)
         digest.update(memoryview(flat.numpy()).cast("B"))  # no copy of the weights
     stats = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in ((f, os.stat(f)) for f in files)]
-    digest.update(json.dumps([tokenizer_sha1, max_source_len, dtype, stats, list(columns), world, compute]).encode())
+    digest.update(json.dumps([tokenizer_sha1, max_source_len, dtype, stats, list(columns), world, compute,
+                              LAYOUT]).encode())
     return digest.hexdigest()[:16]
 
 
@@ -72,16 +80,21 @@ class EncoderCache:
             self.states = np.fromfile(folder / f"states-rank{rank}.bin", dtype=np.uint8, count=size)
         self.in_memory = in_memory
 
-    def entry(self, file_index: int, row: int) -> tuple[int, int]:
+    def entry(self, file_index: int, row: int) -> tuple[int, int, int]:
+        """(offset in tokens, length, source checksum) of a row; length -1 for a row that was bad."""
         start = self.shares[file_index][0]
-        raw = os.pread(self.rows_fd, 16, (self.bases[file_index] + row - start) * 16)
-        offset, length = np.frombuffer(raw, dtype=np.int64)
-        return int(offset), int(length)
+        size = 8 * ROW_FIELDS
+        raw = os.pread(self.rows_fd, size, (self.bases[file_index] + row - start) * size)
+        offset, length, checksum = np.frombuffer(raw, dtype=np.int64)
+        return int(offset), int(length), int(checksum)
 
-    def row_states(self, file_index: int, row: int) -> torch.Tensor:
-        offset, length = self.entry(file_index, row)
-        if length < 0:
-            raise RuntimeError(f"encoder cache {self.folder} has no entry for file {file_index} row {row}")
+    def row_states(self, example) -> torch.Tensor:
+        offset, length, checksum = self.entry(example.file_index, example.row)
+        if length < 0 or checksum != source_checksum(example.prompt):
+            self.discard()
+            raise UserError(f"row {example.row} of training file {example.file_index + 1} changed since the "
+                            f"encoder cache was built (the file kept its size and modification time); the stale "
+                            f"cache is removed: run again to rebuild it (--is_keep_training=True continues)")
         begin, size = offset * self.row_bytes, length * self.row_bytes
         raw = self.states[begin:begin + size].tobytes() if self.states is not None \
             else os.pread(self.states_fd, size, begin)
@@ -98,7 +111,7 @@ class EncoderCache:
         """
         from data.collate import round_up
 
-        rows = [self.row_states(e.file_index, e.row) for e in examples]
+        rows = [self.row_states(e) for e in examples]
         longest = round_up(max(r.shape[0] for r in rows), multiple)
         hidden = torch.zeros(len(rows), longest, self.d_model, dtype=compute_dtype)
         mask = torch.zeros(len(rows), longest, dtype=torch.long)
@@ -107,10 +120,19 @@ class EncoderCache:
             mask[i, :r.shape[0]] = 1
         return hidden, mask
 
+    def discard(self) -> None:
+        """Mark the cache incomplete for every process, so the next run builds it again."""
+        for done in self.folder.glob("done-rank*.json"):
+            done.unlink(missing_ok=True)
+
     def close(self) -> None:
         for fd in (self.rows_fd, self.states_fd):
             os.close(fd)
         self.states = None
+
+
+def source_checksum(prompt: str) -> int:
+    return zlib.crc32(prompt.encode("utf-8"))
 
 
 def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tuple[int, int]],
@@ -129,17 +151,17 @@ def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tupl
             items = iter_rows(path, file_index, columns, start, end, index)
             for chunk in batched(items, BUILD_CHUNK):
                 good = [e for e in chunk if e is not None]
-                spans = {}  # row -> (offset, length); bad rows (None) get none
+                spans = {}  # row -> (offset, length, checksum); bad rows (None) get none
                 if good:
                     hidden, mask = encode([e.prompt for e in good])
                     for i, (example, length) in enumerate(zip(good, mask.sum(dim=1).tolist())):
                         states = hidden[i, :length].to("cpu", torch_dtype).contiguous()
                         states_out.write(states.view(view_dtype).numpy().tobytes())
-                        spans[example.row] = (offset, length)
+                        spans[example.row] = (offset, length, source_checksum(example.prompt))
                         offset += length
                     del hidden, mask
-                pairs = [spans[e.row] if e is not None else (-1, -1) for e in chunk]
-                rows_out.write(np.asarray(pairs, dtype=np.int64).tobytes())
+                entries = [spans[e.row] if e is not None else (-1, -1, 0) for e in chunk]
+                rows_out.write(np.asarray(entries, dtype=np.int64).tobytes())
                 if progress is not None:
                     progress.update(len(chunk))
         for out in (rows_out, states_out):

@@ -81,6 +81,26 @@ def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrai
     assert sorted(p.name for p in (cached / "encoder_cache").iterdir()) != new_keys
 
 
+def test_encoder_cache_notices_a_file_rewritten_under_the_same_size_and_mtime(tmp_path, pretrained):
+    out, done = sft(tmp_path, pretrained, "cached", "--encoder_cache=disk", steps=2)
+    assert "encoder cache: encoding" in done.stdout
+    data = tmp_path / "sft.jsonl"
+    before, rows = data.stat(), [json.loads(line) for line in data.read_text().splitlines()]
+    swap = str.maketrans("ae", "ea")  # every prompt changes, not one byte more or less
+    write_rows(data, [{k: v.translate(swap) for k, v in row.items()} for row in rows])
+    assert data.stat().st_size == before.st_size and data.read_text().splitlines()[0] != json.dumps(rows[0])
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))  # what cp -p or rsync -t leave behind
+    args = ("train", "--is_finetune=True", f"--init_from={pretrained}", f"--output_dir={out}", f"--train_file={data}",
+            f"--eval_file={data}", "--overwrite_output_dir=True", "--max_steps=2", "--encoder_cache=disk",
+            "--gradient_accumulation_steps=2", *FAST)
+    done = run_cli(*args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "changed since the encoder cache was built" in done.stderr
+    # the stale cache was marked incomplete: the next run encodes the rows as they are now, and trains
+    done = run_cli(*args)
+    assert done.returncode == 0 and "encoder cache: encoding" in done.stdout, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_lora_trains_only_adapters_and_exports_a_merged_plain_model(tmp_path, pretrained):
     from transformers import T5ForConditionalGeneration
