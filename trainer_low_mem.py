@@ -282,7 +282,7 @@ class LowMemTrainer:
             bar.close()
 
         self.encoder_cache = encoder_cache.open_cache(self.out / "encoder_cache", key, self.rank, cfg.encoder_cache,
-                                                      shares, build, self.say)
+                                                      shares, self.train_files, build, self.say)
         self.train_collator = CachedEncoderCollator(self.collator, self.encoder_cache)
         self.log_memory("encoder_cache")
         if self.accelerator.device.type == "cuda":

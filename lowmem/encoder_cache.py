@@ -66,8 +66,8 @@ class EncoderCache:
     """This process's cached encoder outputs; ``hidden_states(examples)`` gives a padded batch."""
 
     def __init__(self, folder: Path, rank: int, shares: list[tuple[int, int]], d_model: int, dtype: str,
-                 in_memory: bool):
-        self.folder, self.rank, self.d_model, self.dtype = folder, rank, d_model, dtype
+                 in_memory: bool, files: list[Path]):
+        self.folder, self.rank, self.d_model, self.dtype, self.files = folder, rank, d_model, dtype, files
         self.shares = shares
         self.bases = np.cumsum([0] + [end - start for start, end in shares]).tolist()
         self.torch_dtype, self.view_dtype = STORAGE[dtype]
@@ -92,9 +92,11 @@ class EncoderCache:
         offset, length, checksum = self.entry(example.file_index, example.row)
         if length < 0 or checksum != source_checksum(example.prompt):
             self.discard()
-            raise UserError(f"row {example.row} of training file {example.file_index + 1} changed since the "
-                            f"encoder cache was built (the file kept its size and modification time); the stale "
-                            f"cache is removed: run again to rebuild it (--is_keep_training=True continues)")
+            path = Path(self.files[example.file_index])
+            place = f"line {example.row + 1}" if path.suffix.lower() == ".jsonl" else f"row {example.row + 1}"
+            raise UserError(f"{place} of {path} changed since the encoder "
+                            f"cache was built (the file kept its size and modification time); the stale cache is "
+                            f"removed: run again to rebuild it (--is_keep_training=True continues)")
         begin, size = offset * self.row_bytes, length * self.row_bytes
         raw = self.states[begin:begin + size].tobytes() if self.states is not None \
             else os.pread(self.states_fd, size, begin)
@@ -172,8 +174,8 @@ def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tupl
     (folder / f"done-rank{rank}.json").write_text(json.dumps(meta))
 
 
-def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[int, int]], build_fn,
-               say=print) -> EncoderCache:
+def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[int, int]], files: list[Path],
+               build_fn, say=print) -> EncoderCache:
     """Reuse the complete cache for ``key`` or build it with ``build_fn(folder)`` (removing caches of
     other keys), then open it in RAM (``memory``, or ``auto`` when small) or on disk."""
     folder = root / key
@@ -198,7 +200,7 @@ def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[in
     if mode == "memory" and meta["bytes"] > 0.5 * available:
         raise UserError(f"--encoder_cache=memory: the cache is {meta['bytes'] / 2**20:.0f} MiB, more than half "
                         f"of the free RAM; use --encoder_cache=disk (or auto)")
-    cache = EncoderCache(folder, rank, shares, meta["d_model"], meta["dtype"], in_memory)
+    cache = EncoderCache(folder, rank, shares, meta["d_model"], meta["dtype"], in_memory, files)
     say(f"encoder cache: {meta['tokens']:,} tokens, {meta['bytes'] / 2**20:.1f} MiB "
         f"({meta['dtype']}), {'in RAM' if in_memory else 'read from disk'}")
     return cache
