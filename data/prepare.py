@@ -30,17 +30,14 @@ def prepare_command(cfg, out_dir: Path) -> dict:
     """The ``prepare`` command: resolve and check the corpus, load the tokenizer, write the shards."""
     from data.collate import Seq2SeqCollator
     from data.sources import check_columns, resolve_files
-    from data.tokenization import load_tokenizer, tokenizer_sha1
+    from data.tokenization import load_trained_tokenizer, tokenizer_sha1
 
     files = resolve_files(cfg.train_file, "--train_file")
     if manifest_of(files):
         raise UserError(f"--train_file={cfg.train_file} is prepared already; train from it directly")
     columns = (cfg.prompt_column, cfg.response_column)
     check_columns(files, columns, "--train_file")
-    if not (Path(cfg.tokenizer_dir) / "tokenizer.json").is_file():
-        raise UserError(f"no tokenizer in --tokenizer_dir={cfg.tokenizer_dir}; train one first "
-                        "(python train_low_mem.py train_tokenizer) or pass the folder that has it")
-    tokenizer = load_tokenizer(cfg.tokenizer_dir)
+    tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
     manifest = prepare(files, columns, collator, out_dir, tokenizer_sha1(tokenizer), cfg.tokenizer_dir)
     return {"prepared_dir": str(out_dir), "rows": manifest["rows"], "tokens": manifest["tokens"],

@@ -87,8 +87,7 @@ class DataProblems:
         self.by_reason[reason] += 1
         self.by_file[str(path)] += 1
         if len(self.first) < self.REPORT_FIRST:
-            place = f"line {row + 1}" if kind == "jsonl" else f"row {row + 1}"
-            text = f"{path} {place}: {REASONS[reason]}" + (f" '{column}'" if column else "")
+            text = f"{path} {row_place(kind, row)}: {REASONS[reason]}" + (f" '{column}'" if column else "")
             self.first.append(text)
             if self.report is not None:
                 self.report(f"skipping bad row: {text}")
@@ -109,6 +108,11 @@ class DataProblems:
             total.by_file.update(state["by_file"])
             total.first.extend(state["first"][: cls.REPORT_FIRST - len(total.first)])
         return total.state_dict()
+
+
+def row_place(kind: str, row: int) -> str:
+    """Where a row is, as a user finds it: the line of a jsonl file, the row of any other (1-based)."""
+    return f"line {row + 1}" if kind == "jsonl" else f"row {row + 1}"
 
 
 def iter_rows(path: Path, file_index: int, columns: tuple[str, str], start_row: int = 0,

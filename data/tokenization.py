@@ -108,6 +108,14 @@ def tokenizer_sha1(tokenizer) -> str:
     return hashlib.sha1(vocab).hexdigest()
 
 
+def load_trained_tokenizer(folder: str | Path):
+    """The tokenizer in ``--tokenizer_dir``, for commands that need one and do not train it."""
+    if not (Path(folder) / "tokenizer.json").is_file():
+        raise UserError(f"no tokenizer in --tokenizer_dir={folder}; train one first (python train_low_mem.py "
+                        "train_tokenizer, same flags) or pass the folder that has it")
+    return load_tokenizer(folder)
+
+
 def load_tokenizer(path: str | Path):
     """Load a tokenizer folder offline."""
     from transformers import AutoTokenizer

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from config import UserError
-from data.sources import iter_rows
+from data.readers import file_kind
+from data.sources import iter_rows, row_place
 from data.stream import batched
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
@@ -93,8 +94,7 @@ class EncoderCache:
         if length < 0 or checksum != source_checksum(example.prompt):
             self.discard()
             path = Path(self.files[example.file_index])
-            place = f"line {example.row + 1}" if path.suffix.lower() == ".jsonl" else f"row {example.row + 1}"
-            raise UserError(f"{place} of {path} changed since the encoder "
+            raise UserError(f"{row_place(file_kind(path), example.row)} of {path} changed since the encoder "
                             f"cache was built (the file kept its size and modification time); the stale cache is "
                             f"removed: run again to rebuild it (--is_keep_training=True continues)")
         begin, size = offset * self.row_bytes, length * self.row_bytes

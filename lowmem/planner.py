@@ -494,7 +494,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     from config import UserError, installed
     from data.sources import resolve_files
     from data.stream import take_examples
-    from data.tokenization import load_tokenizer
+    from data.tokenization import load_trained_tokenizer
 
     device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
     if device not in ("cpu", "gpu"):
@@ -508,11 +508,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
         raise UserError(f"--num_processes={num_processes} is the total over all machines: it must be a multiple "
                         f"of --num_machines={num_machines}, as for accelerate launch")
     per_machine = num_processes // num_machines
-    folder = Path(cfg.tokenizer_dir)
-    if not (folder / "tokenizer.json").is_file():
-        raise UserError(f"no tokenizer in --tokenizer_dir={folder} to measure the corpus with; train one first "
-                        "(python train_low_mem.py train_tokenizer, same flags) or pass the folder that has it")
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
     files = resolve_files(cfg.train_file, "--train_file")
     lengths = sample_lengths(cfg, tokenizer, files)
     lengths["windows"] = replay_windows(cfg, tokenizer, files, 0, num_processes)  # the first process's share
