@@ -3,6 +3,7 @@
     python bench/encoder_cache_speed.py                          # tiny and small, six corpora
     python bench/encoder_cache_speed.py --presets=small --windows=20
     python bench/encoder_cache_speed.py --corpus=my.jsonl         # your own prompt/response jsonl
+    python bench/encoder_cache_speed.py --device=cuda --mixed_precision=bf16   # on a GPU, as gpu16g trains
 
 Timing two separate runs on a shared machine compares two moments as much as two code paths (on
 the 2-core development VM the same run's step time drifted by 30 % within a minute). Here every
@@ -16,11 +17,17 @@ gradient clipping and the Adafactor step. Collation (tokenizing, reading the cac
 both: it is under 3 % of a step (bench/profile_run.py). Micro-batch 2 x accumulation 16, the
 defaults, so the numbers describe ``train --is_finetune=True`` with and without
 ``--encoder_cache``.
+
+With ``--device=cuda`` both paths train on the GPU: the encoder's inputs (plain) or the cached
+states (cached) are copied from the host inside the timed step, as the trainer's collator hands
+them over, and the clock stops after ``torch.cuda.synchronize``. ``--threads`` sets torch's CPU
+threads (intra-op), to see how the ratio moves with the cores a machine has.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -60,17 +67,25 @@ def corpora(folder: Path, extra: list[str], turns: list[int]) -> dict[str, list[
     return out
 
 
-def measure(preset: str, rows: list[dict], windows: int, seed: int = 0) -> dict:
+def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", precision: str = "no",
+            seed: int = 0) -> dict:
     from config import load_config
     from data.collate import Seq2SeqCollator
     from data.sources import Example
     from data.tokenization import load_tokenizer
-    from lowmem.modeling import build_model, build_optimizer, freeze_for_sft, frozen_encoder_states, token_loss_sum
+    from lowmem.modeling import (
+        build_model,
+        build_optimizer,
+        freeze_for_sft,
+        frozen_encoder_states,
+        target_index,
+        token_loss_sum,
+    )
 
     cfg = load_config({"model_preset": preset, "is_finetune": True})[0]
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
     torch.manual_seed(seed)
-    model = build_model(cfg, tokenizer)
+    model = build_model(cfg, tokenizer).to(device)
     freeze_for_sft(model)
     model.train()
     model.encoder.eval()  # frozen: no dropout, as in the trainer
@@ -79,23 +94,45 @@ def measure(preset: str, rows: list[dict], windows: int, seed: int = 0) -> dict:
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
     rng = random.Random(seed)
     size = cfg.batch_size * cfg.gradient_accumulation_steps
+    cuda = torch.device(device).type == "cuda"
+
+    def autocast():
+        if precision == "bf16":
+            return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def on_device(batch: dict) -> dict:  # as the trainer's to_device: target positions found on the host
+        batch = {**batch, "target_index": target_index(batch["labels"])}
+        return {k: v.to(device, non_blocking=cuda) for k, v in batch.items()}
+
+    def encoded(batch: dict) -> torch.Tensor:  # what the cache stores for this micro-batch, on the host
+        with autocast():
+            on = on_device(batch)
+            return frozen_encoder_states(model.encoder, on["input_ids"], on["attention_mask"]).float().cpu()
+
     plain, cached = [], []
     for _ in range(windows + 1):  # the first window warms both paths up and is not counted
         examples = [Example(r["prompt"], r["response"], 0, i) for i, r in enumerate(rng.sample(rows, size))]
         batches = collator.window(examples, cfg.batch_size)
-        stored = [{"encoder_hidden_states": frozen_encoder_states(model.encoder, b["input_ids"], b["attention_mask"]),
-                   "attention_mask": b["attention_mask"], "labels": b["labels"]} for b in batches]
+        stored = [{"encoder_hidden_states": encoded(b), "attention_mask": b["attention_mask"], "labels": b["labels"]}
+                  for b in batches]
         plain.append(batches)
         cached.append(stored)
     tokens = [sum(int(b["labels"].ne(-100).sum()) for b in w) for w in plain]
 
     def step(window: list[dict], n_tokens: int, frozen_encoder: bool) -> float:
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         for batch in window:
-            (token_loss_sum(model, model, batch, frozen_encoder=frozen_encoder) / n_tokens).backward()
+            with autocast():
+                loss = token_loss_sum(model, model, on_device(batch), frozen_encoder=frozen_encoder)
+            (loss / n_tokens).backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     ratios, plain_s, cached_s = [], [], []
@@ -124,15 +161,23 @@ def main() -> None:
     parser.add_argument("--corpus", action="append", default=[], help="a prompt/response jsonl file (repeatable)")
     parser.add_argument("--turns", default="1,2,3",
                         help="comma-separated chat turns per prompt for the k-turn corpora ('' for none)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"], help="bf16: autocast")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     options = parser.parse_args()
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device=cuda: torch sees no GPU here")
     sys.path.insert(0, str(REPO))
+    print(f"device {options.device}, precision {options.mixed_precision}, {torch.get_num_threads()} CPU threads")
     print(f"{'preset':<8}{'corpus':<16}{'src tok':>8}{'tgt tok':>8}{'uncached s':>12}{'cached s':>10}"
           f"{'ratio':>7}  {'per-window range':<16}")
     with tempfile.TemporaryDirectory() as tmp:
         rows_by_name = corpora(Path(tmp), options.corpus, [int(k) for k in options.turns.split(",") if k])
     for name, rows in rows_by_name.items():
         for preset in options.presets.split(","):
-            r = measure(preset, rows, options.windows)
+            r = measure(preset, rows, options.windows, options.device, options.mixed_precision)
             print(f"{preset:<8}{name:<16}{r['source_tokens']:>8.1f}{r['target_tokens']:>8.1f}{r['plain_s']:>12.3f}"
                   f"{r['cached_s']:>10.3f}{r['ratio']:>7.2f}  {r['spread'][0]:.2f}-{r['spread'][1]:.2f}", flush=True)
 
