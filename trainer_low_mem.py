@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig, UserError
-from data.collate import CachedEncoderCollator, Seq2SeqCollator
+from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
 from data.sources import DataProblems, check_columns, resolve_files
@@ -337,11 +337,7 @@ class LowMemTrainer:
                             "uneven last windows assume whole weights on every process (see README, "
                             "'DeepSpeed ZeRO and FSDP'); launch with accelerate_configs/multi_gpu.yaml")
         self.main = self.accelerator.is_main_process
-        # oneDNN's bf16 kernels on the CPU keep a primitive, with a packed copy of the weight, per
-        # matrix shape: dynamic padding makes hundreds of shapes, and host RSS grew by ~0.7 GB in 24
-        # steps (tiny, 16k vocabulary). Lengths and target counts rounded up to multiples of 16 keep
-        # a few dozen shapes and RSS flat. fp32 and CUDA kernels keep no such state: no rounding.
-        self.shape_multiple = 16 if cfg.mixed_precision == "bf16" and self.accelerator.device.type == "cpu" else 1
+        self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
         set_seed(cfg.seed)
         self.start_time = time.time()
 

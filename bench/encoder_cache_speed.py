@@ -70,7 +70,7 @@ def corpora(folder: Path, extra: list[str], turns: list[int]) -> dict[str, list[
 def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", precision: str = "no",
             seed: int = 0) -> dict:
     from config import load_config
-    from data.collate import Seq2SeqCollator
+    from data.collate import Seq2SeqCollator, shape_multiple
     from data.sources import Example
     from data.tokenization import load_tokenizer
     from lowmem.modeling import (
@@ -91,10 +91,11 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
     model.encoder.eval()  # frozen: no dropout, as in the trainer
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params)
-    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    cuda = torch.device(device).type == "cuda"
+    multiple = shape_multiple(precision, not cuda)  # bf16 on the CPU pads as the trainer does
+    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len, multiple)
     rng = random.Random(seed)
     size = cfg.batch_size * cfg.gradient_accumulation_steps
-    cuda = torch.device(device).type == "cuda"
 
     def autocast():
         if precision == "bf16":
@@ -102,13 +103,13 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
         return contextlib.nullcontext()
 
     def on_device(batch: dict) -> dict:  # as the trainer's to_device: target positions found on the host
-        batch = {**batch, "target_index": target_index(batch["labels"])}
+        batch = {**batch, "target_index": target_index(batch["labels"], multiple)}
         return {k: v.to(device, non_blocking=cuda) for k, v in batch.items()}
 
     def encoded(batch: dict) -> torch.Tensor:  # what the cache stores for this micro-batch, on the host
         with autocast():
             on = on_device(batch)
-            return frozen_encoder_states(model.encoder, on["input_ids"], on["attention_mask"]).float().cpu()
+            return frozen_encoder_states(model.encoder, on["input_ids"], on["attention_mask"], multiple).float().cpu()
 
     plain, cached = [], []
     for _ in range(windows + 1):  # the first window warms both paths up and is not counted
@@ -126,7 +127,7 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
         start = time.perf_counter()
         for batch in window:
             with autocast():
-                loss = token_loss_sum(model, model, on_device(batch), frozen_encoder=frozen_encoder)
+                loss = token_loss_sum(model, model, on_device(batch), frozen_encoder=frozen_encoder, multiple=multiple)
             (loss / n_tokens).backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
         optimizer.step()

@@ -285,6 +285,8 @@ def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
 def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str = "cpu",
             world: int = 1) -> dict:
     """Peak memory by component for host RAM and GPU memory (MiB), plus their totals."""
+    from data.collate import round_up, shape_multiple
+
     dims = model_dims(cfg, vocab_size)
     shapes = parameter_shapes(dims)
     n_params = sum(_numel(x) for part in shapes.values() for x in part)
@@ -296,8 +298,9 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
     peak = peak_batch_lengths(cfg, dims, lengths, device, world)
     runner_up = runner_up_lengths(cfg, dims, lengths, device) or peak
-    if cfg.mixed_precision == "bf16" and device == "cpu":  # padded to multiples of 16 (the trainer's shape_multiple)
-        peak, runner_up = (tuple(-(-n // 16) * 16 for n in batch) for batch in (peak, runner_up))
+    multiple = shape_multiple(cfg.mixed_precision, device == "cpu")
+    if multiple > 1:  # padded as the trainer pads
+        peak, runner_up = (tuple(round_up(n, multiple) for n in batch) for batch in (peak, runner_up))
     source_len, target_len = peak[:2]
     act = activation_bytes(cfg, dims, *peak[:2], device, *peak[2:])
     before = activation_bytes(cfg, dims, *runner_up[:2], device, *runner_up[2:])  # shaped the heap kept beside it
