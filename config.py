@@ -93,7 +93,9 @@ class TrainConfig:
 
     # --- data ---
     train_file: str | None = _f(None, "Training file, glob or folder (jsonl/json/parquet/csv). Default: shipped.")
-    eval_file: str | None = _f(None, "Eval file, glob or folder. Default: the shipped eval split.")
+    eval_file: str | None = _f(None, "Eval file, glob or folder. Default: the shipped eval split with the shipped "
+                                     "training data; with your own --train_file, its last --max_eval_samples rows "
+                                     "(10% of them at most), held out of training.")
     prompt_column: str = _f("prompt", "Column holding the model input.")
     response_column: str = _f("response", "Column holding the target text.")
     max_source_len: int = _f(128, "Truncate inputs to this many tokens. Lower saves activation memory.")
@@ -193,8 +195,10 @@ class TrainConfig:
             self.output_dir = str(Path("runs") / self.kind)
         if self.train_file is None:
             self.train_file = str(train_default)
-        if self.eval_file is None:
-            self.eval_file = str(eval_default)
+            # The shipped eval split goes with the shipped training data only: with your own
+            # --train_file and no --eval_file, eval_file stays None and the run holds out its last rows.
+            if self.eval_file is None:
+                self.eval_file = str(eval_default)
         if self.is_finetune and self.init_from is None:
             self.init_from = str(Path("runs") / "pretrain" / "best")
         if self.tokenizer_dir is None:

@@ -77,7 +77,8 @@ def mark_run_started(cfg) -> None:
     if cfg.is_keep_training:
         return
     resolve_files(cfg.train_file, "--train_file")
-    resolve_files(cfg.eval_file, "--eval_file")
+    if cfg.eval_file is not None:  # None: held out of --train_file
+        resolve_files(cfg.eval_file, "--eval_file")
     try:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.output_dir) / STARTED_MARKER).touch()

@@ -28,7 +28,7 @@ from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
 from data.sources import DataProblems, check_columns, resolve_files
-from data.stream import ExampleStream, batched, take_examples
+from data.stream import ExampleStream, batched, eval_files_of, eval_split
 from data.tokenization import tokenizer_sha1
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
@@ -105,21 +105,18 @@ class LowMemTrainer:
         self.bar = None
         self.encoder_cache = None
         self.frozen_bf16 = 0  # frozen weight elements stored in bf16 (--frozen_dtype)
+        self.held_out_rows = 0  # rows of --train_file held out as the eval set (no --eval_file)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> LowMemTrainer:
         """Check inputs, then build everything; nothing heavy is built before the checks pass."""
         cfg = self.cfg
         self.train_files = resolve_files(cfg.train_file, "--train_file")
-        self.eval_files = resolve_files(cfg.eval_file, "--eval_file")
         columns = (cfg.prompt_column, cfg.response_column)
         self.prepared = manifest_of(self.train_files)  # a corpus tokenized by `prepare`: token-id columns
         train_columns = TOKEN_COLUMNS if self.prepared else columns
-        if manifest_of(self.eval_files):
-            raise UserError("--eval_file must be text (BLEU compares decoded answers): pass the original corpus, "
-                            "not prepared shards")
         check_columns(self.train_files, train_columns, "--train_file")
-        check_columns(self.eval_files, columns, "--eval_file")
+        self.eval_files = eval_files_of(cfg, self.train_files)
         if cfg.is_finetune and self.model is None:
             if not (Path(cfg.init_from) / "config.json").is_file():
                 raise UserError(f"--init_from={cfg.init_from} is not a model folder (no config.json); "
@@ -135,11 +132,9 @@ class LowMemTrainer:
             self.tokenizer = self._load_or_train_tokenizer()
         if self.prepared:
             check_manifest(self.prepared, tokenizer_sha1(self.tokenizer), cfg.max_source_len, cfg.max_target_len)
-        indexes = self._index_files(self.train_files)
         self.eval_problems = DataProblems(report=self.say)
-        self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples, self.eval_problems)
-        if not self.eval_examples:
-            raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
+        self.eval_examples, indexes, self.held_out_rows = eval_split(
+            cfg, self.eval_files, self.train_files, self._index_files(self.train_files), self.eval_problems)
         self.memory_plan = self._predict_memory(indexes, resuming=resume_dir is not None)  # before the model exists
         if self.model is None:
             self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
@@ -191,9 +186,9 @@ class LowMemTrainer:
         """Load a saved model (--init_from, default OUTPUT_DIR/best) for ``evaluate`` / ``generate``."""
         cfg = self.cfg
         model_dir = Path(cfg.init_from) if cfg.init_from else self.out / "best"
-        self.eval_files = resolve_files(cfg.eval_file, "--eval_file")
-        columns = (cfg.prompt_column, cfg.response_column)
-        check_columns(self.eval_files, columns, "--eval_file")
+        # Without --eval_file: the rows that training on --train_file held out
+        self.train_files = resolve_files(cfg.train_file, "--train_file") if cfg.eval_file is None else []
+        self.eval_files = eval_files_of(cfg, self.train_files)
         self.model = load_model(model_dir)
         self._start_accelerator()
         if self.tokenizer is None:
@@ -204,7 +199,8 @@ class LowMemTrainer:
         self.model = self.accelerator.prepare(self.model)
         self.core = self.accelerator.unwrap_model(self.model)
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len, self.shape_multiple)
-        self.eval_examples = take_examples(self.eval_files, columns, cfg.max_eval_samples)
+        indexes = [index_file(f) for f in self.train_files]
+        self.eval_examples, _, self.held_out_rows = eval_split(cfg, self.eval_files, self.train_files, indexes)
         return self
 
     @torch.no_grad()
@@ -269,7 +265,8 @@ class LowMemTrainer:
         # How the encoder runs counts too: bf16 autocast (and its padding) or not, on which device.
         compute = f"{cfg.mixed_precision}/{self.accelerator.device.type}/{self.shape_multiple}"
         key = encoder_cache.fingerprint(self.core.encoder, self.run_config["tokenizer_sha1"], cfg.max_source_len,
-                                        cfg.encoder_cache_dtype, self.train_files, columns, self.world, compute)
+                                        cfg.encoder_cache_dtype, self.train_files, columns, self.world, compute,
+                                        [i.rows for i in indexes])  # held-out eval rows are not trained on
 
         rows = sum(end - start for start, end in shares)
 
@@ -389,13 +386,17 @@ class LowMemTrainer:
             f"x {self.world}) | tokens per optimizer step <= {effective * (cfg.max_source_len + cfg.max_target_len):,}",
             f"train rows {rows:,} | {per_epoch} optimizer steps per epoch | total steps {self.total_steps} | "
             f"start step {self.state.step}",
+            f"eval rows {len(self.eval_examples):,} from "
+            + (cfg.eval_file if cfg.eval_file else f"the last {self.held_out_rows:,} rows of --train_file, held out "
+               "of training (pass --eval_file to evaluate on another set)"),
             "memory: " + ", ".join(features),
         ]
         for line in lines:
             self.say(line)
         self.record("setup", trainable_params=self.trainable, frozen_params=self.frozen,
                     frozen_bf16_params=self.frozen_bf16, effective_batch=effective,
-                    train_rows=rows, total_steps=self.total_steps, world_size=self.world)
+                    train_rows=rows, held_out_rows=self.held_out_rows, eval_rows=len(self.eval_examples),
+                    total_steps=self.total_steps, world_size=self.world)
 
     # ------------------------------------------------------------------ train
     def train(self) -> dict:
@@ -838,7 +839,7 @@ class LowMemTrainer:
     def _run_config(self) -> dict:
         """The options plus what identifies the tokenizer (checked on resume)."""
         return {**self.cfg.to_dict(), "tokenizer_size": len(self.tokenizer),
-                "tokenizer_sha1": tokenizer_sha1(self.tokenizer)}
+                "tokenizer_sha1": tokenizer_sha1(self.tokenizer), "held_out_rows": self.held_out_rows}
 
     # ------------------------------------------------------------------ logging
     def mean_step_seconds(self) -> float | None:

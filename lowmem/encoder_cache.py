@@ -48,9 +48,10 @@ LAYOUT = "rows: offset, length, crc32 of the source"  # part of the fingerprint:
 
 
 def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, files: list[Path],
-                columns: tuple[str, str], world: int, compute: str = "") -> str:
+                columns: tuple[str, str], world: int, compute: str = "", rows: list[int] | None = None) -> str:
     """What the cached outputs depend on, hashed (the encoder's weights byte by byte; ``compute``
-    names how the encoder runs: precision, device, padding)."""
+    names how the encoder runs: precision, device, padding; ``rows``, the rows of each file that
+    training reads, which with ``world`` fix every process's share)."""
     digest = hashlib.sha1()
     for name, tensor in sorted(encoder.state_dict().items()):
         digest.update(name.encode())
@@ -59,7 +60,7 @@ def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, f
         digest.update(memoryview(flat.numpy()).cast("B"))  # no copy of the weights
     stats = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in ((f, os.stat(f)) for f in files)]
     digest.update(json.dumps([tokenizer_sha1, max_source_len, dtype, stats, list(columns), world, compute,
-                              LAYOUT]).encode())
+                              LAYOUT, rows]).encode())
     return digest.hexdigest()[:16]
 
 

@@ -141,6 +141,12 @@ class RunFolder:
 
 def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> None:
     """Refuse a resume whose model shape or tokenizer differ; say which value wins for the others."""
+    held, holds = saved.get("held_out_rows", 0), current.get("held_out_rows", 0)
+    if held != holds:  # the rows the run trains on would change
+        same = (f"--eval_file={saved.get('eval_file')}" if not held else
+                f"no --eval_file and --max_eval_samples={saved.get('max_eval_samples')}")
+        raise UserError(f"checkpoint {folder} held out {held} rows of --train_file for evaluation, this run would hold "
+                        f"out {holds}; resume with {same} as before, or use a new --output_dir")
     for key in SHAPE_SETTINGS:
         if key in saved and saved[key] != current[key]:
             raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "

@@ -12,7 +12,7 @@ from config import UserError
 from data.collate import Seq2SeqCollator
 from data.readers import index_file
 from data.sources import DataProblems, iter_rows, resolve_files
-from data.stream import ExampleStream, take_examples
+from data.stream import ExampleStream, hold_out, read_ranges, take_examples
 
 COLS = ("prompt", "response")
 
@@ -150,3 +150,27 @@ def test_collator_truncates_pads_dynamically_and_masks_labels(tokenizer):
 def test_eval_examples_are_bounded(tmp_path):
     path = write_rows(tmp_path / "e.jsonl", synthetic_rows(500))
     assert len(take_examples([path], COLS, 37)) == 37
+
+
+def test_held_out_eval_rows_are_cut_from_the_end_and_never_streamed(tmp_path):
+    """Without --eval_file the last rows of the training files are the eval set: at most 10 % of the
+    rows, counted back from the last file, and no process's stream ever reads them."""
+    sizes = {"a.parquet": 97, "b.csv": 40, "c.jsonl": 5}
+    files = [write_rows(tmp_path / name, synthetic_rows(n, seed=i)) for i, (name, n) in enumerate(sizes.items())]
+    indexes = [index_file(f) for f in files]
+    kept, ranges = hold_out(indexes, 20)
+    assert ranges == [(1, 31, 40), (2, 0, 5)]  # 10 % of 142 rows: 14, from the end
+    assert [i.rows for i in kept] == [97, 31, 0] and [i.rows for i in indexes] == [97, 40, 5]
+    assert hold_out(indexes, 3)[1] == [(2, 2, 5)] and hold_out(indexes, 20) == (kept, ranges)
+    held = {(n, row) for n, start, end in ranges for row in range(start, end)}
+    evals = read_ranges(files, ranges, COLS, indexes)
+    assert {(e.file_index, e.row) for e in evals} == held
+    rows_b = synthetic_rows(40, seed=1)
+    assert [(e.prompt, e.response) for e in evals[:9]] == [(r["prompt"], r["response"]) for r in rows_b[31:]]
+    for world in (1, 2):
+        streamed = []
+        for rank in range(world):
+            stream = ExampleStream(files, COLS, seed=3, buffer_size=16, rank=rank, world_size=world, indexes=kept)
+            streamed += _drain(stream)
+        assert len(streamed) == len(set(streamed)) == 142 - 14
+        assert set(streamed) | held == {(n, r) for n, size in enumerate(sizes.values()) for r in range(size)}

@@ -130,3 +130,31 @@ def test_peak_rss_does_not_grow_with_corpus_size(tmp_path):
         peaks[name] = [r for r in metrics(out) if r["event"] == "memory" and r["where"] == "end"][-1]["peak_rss_mb"]
     assert large.stat().st_size > 50 * small.stat().st_size * 0.99
     assert peaks["large"] - peaks["small"] < 64, peaks
+
+
+def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path):
+    """Your own --train_file and no --eval_file: its last rows are the eval set (not the shipped eval
+    split, of another corpus), announced, never trained on, found again by `evaluate`, and a resume that
+    would hold out other rows is refused."""
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(300, seed=8))
+    out = tmp_path / "run"
+    common = [f"--train_file={train}", f"--output_dir={out}", "--eval_steps=0", "--save_steps=50",
+              "--gradient_accumulation_steps=2", "--dump_consumed=True", *SMALL[:2], "--max_eval_samples=12"]
+    proc = run_cli("train", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval rows 12 from the last 12 rows of --train_file" in proc.stdout
+    records = metrics(out)
+    setup = next(r for r in records if r["event"] == "setup")
+    assert (setup["train_rows"], setup["held_out_rows"], setup["eval_rows"]) == (288, 12, 12)
+    assert [r["eval_examples"] for r in records if r["event"] == "eval"] == [12]
+    consumed = [line.split("\t") for line in (out / "consumed-rank0.tsv").read_text().splitlines()]
+    assert sorted(int(row) for *_, row in consumed) == list(range(288))  # rows 288-299 never trained on
+
+    proc = run_cli("evaluate", f"--init_from={out / 'best'}", f"--train_file={train}", "--max_eval_samples=12",
+                   *SMALL[:2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval_examples: 12" in proc.stdout
+
+    proc = run_cli("train", *common[:-1], "--max_eval_samples=20", "--epochs=2", "--is_keep_training=True")
+    assert proc.returncode == 2
+    assert "held out 12 rows of --train_file for evaluation, this run would hold out 20" in proc.stderr
