@@ -199,8 +199,7 @@ class LowMemTrainer:
         self.model = self.accelerator.prepare(self.model)
         self.core = self.accelerator.unwrap_model(self.model)
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len, self.shape_multiple)
-        indexes = [index_file(f) for f in self.train_files]
-        self.eval_examples, _, self.held_out_rows = eval_split(cfg, self.eval_files, self.train_files, indexes)
+        self.eval_examples, _, self.held_out_rows = eval_split(cfg, self.eval_files, self.train_files)
         return self
 
     @torch.no_grad()

@@ -176,12 +176,13 @@ def eval_files_of(cfg, train_files: list[Path]) -> list[Path]:
     return files
 
 
-def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: list[FileIndex],
-               problems: DataProblems | None = None) -> tuple[list[Example], list[FileIndex], int]:
+def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: list[FileIndex] | None = None,
+               problems: DataProblems | None = None) -> tuple[list[Example], list[FileIndex] | None, int]:
     """The eval set and what it leaves for training: (eval examples, training indexes, rows held out).
 
-    With ``eval_files``, their first ``--max_eval_samples`` usable rows; without (no ``--eval_file``
-    beside your own ``--train_file``), the last rows of the training files (``hold_out``), which the
+    With ``eval_files``, their first ``--max_eval_samples`` usable rows (``indexes`` come back as
+    given); without (no ``--eval_file`` beside your own ``--train_file``), the last rows of the
+    training files (``hold_out``; the files are indexed here when ``indexes`` is None), which the
     returned indexes then leave out.
     """
     columns = (cfg.prompt_column, cfg.response_column)
@@ -190,11 +191,13 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
         if not examples:
             raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
         return examples, indexes, 0
+    if indexes is None:
+        indexes = [index_file(f) for f in train_files]
     indexes, ranges = hold_out(indexes, cfg.max_eval_samples)
     examples = read_ranges(train_files, ranges, columns, indexes, problems)
     if not examples:
-        raise UserError(f"--train_file={cfg.train_file} has too few usable rows to hold out an eval set (10% of "
-                        "its rows at most): pass --eval_file")
+        raise UserError(f"--train_file={cfg.train_file} has too few usable rows to hold out an eval set "
+                        f"({HOLD_OUT_AT_MOST:.0%} of its rows at most): pass --eval_file")
     return examples, indexes, sum(end - start for _, start, end in ranges)
 
 

@@ -161,13 +161,14 @@ def lora_layer_delta(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     b, s, t = cfg.batch_size, source_len, target_len
     d, f, i = dims["d_model"], dims["d_ff"], dims["num_heads"] * dims["d_kv"]
     reads = {  # target: the (input, tokens, width) of its self- and cross-attention / feed-forward layers
-        "q": [("self_norm", t, d), ("cross_norm", t, d)], "k": [("self_norm", t, d), ("encoder", s, 0)],
-        "v": [("self_norm", t, d), ("encoder", s, 0)], "o": [("self_o", t, i), ("cross_o", t, i)],
+        "q": [("self_norm", t, d), ("cross_norm", t, d)], "k": [("self_norm", t, d), ("encoder", s, d)],
+        "v": [("self_norm", t, d), ("encoder", s, d)], "o": [("self_o", t, i), ("cross_o", t, i)],
         "wi": [("ff_norm", t, d)], "wo": [("ff_act", t, f)]}
     if cfg.lora_dropout:
-        kept = sum(2 * tokens * (width or d) for name in cfg.lora_targets for _, tokens, width in reads[name])
+        kept = sum(2 * tokens * width for name in cfg.lora_targets for _, tokens, width in reads[name])
     else:
         inputs = {key: tokens * width for name in cfg.lora_targets for key, tokens, width in reads[name]}
+        inputs.pop("encoder", None)  # the encoder output: already counted once (activation_bytes' encoder_out)
         kept = sum(inputs.values())
     return b * kept - b * t * (f + 7 * d + 2 * i)
 
@@ -532,7 +533,6 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     import torch
 
     from config import UserError, installed
-    from data.readers import index_file
     from data.sources import resolve_files
     from data.stream import eval_files_of, eval_split
     from data.tokenization import load_trained_tokenizer
@@ -551,10 +551,8 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     per_machine = num_processes // num_machines
     tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
     files = resolve_files(cfg.train_file, "--train_file")
-    eval_files = eval_files_of(cfg, files)
     # As the trainer: without --eval_file the eval set is the training files' last rows, which it never trains on
-    indexes = None if eval_files else [index_file(f) for f in files]
-    eval_examples, indexes, _ = eval_split(cfg, eval_files, files, indexes)
+    eval_examples, indexes, _ = eval_split(cfg, eval_files_of(cfg, files), files)
     lengths = sample_lengths(cfg, tokenizer, files)
     lengths["windows"] = replay_windows(cfg, tokenizer, files, 0, num_processes, indexes)  # the first process's share
     lengths["eval"] = eval_batch_lengths(cfg, tokenizer, eval_examples, 0, num_processes)
