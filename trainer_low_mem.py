@@ -111,16 +111,7 @@ class LowMemTrainer:
     def setup(self) -> LowMemTrainer:
         """Check inputs, then build everything; nothing heavy is built before the checks pass."""
         cfg = self.cfg
-        self.train_files = resolve_files(cfg.train_file, "--train_file")
-        columns = (cfg.prompt_column, cfg.response_column)
-        self.prepared = manifest_of(self.train_files)  # a corpus tokenized by `prepare`: token-id columns
-        train_columns = TOKEN_COLUMNS if self.prepared else columns
-        check_columns(self.train_files, train_columns, "--train_file")
-        self.eval_files = eval_files_of(cfg, self.train_files)
-        if cfg.is_finetune and self.model is None:
-            if not (Path(cfg.init_from) / "config.json").is_file():
-                raise UserError(f"--init_from={cfg.init_from} is not a model folder (no config.json); "
-                                "pretrain first (python train_low_mem.py train) or point --init_from at best/")
+        train_columns = self._check_inputs()
         self._start_accelerator()
         resume_dir, old_files = self.folder.check(cfg, self.rank, say=self.say)
         if self.main:
@@ -136,19 +127,7 @@ class LowMemTrainer:
         self.eval_examples, indexes, self.held_out_rows = eval_split(
             cfg, self.eval_files, self.train_files, self._index_files(self.train_files), self.eval_problems)
         self.memory_plan = self._predict_memory(indexes, resuming=resume_dir is not None)  # before the model exists
-        if self.model is None:
-            self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
-                          else build_model(cfg, self.tokenizer))
-        if self.model.config.vocab_size != len(self.tokenizer):
-            raise UserError(f"model vocabulary ({self.model.config.vocab_size}) does not match the tokenizer "
-                            f"({len(self.tokenizer)}); pass the --tokenizer_dir the model was trained with")
-        self.run_config = self._run_config()  # the tokenizer is fixed for the run: fingerprint it once
-        if cfg.is_finetune:
-            freeze_for_sft(self.model)
-        self.model = apply_memory_modes(self.model, cfg)
-        self.trainable, self.frozen = count_parameters(self.model)
-        self.frozen_bf16 = store_frozen_in_bf16(self.model) if cfg.frozen_dtype == "bfloat16" else 0
-        self.log_memory("model_built")
+        self._build_model()
 
         rows = sum(i.rows for i in indexes)
         for path, index in zip(self.train_files, indexes):
@@ -156,14 +135,7 @@ class LowMemTrainer:
                 self.say(f"warning: {path} is empty")
         per_epoch = steps_per_epoch(math.ceil(rows / self.world), cfg.batch_size, cfg.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * per_epoch
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(cfg, params)  # only trainable tensors get optimizer state
-        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
-        # The scheduler is not prepared: accelerate's wrapper would step it once per process per call.
-        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        self.core = self.accelerator.unwrap_model(self.model)
-        self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
-        self.log_memory("prepared")
+        self._build_optimizer()
 
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len, self.shape_multiple)
         self.train_collator = self.collator
@@ -181,6 +153,48 @@ class LowMemTrainer:
             self._open_encoder_cache(indexes)
         self._announce(rows, per_epoch)
         return self
+
+    def _check_inputs(self) -> tuple[str, str]:
+        """The checks that need no model or process group; returns the training files' columns."""
+        cfg = self.cfg
+        self.train_files = resolve_files(cfg.train_file, "--train_file")
+        self.prepared = manifest_of(self.train_files)  # a corpus tokenized by `prepare`: token-id columns
+        train_columns = TOKEN_COLUMNS if self.prepared else (cfg.prompt_column, cfg.response_column)
+        check_columns(self.train_files, train_columns, "--train_file")
+        self.eval_files = eval_files_of(cfg, self.train_files)
+        if cfg.is_finetune and self.model is None:
+            if not (Path(cfg.init_from) / "config.json").is_file():
+                raise UserError(f"--init_from={cfg.init_from} is not a model folder (no config.json); "
+                                "pretrain first (python train_low_mem.py train) or point --init_from at best/")
+        return train_columns
+
+    def _build_model(self) -> None:
+        """Build (pretraining) or load (SFT) the model, freeze for SFT and apply the memory modes."""
+        cfg = self.cfg
+        if self.model is None:
+            self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
+                          else build_model(cfg, self.tokenizer))
+        if self.model.config.vocab_size != len(self.tokenizer):
+            raise UserError(f"model vocabulary ({self.model.config.vocab_size}) does not match the tokenizer "
+                            f"({len(self.tokenizer)}); pass the --tokenizer_dir the model was trained with")
+        self.run_config = self._run_config()  # the tokenizer is fixed for the run: fingerprint it once
+        if cfg.is_finetune:
+            freeze_for_sft(self.model)
+        self.model = apply_memory_modes(self.model, cfg)
+        self.trainable, self.frozen = count_parameters(self.model)
+        self.frozen_bf16 = store_frozen_in_bf16(self.model) if cfg.frozen_dtype == "bfloat16" else 0
+        self.log_memory("model_built")
+
+    def _build_optimizer(self) -> None:
+        """Optimizer state for the trainable tensors only, the schedule, and accelerate's wrapping."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.cfg, params)
+        self.scheduler = build_scheduler(self.cfg, self.optimizer, self.total_steps)
+        # The scheduler is not prepared: accelerate's wrapper would step it once per process per call.
+        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        self.core = self.accelerator.unwrap_model(self.model)
+        self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
+        self.log_memory("prepared")
 
     def setup_inference(self) -> LowMemTrainer:
         """Load a saved model (--init_from, default OUTPUT_DIR/best) for ``evaluate`` / ``generate``."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from config import MODEL_PRESETS, TrainConfig
@@ -51,7 +51,10 @@ RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: p
 EVAL_FIRST_MB = 35  # resident after the first evaluation, heap trimmed: generation's kernels and objects (27-48)
 
 # Relative step-time factors (1.0 = fp32, no checkpointing, AdamW-class optimizer) used to rank modes.
-SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03}
+# The encoder cache's is the measured curve's short-prompt end (bench/encoder_cache_speed.py: 0.6-0.8, lower
+# as prompts grow longer than the answers).
+SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03,
+         "encoder_cache": 0.8}
 
 
 def model_dims(cfg: TrainConfig, vocab_size: int) -> dict:
@@ -318,9 +321,34 @@ def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
     return ranked[min(max(rank, 1), len(ranked)) - 1]
 
 
-def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str = "cpu",
-            world: int = 1) -> dict:
-    """Peak memory by component for host RAM and GPU memory (MiB), plus their totals."""
+@dataclass
+class StepSizes:
+    """Bytes of everything a training run holds, before they are split by device (see ``predict``)."""
+
+    n_params: int
+    n_train: int
+    half: int  # frozen elements stored in bf16 (--frozen_dtype=bfloat16)
+    encoder_elements: int  # the encoder stack's weights (offloaded from the GPU with the encoder cache)
+    encoder_matrices: int  # of which matrices (the ones --frozen_dtype stores in bf16)
+    weights: float
+    optimizer: float
+    cast_cache: float  # autocast's bf16 copy of every trainable weight
+    cache: float  # the encoder cache read into RAM
+    buffers: float  # shuffle buffer and eval set
+    alive: dict  # gradients, activations, logits, optimizer temporaries and DDP's copy at the step's peak
+    act: dict  # activation_bytes of the costliest micro-batch
+    before: dict  # activation_bytes of the runner-up, which shaped the heap kept beside it
+    churn: float  # gradient and optimizer-temporary bytes carved from (not mmapped beside) the CPU heap
+    freed_at_save: float
+    serialize: float
+    export_copies: float
+    evaluation: float
+    peak: tuple
+
+
+def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, world: int) -> StepSizes:
+    """Weights, gradients, optimizer state, the costliest micro-batch's activations, caches, buffers,
+    saves and evaluation of a run, in bytes."""
     from data.collate import round_up, shape_multiple
 
     dims = model_dims(cfg, vocab_size)
@@ -337,11 +365,8 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     multiple = shape_multiple(cfg.mixed_precision, device == "cpu")
     if multiple > 1:  # padded as the trainer pads
         peak, runner_up = (tuple(round_up(n, multiple) for n in batch) for batch in (peak, runner_up))
-    source_len, target_len = peak[:2]
     act = activation_bytes(cfg, dims, *peak[:2], device, *peak[2:])
-    before = activation_bytes(cfg, dims, *runner_up[:2], device, *runner_up[2:])  # shaped the heap kept beside it
-    # Autocast keeps a bf16 copy of every trainable weight for the step (frozen ones are cast per use).
-    cast_cache = 2 * n_train if cfg.mixed_precision == "bf16" else 0
+    before = activation_bytes(cfg, dims, *runner_up[:2], device, *runner_up[2:])
     cache = 0
     rows_share = lengths["rows"] / world
     cache_bytes = rows_share * lengths["mean_source"] * dims["d_model"] * (4 if cfg.encoder_cache_dtype == "float32"
@@ -353,67 +378,89 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
             cache = cache_bytes
     # The shuffle buffer never holds more than a process's share of the corpus.
     buffered = min(cfg.shuffle_buffer_size, math.ceil(rows_share)) if lengths["rows"] else cfg.shuffle_buffer_size
-    buffers = (buffered + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400)
-    step_bytes = act["activations"] + act["logits"] + opt_temp
     # Under DDP (world > 1) the gradients live in its all-reduce buckets (as views), which stay
     # allocated between steps. Between all-reduces (no_sync micro-steps) autograd accumulates into
     # fresh tensors beside them: one more copy of the gradients whenever accumulation > 1.
     ddp_copy = grads if world > 1 and cfg.gradient_accumulation_steps > 1 else 0
-    alive = alive_at_peak(cfg, shapes, act, grads, opt_temp, ddp_copy, world)
+    # The tensors of each step that outlive no step: gradients (set to None at every optimizer step),
+    # activations, logits and the optimizer's temporaries; those above the mmap threshold (a large
+    # vocabulary's embedding gradient and its update) go back to the system when freed.
+    on_heap = [x for x in train_shapes if 4 * _numel(x) <= MMAP_THRESHOLD]
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
-    freed_at_save = step_bytes + ddp_copy + (grads if world == 1 else 0)
-    # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
-    # safetensors that is not zero-copy (recent ones write straight from the tensors' memory).
-    serialize = 4 * n_params if device == "gpu" or not zero_copy_save() else 0
-    # Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored ones
-    # (one tensor at a time). They are large, so mmapped fresh rather than carved from the heap the
-    # allocator kept; they only reuse the share of the last step's memory that went back to the OS.
-    # (From a GPU they are made on the host, within the host copy of the weights counted below.)
-    export_copies = 4 * lora_merged_elements(cfg, dims) + 2 * half
-    evaluation = evaluation_bytes(cfg, dims, lengths.get("eval", []))
-    if device == "gpu":
-        encoder_weights = 4 * sum(_numel(x) for x in shapes["encoder"]) if cfg.encoder_cache != "off" else 0
-        if encoder_weights and half:
-            encoder_weights -= 2 * stack_matrix_elements(shapes["encoder"])
-        gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": weights - encoder_weights,
-               "gradients": alive["gradients"], "optimizer": opt_state, "bf16_weight_copies": cast_cache, **alive}
-        live = sum(v for k, v in gpu.items() if k != "cuda_context")
-        gpu["allocator_slack"] = GPU_ALLOCATOR_SLACK * live
-        # Evaluation (cache emptied before it): the whole model on the GPU again, the optimizer state.
-        at_eval = CUDA_CONTEXT_MB * MB + weights + opt_state + (1 + GPU_ALLOCATOR_SLACK) * evaluation
-        gpu["evaluation"] = max(0, at_eval - sum(gpu.values()))
-        host = {"framework": framework_mb * MB + CUDA_HOST_MB * MB, "weights_on_host": max(4 * n_params, serialize),
-                "encoder_offloaded": encoder_weights, "caches": cache, "data_buffers": buffers}
-        host["frozen_cast"] = max(0, frozen_cast_bytes(n_params, half) - host["weights_on_host"])
-    else:
-        gpu = {}
-        # The tensors of each step that outlive no step: gradients (set to None at every optimizer step),
-        # activations, logits and the optimizer's temporaries; those above the mmap threshold (a large
-        # vocabulary's embedding gradient and its update) go back to the system when freed.
-        on_heap = [x for x in train_shapes if 4 * _numel(x) <= MMAP_THRESHOLD]
-        churn = 4 * sum(_numel(x) for x in on_heap) + optimizer_bytes(cfg, on_heap)[1]
-        slack = ALLOCATOR_SLACK * (churn + before["activations"] + before["logits"]) + FIRST_STEP_MB * MB
-        if cfg.lora_r:  # nothing weight-sized churns: the activations' freed blocks stay behind (measured)
-            slack += LORA_HEAP_SLACK * (act["activations"] + act["logits"])
-        host = {"framework": framework_mb * MB, "weights": weights, "gradients": alive["gradients"],
-                "optimizer": opt_state, "bf16_weight_copies": cast_cache, **alive,
-                "allocator_slack": slack, "caches": cache, "data_buffers": buffers}
-        host["checkpoint_copy"] = (max(0, serialize - freed_at_save - slack)
-                                   + max(0, export_copies - (1 - ALLOCATOR_SLACK) * freed_at_save))
-        host["frozen_cast"] = max(0, frozen_cast_bytes(n_params, half) - sum(host.values()) + host["framework"])
-        # Evaluation runs between optimizer steps (gradients freed, heap trimmed): what stays is the
-        # framework, the weights, the optimizer state, caches and buffers. An evaluation before the
-        # training peak (step 0, then every --eval_steps) leaves EVAL_FIRST_MB resident under it.
-        resident = EVAL_FIRST_MB * MB if cfg.eval_steps > 0 else 0
-        kept = sum(host[k] for k in ("framework", "weights", "optimizer", "caches", "data_buffers"))
-        at_eval = kept + (FIRST_STEP_MB + EVAL_FIRST_MB) * MB + evaluation
-        host["evaluation"] = resident + max(0, at_eval - sum(host.values()) - resident)
+    freed_at_save = act["activations"] + act["logits"] + opt_temp + ddp_copy + (grads if world == 1 else 0)
+    return StepSizes(
+        n_params=n_params, n_train=n_train, half=half,
+        encoder_elements=sum(_numel(x) for x in shapes["encoder"]),
+        encoder_matrices=stack_matrix_elements(shapes["encoder"]),
+        weights=weights, optimizer=opt_state,
+        cast_cache=2 * n_train if cfg.mixed_precision == "bf16" else 0,
+        cache=cache, buffers=(buffered + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400),
+        alive=alive_at_peak(cfg, shapes, act, grads, opt_temp, ddp_copy, world), act=act, before=before,
+        churn=4 * sum(_numel(x) for x in on_heap) + optimizer_bytes(cfg, on_heap)[1],
+        freed_at_save=freed_at_save,
+        # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
+        # safetensors that is not zero-copy (recent ones write straight from the tensors' memory).
+        serialize=4 * n_params if device == "gpu" or not zero_copy_save() else 0,
+        # Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored ones
+        # (one tensor at a time). They are large, so mmapped fresh rather than carved from the heap the
+        # allocator kept; they only reuse the share of the last step's memory that went back to the OS.
+        # (From a GPU they are made on the host, within the host copy of the weights counted there.)
+        export_copies=4 * lora_merged_elements(cfg, dims) + 2 * half,
+        evaluation=evaluation_bytes(cfg, dims, lengths.get("eval", [])), peak=peak)
+
+
+def gpu_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> tuple[dict, dict]:
+    """(GPU memory, host RAM) by component, in bytes, for a run on one GPU per process."""
+    encoder_weights = 4 * s.encoder_elements if cfg.encoder_cache != "off" else 0
+    if encoder_weights and s.half:
+        encoder_weights -= 2 * s.encoder_matrices
+    gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": s.weights - encoder_weights,
+           "gradients": s.alive["gradients"], "optimizer": s.optimizer, "bf16_weight_copies": s.cast_cache, **s.alive}
+    live = sum(v for k, v in gpu.items() if k != "cuda_context")
+    gpu["allocator_slack"] = GPU_ALLOCATOR_SLACK * live
+    # Evaluation (cache emptied before it): the whole model on the GPU again, the optimizer state.
+    at_eval = CUDA_CONTEXT_MB * MB + s.weights + s.optimizer + (1 + GPU_ALLOCATOR_SLACK) * s.evaluation
+    gpu["evaluation"] = max(0, at_eval - sum(gpu.values()))
+    host = {"framework": framework_mb * MB + CUDA_HOST_MB * MB, "weights_on_host": max(4 * s.n_params, s.serialize),
+            "encoder_offloaded": encoder_weights, "caches": s.cache, "data_buffers": s.buffers}
+    host["frozen_cast"] = max(0, frozen_cast_bytes(s.n_params, s.half) - host["weights_on_host"])
+    return gpu, host
+
+
+def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict:
+    """Host RAM by component, in bytes, for a run on the CPU."""
+    act, before = s.act, s.before
+    slack = ALLOCATOR_SLACK * (s.churn + before["activations"] + before["logits"]) + FIRST_STEP_MB * MB
+    if cfg.lora_r:  # nothing weight-sized churns: the activations' freed blocks stay behind (measured)
+        slack += LORA_HEAP_SLACK * (act["activations"] + act["logits"])
+    host = {"framework": framework_mb * MB, "weights": s.weights, "gradients": s.alive["gradients"],
+            "optimizer": s.optimizer, "bf16_weight_copies": s.cast_cache, **s.alive,
+            "allocator_slack": slack, "caches": s.cache, "data_buffers": s.buffers}
+    host["checkpoint_copy"] = (max(0, s.serialize - s.freed_at_save - slack)
+                               + max(0, s.export_copies - (1 - ALLOCATOR_SLACK) * s.freed_at_save))
+    host["frozen_cast"] = max(0, frozen_cast_bytes(s.n_params, s.half) - sum(host.values()) + host["framework"])
+    # Evaluation runs between optimizer steps (gradients freed, heap trimmed): what stays is the
+    # framework, the weights, the optimizer state, caches and buffers. An evaluation before the
+    # training peak (step 0, then every --eval_steps) leaves EVAL_FIRST_MB resident under it.
+    resident = EVAL_FIRST_MB * MB if cfg.eval_steps > 0 else 0
+    kept = sum(host[k] for k in ("framework", "weights", "optimizer", "caches", "data_buffers"))
+    at_eval = kept + (FIRST_STEP_MB + EVAL_FIRST_MB) * MB + s.evaluation
+    host["evaluation"] = resident + max(0, at_eval - sum(host.values()) - resident)
+    return host
+
+
+def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str = "cpu",
+            world: int = 1) -> dict:
+    """Peak memory by component for host RAM and GPU memory (MiB), plus their totals."""
+    s = step_sizes(cfg, vocab_size, lengths, device, world)
+    gpu, host = gpu_components(cfg, s, framework_mb) if device == "gpu" else ({}, host_components(cfg, s, framework_mb))
     host_mb = {k: round(v / MB, 1) for k, v in host.items()}
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
-    return {"device": device, "parameters": n_params, "trainable_parameters": n_train,
-            "max_source_tokens": source_len, "max_target_tokens": target_len,
-            "peak_batch_target_tokens": peak[2] if len(peak) > 2 else cfg.batch_size * target_len,
-            "training_peak_at": "optimizer step" if alive["optimizer_step_temp"] else "backward",
+    peak = s.peak
+    return {"device": device, "parameters": s.n_params, "trainable_parameters": s.n_train,
+            "max_source_tokens": peak[0], "max_target_tokens": peak[1],
+            "peak_batch_target_tokens": peak[2] if len(peak) > 2 else cfg.batch_size * peak[1],
+            "training_peak_at": "optimizer step" if s.alive["optimizer_step_temp"] else "backward",
             "host_mb": host_mb, "gpu_mb": gpu_mb, "host_peak_mb": round(sum(host_mb.values()), 1),
             "gpu_peak_mb": round(sum(gpu_mb.values()), 1)}
 
@@ -434,7 +481,7 @@ def relative_time(cfg: TrainConfig, device: str) -> float:
         factor *= SPEED["bf16_gpu"] if device == "gpu" else SPEED["bf16_cpu"]
     factor *= SPEED.get(cfg.optimizer, 1.0)
     if cfg.encoder_cache != "off":
-        factor *= 0.7
+        factor *= SPEED["encoder_cache"]
     return round(factor * 2 / min(cfg.batch_size, 2), 3)  # a micro-batch of 1 takes twice the steps
 
 
@@ -532,22 +579,13 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     """
     import torch
 
-    from config import UserError, installed
+    from config import installed
     from data.sources import resolve_files
     from data.stream import eval_files_of, eval_split
     from data.tokenization import load_trained_tokenizer
 
     device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-    if device not in ("cpu", "gpu"):
-        raise UserError(f"--device must be cpu or gpu (got {device!r})")
-    if budget_gb is not None and (not isinstance(budget_gb, (int, float)) or budget_gb <= 0):
-        raise UserError(f"--budget_gb must be a positive number of GiB (got {budget_gb!r})")
-    for name, value in (("num_processes", num_processes), ("num_machines", num_machines)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UserError(f"--{name} must be a positive whole number (got {value!r})")
-    if num_processes % num_machines:
-        raise UserError(f"--num_processes={num_processes} is the total over all machines: it must be a multiple "
-                        f"of --num_machines={num_machines}, as for accelerate launch")
+    check_plan_flags(device, budget_gb, num_processes, num_machines)
     per_machine = num_processes // num_machines
     tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
     files = resolve_files(cfg.train_file, "--train_file")
@@ -571,7 +609,31 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
                                              num_processes, per_machine, import_mb)
     if as_json:
         print(json.dumps(result))
-        return result
+    else:
+        print_plan(cfg, result)
+    return result
+
+
+def check_plan_flags(device: str, budget_gb, num_processes, num_machines) -> None:
+    """``plan``'s own flags, each problem one line saying what to pass."""
+    from config import UserError
+
+    if device not in ("cpu", "gpu"):
+        raise UserError(f"--device must be cpu or gpu (got {device!r})")
+    if budget_gb is not None and (not isinstance(budget_gb, (int, float)) or budget_gb <= 0):
+        raise UserError(f"--budget_gb must be a positive number of GiB (got {budget_gb!r})")
+    for name, value in (("num_processes", num_processes), ("num_machines", num_machines)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"--{name} must be a positive whole number (got {value!r})")
+    if num_processes % num_machines:
+        raise UserError(f"--num_processes={num_processes} is the total over all machines: it must be a multiple "
+                        f"of --num_machines={num_machines}, as for accelerate launch")
+
+
+def print_plan(cfg: TrainConfig, result: dict) -> None:
+    """The table ``plan`` prints, and with a budget the flags it recommends."""
+    device, num_processes, per_machine = result["device"], result["num_processes"], result["processes_per_machine"]
+    budget_gb = result.get("budget_gb")
     processes = f"; per process, {num_processes} processes" if num_processes > 1 else ""
     print(f"predicted peak memory ({device}; model {cfg.model_preset if not cfg.is_finetune else cfg.init_from}, "
           f"{result['parameters']:,} parameters, {result['trainable_parameters']:,} trainable; costliest batch "
@@ -592,4 +654,3 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
             print(f"fits {budget_gb} GiB ({device}, {RECOMMEND_HEADROOM:.0%} headroom): {flags}  (predicted peak "
                   f"{rec['predicted_peak_mb']:,.0f} MiB, "
                   f"relative step time {rec['relative_step_time']})")
-    return result
