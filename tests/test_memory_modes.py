@@ -391,13 +391,13 @@ def test_plan_counts_the_extras_a_run_imports(pretrained):
 
 
 def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
-    from lowmem import planner
+    from lowmem import planner, tensor_bytes
 
     # 1,000 rows: 990 with 20-token targets, 10 at the 128-token cap (1 %)
     pairs = [(100, 20)] * 990 + [(100, 128)] * 10
     lengths = {"max_source": 100, "max_target": 128, "mean_source": 100, "row_bytes": 500, "rows": 1000,
                "pairs": pairs}
-    dims = planner.model_dims(load_config({})[0], 8000)
+    dims = tensor_bytes.model_dims(load_config({})[0], 8000)
 
     def target_len(**flags):
         return planner.peak_batch_lengths(load_config(flags)[0], dims, lengths, "cpu", 1)[1]
@@ -420,7 +420,7 @@ def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer):
     from conftest import WORDS
 
     from data.collate import Seq2SeqCollator
-    from lowmem import planner
+    from lowmem import planner, tensor_bytes
 
     rng = random.Random(3)  # 2 to 50 words on both sides (under the 128-token caps): every run meets other maxima
     rows = [{"prompt": " ".join(rng.choices(WORDS, k=rng.randint(2, 50))),
@@ -441,14 +441,15 @@ def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer):
         windows = [pairs[i:i + 6] for i in range(0, len(pairs), 6)]
         assert len(windows) == 3
         met = planner.micro_batch_lengths(windows, 2)
-        cost = planner.batch_cost(load_config({})[0], planner.model_dims(load_config({})[0], len(tokenizer)), "cpu")
+        cfg = load_config({})[0]
+        cost = tensor_bytes.batch_cost(cfg, tensor_bytes.model_dims(cfg, len(tokenizer)), "cpu")
         costliest = max(met, key=cost)
         assert (plan["max_source_tokens"], plan["max_target_tokens"]) == costliest[:2]
         assert plan["peak_batch_target_tokens"] == costliest[2] < 2 * costliest[1]  # logits at real targets only
 
 
 def test_the_plan_counts_evaluation_and_its_generation_cache(tokenizer):
-    from lowmem import planner
+    from lowmem import planner, tensor_bytes
     from lowmem.modeling import build_model
 
     # the cache the planner counts is the one generate() builds (2 rows, a 30-token source, 20 new tokens)
@@ -462,7 +463,7 @@ def test_the_plan_counts_evaluation_and_its_generation_cache(tokenizer):
         cache = out.past_key_values
         held = sum(t.numel() * t.element_size() for part in (cache.self_attention_cache, cache.cross_attention_cache)
                    for layer in part.layers for t in (layer.keys, layer.values))
-        assert held == planner.kv_cache_bytes(planner.model_dims(cfg, len(tokenizer)), 2 * beams, 20 + 30, 4)
+        assert held == tensor_bytes.kv_cache_bytes(tensor_bytes.model_dims(cfg, len(tokenizer)), 2 * beams, 20 + 30, 4)
 
     # training on short rows, evaluating on long ones: evaluation is the peak, and beams multiply it
     train = {"max_source": 64, "max_target": 64, "mean_source": 64, "row_bytes": 300, "rows": 1000,
