@@ -133,13 +133,16 @@ def train_tokenizer(config: str | None = None, **flags) -> dict:
     (default: both shipped corpora) into --tokenizer_dir (default: data/tokenizer)."""
     from data.sources import resolve_files
     from data.tokenization import train_tokenizer as train_spm
+    from data.tokenization import vocab_shortfall
 
     cfg, _ = load_config(flags, config)
     spec = cfg.train_file if "train_file" in flags else ",".join(str(t) for t, _ in SHIPPED_CORPORA.values())
     files = resolve_files(spec, "--train_file")
     tokenizer = train_spm(files, cfg.tokenizer_dir, (cfg.prompt_column, cfg.response_column), cfg.vocab_size,
                           cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
-    return {"tokenizer_dir": cfg.tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}
+    summary = {"tokenizer_dir": cfg.tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}
+    shortfall = vocab_shortfall(tokenizer, cfg.vocab_size)
+    return {**summary, "note": shortfall} if shortfall else summary
 
 
 def prepare(config: str | None = None, **flags) -> dict:

@@ -360,7 +360,7 @@ class LowMemTrainer:
             self.consumed = AppendLog(self.out / f"consumed-rank{self.rank}.tsv")
 
     def _load_or_train_tokenizer(self):
-        from data.tokenization import load_tokenizer, train_tokenizer
+        from data.tokenization import load_tokenizer, train_tokenizer, vocab_shortfall
 
         cfg = self.cfg
         folder = Path(cfg.tokenizer_dir)
@@ -374,7 +374,11 @@ class LowMemTrainer:
             train_tokenizer(self.train_files, folder, (cfg.prompt_column, cfg.response_column),
                             cfg.vocab_size, cfg.tokenizer_max_sentences, progress=self._tty())
         self.accelerator.wait_for_everyone()
-        return load_tokenizer(folder)
+        tokenizer = load_tokenizer(folder)
+        shortfall = vocab_shortfall(tokenizer, cfg.vocab_size)
+        if shortfall:
+            self.say(shortfall)
+        return tokenizer
 
     def _announce(self, rows: int, per_epoch: int) -> None:
         cfg = self.cfg

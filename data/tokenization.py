@@ -93,6 +93,16 @@ def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, 
     return load_tokenizer(out_dir)
 
 
+def vocab_shortfall(tokenizer, vocab_size: int) -> str | None:
+    """A line saying so when the corpus gave fewer pieces than ``--vocab_size`` asked for
+    (``hard_vocab_limit=False`` shrinks the vocabulary of a small corpus instead of failing)."""
+    pieces = len(tokenizer) - EXTRA_IDS
+    if pieces >= vocab_size:
+        return None
+    return (f"the corpus gave {pieces:,} tokenizer pieces, fewer than --vocab_size={vocab_size:,}: sentencepiece "
+            f"found no more distinct pieces; the vocabulary is {len(tokenizer):,} with the {EXTRA_IDS} sentinels")
+
+
 def _spm_reason(err: RuntimeError) -> str:
     text = str(err)
     if "Vocabulary size is smaller than required_chars" in text:

@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO, write_rows
 
 from config import UserError
-from data.tokenization import train_tokenizer
+from data.tokenization import train_tokenizer, vocab_shortfall
 
 CHINESE = "你好，世界。今天天气怎么样？很好！我们去公园吧。"
 
@@ -22,6 +22,9 @@ def test_trained_tokenizer_layout_and_round_trip(tmp_path):
     tok = train_tokenizer([corpus], tmp_path / "tok", ("prompt", "response"), vocab_size=600, max_sentences=500)
     assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
     assert tok.bos_token_id is None
+    # This corpus has fewer distinct pieces than asked for: a smaller vocabulary, said aloud.
+    assert len(tok) < 700 and vocab_shortfall(tok, len(tok) - 100) is None
+    assert f"gave {len(tok) - 100:,} tokenizer pieces, fewer than --vocab_size=600" in vocab_shortfall(tok, 600)
     assert tok.convert_tokens_to_ids("<extra_id_0>") == len(tok) - 1
     assert tok.convert_tokens_to_ids("<extra_id_99>") == len(tok) - 100
     for text in (CHINESE, "Unseen: 🙂 ünï ｑ", "pinyin nǐ hǎo"):
