@@ -808,6 +808,9 @@ class LowMemTrainer:
                 self.folder.export(folder, self.core, self.tokenizer,
                                    {"kind": self.cfg.kind, **self.state.state_dict()}, state_dict=plain)
                 del plain
+            # LoRA's merged matrices (a few MiB each) come from the C heap, which keeps them resident
+            # once freed: trimmed, an export in mid-run does not raise the RSS of the steps after it.
+            free_memory()
         self.accelerator.wait_for_everyone()
 
     def save_checkpoint(self) -> Path:

@@ -57,6 +57,8 @@ CONFIGS = [
                                                     "--gradient_checkpointing=True"], None),
     ("base plain, short rows", "base", "short", [], None),
     ("base adamw, short rows", "base", "short", ["--optimizer=adamw", "--learn_rate=1e-3"], "base plain, short rows"),
+    ("base SFT LoRA r=32 qkvo, ckpt", "base", "sft", ["--lora_r=32", "--lora_target_modules=q,k,v,o",
+                                                      "--gradient_checkpointing=True", "--learn_rate=1e-3"], None),
     ("small, 2 processes", "small", "long", [], None),
     ("small SFT, 2 processes", "small", "sft", [], None),
 ]

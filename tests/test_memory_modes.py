@@ -130,7 +130,13 @@ def test_merged_weights_give_the_lora_models_outputs(tokenizer):
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)  # B starts at zero: make the adapters matter
     plain = build_model(cfg, tokenizer).eval()
-    plain.load_state_dict(export_state_dict(model))
+    exported = export_state_dict(model)
+    plain.load_state_dict(exported)
+    q = model.decoder.block[1].layer[1].EncDecAttention.q  # the merge is peft's own delta, out of place
+    with torch.no_grad():
+        peft_merged = q.get_base_layer().weight + q.get_delta_weight("default")
+    assert torch.allclose(exported["decoder.block.1.layer.1.EncDecAttention.q.weight"], peft_merged, atol=1e-6)
+    assert not torch.allclose(q.get_base_layer().weight, peft_merged)
     ids, decoder_ids = torch.tensor([[5, 6, 7, 1]]), torch.tensor([[0, 8, 9]])
     with torch.no_grad():
         adapted = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
