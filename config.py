@@ -168,7 +168,8 @@ class TrainConfig:
                                 "OUTPUT_DIR/tensorboard; view with tensorboard --logdir OUTPUT_DIR/tensorboard).")
 
     # --- tokenizer training ---
-    vocab_size: int = _f(8000, "Tokenizer vocabulary size before the 100 sentinels (train_tokenizer).")
+    vocab_size: int = _f(8000, "Tokenizer vocabulary size before the 100 sentinels (train_tokenizer). "
+                             "A corpus with fewer distinct pieces gets fewer, and the output says so.")
     tokenizer_max_sentences: int = _f(200_000, "Cap on sentences sampled for tokenizer training. Bounds its RAM.")
 
     # --- generate ---
