@@ -75,26 +75,29 @@ def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_tem
     costliest micro-batch, or the optimizer step (every gradient and the optimizer's temporaries;
     the activations are freed by then).
 
+    In pretraining the shared embedding is trained and tied to the output layer: the output layer's
+    gradient for it (embedding-sized) is made first in the backward and held until the input
+    embeddings' backward adds one more at its end, and only then is their sum added into ``.grad``.
     Gradients accumulated from earlier micro-batches (``--gradient_accumulation_steps`` > 1), or
-    kept in DDP's buckets (several processes), are all alive during the backward. With one process
-    and no accumulation, each optimizer step sets them to None, so the backward creates them while
-    it frees the activations, layer by layer: its costliest moment is its start (everything saved,
-    the logits and their gradient, and the tied embedding's gradient, which the output layer creates
-    first), the end of the decoder's backward, or its end (every gradient, and one more
-    embedding-sized one that the input embeddings' backward adds into it).
+    kept in DDP's buckets (several processes), are all alive during the backward, beside those two.
+    With one process and no accumulation, each optimizer step sets them to None, so the backward
+    creates them while it frees the activations, layer by layer: its costliest moment is its start
+    (everything saved, the logits and their gradient, and the output layer's embedding gradient),
+    the end of the decoder's backward, or its end (every gradient, and the input embeddings' one).
     """
     def moment(gradients, activations=0.0, logits=0.0, temp=0.0, copy=0.0) -> dict:
         return {"gradients": gradients, "activations": activations, "logits_loss": logits,
                 "optimizer_step_temp": temp, "ddp_gradient_copy": copy}
 
+    pretraining = not (cfg.is_finetune or cfg.lora_r)
+    embedding = 4 * numel(shapes["shared"][0]) if pretraining else 0
+    after_decoder = act["activations"] - act["decoder_saved"]
     moments = [moment(grads, temp=opt_temp)]
     if world > 1 or cfg.gradient_accumulation_steps > 1:
-        moments.append(moment(grads, act["activations"], act["logits"], copy=ddp_copy))
+        moments += [moment(grads + embedding, act["activations"], act["logits"], copy=ddp_copy),
+                    moment(grads + 2 * embedding, after_decoder - act["encoder_saved"], copy=ddp_copy)]
     else:
-        pretraining = not (cfg.is_finetune or cfg.lora_r)
-        embedding = 4 * numel(shapes["shared"][0]) if pretraining else 0
         decoder = 4 * sum(numel(x) for x in shapes["decoder"]) if pretraining else grads
-        after_decoder = act["activations"] - act["decoder_saved"]
         moments += [moment(embedding, act["activations"], act["logits"]),
                     moment(embedding + decoder + embedding, after_decoder),
                     moment(grads + embedding, after_decoder - act["encoder_saved"])]

@@ -313,7 +313,10 @@ def test_plan_json_table_and_recommendation(tmp_path):
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout.strip().splitlines()[-1])
     assert plan["host_peak_mb"] > plan["host_mb"]["weights"] > 150 and plan["gpu_peak_mb"] == 0
-    assert plan["host_mb"]["gradients"] == plan["host_mb"]["weights"]  # pretraining trains every weight
+    # Pretraining trains every weight; at the backward's peak the tied embedding's gradients from the
+    # output layer and the input embeddings (8,100 x 512 floats each) are pending beside them.
+    pending = (plan["host_mb"]["gradients"] - plan["host_mb"]["weights"]) / (8100 * 512 * 4 / 2**20)
+    assert min(abs(pending - k) for k in (0, 1, 2)) < 0.01, pending
     ckpt = json.loads(run_cli("plan", "--json", "--model_preset=small", "--gradient_checkpointing=True",
                               "--max_source_len=512", "--max_target_len=512").stdout.strip().splitlines()[-1])
     gpu = json.loads(run_cli("plan", "--json", "--device=gpu", "--model_preset=small").stdout.strip().splitlines()[-1])
@@ -372,7 +375,8 @@ def test_plan_for_several_processes():
     one, two = plan("--gradient_accumulation_steps=4"), plan("--gradient_accumulation_steps=4", "--num_processes=2")
     assert one["host_mb"]["ddp_gradient_copy"] == 0 and one["num_processes"] == 1
     # DDP: between all-reduces the gradients accumulate beside its buckets, one more copy of them
-    assert two["host_mb"]["ddp_gradient_copy"] == two["host_mb"]["gradients"] > 150
+    # (pretraining: of every weight)
+    assert two["host_mb"]["ddp_gradient_copy"] == two["host_mb"]["weights"] > 150
     assert two["host_total_mb"] == pytest.approx(2 * two["host_peak_mb"], abs=0.2)
     # without accumulation the gradients are the buckets; 4 processes on 2 machines: 2 share a host
     no_accumulation = plan("--gradient_accumulation_steps=1", "--num_processes=4", "--num_machines=2")
