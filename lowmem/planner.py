@@ -59,7 +59,7 @@ FIRST_STEP_MB = 20  # kernels, thread pools and autograd bookkeeping created by 
 CUDA_CONTEXT_MB = 500  # CUDA context and kernels on the GPU (outside torch's allocator)
 CUDA_HOST_MB = 1500  # host RSS of the CUDA runtime libraries once initialised
 GPU_ALLOCATOR_SLACK = 0.10  # torch's caching allocator: reserved above allocated
-RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: peaks measured up to ~5 % over plan
+RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: peaks measured up to ~8 % over plan
 EVAL_FIRST_MB = 35  # resident after the first evaluation, heap trimmed: generation's kernels and objects (27-48)
 
 # Relative step-time factors (1.0 = fp32, no checkpointing, AdamW-class optimizer) used to rank modes.
