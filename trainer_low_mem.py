@@ -808,8 +808,9 @@ class LowMemTrainer:
                 self.folder.export(folder, self.core, self.tokenizer,
                                    {"kind": self.cfg.kind, **self.state.state_dict()}, state_dict=plain)
                 del plain
-            # LoRA's merged matrices (a few MiB each) come from the C heap, which keeps them resident
-            # once freed: trimmed, an export in mid-run does not raise the RSS of the steps after it.
+            # The export's new host tensors (LoRA's merged matrices, a GPU model's float32 copies) come
+            # from the C heap, which keeps them resident once freed: trimmed, an export in mid-run does
+            # not raise the RSS of the steps after it.
             free_memory()
         self.accelerator.wait_for_everyone()
 

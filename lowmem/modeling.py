@@ -176,7 +176,7 @@ def export_state_dict(model, to_host: bool = False) -> dict | None:
     allocation, 150-160 MiB in all 3). Our adapters are plain LoRA (no DoRA, no fan-in-fan-out),
     which is all peft's delta is then. With ``to_host``
     (a model on a GPU) every tensor is copied to host memory as float32 here, one at a time, so an
-    export allocates nothing on the GPU beyond one layer's delta; on the CPU, bf16-stored weights
+    export allocates nothing on the GPU beyond one layer's merged matrix; on the CPU, bf16-stored weights
     are turned float32 in place first (:func:`weights_in_float32`). Tied tensors stay shared.
     """
     lora = has_lora(model)
