@@ -283,29 +283,37 @@ def test_train_reports_predicted_and_measured_peak_side_by_side(tmp_path):
 
 
 @pytest.mark.slow
-def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_them(tmp_path):
+@pytest.mark.parametrize("rows", ["long", "short"])
+def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_them(tmp_path, rows):
     # One process, no accumulation: each optimizer step sets the gradients to None, so a micro-batch's
     # backward builds them while it frees the activations. Counting all of small's 184 MiB of them
-    # beside all the activations predicted 1.20x the measured peak on these 128-token rows.
+    # beside all the activations predicted 1.20x the measured peak on 128-token rows. On the shipped
+    # 4-token pinyin rows the optimizer step is the peak, and the next backward makes the gradients in
+    # the blocks the last one freed: planning a heap they churned through predicted 1.09-1.13x.
     import random
 
     from conftest import WORDS
 
-    rng = random.Random(5)
-    rows = [{"prompt": " ".join(rng.choices(WORDS, k=150)), "response": " ".join(rng.choices(WORDS, k=150))}
-            for _ in range(40)]
-    data = write_rows(tmp_path / "d.jsonl", rows)
-    done = run_cli("train", "--model_preset=small", f"--train_file={data}", f"--eval_file={data}",
-                   f"--output_dir={tmp_path / 'run'}", "--max_steps=3", "--gradient_accumulation_steps=1", *FAST)
+    if rows == "long":
+        rng = random.Random(5)
+        data = write_rows(tmp_path / "d.jsonl", [{"prompt": " ".join(rng.choices(WORDS, k=150)),
+                                                  "response": " ".join(rng.choices(WORDS, k=150))} for _ in range(40)])
+    else:
+        data = REPO / "data/pinyin/train.jsonl"
+    done = run_cli("train", "--model_preset=small", f"--train_file={data}", f"--output_dir={tmp_path / 'run'}",
+                   "--max_steps=3", "--gradient_accumulation_steps=1", *FAST)
     assert done.returncode == 0, done.stderr
     records = metrics(tmp_path / "run")
     plan = next(r for r in records if r["event"] == "memory_plan")
     peak = next(r for r in records if r["event"] == "memory_peak")
-    # the costliest moment is the backward's start: of the gradients, only the tied embedding's exists
     all_gradients = plan["trainable_parameters"] * 4 / 2**20
-    assert plan["training_peak_at"] == "backward"
-    assert plan["host_mb"]["gradients"] < 0.1 * all_gradients < plan["host_mb"]["activations"]
-    assert 0.9 <= peak["host_ratio"] <= 1.1, peak
+    if rows == "long":  # the costliest moment is the backward's start: only the tied embedding's gradient exists
+        assert plan["training_peak_at"] == "backward"
+        assert plan["host_mb"]["gradients"] < 0.1 * all_gradients < plan["host_mb"]["activations"]
+    else:
+        assert plan["training_peak_at"] == "optimizer step"
+        assert plan["host_mb"]["gradients"] == pytest.approx(all_gradients, rel=1e-3)
+    assert 0.92 <= peak["host_ratio"] <= 1.08, peak
 
 
 def test_plan_json_table_and_recommendation(tmp_path):
