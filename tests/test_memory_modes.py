@@ -288,8 +288,8 @@ def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_t
     # One process, no accumulation: each optimizer step sets the gradients to None, so a micro-batch's
     # backward builds them while it frees the activations. Counting all of small's 184 MiB of them
     # beside all the activations predicted 1.20x the measured peak on 128-token rows. On the shipped
-    # 4-token pinyin rows the optimizer step is the peak, and the next backward makes the gradients in
-    # the blocks the last one freed: planning a heap they churned through predicted 1.09-1.13x.
+    # 4-token pinyin rows every gradient is alive at the peak, and each backward makes them in the
+    # blocks the last step freed: planning a heap they churned through predicted 1.09-1.13x.
     import random
 
     from conftest import WORDS
@@ -310,9 +310,8 @@ def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_t
     if rows == "long":  # the costliest moment is the backward's start: only the tied embedding's gradient exists
         assert plan["training_peak_at"] == "backward"
         assert plan["host_mb"]["gradients"] < 0.1 * all_gradients < plan["host_mb"]["activations"]
-    else:
-        assert plan["training_peak_at"] == "optimizer step"
-        assert plan["host_mb"]["gradients"] == pytest.approx(all_gradients, rel=1e-3)
+    else:  # the peak is the backward's end or the optimizer step: every gradient exists
+        assert plan["host_mb"]["gradients"] >= all_gradients
     assert 0.92 <= peak["host_ratio"] <= 1.08, peak
 
 
@@ -498,6 +497,50 @@ def test_the_plan_counts_evaluation_and_its_generation_cache(tokenizer):
     # a short eval set costs nothing beyond what training peaks at; evaluating during training leaves a little
     assert evaluation([(4, 20, 20, 60)], eval_steps=0) == 0
     assert evaluation([(4, 20, 20, 60)], eval_steps=100) == planner.EVAL_FIRST_MB
+
+
+STEP_MEMORY = """
+import json, sys
+import torch
+from config import TrainConfig
+from lowmem.modeling import build_optimizer
+from lowmem.tensor_bytes import optimizer_bytes
+cfg = TrainConfig(optimizer=sys.argv[1])
+warm = torch.nn.Parameter(torch.randn(64, 64))  # a first step's kernels and thread pools, made here
+warm.grad = torch.randn(64, 64)
+build_optimizer(cfg, [warm]).step()
+shape = (2048, 2048)
+p = torch.nn.Parameter(torch.randn(shape))
+p.grad = torch.randn(shape)
+optimizer = build_optimizer(cfg, [p])
+def high_water_mark():
+    status = open("/proc/self/status").read()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+with open("/proc/self/clear_refs", "w") as refs:
+    refs.write("5")  # the high-water mark restarts at the current RSS
+rss = high_water_mark()
+optimizer.step()  # makes the state, then updates
+print(json.dumps({"measured": high_water_mark() - rss, "planned": sum(optimizer_bytes(cfg, [shape]))}))
+"""
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw", "adamw8bit"])
+def test_an_optimizer_step_takes_the_memory_the_plan_gives_its_state_and_temporaries(optimizer):
+    # Every freed block goes back to the system (mmap above 64 KiB), so the process's high-water mark
+    # (restarted just before) above its RSS is exactly what the step held at once: the state it made and its
+    # temporaries. Measured on a 4M-element matrix: Adafactor 16 MiB (one update-sized tensor),
+    # AdamW 64 (two moments, two temporaries), adamw8bit 88 (bitsandbytes' CPU step dequantizes both
+    # moments and works in float32: five temporaries, planned as two before).
+    import subprocess
+    import sys
+
+    if optimizer == "adamw8bit" and not installed("bitsandbytes"):
+        pytest.skip("bitsandbytes is an optional extra")
+    done = subprocess.run([sys.executable, "-c", STEP_MEMORY, optimizer], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert done.returncode == 0, done.stderr
+    step = json.loads(done.stdout.strip().splitlines()[-1])
+    assert step["measured"] == pytest.approx(step["planned"], rel=0.05), step
 
 
 def test_trim_heap_returns_freed_memory():
