@@ -10,8 +10,9 @@ These readers seek instead, and turn each bad row into a reason the caller count
 - ``.parquet``: pyarrow record batches of at most ``BATCH_ROWS`` rows; rows reached by row group.
 - ``.csv``: a header line, then one record per row (quoted newlines allowed); the index holds the
   byte offset of a record every ~MiB, found with the csv module while counting rows.
-- ``.json`` holding one JSON array: parsed whole (the format cannot be streamed; use .jsonl for
-  large corpora).
+- ``.json`` holding one JSON array: its elements are found one at a time by the standard ``json``
+  scanner (``raw_decode`` over a window of the file, never the whole array) and the index holds
+  the byte offset of an element every ~MiB, as for jsonl.
 
 Host memory: one batch or one row at a time, plus the index (a few KB per GB of data).
 """
@@ -22,6 +23,7 @@ import bisect
 import csv
 import io
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +91,7 @@ def index_file(path: Path) -> FileIndex:
         if kind == "csv":
             return _index_csv(path)
         if kind == "json-array":
-            return FileIndex(len(_json_array(path)), kind=kind)
+            return _index_array(path)
         return _index_lines(path)
     except UserError:
         raise
@@ -149,15 +151,117 @@ def _index_csv(path: Path) -> FileIndex:
     return FileIndex(rows, seeks, "csv")
 
 
-def _json_array(path: Path) -> list:
-    try:
-        data = json.loads(Path(path).read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path} is not valid JSON ({exc}); write one JSON object per line as .jsonl "
-                        "so bad rows can be skipped one by one") from exc
-    if not isinstance(data, list):
-        raise UserError(f"{path} holds a JSON {type(data).__name__}, not a list of rows; use .jsonl")
-    return data
+_BLANK = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+_NEAR_END = 16  # characters: a JSON token cut by the window's end is shorter than this
+_LATIN1 = "latin-1"  # one character per byte: string positions are byte offsets, UTF-8's structure intact
+
+
+class _ArrayElements:
+    """The elements of a JSON array file as (byte offset, raw bytes), from ``offset`` on.
+
+    ``offset`` 0 is the file's start (a BOM, then ``[``); any other offset is an element's first
+    byte, as recorded in the index. Holds a window of the file that grows only as far as the
+    element being read (doubling), so memory is one element plus ``SEEK_EVERY``. The bytes are
+    decoded as Latin-1 for scanning: UTF-8's multi-byte characters never contain JSON's
+    structural characters, so ``raw_decode`` finds the same element ends as on the real text.
+    """
+
+    def __init__(self, path: Path, offset: int = 0):
+        self.path, self.fh = path, open(path, "rb")
+        at_file_start = offset == 0  # else at an element's first byte (an offset from the index)
+        if at_file_start and self.fh.read(3) == b"\xef\xbb\xbf":  # a byte-order mark
+            offset = 3
+        self.fh.seek(offset)
+        self.base, self.pos, self.text, self.eof = offset, 0, "", False
+        self.decoder = json.JSONDecoder()
+        self.expect_value = True
+        if at_file_start:
+            if self._next_char() != "[":
+                self._fail(0, "no opening '['")
+            self.pos += 1
+            self.expect_value = None  # after "[": an element or "]"
+
+    def _fill(self) -> bool:
+        """Drop what was consumed and read more (at least as much as is held); False at the end."""
+        if self.eof:
+            return False
+        self.base += self.pos
+        chunk = self.fh.read(max(SEEK_EVERY, len(self.text) - self.pos))
+        self.text, self.pos, self.eof = self.text[self.pos:] + chunk.decode(_LATIN1), 0, not chunk
+        return bool(chunk)
+
+    def _fail(self, row: int, what: str, at: int | None = None):
+        at = self.base + (self.pos if at is None else at)
+        raise UserError(f"{self.path} is not a valid JSON array: {what} at byte {at} (row {row}); "
+                        "fix the file, or write one JSON object per line as .jsonl so bad rows can be skipped "
+                        "one by one")
+
+    def _next_char(self) -> str:
+        """The next non-blank character (not consumed), "" at the end of the file."""
+        while True:
+            self.pos = _BLANK.match(self.text, self.pos).end()
+            if self.pos < len(self.text) or not self._fill():
+                return self.text[self.pos:self.pos + 1]
+
+    def read(self, row: int) -> tuple[int, bytes] | None:
+        """The next element's (byte offset, bytes), None after the closing ``]``; ``row`` names it in errors."""
+        char = self._next_char()
+        if self.expect_value is not True:  # after "[" or an element: "]" ends the array
+            if char == "]":
+                self.pos += 1
+                if self._next_char():
+                    self._fail(row, "text after the closing ']'")
+                return None
+            if self.expect_value is False:
+                if char != ",":
+                    self._fail(row, "expected ',' or the closing ']'")
+                self.pos += 1
+                self._next_char()
+        while True:
+            # An element near the window's end may go on past it (a number, or a longer element
+            # that fails to parse there): read more and parse it again.
+            near_end = len(self.text) - _NEAR_END
+            try:
+                value_end = self.decoder.raw_decode(self.text, self.pos)[1]
+                if value_end <= near_end or self.eof:
+                    break
+            except json.JSONDecodeError as exc:
+                if self.eof or (exc.pos <= near_end and not exc.msg.startswith("Unterminated string")):
+                    self._fail(row, exc.msg.removesuffix(" at").lower(), exc.pos)
+            self._fill()
+        start = self.base + self.pos
+        raw = self.text[self.pos:value_end].encode(_LATIN1)
+        self.pos, self.expect_value = value_end, False
+        return start, raw
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.fh.close()
+
+
+def _index_array(path: Path) -> FileIndex:
+    seeks, rows, mark = [], 0, -SEEK_EVERY
+    with _ArrayElements(path) as elements:
+        while (element := elements.read(rows)) is not None:
+            if element[0] - mark >= SEEK_EVERY:
+                seeks.append((rows, element[0]))
+                mark = element[0]
+            rows += 1
+    return FileIndex(rows, seeks or [(0, 0)], "json-array")
+
+
+def _array_range(path: Path, index: FileIndex | None, start: int, end: int | None):
+    row, offset = _seek_point(index, start)
+    with _ArrayElements(path, offset or 0) as elements:
+        while end is None or row < end:
+            element = elements.read(row)
+            if element is None:
+                return
+            if row >= start:
+                yield row, _parse_line(element[1])
+            row += 1
 
 
 def read_range(path: Path, index: FileIndex | None, start: int = 0,
@@ -176,8 +280,7 @@ def read_range(path: Path, index: FileIndex | None, start: int = 0,
         elif kind == "csv":
             yield from _csv_range(path, index, start, end)
         elif kind == "json-array":
-            for row, record in enumerate(_json_array(path)[start:end], start=start):
-                yield row, record if isinstance(record, dict) else "not_an_object"
+            yield from _array_range(path, index, start, end)
         else:
             yield from _jsonl_range(path, index, start, end)
     except OSError as exc:
@@ -203,7 +306,7 @@ def _jsonl_range(path: Path, index: FileIndex | None, start: int, end: int | Non
 
 def _parse_line(line: bytes) -> dict | str:
     try:
-        text = line.decode("utf-8")
+        text = line.decode("utf-8").removeprefix("\ufeff")  # a file's byte-order mark (Windows editors write one)
     except UnicodeDecodeError:
         return "invalid_utf8"
     if not text.strip():
@@ -237,7 +340,7 @@ def _parquet_range(path: Path, index: FileIndex | None, start: int, end: int | N
 def _csv_range(path: Path, index: FileIndex | None, start: int, end: int | None):
     row, offset = _seek_point(index, start)
     with open(path, "rb") as fh:
-        header = next(csv.reader(io.TextIOWrapper(io.BytesIO(fh.readline()), encoding="utf-8",
+        header = next(csv.reader(io.TextIOWrapper(io.BytesIO(fh.readline()), encoding="utf-8-sig",
                                                   errors="replace")), [])
         if offset is not None:  # without an index: the first record follows the header
             fh.seek(offset)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -10,7 +11,7 @@ from conftest import synthetic_rows, write_rows
 
 from config import UserError
 from data.collate import Seq2SeqCollator
-from data.readers import index_file
+from data.readers import index_file, read_range
 from data.sources import DataProblems, iter_rows, resolve_files
 from data.stream import ExampleStream, hold_out, read_ranges, take_examples
 
@@ -52,7 +53,7 @@ def test_null_and_empty_rows_are_skipped_and_counted(tmp_path):
     assert problems.first == [f"{path} line 11: null value 'prompt'", f"{path} line 12: empty text 'response'"]
 
 
-@pytest.mark.parametrize("ending", [".jsonl", ".parquet", ".csv"])
+@pytest.mark.parametrize("ending", [".jsonl", ".json", ".parquet", ".csv"])
 def test_any_row_range_is_read_by_seeking(tmp_path, ending):
     """Files of several MiB (several index entries): every range gives exactly its rows."""
     rows = [{"prompt": f"{i} " + "x" * 300, "response": f"r{i}, \"quoted\"\nnewline"} for i in range(12_000)]
@@ -63,6 +64,74 @@ def test_any_row_range_is_read_by_seeking(tmp_path, ending):
         got = [e for e in iter_rows(path, 0, COLS, start, end, index) if e is not None]
         assert [(e.row, e.prompt, e.response) for e in got] == \
             [(i, rows[i]["prompt"], rows[i]["response"]) for i in range(start, end)]
+
+
+def test_a_json_array_is_streamed_in_bounded_memory(tmp_path):
+    """A 30+ MiB JSON array (byte-order mark, indented, brackets / quotes / escapes / emoji inside
+    strings, a 2 MB row, rows that are not objects) is indexed and read row by row with the memory
+    of a few rows, not of the file; a broken array is one error naming the byte to fix."""
+    import tracemalloc
+
+    rows = [{"prompt": f"{i} [\"x\"] {{,}} \\ é中😀", "response": "r" * (i % 900 + 1)} for i in range(60_000)]
+    rows[30_000] = {"prompt": "p" * 2_000_000, "response": "long"}
+    rows[40_000:40_000] = [[1, 2], 12345678, None]
+    path = tmp_path / "c.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False, indent=1).encode())
+    assert path.stat().st_size > 30 << 20
+    tracemalloc.start()
+    try:
+        index = index_file(path)
+        read = [(row, record) for row, record in read_range(path, index) if row % 997 == 0 or isinstance(record, str)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak  # parsed whole, the file alone would take more than 30 MiB
+    assert index.rows == len(rows) and len(index.seeks) > 20
+    assert read == [(i, r if isinstance(r, dict) else "not_an_object") for i, r in enumerate(rows)
+                    if i % 997 == 0 or not isinstance(r, dict)]
+    assert list(read_range(path, index, 29_999, 30_002)) == [(i, rows[i]) for i in range(29_999, 30_002)]
+
+    for text, problem in [('[{"a": 1}, {"a": tru}]', "expecting value at byte 17 (row 1)"),
+                          ('[{"a": 1} {"a": 2}]', "expected ',' or the closing ']' at byte 10 (row 1)"),
+                          ('[{"a": 1},', "expecting value at byte 10 (row 1)"),
+                          ('[{"a": 1}] {}', "text after the closing ']' at byte 11 (row 1)")]:
+        path.write_text(text)
+        with pytest.raises(UserError, match=re.escape(f"{path} is not a valid JSON array: {problem}; fix the file")):
+            index_file(path)
+
+
+def test_a_json_array_cut_anywhere_by_the_reading_window(tmp_path, monkeypatch):
+    """A window of a few bytes cuts every element somewhere (inside numbers, strings, escapes,
+    nested arrays): every row still reads whole, from the start or from any index entry, and a file
+    cut short anywhere before its closing ']' is an error, never a shorter corpus."""
+    import data.readers
+
+    monkeypatch.setattr(data.readers, "SEEK_EVERY", 5)
+    rows = [{"prompt": 'a "[x]" \\', "response": "中😀"}, -1.5e-300, 12345678901234, [1, [2, {"k": "}"}]], True,
+            None, "s,]", {}, {"prompt": "p", "response": "r", "n": 1e20}]
+    path = tmp_path / "c.json"
+    raw = b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False, indent=1).encode()
+    path.write_bytes(raw)
+    index = index_file(path)
+    expected = [(i, r if isinstance(r, dict) else "not_an_object") for i, r in enumerate(rows)]
+    assert index.rows == len(rows) and len(index.seeks) == len(rows)
+    assert list(read_range(path, index)) == expected
+    assert all(list(read_range(path, index, i, i + 2)) == expected[i:i + 2] for i in range(len(rows)))
+    for cut in range(raw.index(b"[") + 1, raw.rindex(b"]")):
+        path.write_bytes(raw[:cut])
+        with pytest.raises(UserError, match="is not a valid JSON array"):
+            index_file(path)
+
+
+@pytest.mark.parametrize("ending", [".jsonl", ".csv"])
+def test_a_byte_order_mark_loses_no_row_and_no_column(tmp_path, ending):
+    """Windows editors and Excel's "CSV UTF-8" start the file with a byte-order mark."""
+    rows = synthetic_rows(5, seed=4)
+    path = write_rows(tmp_path / f"c{ending}", rows)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    problems = DataProblems()
+    got = [(e.prompt, e.response) for e in iter_rows(path, 0, COLS, problems=problems) if e is not None]
+    assert got == [(r["prompt"], r["response"]) for r in rows] and not problems.by_reason
 
 
 @pytest.mark.parametrize("world", [2, 3])
