@@ -7,7 +7,8 @@ These readers seek instead, and turn each bad row into a reason the caller count
 
 - ``.jsonl`` (and ``.json`` holding JSON lines): one line per row. A sparse index of line-start
   byte offsets (one per MiB) lets any row be reached with one seek.
-- ``.parquet``: pyarrow record batches of at most ``BATCH_ROWS`` rows; rows reached by row group.
+- ``.parquet``: pyarrow record batches of at most ``BATCH_ROWS`` rows, pages read as needed (not
+  whole row groups), only the requested columns decoded; rows reached by row group.
 - ``.csv``: a header line, then one record per row (quoted newlines allowed); the index holds the
   byte offset of a record every ~MiB, found with the csv module while counting rows.
 - ``.json`` holding one JSON array: its elements are found one at a time by the standard ``json``
@@ -264,11 +265,12 @@ def _array_range(path: Path, index: FileIndex | None, start: int, end: int | Non
             row += 1
 
 
-def read_range(path: Path, index: FileIndex | None, start: int = 0,
-               end: int | None = None) -> Iterator[tuple[int, dict | str]]:
+def read_range(path: Path, index: FileIndex | None, start: int = 0, end: int | None = None,
+               columns: tuple[str, ...] | None = None) -> Iterator[tuple[int, dict | str]]:
     """Rows ``start`` ≤ row < ``end`` (None: to the end) of one file as (row, record), or
     (row, reason key) for a bad row. Reading from the first row needs no index (``index=None``):
-    no pass over the file is made first."""
+    no pass over the file is made first. ``columns``: parquet decodes only these (the records of
+    other formats hold every field)."""
     if index is None and start:
         raise ValueError("reading from a row other than the first needs the file's index")
     if end is not None and start >= end:
@@ -276,7 +278,7 @@ def read_range(path: Path, index: FileIndex | None, start: int = 0,
     kind = index.kind if index is not None else file_kind(path)
     try:
         if kind == "parquet":
-            yield from _parquet_range(path, index, start, end)
+            yield from _parquet_range(path, index, start, end, columns)
         elif kind == "csv":
             yield from _csv_range(path, index, start, end)
         elif kind == "json-array":
@@ -318,14 +320,18 @@ def _parse_line(line: bytes) -> dict | str:
     return record if isinstance(record, dict) else "not_an_object"
 
 
-def _parquet_range(path: Path, index: FileIndex | None, start: int, end: int | None):
+def _parquet_range(path: Path, index: FileIndex | None, start: int, end: int | None,
+                   columns: tuple[str, ...] | None = None):
     import pyarrow.parquet as pq
 
     first_row, group = _seek_point(index, start)
-    pf = pq.ParquetFile(path)
+    # Pages are read as the batches need them, not a whole row group at once: pyarrow writes 1Mi
+    # rows per row group by default, so a corpus from ``df.to_parquet()`` is often one group.
+    pf = pq.ParquetFile(path, pre_buffer=False, buffer_size=SEEK_EVERY)
     groups = list(range(group or 0, pf.metadata.num_row_groups))
+    wanted = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
     row = first_row
-    for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups):
+    for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups, columns=wanted):
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue

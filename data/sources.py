@@ -127,7 +127,7 @@ def iter_rows(path: Path, file_index: int, columns: tuple[str, str], start_row: 
     if index is None and start_row:
         index = index_file(path)
     kind = index.kind if index is not None else file_kind(path)
-    for row, record in read_range(path, index, start_row, end_row):
+    for row, record in read_range(path, index, start_row, end_row, columns):
         problem = row_problem(record, columns)
         if problem:
             if problems is not None:

@@ -123,6 +123,32 @@ def test_a_json_array_cut_anywhere_by_the_reading_window(tmp_path, monkeypatch):
             index_file(path)
 
 
+def test_a_parquet_file_of_one_row_group_is_read_page_by_page(tmp_path):
+    """pyarrow writes 1Mi rows per row group by default: a whole corpus in one group. Reading it
+    takes Arrow memory for a few pages of the two text columns, not for the group (44 MB here),
+    and other columns are never decoded."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 20_000
+    table = pa.table({"prompt": [os.urandom(500).hex() for _ in range(rows)],
+                      "response": [os.urandom(100).hex() for _ in range(rows)],
+                      "extra": [os.urandom(500).hex() for _ in range(rows)]})
+    path = tmp_path / "one_group.parquet"
+    pq.write_table(table, path, row_group_size=rows)
+    expected = table.slice(rows - 3).select(["prompt", "response"]).to_pylist()
+    del table
+    assert pq.ParquetFile(path).metadata.num_row_groups == 1 and path.stat().st_size > 40 << 20
+    before, peak, got = pa.total_allocated_bytes(), 0, []
+    for example in iter_rows(path, 0, COLS):
+        peak = max(peak, pa.total_allocated_bytes() - before)
+        got.append(example)
+    assert len(got) == rows and [{"prompt": e.prompt, "response": e.response} for e in got[-3:]] == expected
+    assert peak < 16 << 20, peak  # the whole group, pre-buffered: more than 40 MiB
+
+
 @pytest.mark.parametrize("ending", [".jsonl", ".csv"])
 def test_a_byte_order_mark_loses_no_row_and_no_column(tmp_path, ending):
     """Windows editors and Excel's "CSV UTF-8" start the file with a byte-order mark."""
