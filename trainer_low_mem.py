@@ -114,6 +114,7 @@ class LowMemTrainer:
         train_columns = self._check_inputs()
         self._start_accelerator()
         resume_dir, old_files = self.folder.check(cfg, self.rank, say=self.say)
+        self.accelerator.wait_for_everyone()  # every process has looked at the folder before anything is removed
         if self.main:
             self.folder.remove(old_files)
         self.accelerator.wait_for_everyone()

@@ -25,6 +25,7 @@ import csv
 import io
 import json
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,9 @@ from config import UserError
 
 SEEK_EVERY = 1 << 20  # bytes between index entries: at most this much is read and dropped per seek
 BATCH_ROWS = 256  # parquet rows decoded at once
+# A csv field may be as long as a jsonl line (texts are truncated at tokenization), not only the
+# csv module's default 128 KiB, past which one long row made the whole file unreadable.
+csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 TOKEN_COLUMNS = ("input_ids", "labels")  # the columns of a corpus prepared by ``data.prepare`` (token ids)
 
 # Reason keys for bad rows (they appear in the log and in metrics.jsonl).

@@ -59,9 +59,11 @@ class RunFolder:
         used = self.run_files()
         if not cfg.is_keep_training:
             if used and not cfg.overwrite_output_dir:
-                raise UserError(f"--output_dir={cfg.output_dir} already holds a run; continue it with "
-                                "--is_keep_training=True, start over with --overwrite_output_dir=True, "
-                                "or choose another --output_dir")
+                if not self.stopped_before_training(used):
+                    raise UserError(f"--output_dir={cfg.output_dir} already holds a run; continue it with "
+                                    "--is_keep_training=True, start over with --overwrite_output_dir=True, "
+                                    "or choose another --output_dir")
+                say(f"the last run in {cfg.output_dir} stopped before its first step: starting over")
             return None, used
         if cfg.resume_from:
             problem = checkpoint.validate(Path(cfg.resume_from))
@@ -77,6 +79,21 @@ class RunFolder:
         # The run was stopped before its first checkpoint: the same seed replays it exactly.
         say(f"no checkpoint yet in {self.checkpoints}: starting the run again from step 0")
         return None, used
+
+    def stopped_before_training(self, used: list[Path]) -> bool:
+        """True when the run here stopped before its first optimizer step (bad data, a wrong flag,
+        out of memory while building): it left a metrics.jsonl of step-0 records and at most the
+        step-0 evaluation's ``best/`` (the model it started from), nothing that starting over would
+        lose, so fixing the cause and running the same command again just works."""
+        metrics = self.path / "metrics.jsonl"
+        if metrics not in used or not set(used) <= {metrics, self.path / "best"}:
+            return False
+        try:
+            with open(metrics, encoding="utf-8") as fh:
+                records = [json.loads(line) for line in fh if line.strip()]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        return all(r.get("step") == 0 and r.get("event") not in ("train", "checkpoint") for r in records)
 
     @staticmethod
     def remove(paths: list[Path]) -> None:

@@ -160,6 +160,13 @@ def test_a_byte_order_mark_loses_no_row_and_no_column(tmp_path, ending):
     assert got == [(r["prompt"], r["response"]) for r in rows] and not problems.by_reason
 
 
+def test_a_csv_field_longer_than_the_csv_modules_limit_is_read(tmp_path):
+    """Python's csv stops at 128 KiB per field by default, which made the whole file unreadable."""
+    rows = synthetic_rows(3) + [{"prompt": "y" * 300_000, "response": "ok"}] + synthetic_rows(3, seed=1)
+    got = [e for e in iter_rows(write_rows(tmp_path / "c.csv", rows), 0, COLS)]
+    assert [(e.prompt, e.response) for e in got] == [(r["prompt"], r["response"]) for r in rows]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_processes_split_every_file_and_read_only_their_share(tmp_path, world):
     """2 files over 3 processes (does not divide) and over 2: each row once, each process reads

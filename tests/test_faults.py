@@ -90,6 +90,28 @@ def test_too_many_bad_rows_and_only_bad_rows_stop_with_one_line(tmp_path):
     assert "yields no usable rows" in error_line(proc)
 
 
+def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_kept(tmp_path):
+    """Stopped before its first step, a run leaves nothing worth keeping: the same command starts
+    over once the data is fixed. A run that trained is never overwritten without being asked."""
+    train, out = tmp_path / "train.jsonl", tmp_path / "run"
+    bad_corpus(train, good=300, copies=2)
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=9))
+    command = ["train", f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={out}", "--max_steps=2",
+               "--save_steps=2", *SMALL]
+    assert run_cli(*command).returncode == 2
+    write_rows(train, synthetic_rows(300, seed=3))  # the fix
+    proc = run_cli(*command)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"the last run in {out} stopped before its first step: starting over" in proc.stdout
+    trained = metrics(out)
+    assert [r["bad_rows"] for r in trained if r["event"] == "data_errors"] == [0]  # the failed attempt's 16 are gone
+    assert [r["step"] for r in trained if r["event"] == "train"] == [2]
+
+    proc = run_cli(*command)
+    assert proc.returncode == 2 and "already holds a run" in error_line(proc)
+    assert metrics(out) == trained and (out / "final").is_dir() and checkpoint.find_latest_valid(out / "checkpoints")
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["train", "--learnrate=0.1"], "did you mean --learn_rate"),
     (["train", "--batch_size=two"], "--batch_size"),
