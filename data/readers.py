@@ -326,6 +326,7 @@ def _parse_line(line: bytes) -> dict | str:
 
 def _parquet_range(path: Path, index: FileIndex | None, start: int, end: int | None,
                    columns: tuple[str, ...] | None = None):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     first_row, group = _seek_point(index, start)
@@ -335,16 +336,21 @@ def _parquet_range(path: Path, index: FileIndex | None, start: int, end: int | N
     groups = list(range(group or 0, pf.metadata.num_row_groups))
     wanted = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
     row = first_row
-    for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups, columns=wanted):
-        if row + batch.num_rows <= start:
-            row += batch.num_rows
-            continue
-        for record in batch.to_pylist():
-            if end is not None and row >= end:
-                return
-            if row >= start:
-                yield row, record
-            row += 1
+    try:
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups, columns=wanted):
+            if row + batch.num_rows <= start:
+                row += batch.num_rows
+                continue
+            for record in batch.to_pylist():
+                if end is not None and row >= end:
+                    return
+                if row >= start:
+                    yield row, record
+                row += 1
+    finally:
+        # Arrow's allocator (mimalloc) keeps freed pages: reaching the last rows of a 1M-row
+        # group left ~60 MiB of RSS behind that nothing used again.
+        pa.default_memory_pool().release_unused()
 
 
 def _csv_range(path: Path, index: FileIndex | None, start: int, end: int | None):
