@@ -19,6 +19,7 @@ import torch
 
 from config import STARTED_MARKER, TrainConfig, UserError
 from lowmem import checkpoint
+from lowmem.metrics import read_metrics
 
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
 SHAPE_SETTINGS = ("model_preset", "is_finetune", "tokenizer_size", "tokenizer_sha1")
@@ -89,8 +90,7 @@ class RunFolder:
         if metrics not in used or not set(used) <= {metrics, self.path / "best"}:
             return False
         try:
-            with open(metrics, encoding="utf-8") as fh:
-                records = [json.loads(line) for line in fh if line.strip()]
+            records = read_metrics(metrics)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             return False
         return all(r.get("step") == 0 and r.get("event") not in ("train", "checkpoint") for r in records)
