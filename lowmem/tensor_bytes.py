@@ -141,7 +141,8 @@ def lora_layer_delta(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
 def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: int, device: str = "cpu",
                      target_tokens: int | None = None) -> dict:
     """Bytes saved for backward (and live at the backward peak) for one micro-batch padded to these
-    lengths; logits exist only at its ``target_tokens`` real target positions (default: all)."""
+    lengths; logits exist only at its ``target_tokens`` real target positions (default: all).
+    ``decoder_block``: one decoder block's activations (what its backward, or recomputation, holds)."""
     b, s, t = cfg.batch_size, source_len, target_len
     d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
     # On a GPU bf16 halves the matmul outputs (not norms / softmax); CPU autocast measured no saving.
@@ -170,7 +171,8 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     logits = positions * dims["vocab_size"] * (4 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
     encoder_out = b * s * d * 4
     return {"activations": encoder_saved + decoder_saved + encoder_peak + encoder_out + attention_grads,
-            "logits": logits, "encoder_saved": encoder_saved, "decoder_saved": decoder_saved}
+            "logits": logits, "encoder_saved": encoder_saved, "decoder_saved": decoder_saved,
+            "decoder_block": dec_layer}
 
 
 def batch_cost(cfg: TrainConfig, dims: dict, device: str):
