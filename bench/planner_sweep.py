@@ -22,12 +22,13 @@ import random
 import tempfile
 from pathlib import Path
 
-from memory_modes import REPO, make_corpora, measure, run
+from make_corpus import load_sources
+from memory_modes import make_corpora, measure, run
 
 
 def more_corpora(folder: Path, made: dict) -> dict:
     """The shipped chat pairs as csv, and the long rows split over a folder of three jsonl files."""
-    rows = [json.loads(line) for line in (REPO / "data/chatterbot/train.jsonl").read_text().splitlines()]
+    rows = load_sources()["chat"]
     with open(folder / "chat.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["prompt", "response"])
         writer.writeheader()
