@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,29 @@ MEMORY_PROFILES = {
 
 class UserError(Exception):
     """A mistake the user can fix; the CLI prints it as one line and exits with code 2."""
+
+
+def model_folder_config(path: str | Path) -> dict:
+    """The saved T5 config of the model folder ``--init_from`` names (a run's best/ or final/).
+
+    A training run's own folder also holds a config.json (the run's flags), so the file alone
+    does not make a model folder: its ``model_type`` must be t5.
+    """
+    folder = Path(path)
+    inside = [folder / name for name in ("best", "final") if (folder / name / "config.json").is_file()]
+    fix = (f"it is a training run's folder: pass --init_from={inside[0]}" if inside
+           else "point it at a run's best/ or final/ folder (pretrain first: python train_low_mem.py train)")
+    if not (folder / "config.json").is_file():
+        raise UserError(f"--init_from={path} is not a model folder (no config.json); {fix}")
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"--init_from={path}: its config.json cannot be read ({error}); {fix}") from None
+    if not isinstance(saved, dict) or saved.get("model_type") != "t5":
+        kind = saved.get("model_type") if isinstance(saved, dict) else None
+        what = f"a {kind} model's config" if kind else "no model's config"
+        raise UserError(f"--init_from={path} is not a T5 model folder (its config.json is {what}); {fix}")
+    return saved
 
 
 def _f(default, help_text: str, **kwargs):

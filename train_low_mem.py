@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own bars and log lines say enough
 
-from config import SHIPPED_CORPORA, STARTED_MARKER, UserError, help_text, load_config  # noqa: E402
+from config import SHIPPED_CORPORA, STARTED_MARKER, UserError, help_text, load_config, model_folder_config  # noqa: E402
 
 
 def train(config: str | None = None, **flags) -> dict:
@@ -71,7 +71,7 @@ def die_with_launcher() -> None:
 
 def mark_run_started(cfg) -> None:
     """Leave OUTPUT_DIR/.started so ``--is_keep_training`` knows a run began there (once its data
-    paths resolve: a typo in them should not leave a run folder behind)."""
+    paths and SFT's model folder resolve: a typo in them should not leave a run folder behind)."""
     from data.sources import resolve_files  # light: datasets is imported only when reading
 
     if cfg.is_keep_training:
@@ -79,6 +79,8 @@ def mark_run_started(cfg) -> None:
     resolve_files(cfg.train_file, "--train_file")
     if cfg.eval_file is not None:  # None: held out of --train_file
         resolve_files(cfg.eval_file, "--eval_file")
+    if cfg.is_finetune:
+        model_folder_config(cfg.init_from)
     try:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.output_dir) / STARTED_MARKER).touch()

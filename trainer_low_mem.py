@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import TrainConfig, UserError
+from config import TrainConfig, UserError, model_folder_config
 from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
@@ -164,9 +164,7 @@ class LowMemTrainer:
         check_columns(self.train_files, train_columns, "--train_file")
         self.eval_files = eval_files_of(cfg, self.train_files)
         if cfg.is_finetune and self.model is None:
-            if not (Path(cfg.init_from) / "config.json").is_file():
-                raise UserError(f"--init_from={cfg.init_from} is not a model folder (no config.json); "
-                                "pretrain first (python train_low_mem.py train) or point --init_from at best/")
+            model_folder_config(cfg.init_from)
         return train_columns
 
     def _build_model(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from config import MODEL_PRESETS, TrainConfig, UserError, optional_package_missing
+from config import MODEL_PRESETS, TrainConfig, UserError, model_folder_config, optional_package_missing
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
 # warns that it cannot fetch an optional 4-bit CPU kernel from the hub (nothing here uses it): one
@@ -63,9 +63,7 @@ def load_model(path: str | Path, **config_overrides):
     import_transformers_models()
     from transformers import T5ForConditionalGeneration
 
-    if not (Path(path) / "config.json").is_file():
-        raise UserError(f"--init_from={path} is not a model folder (no config.json); "
-                        "point it at a run's best/ or final/ folder")
+    model_folder_config(path)
     return T5ForConditionalGeneration.from_pretrained(str(path), **config_overrides)
 
 

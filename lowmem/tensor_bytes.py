@@ -7,10 +7,9 @@ peak by component and checks them against measured RSS (``bench/memory_modes.py`
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from config import MODEL_PRESETS, TrainConfig
+from config import MODEL_PRESETS, TrainConfig, model_folder_config
 
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
 
@@ -18,7 +17,7 @@ ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's ba
 def model_dims(cfg: TrainConfig, vocab_size: int) -> dict:
     """d_model, d_ff, heads, d_kv, layers and vocabulary of the model the run trains."""
     if cfg.is_finetune and cfg.init_from and (Path(cfg.init_from) / "config.json").is_file():
-        saved = json.loads((Path(cfg.init_from) / "config.json").read_text())
+        saved = model_folder_config(cfg.init_from)
         dims = {k: saved[k] for k in ("d_model", "d_ff", "num_heads", "d_kv", "num_layers")}
         dims["num_decoder_layers"] = saved.get("num_decoder_layers") or saved["num_layers"]
         dims["vocab_size"] = saved["vocab_size"]

@@ -133,6 +133,20 @@ def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
     assert fragment in error_line(proc)
 
 
+
+@pytest.mark.parametrize("command", [["train", "--is_finetune=True"], ["plan", "--is_finetune=True"], ["evaluate"]])
+def test_init_from_a_run_folder_names_its_best_model(tmp_path, command):
+    """A training run's folder holds a config.json too (the run's flags): --init_from pointing at it
+    gets one line naming the model folder inside, not a traceback from reading it as a T5 config."""
+    run = tmp_path / "pretrain"
+    (run / "best").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model_preset": "tiny", "is_finetune": False}))
+    (run / "best" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    proc = run_cli(*command, f"--init_from={run}", f"--output_dir={tmp_path / 'sft'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "is not a T5 model folder" in error_line(proc) and f"pass --init_from={run / 'best'}" in error_line(proc)
+    assert not (tmp_path / "sft").exists()
+
 def test_memory_guard_checkpoints_and_the_run_resumes(tmp_path):
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(400, seed=1))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=2))
