@@ -76,9 +76,9 @@ def mark_run_started(cfg) -> None:
 
     if cfg.is_keep_training:
         return
-    resolve_files(cfg.train_file, "--train_file")
+    resolve_files(cfg.train_file, "--train_file", cfg.output_dir)
     if cfg.eval_file is not None:  # None: held out of --train_file
-        resolve_files(cfg.eval_file, "--eval_file")
+        resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir)
     if cfg.is_finetune:
         model_folder_config(cfg.init_from)
     try:

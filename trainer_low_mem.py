@@ -27,7 +27,7 @@ from config import TrainConfig, UserError, model_folder_config
 from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
-from data.sources import DataProblems, check_columns, resolve_files
+from data.sources import FORMATS, DataProblems, check_columns, ignored_in_folders, resolve_files
 from data.stream import ExampleStream, batched, eval_files_of, eval_split
 from data.tokenization import tokenizer_sha1
 from lowmem import checkpoint
@@ -158,7 +158,7 @@ class LowMemTrainer:
     def _check_inputs(self) -> tuple[str, str]:
         """The checks that need no model or process group; returns the training files' columns."""
         cfg = self.cfg
-        self.train_files = resolve_files(cfg.train_file, "--train_file")
+        self.train_files = resolve_files(cfg.train_file, "--train_file", cfg.output_dir)
         self.prepared = manifest_of(self.train_files)  # a corpus tokenized by `prepare`: token-id columns
         train_columns = TOKEN_COLUMNS if self.prepared else (cfg.prompt_column, cfg.response_column)
         check_columns(self.train_files, train_columns, "--train_file")
@@ -400,13 +400,18 @@ class LowMemTrainer:
             f"params trainable {self.trainable:,} / frozen {self.frozen:,}",
             f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
             f"x {self.world}) | tokens per optimizer step <= {effective * (cfg.max_source_len + cfg.max_target_len):,}",
-            f"train rows {rows:,} | {per_epoch} optimizer steps per epoch | total steps {self.total_steps} | "
-            f"start step {self.state.step}",
+            f"train rows {rows:,} from {len(self.train_files)} file(s) | {per_epoch} optimizer steps per epoch | "
+            f"total steps {self.total_steps} | start step {self.state.step}",
             f"eval rows {len(self.eval_examples):,} from "
             + (cfg.eval_file if cfg.eval_file else f"the last {self.held_out_rows:,} rows of --train_file, held out "
                "of training (pass --eval_file to evaluate on another set)"),
             "memory: " + ", ".join(features),
         ]
+        ignored = ignored_in_folders(cfg.train_file)
+        if ignored:
+            lines.append(f"not read: {len(ignored)} file(s) in the --train_file folder(s) without a data ending "
+                         f"({'/'.join(FORMATS)}): " + ", ".join(str(p) for p in ignored[:3])
+                         + (" ..." if len(ignored) > 3 else ""))
         for line in lines:
             self.say(line)
         self.record("setup", trainable_params=self.trainable, frozen_params=self.frozen,

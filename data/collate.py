@@ -3,14 +3,30 @@ rows of similar length paired into micro-batches, each padded to its own longest
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from data.sources import Example
 from data.stream import batched
 
-# sentencepiece pieces are at most 16 characters, so cutting the text to 16 characters per allowed
+# sentencepiece pieces are at most 16 characters, so cutting the text after 16 characters per allowed
 # token never changes the truncated result, and a megabyte-long row costs no more than a short one.
+# Whitespace is not counted: a whitespace-splitting pre-tokenizer (ours) makes no token of it, so a
+# row indented by thousands of spaces would otherwise be cut before its first word.
 _CHARS_PER_TOKEN_BOUND = 16
+_SPACES = re.compile(r"\s+")
+
+
+def text_head(text: str, content_chars: int) -> str:
+    """The shortest prefix of ``text`` holding ``content_chars`` non-whitespace characters (all of
+    it when it has fewer). Reads only as far as that prefix, however long the text."""
+    end = content = 0
+    while content < content_chars and end < len(text):
+        piece = text[end:end + content_chars - content]
+        content += len(piece) - sum(len(run) for run in _SPACES.findall(piece))
+        end += len(piece)
+    return text[:end]
 
 
 def round_up(length: int, multiple: int) -> int:
@@ -75,7 +91,7 @@ class Seq2SeqCollator:
             eos = self.tokenizer.eos_token_id
             return [ids if len(ids) <= max_len else ids[:max_len - 1] + [eos] for ids in texts]
         cut = max_len * _CHARS_PER_TOKEN_BOUND
-        return self.tokenizer([t[:cut] for t in texts], max_length=max_len, truncation=True)["input_ids"]
+        return self.tokenizer([text_head(t, cut) for t in texts], max_length=max_len, truncation=True)["input_ids"]
 
     def encode(self, texts: list[str], max_len: int) -> dict:
         ids, mask = pad(self.token_ids(texts, max_len), self.tokenizer.pad_token_id, self.pad_multiple)

@@ -18,10 +18,9 @@ import shutil
 from pathlib import Path
 
 from config import UserError
-from data.readers import TOKEN_COLUMNS
+from data.readers import MANIFEST, TOKEN_COLUMNS
 from data.sources import DataProblems, iter_rows
 
-MANIFEST = "prepared.manifest"  # JSON; not a data-file ending, so a folder glob never reads it as rows
 GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
 SHARD_ROWS = 100_000  # rows per shard: several shards let each epoch visit them in a new order
 

@@ -38,6 +38,7 @@ BATCH_ROWS = 256  # parquet rows decoded at once
 # csv module's default 128 KiB, past which one long row made the whole file unreadable.
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 TOKEN_COLUMNS = ("input_ids", "labels")  # the columns of a corpus prepared by ``data.prepare`` (token ids)
+MANIFEST = "prepared.manifest"  # what ``data.prepare`` wrote (JSON): not a data-file ending, never read as rows
 
 # Reason keys for bad rows (they appear in the log and in metrics.jsonl).
 REASONS = {
@@ -126,6 +127,8 @@ class _Lines:
 
     def __init__(self, fh):
         self.fh, self.offset, self.bad = fh, fh.tell(), False
+        self.end = fh.seek(0, io.SEEK_END)
+        fh.seek(self.offset)
 
     def __iter__(self):
         return self
@@ -147,13 +150,34 @@ def _index_csv(path: Path) -> FileIndex:
         lines = _Lines(fh)
         reader = csv.reader(lines)
         next(reader, None)  # header
-        seeks, rows, mark = [(0, lines.offset)], 0, lines.offset
+        seeks, rows, mark, last = [(0, lines.offset)], 0, lines.offset, lines.offset
         for _ in reader:
             rows += 1
             if lines.offset - mark >= SEEK_EVERY:
                 seeks.append((rows, lines.offset))
                 mark = lines.offset
+            if lines.offset < lines.end:
+                last = lines.offset  # where the next record, possibly the last, starts
+    if rows:
+        _check_last_record_closes(path, last, rows)
     return FileIndex(rows, seeks, "csv")
+
+
+def _check_last_record_closes(path: Path, start: int, row: int) -> None:
+    """A quote opened and never closed makes the csv module read the rest of the file as one
+    value (it ends that record at the end of the file instead of failing): re-read the last
+    record strictly, which fails exactly then."""
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        text = fh.read().decode("utf-8", errors="replace")
+    try:
+        for _ in csv.reader(io.StringIO(text, newline=""), strict=True):
+            pass
+    except csv.Error as exc:
+        if "unexpected end of data" in str(exc):
+            raise UserError(f"{path}: the quoted value that opens in row {row} never closes, so the rest of the "
+                            "file would be read as that one value; add the closing quote (\") or remove the "
+                            "opening one") from None
 
 
 _BLANK = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
@@ -319,7 +343,7 @@ def _parse_line(line: bytes) -> dict | str:
         return "blank_line"
     try:
         record = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError, an integer past Python's 4300 digits, deep nesting
         return "malformed_json"
     return record if isinstance(record, dict) else "not_an_object"
 
@@ -388,4 +412,9 @@ def row_problem(record: dict | str, columns: tuple[str, str]) -> tuple[str, str]
             return "non_string_value", column
         if not (value if kind is list else value.strip()):
             return "empty_value", column
+        if kind is str and not value.isascii():
+            try:  # a JSON escape can hold half of a UTF-16 pair (an emoji cut in two), which no tokenizer takes
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return "invalid_utf8", column
     return None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import UserError
-from data.readers import REASONS, FileIndex, file_kind, index_file, read_range, row_problem
+from data.readers import MANIFEST, REASONS, FileIndex, file_kind, index_file, read_range, row_problem
 
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # file endings read by data.readers
 
@@ -32,17 +32,25 @@ class Example:
     row: int
 
 
-def resolve_files(spec: str, flag: str = "--train_file") -> list[Path]:
+def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None = None) -> list[Path]:
     """Expand a file, a glob, a folder, or a comma-separated list of those, into sorted data files.
 
+    A folder gives its data files at any depth (through linked folders too), leaving out hidden
+    files and folders (``.ipynb_checkpoints``, ``.git``) as a glob's ``*`` does.
+
     Raises:
-        UserError: when nothing matches or a matched file has an unsupported ending.
+        UserError: when nothing matches, a matched file has an unsupported ending, or the run's
+            ``output_dir`` lies inside a data folder (its own files would become training rows).
     """
     files: list[Path] = []
     for part in [p.strip() for p in str(spec).split(",") if p.strip()]:
         path = Path(part).expanduser()
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.suffix.lower() in FORMATS and p.is_file())
+            if output_dir is not None and path.resolve() in [*Path(output_dir).resolve().parents,
+                                                              Path(output_dir).resolve()]:
+                raise UserError(f"--output_dir={output_dir} is inside {flag}={part}: the run's own files "
+                                "(metrics.jsonl, ...) would be read as data; choose an --output_dir outside it")
+            found = [p for p in folder_files(path) if p.suffix.lower() in FORMATS]
             if not found:
                 raise UserError(f"{flag}={part} is a folder with no {'/'.join(FORMATS)} files")
         elif any(ch in part for ch in "*?["):
@@ -62,6 +70,27 @@ def resolve_files(spec: str, flag: str = "--train_file") -> list[Path]:
     if not files:
         raise UserError(f"{flag} is empty")
     return files
+
+
+def folder_files(folder: Path) -> list[Path]:
+    """Every visible file under ``folder``, sorted; linked folders are followed (each real folder once)."""
+    out, seen = [], set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a link back up the tree, or two links to one folder
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        out.extend(Path(root) / n for n in names if not n.startswith("."))
+    return sorted(p for p in out if p.is_file())
+
+
+def ignored_in_folders(spec: str) -> list[Path]:
+    """The visible files of ``spec``'s folders that are not data files (told to the user, not read)."""
+    folders = [Path(p.strip()).expanduser() for p in str(spec).split(",") if p.strip()]
+    return [p for folder in folders if folder.is_dir() for p in folder_files(folder)
+            if p.suffix.lower() not in FORMATS and p.name != MANIFEST]
 
 
 class DataProblems:

@@ -59,14 +59,40 @@ class ExampleStream:
                 "rows_read": self.rows_read,
                 "buffer": [(e.prompt, e.response, e.file_index, e.row) for e in self.buffer],
                 "rng": self.rng.getstate(), "problems": self.problems.state_dict(),
-                "files": [str(f) for f in self.files]}
+                "files": [str(f) for f in self.files], "rows": [i.rows for i in self.indexes]}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a position; the files must be those it was taken on (same names and row counts).
+
+        Raises:
+            UserError: when files were added, removed or changed since: the saved position (a file
+                and a row of this epoch's file order) would point elsewhere, repeating some rows
+                and never reaching others.
+        """
+        changed = self._data_changes(state["files"], state.get("rows"))
+        if changed:
+            raise UserError(f"the training data changed since the checkpoint ({changed}), so its position would "
+                            "repeat some rows and skip others; restore the files to resume, or start a new run "
+                            "(another --output_dir, or --overwrite_output_dir=True)")
         self.epoch, self.file_pos, self.row_pos = state["epoch"], state["file_pos"], state["row_pos"]
         self.rows_read = state["rows_read"]
         self.buffer = [Example(*e) for e in state["buffer"]]
         self.rng.setstate(state["rng"])
         self.problems.load_state_dict(state["problems"])
+
+    def _data_changes(self, saved_files: list[str], saved_rows: list[int] | None) -> str:
+        """What differs between the saved files and these ('' when nothing). Compared by name and
+        row count, so a corpus moved to another folder still resumes."""
+        names, saved = [f.name for f in self.files], [Path(f).name for f in saved_files]
+        if names != saved:
+            added, removed = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+            parts = ([f"added {', '.join(added[:3])}"] if added else []) + (
+                [f"removed {', '.join(removed[:3])}"] if removed else [])
+            return "; ".join(parts) or "the files' order changed"
+        for path, index, rows in zip(self.files, self.indexes, saved_rows or []):
+            if index.rows != rows:
+                return f"{path} has {index.rows} training rows, had {rows}"
+        return ""
 
     # --------------------------------------------------------------- iteration
     def file_order(self, epoch: int) -> list[int]:
@@ -94,6 +120,10 @@ class ExampleStream:
                 self.rows_read += self.epoch == 0
                 if item is not None:
                     yield item
+            if self.row_pos < end:
+                raise UserError(f"{self.files[index]} ended at row {self.row_pos} of the {self.indexes[index].rows} "
+                                "it had when the run started: it changed during training; restore it and continue "
+                                "with --is_keep_training=True")
             self.file_pos, self.row_pos = self.file_pos + 1, 0
 
     def iter_epoch(self) -> Iterator[Example]:
@@ -168,7 +198,7 @@ def eval_files_of(cfg, train_files: list[Path]) -> list[Path]:
             raise UserError("--train_file holds prepared shards (token ids), so no eval rows can be held out of "
                             "it: pass --eval_file with text rows (BLEU compares decoded answers)")
         return []
-    files = resolve_files(cfg.eval_file, "--eval_file")
+    files = resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir)
     if manifest_of(files):
         raise UserError("--eval_file must be text (BLEU compares decoded answers): pass the original corpus, "
                         "not prepared shards")

@@ -87,7 +87,10 @@ class RunFolder:
         step-0 evaluation's ``best/`` (the model it started from), nothing that starting over would
         lose, so fixing the cause and running the same command again just works."""
         metrics = self.path / "metrics.jsonl"
-        if metrics not in used or not set(used) <= {metrics, self.path / "best"}:
+        # What setup opens before the first step: the consumed-example logs and tensorboard's folder
+        # (empty of steps then), and the step-0 evaluation's best/
+        opened = {metrics, self.path / "best", self.path / "tensorboard", *self.path.glob("consumed-rank*.tsv")}
+        if metrics not in used or not set(used) <= opened:
             return False
         try:
             records = read_metrics(metrics)

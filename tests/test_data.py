@@ -276,3 +276,81 @@ def test_held_out_eval_rows_are_cut_from_the_end_and_never_streamed(tmp_path):
             streamed += _drain(stream)
         assert len(streamed) == len(set(streamed)) == 142 - 14
         assert set(streamed) | held == {(n, r) for n, size in enumerate(sizes.values()) for r in range(size)}
+
+
+def test_whitespace_runs_do_not_count_against_the_pre_tokenization_cut(tokenizer):
+    """The text is cut before tokenizing (16 characters per allowed token); whitespace makes no
+    token, so it must not use up that allowance: the cut result equals tokenizing the whole text."""
+    import random
+
+    from data.collate import text_head
+
+    collate = Seq2SeqCollator(tokenizer, max_source_len=32, max_target_len=32)
+    rng = random.Random(0)
+    words = ["标题", "这是正文内容", "hello", "world", "ni hao", "模型应该看到这些字。"]
+    texts = ["标题" + " " * 3000 + "这是正文内容，模型应该看到这些字。" * 5,
+             "\n" * 600 + "hello world " * 200]
+    texts += ["".join(rng.choice(words) + " " * rng.choice([1, 1, 40, 900]) for _ in range(60)) for _ in range(20)]
+    for text in texts:
+        assert collate.token_ids([text], 32) == tokenizer([text], max_length=32, truncation=True)["input_ids"]
+    assert text_head("ab" + " " * 10 + "cd", 3) == "ab" + " " * 10 + "c" and text_head("abc", 10) == "abc"
+
+
+def test_rows_no_tokenizer_takes_are_counted_not_fatal(tmp_path):
+    """A JSON escape holding half of a UTF-16 pair (an emoji cut in two), an integer beyond Python's
+    4300 digits and deep nesting are bad rows like any other, not a crash mid-run."""
+    path = tmp_path / "odd.jsonl"
+    good = [json.dumps(r) for r in synthetic_rows(6)]
+    path.write_text("\n".join(good[:3] + ['{"prompt": "emoji cut \\ud83d", "response": "x"}',
+                                          '{"prompt": "p", "response": "r", "id": ' + "7" * 5000 + "}",
+                                          "[" * 100_000] + good[3:]) + "\n")
+    problems = DataProblems()
+    got = [e for e in iter_rows(path, 0, COLS, problems=problems) if e is not None]
+    assert len(got) == 6
+    assert problems.by_reason == Counter({"invalid_utf8": 1, "malformed_json": 2})
+
+
+def test_a_csv_quote_that_never_closes_is_an_error_naming_its_row(tmp_path):
+    rows = "".join(f"p{i},r{i}\n" for i in range(50))
+    (tmp_path / "bad.csv").write_text("prompt,response\n" + rows + '"open,r\n' + rows)
+    with pytest.raises(UserError, match=r"opens in row 51 never closes"):
+        index_file(tmp_path / "bad.csv")
+    # Quotes that close (a quoted newline; a bare quote inside an unquoted value) are fine
+    (tmp_path / "ok.csv").write_text('prompt,response\n"a\nb",c\nd"e,f')
+    assert index_file(tmp_path / "ok.csv").rows == 2
+
+
+def test_folders_skip_hidden_entries_follow_links_and_refuse_the_run_inside(tmp_path):
+    a = write_rows(tmp_path / "d" / "a.jsonl", synthetic_rows(3))
+    write_rows(tmp_path / "d" / ".ipynb_checkpoints" / "a-checkpoint.jsonl", synthetic_rows(3))
+    write_rows(tmp_path / "d" / ".hidden.jsonl", synthetic_rows(3))
+    linked = write_rows(tmp_path / "other" / "b.jsonl", synthetic_rows(3))
+    (tmp_path / "d" / "link").symlink_to(tmp_path / "other")
+    (tmp_path / "d" / "loop").symlink_to(tmp_path / "d")
+    (tmp_path / "d" / "c.jsonl.gz").write_bytes(b"")
+    assert resolve_files(str(tmp_path / "d")) == [a, tmp_path / "d" / "link" / linked.name]
+    from data.sources import ignored_in_folders
+
+    assert ignored_in_folders(str(tmp_path / "d")) == [tmp_path / "d" / "c.jsonl.gz"]
+    with pytest.raises(UserError, match="is inside --train_file"):
+        resolve_files(str(tmp_path / "d"), "--train_file", output_dir=str(tmp_path / "d" / "runs" / "sft"))
+
+
+def test_a_stream_refuses_a_position_taken_on_other_files_and_a_file_that_shrank(tmp_path):
+    files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(30, seed=i)) for i in range(2)]
+    stream = ExampleStream(files, COLS, seed=7, buffer_size=5)
+    _drain(stream, limit=10)
+    state = stream.state_dict()
+    added = files + [write_rows(tmp_path / "f2.jsonl", synthetic_rows(5))]
+    with pytest.raises(UserError, match=r"changed since the checkpoint \(added f2.jsonl\)"):
+        ExampleStream(added, COLS, seed=7, buffer_size=5).load_state_dict(state)
+    write_rows(files[0], synthetic_rows(31))
+    with pytest.raises(UserError, match=r"f0.jsonl has 31 training rows, had 30"):
+        ExampleStream(files, COLS, seed=7, buffer_size=5).load_state_dict(state)
+    moved = [write_rows(tmp_path / "moved" / f"f{i}.jsonl", synthetic_rows(30, seed=i)) for i in range(2)]
+    ExampleStream(moved, COLS, seed=7, buffer_size=5).load_state_dict(state)  # same names and rows: resumes
+
+    stream = ExampleStream(files[1:], COLS, seed=7, buffer_size=0)
+    write_rows(files[1], synthetic_rows(12))  # rewritten shorter after the run indexed it
+    with pytest.raises(UserError, match=r"f1.jsonl ended at row 12 of the 30 .* changed during training"):
+        _drain(stream)
