@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,15 +86,23 @@ def model_folder_config(path: str | Path) -> dict:
            else "point it at a run's best/ or final/ folder (pretrain first: python train_low_mem.py train)")
     if not (folder / "config.json").is_file():
         raise UserError(f"--init_from={path} is not a model folder (no config.json); {fix}")
-    try:
-        saved = json.loads((folder / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UserError(f"--init_from={path}: its config.json cannot be read ({error}); {fix}") from None
-    if not isinstance(saved, dict) or saved.get("model_type") != "t5":
-        kind = saved.get("model_type") if isinstance(saved, dict) else None
+    saved = saved_json(folder / "config.json")
+    if saved is None:
+        raise UserError(f"--init_from={path}: its config.json cannot be read as JSON; {fix}")
+    if saved.get("model_type") != "t5":
+        kind = saved.get("model_type")
         what = f"a {kind} model's config" if kind else "no model's config"
         raise UserError(f"--init_from={path} is not a T5 model folder (its config.json is {what}); {fix}")
     return saved
+
+
+def saved_json(path: Path) -> dict | None:
+    """The JSON object stored in ``path``; None when it is missing, unreadable or not an object."""
+    try:
+        saved = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def _f(default, help_text: str, **kwargs):
@@ -231,6 +240,17 @@ class TrainConfig:
             saved = self.init_from and (Path(self.init_from) / "tokenizer.json").is_file()
             self.tokenizer_dir = self.init_from if saved else str(SHIPPED_TOKENIZER_DIR)
 
+    def unused_flags(self) -> list[tuple[str, str]]:
+        """(flag, why) for the settings this configuration does not read."""
+        unused = []
+        if not self.lora_r:
+            unused += [(name, "without --lora_r") for name in ("lora_alpha", "lora_dropout", "lora_target_modules")]
+        if self.encoder_cache == "off":
+            unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
+        if self.is_keep_training:
+            unused.append(("overwrite_output_dir", "with --is_keep_training=True (the run is continued)"))
+        return unused
+
     def apply_caps(self) -> list[str]:
         """Lower values above the low-memory caps; return one message per change."""
         notes = []
@@ -243,7 +263,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Collect every problem, then raise once."""
-        problems = []
+        problems = [f"--{f.name} must be a finite number (got {getattr(self, f.name)})"
+                    for f in dataclasses.fields(self)
+                    if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
         positive = ["batch_size", "eval_batch_size", "gradient_accumulation_steps", "max_source_len",
                     "max_target_len", "epochs", "max_eval_samples", "logging_steps", "save_total_limit",
                     "gc_every_steps", "num_beams", "max_new_tokens", "vocab_size", "tokenizer_max_sentences",
@@ -261,6 +283,8 @@ class TrainConfig:
             problems.append(f"--learn_rate must be positive (got {self.learn_rate})")
         if not 0 <= self.dropout_rate < 1:
             problems.append(f"--dropout_rate must be in [0, 1) (got {self.dropout_rate})")
+        if not 0 <= self.seed < 2**32:
+            problems.append(f"--seed must be in [0, 2**32) (got {self.seed})")
         if self.max_steps == 0 or self.max_steps < -1:
             problems.append(f"--max_steps must be -1 (use --epochs) or at least 1 (got {self.max_steps})")
         if self.model_preset not in MODEL_PRESETS:
@@ -354,6 +378,23 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
 
 
+def to_bool(name: str, value) -> bool:
+    """A CLI/YAML value of the boolean flag ``name`` (True/False, true/false, 1/0, yes/no)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise UserError(f"--{name} expects True or False (got {value!r})")
+
+
+def text_flags() -> set[str]:
+    """The flags whose values are text: the command line passes them on verbatim (fire would read
+    "hello, world" as a tuple and "1e3" as a number)."""
+    return {name for name, hint in _HINTS.items() if str in (hint, *typing.get_args(hint))}
+
+
 def _convert(name: str, value):
     """Convert a CLI/YAML value to the declared type of field ``name``; raise UserError if it cannot."""
     hint = _HINTS[name]
@@ -364,13 +405,7 @@ def _convert(name: str, value):
             return None
         raise UserError(f"--{name} needs a value")
     if base is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        raise UserError(f"--{name} expects True or False (got {value!r})")
+        return to_bool(name, value)
     if base is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise UserError(f"--{name} expects an integer (got {value!r})")
@@ -435,6 +470,7 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
     cfg.resolve_defaults()
     notes += cfg.apply_caps()
     cfg.validate()
+    notes += [f"note: --{name} has no effect {why}" for name, why in cfg.unused_flags() if name in converted]
     return cfg, notes
 
 

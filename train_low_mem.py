@@ -23,7 +23,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own bars and log lines say enough
 
-from config import SHIPPED_CORPORA, STARTED_MARKER, UserError, help_text, load_config, model_folder_config  # noqa: E402
+from config import (  # noqa: E402
+    SHIPPED_CORPORA,
+    STARTED_MARKER,
+    UserError,
+    help_text,
+    load_config,
+    model_folder_config,
+    text_flags,
+    to_bool,
+)
 
 
 def train(config: str | None = None, **flags) -> dict:
@@ -93,7 +102,7 @@ def plan(config: str | None = None, **flags) -> None:
     recommends the fastest modes that fit; --num_processes=N [--num_machines=M] plans N processes."""
     from lowmem.planner import plan_command
 
-    as_json = bool(flags.pop("json", False))
+    as_json = to_bool("json", flags.pop("json", False))
     budget_gb, device = flags.pop("budget_gb", None), flags.pop("device", None)
     # Under `accelerate launch` the launcher's process counts are the defaults, and one process prints.
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -114,20 +123,21 @@ def evaluate(config: str | None = None, **flags) -> dict:
     cfg, _ = load_config(flags, config)
     trainer = LowMemTrainer(cfg).setup_inference()
     result = trainer.evaluate()
-    return result if trainer.main else None
+    where = cfg.eval_file or f"the rows held out of --train_file={cfg.train_file}"
+    return {**result, "eval_file": where} if trainer.main else None
 
 
-def generate(config: str | None = None, **flags) -> list[dict]:
+def generate(config: str | None = None, **flags) -> None:
     """Answer --prompt (or the first eval prompts) with --init_from (default: OUTPUT_DIR/best)."""
     from trainer_low_mem import LowMemTrainer
 
     cfg, _ = load_config(flags, config)
+    if cfg.prompt is not None and not cfg.prompt.strip():
+        raise UserError("--prompt is empty: give the text to answer, or leave --prompt out to answer eval prompts")
     trainer = LowMemTrainer(cfg).setup_inference()
     prompts = [cfg.prompt] if cfg.prompt else [e.prompt for e in trainer.eval_examples[:5]]
-    answers = trainer.generate(prompts)
-    for prompt, answer in zip(prompts, answers):
+    for prompt, answer in zip(prompts, trainer.generate(prompts)):
         print(f"{prompt}  ->  {answer}")
-    return [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
 
 
 def train_tokenizer(config: str | None = None, **flags) -> dict:
@@ -138,6 +148,9 @@ def train_tokenizer(config: str | None = None, **flags) -> dict:
     from data.tokenization import vocab_shortfall
 
     cfg, _ = load_config(flags, config)
+    if (Path(cfg.tokenizer_dir) / "tokenizer.json").is_file():  # models trained with it need it as it is
+        raise UserError(f"--tokenizer_dir={cfg.tokenizer_dir} holds a tokenizer already; pass a new folder, or "
+                        "remove that one first")
     spec = cfg.train_file if "train_file" in flags else ",".join(str(t) for t, _ in SHIPPED_CORPORA.values())
     files = resolve_files(spec, "--train_file")
     tokenizer = train_spm(files, cfg.tokenizer_dir, (cfg.prompt_column, cfg.response_column), cfg.vocab_size,
@@ -171,6 +184,20 @@ COMMANDS = {"train": train, "plan": plan, "evaluate": evaluate, "generate": gene
             "train_tokenizer": train_tokenizer, "prepare": prepare, "plot": plot}
 
 
+def verbatim_text(argv: list[str]) -> list[str]:
+    """Text flags' values as Python string literals, which fire hands over unchanged."""
+    text = text_flags() | {"config", "prepared_dir", "plot_dir"}
+    out = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.removeprefix("--").partition("=")
+        if arg.startswith("--") and eq and name in text:
+            arg = f"--{name}={value!r}"
+        elif i and argv[i - 1].startswith("--") and "=" not in argv[i - 1] and argv[i - 1][2:] in text:
+            arg = repr(arg)  # --prompt "hello, world"
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     import fire
 
@@ -183,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
     try:
-        fire.Fire(COMMANDS, command=argv, name="train_low_mem.py")
+        fire.Fire(COMMANDS, command=verbatim_text(argv), name="train_low_mem.py")
         if "LOCAL_RANK" in os.environ:  # a launched worker whose work is done and flushed
             # Skip interpreter teardown: C++ threads of the gloo process group left to static
             # destructors can abort a finished worker ("terminate called without an active exception").

@@ -145,6 +145,7 @@ class LowMemTrainer:
                                     problems=DataProblems(report=self.warn))
         if resume_dir is not None:
             self.load_checkpoint(resume_dir)
+        self.record("memory_plan", **self.memory_plan)  # after a resume has cut metrics.jsonl back to its checkpoint
         if cfg.report_to != "none":
             # Events go to OUTPUT_DIR/tensorboard. On resume, SummaryWriter's purge_step hides what the stopped
             # run logged after its checkpoint (metrics.jsonl is cut back there the same way).
@@ -165,6 +166,10 @@ class LowMemTrainer:
         self.eval_files = eval_files_of(cfg, self.train_files)
         if cfg.is_finetune and self.model is None:
             model_folder_config(cfg.init_from)
+        if cfg.init_from and not cfg.is_finetune:
+            raise UserError("--init_from is read by SFT (--is_finetune=True), evaluate and generate; pretraining "
+                            "builds a new --model_preset model (continue a pretraining run with "
+                            "--is_keep_training=True)")
         return train_columns
 
     def _build_model(self) -> None:
@@ -173,9 +178,7 @@ class LowMemTrainer:
         if self.model is None:
             self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
                           else build_model(cfg, self.tokenizer))
-        if self.model.config.vocab_size != len(self.tokenizer):
-            raise UserError(f"model vocabulary ({self.model.config.vocab_size}) does not match the tokenizer "
-                            f"({len(self.tokenizer)}); pass the --tokenizer_dir the model was trained with")
+        self._check_vocabulary()
         self.run_config = self._run_config()  # the tokenizer is fixed for the run: fingerprint it once
         if cfg.is_finetune:
             freeze_for_sft(self.model)
@@ -195,6 +198,21 @@ class LowMemTrainer:
         self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
         self.log_memory("prepared")
 
+    def _check_vocabulary(self) -> None:
+        """The tokenizer must be the model's: same size, and the one saved beside --init_from if any
+        (a tokenizer of the same size with other words would feed the model wrong ids silently)."""
+        cfg = self.cfg
+        if self.model.config.vocab_size != len(self.tokenizer):
+            raise UserError(f"model vocabulary ({self.model.config.vocab_size}) does not match the tokenizer "
+                            f"({len(self.tokenizer)}); pass the --tokenizer_dir the model was trained with")
+        saved = Path(cfg.init_from) if cfg.init_from else None
+        if saved and (saved / "tokenizer.json").is_file() and saved.resolve() != Path(cfg.tokenizer_dir).resolve():
+            from data.tokenization import load_tokenizer
+
+            if tokenizer_sha1(load_tokenizer(saved)) != tokenizer_sha1(self.tokenizer):
+                raise UserError(f"--tokenizer_dir={cfg.tokenizer_dir} is not the tokenizer saved with --init_from="
+                                f"{cfg.init_from} (same size, other words); leave --tokenizer_dir out to use that one")
+
     def setup_inference(self) -> LowMemTrainer:
         """Load a saved model (--init_from, default OUTPUT_DIR/best) for ``evaluate`` / ``generate``."""
         cfg = self.cfg
@@ -207,8 +225,9 @@ class LowMemTrainer:
         if self.tokenizer is None:
             from data.tokenization import load_tokenizer
 
-            saved = (model_dir / "tokenizer.json").is_file()
-            self.tokenizer = load_tokenizer(model_dir if saved else cfg.tokenizer_dir)
+            saved = (model_dir / "tokenizer.json").is_file()  # --tokenizer_dir defaults to --init_from's
+            self.tokenizer = load_tokenizer(model_dir if saved and not cfg.init_from else cfg.tokenizer_dir)
+        self._check_vocabulary()
         self.model = self.accelerator.prepare(self.model)
         self.core = self.accelerator.unwrap_model(self.model)
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len, self.shape_multiple)
@@ -243,10 +262,8 @@ class LowMemTrainer:
                                                         self.world, indexes)
         lengths["eval"] = planner.eval_batch_lengths(self.cfg, self.tokenizer, self.eval_examples, self.rank,
                                                      self.world)
-        plan = planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(self.cfg), device,
-                              self.world)
-        self.record("memory_plan", **plan)
-        return plan
+        return planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(self.cfg), device,
+                               self.world)
 
     def report_memory_peak(self) -> dict:
         """Predicted and measured peak memory side by side (log line and a memory_peak event)."""
@@ -396,7 +413,8 @@ class LowMemTrainer:
         if self.frozen_bf16:
             features.append(f"{self.frozen_bf16:,} frozen weights stored in bf16")
         lines = [
-            f"device {self.accelerator.device} x {self.world} process(es) | model {cfg.model_preset} | "
+            f"device {self.accelerator.device} x {self.world} process(es) | "
+            f"model {cfg.init_from if cfg.is_finetune else cfg.model_preset} | "
             f"params trainable {self.trainable:,} / frozen {self.frozen:,}",
             f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
             f"x {self.world}) | tokens per optimizer step <= {effective * (cfg.max_source_len + cfg.max_target_len):,}",
@@ -451,8 +469,8 @@ class LowMemTrainer:
                     with self.untimed():
                         self.maybe_eval()
                         self.maybe_save()
-                if counts["stop"]:
-                    self.stop_for_signal()
+                if self.stop_requested():  # checked after this step, not with the next window's counts,
+                    self.stop_for_signal()  # which ran one more step (a scheduler's grace period may not allow it)
                 if counts["memory"]:
                     self.stop_for_memory()
                 if self._finished():
@@ -490,19 +508,19 @@ class LowMemTrainer:
         """Target tokens and examples of one accumulation window: local, and summed over processes.
 
         Counted on host tensors (no device sync); one small all-reduce when there are several
-        processes, which is also how every process learns whether any of them still has data and
-        whether any of them was asked to stop (SIGTERM / SIGINT).
+        processes, which is also how every process learns whether any of them still has data, how
+        many bad rows all have met, and whether any is near --max_rss_gb.
         """
         local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
-                              sum(mb["labels"].shape[0] for mb in window), int(self.stop_signal is not None),
+                              sum(mb["labels"].shape[0] for mb in window),
                               self.stream.problems.total, int(self.near_memory_limit())])
         total = local
         if self.world > 1:
             total = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu()
         source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
         return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
-                "tokens": int(total[0]), "examples": int(total[1]), "stop": int(total[2]) > 0,
-                "bad_rows": int(total[3]), "memory": int(total[4]) > 0}
+                "tokens": int(total[0]), "examples": int(total[1]), "bad_rows": int(total[2]),
+                "memory": int(total[3]) > 0}
 
     def _empty_batch(self) -> dict:
         """A micro-batch with no target tokens, for a process whose share of the epoch ran out
@@ -623,6 +641,13 @@ class LowMemTrainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, request_stop)
 
+    def stop_requested(self) -> bool:
+        """Whether any process got SIGTERM / SIGINT (the same answer on all: one small all-reduce)."""
+        flag = torch.tensor([int(self.stop_signal is not None)])
+        if self.world > 1:
+            flag = self.accelerator.reduce(flag.to(self.accelerator.device), "sum").cpu()
+        return int(flag[0]) > 0
+
     def stop_for_signal(self) -> None:
         folder = self.save_checkpoint()
         self.bar.close()
@@ -734,10 +759,14 @@ class LowMemTrainer:
         event = {"bad_rows": bad, "rows_read": rows_read, "train_rows": self.stream.total_rows,
                  "by_reason": train["by_reason"], "by_file": train["by_file"], "first": train["first"],
                  "eval_bad_rows": eval_bad, "eval_by_reason": dict(self.eval_problems.by_reason)}
+        prepared_bad = self.prepared["bad_rows"] if self.prepared else 0  # skipped by `prepare`, before the shards
+        if self.prepared:
+            event.update(prepared_bad_rows=prepared_bad, prepared_by_reason=self.prepared["bad_rows_by_reason"])
         self.record("data_errors", **event)
-        if bad or eval_bad:
+        if bad or eval_bad or prepared_bad:
             self.say(f"bad rows skipped: {bad} of {rows_read} training rows read "
                      f"({', '.join(f'{k} {v}' for k, v in train['by_reason'].items()) or 'none'})"
+                     + (f"; {prepared_bad} when the corpus was prepared" if prepared_bad else "")
                      + (f"; {eval_bad} in the eval file" if eval_bad else ""))
         return event
 
@@ -810,7 +839,7 @@ class LowMemTrainer:
             with contextlib.nullcontext() if on_gpu else weights_in_float32(self.core):
                 plain = export_state_dict(self.core, to_host=on_gpu)
                 self.folder.export(folder, self.core, self.tokenizer,
-                                   {"kind": self.cfg.kind, **self.state.state_dict()}, state_dict=plain)
+                                   {"kind": self.cfg.kind, **self.state_now()}, state_dict=plain)
                 del plain
             # The export's new host tensors (LoRA's merged matrices, a GPU model's float32 copies) come
             # from the C heap, which keeps them resident once freed: trimmed, an export in mid-run does
@@ -822,13 +851,13 @@ class LowMemTrainer:
         """Model, optimizer, scheduler, counters, and every process's RNG, data position and log offsets."""
         from accelerate.utils import gather_object
 
-        self.state.elapsed_s = self.elapsed()
+        trainer_state = self.state_now()
         process_states = gather_object([self._process_state()])  # small: RNG + data position per rank
         folder = self.folder.checkpoint_path(self.state.step)
         if self.main:
             self.folder.write_checkpoint(self.state.step, self.core, self.optimizer, self.scheduler,
-                                                  self.state.state_dict(), self.run_config, process_states,
-                                                  keep=self.cfg.save_total_limit)
+                                         trainer_state, self.run_config, process_states,
+                                         keep=self.cfg.save_total_limit)
             self.record("checkpoint", path=str(folder))
         self.accelerator.wait_for_everyone()
         return folder
@@ -872,6 +901,12 @@ class LowMemTrainer:
         optimizer; evaluation, saving, setup and the encoder cache's build left out."""
         return round(self.timed["seconds"] / self.timed["steps"], 4) if self.timed["steps"] else None
 
+    def state_now(self) -> dict:
+        """The counters with the time trained so far. ``self.state.elapsed_s`` stays the time before
+        this process started, which ``elapsed()`` adds to (storing the sum there at each checkpoint
+        counted the same seconds again at the next one)."""
+        return {**self.state.state_dict(), "elapsed_s": round(self.elapsed(), 2)}
+
     def elapsed(self) -> float:
         return self.state.elapsed_s + time.time() - self.start_time if hasattr(self, "start_time") else 0.0
 
@@ -903,6 +938,8 @@ class LowMemTrainer:
 
     def close(self) -> None:
         thaw_long_lived()
+        if getattr(self, "folder", None) is not None:
+            self.folder.release_lock()
         for log in (self.metrics, self.consumed):
             if log is not None:
                 log.close()

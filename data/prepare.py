@@ -38,7 +38,8 @@ def prepare_command(cfg, out_dir: Path) -> dict:
     check_columns(files, columns, "--train_file")
     tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
-    manifest = prepare(files, columns, collator, out_dir, tokenizer_sha1(tokenizer), cfg.tokenizer_dir)
+    manifest = prepare(files, columns, collator, out_dir, tokenizer_sha1(tokenizer), cfg.tokenizer_dir,
+                       max_bad_fraction=cfg.max_bad_rows_fraction)
     return {"prepared_dir": str(out_dir), "rows": manifest["rows"], "tokens": manifest["tokens"],
             "shards": len(manifest["shards"]), "bad_rows": manifest["bad_rows"]}
 
@@ -63,8 +64,10 @@ def check_manifest(manifest: dict, tokenizer_sha1: str, max_source_len: int, max
 
 
 def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path, tokenizer_sha1: str,
-            tokenizer_dir: str, report=print) -> dict:
+            tokenizer_dir: str, report=print, max_bad_fraction: float = 1.0) -> dict:
     """Tokenize ``files`` into parquet shards in ``out_dir`` (written aside, renamed into place at the end).
+
+    More bad rows than ``max_bad_fraction`` of the rows read stop it, as they stop ``train``.
 
     Returns:
         The manifest (also written as ``out_dir/prepared.manifest``).
@@ -109,6 +112,12 @@ def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path
     if not rows:
         shutil.rmtree(tmp)
         raise UserError(f"--train_file holds no usable rows ({problems.total} bad); nothing to prepare")
+    if problems.total > max_bad_fraction * (rows + problems.total):
+        shutil.rmtree(tmp)
+        raise UserError(f"{problems.total} of {rows + problems.total} rows are bad, more than "
+                        f"--max_bad_rows_fraction={max_bad_fraction} allows "
+                        f"({', '.join(f'{k}: {v}' for k, v in problems.by_reason.items())}); "
+                        "fix the data, or raise --max_bad_rows_fraction to skip them")
     manifest = {"rows": rows, "tokens": tokens, "shards": shards, "tokenizer_sha1": tokenizer_sha1,
                 "tokenizer_dir": str(tokenizer_dir), "max_source_len": collator.max_source_len,
                 "max_target_len": collator.max_target_len, "columns": list(columns),

@@ -117,7 +117,7 @@ def _index_lines(path: Path) -> FileIndex:
             offset += len(chunk)
             last = chunk[-1:]
         rows += last != b"\n"  # a final line without a newline
-    if seeks[-1][0] >= rows:  # an entry pointing past the last line
+    if len(seeks) > 1 and seeks[-1][0] >= rows:  # an entry pointing past the last line (the first stays)
         seeks.pop()
     return FileIndex(rows, seeks, "jsonl")
 

@@ -216,6 +216,8 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
     returned indexes then leave out.
     """
     columns = (cfg.prompt_column, cfg.response_column)
+    if indexes is not None and not sum(i.rows for i in indexes):
+        raise UserError(f"--train_file={cfg.train_file} is empty (no rows in {len(indexes)} file(s))")
     if eval_files:
         examples = take_examples(eval_files, columns, cfg.max_eval_samples, problems)
         if not examples:
@@ -223,6 +225,8 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
         return examples, indexes, 0
     if indexes is None:
         indexes = [index_file(f) for f in train_files]
+        if not sum(i.rows for i in indexes):
+            raise UserError(f"--train_file={cfg.train_file} is empty (no rows in {len(indexes)} file(s))")
     indexes, ranges = hold_out(indexes, cfg.max_eval_samples)
     examples = read_ranges(train_files, ranges, columns, indexes, problems)
     if not examples:

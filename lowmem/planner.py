@@ -462,7 +462,8 @@ def check_plan_flags(device: str, budget_gb, num_processes, num_machines) -> Non
 
     if device not in ("cpu", "gpu"):
         raise UserError(f"--device must be cpu or gpu (got {device!r})")
-    if budget_gb is not None and (not isinstance(budget_gb, (int, float)) or budget_gb <= 0):
+    if budget_gb is not None and (not isinstance(budget_gb, (int, float)) or isinstance(budget_gb, bool)
+                                  or not math.isfinite(budget_gb) or budget_gb <= 0):
         raise UserError(f"--budget_gb must be a positive number of GiB (got {budget_gb!r})")
     for name, value in (("num_processes", num_processes), ("num_machines", num_machines)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -12,17 +12,23 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from config import STARTED_MARKER, TrainConfig, UserError
+from config import STARTED_MARKER, TrainConfig, UserError, saved_json
 from lowmem import checkpoint
 from lowmem.metrics import read_metrics
 
+LOCK_FILE = ".lock"
+
+
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
-SHAPE_SETTINGS = ("model_preset", "is_finetune", "tokenizer_size", "tokenizer_sha1")
+# The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
+SHAPE_SETTINGS = ("model_preset", "is_finetune", "tokenizer_size", "tokenizer_sha1", "optimizer", "lora_r",
+                  "lora_target_modules")
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 
 
@@ -32,6 +38,7 @@ class RunFolder:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.checkpoints = self.path / "checkpoints"
+        self.lock = None  # the open OUTPUT_DIR/.lock while this process runs here (main process)
 
     def run_files(self) -> list[Path]:
         files = [self.checkpoints, self.path / "best", self.path / "final", self.path / "metrics.jsonl",
@@ -47,9 +54,13 @@ class RunFolder:
         Raises:
             UserError: unwritable folder, a run already there, nothing to resume, SFT into pretraining.
         """
-        if cfg.is_finetune and cfg.init_from and self.path.resolve() in Path(cfg.init_from).resolve().parents:
+        if cfg.is_finetune and cfg.init_from and self.path.resolve() in [init := Path(cfg.init_from).resolve(),
+                                                                          *init.parents]:
             raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: SFT must not "
-                            "write into the pretraining run; choose another --output_dir")
+                            "write into the model it starts from; choose another --output_dir")
+        if (saved_json(self.path / "config.json") or {}).get("model_type"):  # a run's config.json has none
+            raise UserError(f"--output_dir={cfg.output_dir} holds a saved model (config.json, weights), which a run "
+                            "there would overwrite; choose another --output_dir")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             probe = self.path / f".write-test-{rank}"
@@ -57,6 +68,8 @@ class RunFolder:
             probe.unlink()
         except OSError as err:
             raise UserError(f"--output_dir={cfg.output_dir} is not writable ({err.strerror})") from None
+        if rank == 0:
+            self.hold_lock(cfg.output_dir)
         used = self.run_files()
         if not cfg.is_keep_training:
             if used and not cfg.overwrite_output_dir:
@@ -67,6 +80,9 @@ class RunFolder:
                 say(f"the last run in {cfg.output_dir} stopped before its first step: starting over")
             return None, used
         if cfg.resume_from:
+            if Path(cfg.resume_from).resolve().parent != self.checkpoints.resolve():
+                raise UserError(f"--resume_from={cfg.resume_from} is not one of this run's checkpoints: pass a "
+                                f"step_NNNNNN folder of {self.checkpoints} (--output_dir names the run)")
             problem = checkpoint.validate(Path(cfg.resume_from))
             if problem:
                 raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")
@@ -77,9 +93,46 @@ class RunFolder:
         if not any((self.path / name).is_file() for name in ("config.json", STARTED_MARKER)):
             raise UserError(f"--is_keep_training: no run to continue in {cfg.output_dir} (no checkpoint); "
                             "run without --is_keep_training to start one")
-        # The run was stopped before its first checkpoint: the same seed replays it exactly.
-        say(f"no checkpoint yet in {self.checkpoints}: starting the run again from step 0")
+        if self.has_trained_models():
+            raise UserError(f"--is_keep_training: no checkpoint of the run in {cfg.output_dir} is usable (damaged or "
+                            "removed), and starting it again would replace the models it trained (best/, final/); "
+                            "start over with --overwrite_output_dir=True, or train into another --output_dir")
+        # Stopped before its first checkpoint, or every checkpoint damaged before any trained model was
+        # exported: the same seed replays the run exactly, and nothing is lost.
+        say(f"no usable checkpoint in {self.checkpoints}: starting the run again from step 0")
         return None, used
+
+    def has_trained_models(self) -> bool:
+        """Whether the run exported a model trained past step 0 (final/, or a best/ from a later evaluation)."""
+        best = saved_json(self.path / "best" / "training_info.json") or {}
+        return (self.path / "final").exists() or best.get("step", 0) > 0
+
+    def hold_lock(self, output_dir: str) -> None:
+        """Hold OUTPUT_DIR/.lock for as long as this process runs (the OS drops it when the process
+        ends, however it ends): a second run started on the same folder stops here, before it
+        removes or overwrites anything of the first."""
+        import fcntl
+
+        if self.lock is not None:
+            return
+        handle = open(self.path / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            owner = handle.read().strip() or "?"
+            handle.close()
+            raise UserError(f"--output_dir={output_dir} is in use by another run (process {owner}); wait for it "
+                            "to end or choose another --output_dir") from None
+        handle.truncate(0)
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self.lock = handle
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
 
     def stopped_before_training(self, used: list[Path]) -> bool:
         """True when the run here stopped before its first optimizer step (bad data, a wrong flag,
@@ -159,6 +212,11 @@ class RunFolder:
             (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
 
 
+def _setting(key: str, value):
+    """A setting as compared on resume: adapter targets as a set ("v,q" is "q,v")."""
+    return sorted(v.strip() for v in str(value).split(",")) if key == "lora_target_modules" else value
+
+
 def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> None:
     """Refuse a resume whose model shape or tokenizer differ; say which value wins for the others."""
     held, holds = saved.get("held_out_rows", 0), current.get("held_out_rows", 0)
@@ -168,9 +226,11 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
         raise UserError(f"checkpoint {folder} held out {held} rows of --train_file for evaluation, this run would hold "
                         f"out {holds}; resume with {same} as before, or use a new --output_dir")
     for key in SHAPE_SETTINGS:
-        if key in saved and saved[key] != current[key]:
+        if key in saved and _setting(key, saved[key]) != _setting(key, current[key]):
+            flag = "tokenizer_dir" if key.startswith("tokenizer_") else key
             raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "
-                            f"{current[key]}; resume with the same model and tokenizer, or use a new --output_dir")
+                            f"{current[key]}; resume with the --{flag} the run began with (model, tokenizer, "
+                            "optimizer and LoRA shape cannot change), or use a new --output_dir")
     for key, value in current.items():
         if key not in SHAPE_SETTINGS + RUN_ONLY_SETTINGS and key in saved and saved[key] != value:
             say(f"resume: --{key} was {saved[key]!r} in the checkpoint; using {value!r} from this command")

@@ -91,3 +91,27 @@ def test_cli_help_exits_zero_and_lists_options():
     proc = run_cli("train", "--help")
     assert proc.returncode == 0
     assert "--learn_rate (float, default 0.003)" in proc.stdout
+
+
+def test_flags_that_the_configuration_does_not_read_are_named():
+    _, notes = load_config({"lora_alpha": 32.0, "encoder_cache_dtype": "bfloat16"})
+    assert "note: --lora_alpha has no effect without --lora_r" in notes
+    assert "note: --encoder_cache_dtype has no effect with --encoder_cache=off" in notes
+    _, notes = load_config({"is_finetune": True, "lora_r": 4, "lora_alpha": 32.0, "encoder_cache": "memory",
+                            "encoder_cache_dtype": "bfloat16"})
+    assert not [n for n in notes if "has no effect" in n]
+    _, notes = load_config({})  # defaults are never named
+    assert not [n for n in notes if "has no effect" in n]
+
+
+def test_text_flags_reach_the_config_verbatim():
+    """fire reads "hello, world" as a tuple and "1e3" as a number; the CLI passes text flags as literals."""
+    import fire
+
+    from train_low_mem import verbatim_text
+
+    seen = {}
+    for argv in (["--prompt=hello, world", "--output_dir=1e3"], ["--prompt", "hello, world", "--output_dir", "1e3"]):
+        fire.Fire(lambda **flags: seen.update(flags), command=verbatim_text(argv))
+        cfg, _ = load_config(seen)
+        assert cfg.prompt == "hello, world" and cfg.output_dir == "1e3"

@@ -154,6 +154,7 @@ def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path):
                    *SMALL[:2])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval_examples: 12" in proc.stdout
+    assert f"eval_file:     the rows held out of --train_file={train}" in proc.stdout
 
     proc = run_cli("train", *common[:-1], "--max_eval_samples=20", "--epochs=2", "--is_keep_training=True")
     assert proc.returncode == 2

@@ -126,8 +126,15 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train", "--output_dir=/proc/t5-lowmem-run"], "not writable"),
     (["train", "--config={tmp}/missing.yaml"], "missing.yaml"),
     (["nosuchcommand"], "unknown command"),
+    (["train", "--learn_rate=nan"], "--learn_rate must be a finite number"),
+    (["train", "--seed=-1"], "--seed must be in [0, 2**32)"),
+    (["train", "--init_from={tmp}"], "--init_from is read by SFT"),
+    (["generate", "--prompt="], "--prompt is empty"),
+    (["train_tokenizer"], "holds a tokenizer already"),
+    (["train", "--train_file={tmp}/empty.jsonl", "--output_dir={tmp}/run"], "is empty (no rows in 1 file(s))"),
 ])
 def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
     proc = run_cli(*[a.format(tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert fragment in error_line(proc)
@@ -146,6 +153,60 @@ def test_init_from_a_run_folder_names_its_best_model(tmp_path, command):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "is not a T5 model folder" in error_line(proc) and f"pass --init_from={run / 'best'}" in error_line(proc)
     assert not (tmp_path / "sft").exists()
+
+
+def test_a_trained_run_is_never_overwritten_or_shared(tmp_path):
+    """Run folders that hold trained models are protected: a resume with no usable checkpoint left
+    is refused (it used to start again from step 0 over best/ and final/), as are a run into a saved
+    model's folder, a second process on a folder in use, another run's or an export's folder as
+    --resume_from, and a changed optimizer on resume. The time a run reports is its own."""
+    import fcntl
+    import hashlib
+
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(300, seed=1))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=2))
+    out = tmp_path / "run"
+    common = [f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={out}", *SMALL]
+    started = time.time()
+    proc = run_cli("train", *common, "--max_steps=12", "--save_steps=1", "--save_total_limit=20")
+    wall = time.time() - started
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    elapsed = [r["elapsed_s"] for r in metrics(out) if r["event"] == "train"]
+    # Seconds were counted again at every checkpoint: 12 checkpoints made the last step's figure ~6x too big.
+    assert elapsed == sorted(elapsed) and 0 < elapsed[-1] < wall
+    assert json.loads((out / "final" / "training_info.json").read_text())["elapsed_s"] < wall
+    digest = hashlib.sha1((out / "final" / "model.safetensors").read_bytes()).hexdigest()
+
+    proc = run_cli("train", *common, "--is_keep_training=True", "--optimizer=adamw")
+    assert proc.returncode == 2 and "resume with the --optimizer the run began with" in error_line(proc)
+    proc = run_cli("train", *common, "--is_keep_training=True", f"--resume_from={out / 'best'}")
+    assert proc.returncode == 2 and "is not one of this run's checkpoints" in error_line(proc)
+    with open(out / ".lock", "a+") as held:  # as a run in progress holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = run_cli("train", *common, "--overwrite_output_dir=True")
+    assert proc.returncode == 2 and "is in use by another run" in error_line(proc)
+    proc = run_cli("train", *common[:2], f"--output_dir={out / 'final'}", *SMALL)
+    assert proc.returncode == 2 and "holds a saved model" in error_line(proc)
+
+    for folder in checkpoint.step_folders(out / "checkpoints"):
+        (folder / "optimizer.pt").write_bytes(b"damaged")
+    proc = run_cli("train", *common, "--is_keep_training=True")
+    assert proc.returncode == 2 and "would replace the models it trained" in error_line(proc)
+    shutil.rmtree(out / "checkpoints")
+    proc = run_cli("train", *common, "--is_keep_training=True")
+    assert proc.returncode == 2 and "would replace the models it trained" in error_line(proc)
+    assert hashlib.sha1((out / "final" / "model.safetensors").read_bytes()).hexdigest() == digest
+
+    other = tmp_path / "other_tokenizer"  # the same size, one word changed
+    shutil.copytree(out / "final", other, ignore=lambda _dir, names: [n for n in names if "token" not in n])
+    text = (other / "tokenizer.json").read_text(encoding="utf-8")
+    (other / "tokenizer.json").write_text(text.replace('"▁the"', '"▁thee"'), encoding="utf-8")
+    proc = run_cli("evaluate", f"--init_from={out / 'final'}", f"--tokenizer_dir={other}", f"--eval_file={evals}")
+    assert proc.returncode == 2 and "is not the tokenizer saved with --init_from" in error_line(proc)
+    proc = run_cli("generate", f"--init_from={out / 'final'}", "--prompt=hello, world 1e3")
+    assert proc.returncode == 0 and proc.stdout.count("hello, world 1e3  ->") == 1  # verbatim, printed once
+    proc = run_cli("plan", *common, "--json=false")
+    assert proc.returncode == 0 and not proc.stdout.lstrip().startswith("{")
 
 def test_memory_guard_checkpoints_and_the_run_resumes(tmp_path):
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(400, seed=1))

@@ -42,6 +42,9 @@ def test_training_from_prepared_shards_equals_training_from_text(tmp_path):
         proc = run_cli("train", f"--train_file={source}", f"--eval_file={evals}", f"--output_dir={out}", *TRAIN)
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs[name] = out
+    # The bad row prepare skipped is reported by the run trained from the shards
+    [errors] = [r for r in metrics(runs["prepared"]) if r["event"] == "data_errors"]
+    assert errors["prepared_bad_rows"] == 1 and errors["prepared_by_reason"] == {"null_value": 1}
     losses = {n: [r["loss"] for r in metrics(o) if r["event"] == "train"] for n, o in runs.items()}
     assert losses["text"] == losses["prepared"] and len(losses["text"]) == 4
     a, b = (load_file(str(o / "final" / "model.safetensors")) for o in runs.values())
@@ -62,3 +65,17 @@ def test_training_from_prepared_shards_equals_training_from_text(tmp_path):
     assert refused.returncode == 2 and "another tokenizer" in refused.stderr
     again = run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}")
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+
+def test_prepare_stops_at_the_bad_row_limit_and_leaves_nothing(tmp_path):
+    rows = synthetic_rows(40, seed=1)
+    rows[::2] = [{"prompt": "p", "response": ""}] * 20  # half the rows have an empty answer
+    corpus = write_rows(tmp_path / "half_bad.jsonl", rows)
+    prepared = tmp_path / "prepared"
+    proc = run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}")
+    assert proc.returncode == 2 and "20 of 40 rows are bad" in proc.stderr and "empty_value: 20" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not prepared.exists() and not (tmp_path / "prepared.partial").exists()
+    proc = run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}", "--max_bad_rows_fraction=0.5")
+    assert proc.returncode == 0 and json.loads((prepared / "prepared.manifest").read_text())["rows"] == 20

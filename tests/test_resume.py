@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -66,9 +67,12 @@ def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
             while not any(r["event"] == "train" and r["time"] > started + 1 for r in _safe_metrics(broken)):
                 assert child.poll() is None and time.time() < started + 300, logs[attempt + 1].read_text()[-2000:]
                 time.sleep(0.05)
+            done = len((broken / "consumed-rank0.tsv").read_text().splitlines()) // 32  # steps of 2 x 16 rows
             child.send_signal(signal.SIGTERM)
             assert child.wait(timeout=120) == 0, logs[attempt + 1].read_text()[-2000:]
             assert "plus --is_keep_training=True" in logs[attempt + 1].read_text()
+            stopped = int(re.search(r"stopped at step (\d+);", logs[attempt + 1].read_text()).group(1))
+            assert stopped <= done + 1  # the step under way finishes, and no other starts
             continue
         time.sleep(rng.uniform(7, 12))
         child.kill()
@@ -83,6 +87,12 @@ def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
     assert "starting the run again from step 0" in outputs[0]
     assert sum("resumed from" in out for out in outputs) >= 3
     assert "skipping checkpoint" in outputs[4] + outputs[5]  # the damaged one was passed over
+    # The plan of the process that finished the run is the one its measured peak sits beside
+    # (a resume cuts metrics.jsonl back to its checkpoint, which used to drop that plan)
+    records = metrics(broken)
+    plans = [r["host_peak_mb"] for r in records if r["event"] == "memory_plan"]
+    peak = [r for r in records if r["event"] == "memory_peak"][-1]
+    assert plans[-1] == peak["predicted_host_peak_mb"]
 
     a = load_file(str(straight / "final" / "model.safetensors"))
     b = load_file(str(broken / "final" / "model.safetensors"))
