@@ -178,5 +178,7 @@ def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample
     missing = [c for c in columns if c not in seen]
     if seen and missing:
         which = " and ".join(f"'{c}'" for c in missing)
-        raise UserError(f"{flag}: {files[0]} has no column {which} (columns: {', '.join(seen)}); "
-                        "set --prompt_column / --response_column")
+        separator = next((s for s in ";\t|" if len(seen) == 1 and s in next(iter(seen))), None)
+        fix = (f"it looks separated by {separator!r}, not commas: save it comma-separated" if separator and
+               files[0].suffix.lower() == ".csv" else "set --prompt_column / --response_column")
+        raise UserError(f"{flag}: {files[0]} has no column {which} (columns: {', '.join(seen)}); {fix}")

@@ -489,9 +489,12 @@ def print_plan(cfg: TrainConfig, result: dict) -> None:
     if budget_gb is not None:
         rec = result["recommendation"]
         if rec is None:
+            fewer = "fewer processes, " if num_processes > 1 else ""
+            lora = ("" if not cfg.is_finetune else " or fewer --lora_target_modules" if cfg.lora_r
+                    else " or --lora_r (LoRA)")
             print(f"nothing fits {budget_gb} GiB on the {device} with {RECOMMEND_HEADROOM:.0%} headroom: lower "
-                  "--max_source_len / --max_target_len, "
-                  "use a smaller --model_preset, or --lora_r for SFT")
+                  f"--max_source_len / --max_target_len, {fewer}a smaller "
+                  f"{'--init_from model' if cfg.is_finetune else '--model_preset'}{lora}")
         else:
             flags = " ".join(f"--{k}={v}" for k, v in rec["flags"].items())
             print(f"fits {budget_gb} GiB ({device}, {RECOMMEND_HEADROOM:.0%} headroom): {flags}  (predicted peak "
