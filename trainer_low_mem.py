@@ -27,7 +27,14 @@ from config import TrainConfig, UserError, model_folder_config
 from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
-from data.sources import FORMATS, DataProblems, check_columns, ignored_in_folders, resolve_files
+from data.sources import (
+    FORMATS,
+    DataProblems,
+    check_columns,
+    ignored_in_folders,
+    resolve_files,
+    too_many_bad_rows,
+)
 from data.stream import ExampleStream, batched, eval_files_of, eval_split
 from data.tokenization import tokenizer_sha1
 from lowmem import checkpoint
@@ -740,10 +747,8 @@ class LowMemTrainer:
         allowed = self.cfg.max_bad_rows_fraction * self.stream.total_rows
         if bad_rows > allowed:
             errors = self.report_data_errors()
-            raise UserError(f"{bad_rows} of {self.stream.total_rows} training rows are bad, more than "
-                            f"--max_bad_rows_fraction={self.cfg.max_bad_rows_fraction} allows "
-                            f"({', '.join(f'{k}: {v}' for k, v in errors['by_reason'].items())}); "
-                            "fix the data, or raise --max_bad_rows_fraction to skip them")
+            raise too_many_bad_rows(bad_rows, self.stream.total_rows, self.cfg.max_bad_rows_fraction,
+                                    errors["by_reason"])
 
     def report_data_errors(self) -> dict:
         """Sum the bad rows of the first epoch over processes; log them and write a data_errors event.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from config import UserError
 from data.readers import MANIFEST, TOKEN_COLUMNS
-from data.sources import DataProblems, iter_rows
+from data.sources import DataProblems, iter_rows, too_many_bad_rows
 
 GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
 SHARD_ROWS = 100_000  # rows per shard: several shards let each epoch visit them in a new order
@@ -114,10 +114,7 @@ def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path
         raise UserError(f"--train_file holds no usable rows ({problems.total} bad); nothing to prepare")
     if problems.total > max_bad_fraction * (rows + problems.total):
         shutil.rmtree(tmp)
-        raise UserError(f"{problems.total} of {rows + problems.total} rows are bad, more than "
-                        f"--max_bad_rows_fraction={max_bad_fraction} allows "
-                        f"({', '.join(f'{k}: {v}' for k, v in problems.by_reason.items())}); "
-                        "fix the data, or raise --max_bad_rows_fraction to skip them")
+        raise too_many_bad_rows(problems.total, rows + problems.total, max_bad_fraction, problems.by_reason, "rows")
     manifest = {"rows": rows, "tokens": tokens, "shards": shards, "tokenizer_sha1": tokenizer_sha1,
                 "tokenizer_dir": str(tokenizer_dir), "max_source_len": collator.max_source_len,
                 "max_target_len": collator.max_target_len, "columns": list(columns),

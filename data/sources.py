@@ -139,6 +139,13 @@ class DataProblems:
         return total.state_dict()
 
 
+def too_many_bad_rows(bad: int, rows: int, fraction: float, by_reason: dict, what: str = "training rows") -> UserError:
+    """The error that stops a run (or ``prepare``) with more bad rows than --max_bad_rows_fraction allows."""
+    return UserError(f"{bad} of {rows} {what} are bad, more than --max_bad_rows_fraction={fraction} allows "
+                     f"({', '.join(f'{k}: {v}' for k, v in by_reason.items())}); "
+                     "fix the data, or raise --max_bad_rows_fraction to skip them")
+
+
 def row_place(kind: str, row: int) -> str:
     """Where a row is, as a user finds it: the line of a jsonl file, the row of any other (1-based)."""
     return f"line {row + 1}" if kind == "jsonl" else f"row {row + 1}"

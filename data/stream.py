@@ -216,6 +216,8 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
     returned indexes then leave out.
     """
     columns = (cfg.prompt_column, cfg.response_column)
+    if indexes is None and not eval_files:
+        indexes = [index_file(f) for f in train_files]
     if indexes is not None and not sum(i.rows for i in indexes):
         raise UserError(f"--train_file={cfg.train_file} is empty (no rows in {len(indexes)} file(s))")
     if eval_files:
@@ -223,10 +225,6 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
         if not examples:
             raise UserError(f"--eval_file={cfg.eval_file} holds no usable rows")
         return examples, indexes, 0
-    if indexes is None:
-        indexes = [index_file(f) for f in train_files]
-        if not sum(i.rows for i in indexes):
-            raise UserError(f"--train_file={cfg.train_file} is empty (no rows in {len(indexes)} file(s))")
     indexes, ranges = hold_out(indexes, cfg.max_eval_samples)
     examples = read_ranges(train_files, ranges, columns, indexes, problems)
     if not examples:
