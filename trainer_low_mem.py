@@ -432,6 +432,9 @@ class LowMemTrainer:
                "of training (pass --eval_file to evaluate on another set)"),
             "memory: " + ", ".join(features),
         ]
+        if cfg.warmup_steps > self.total_steps:
+            lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {self.total_steps} steps: the "
+                         f"learning rate warms up over all {self.total_steps} and never decays")
         ignored = ignored_in_folders(cfg.train_file)
         if ignored:
             lines.append(f"not read: {len(ignored)} file(s) in the --train_file folder(s) without a data ending "

@@ -22,6 +22,7 @@ from config import UserError
 from data.sources import iter_rows
 
 EXTRA_IDS = 100
+MIN_PIECES = 3 + 256  # pad, eos, unk and the byte-fallback pieces: any vocabulary needs these
 
 
 def sample_sentences(files: list[Path], columns: tuple[str, str], limit: int, progress: bool = False):
@@ -56,6 +57,9 @@ def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, 
     from tokenizers.models import Unigram
     from transformers import T5Tokenizer
 
+    if vocab_size < MIN_PIECES:  # below this sentencepiece fails with an internal assertion
+        raise UserError(f"--vocab_size={vocab_size} is below the {MIN_PIECES} pieces any tokenizer needs "
+                        "(3 special pieces + 256 bytes) before this corpus's characters; raise it")
     out_dir = Path(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "spiece")

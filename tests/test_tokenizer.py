@@ -18,7 +18,9 @@ def test_trained_tokenizer_layout_and_round_trip(tmp_path):
     rows = [{"prompt": f"{CHINESE} 第{i}句话", "response": f"hello world number {i}, fine."} for i in range(400)]
     corpus = write_rows(tmp_path / "c.jsonl", rows)
     with pytest.raises(UserError, match="--vocab_size is below"):
-        train_tokenizer([corpus], tmp_path / "bad", ("prompt", "response"), vocab_size=100, max_sentences=500)
+        train_tokenizer([corpus], tmp_path / "bad", ("prompt", "response"), vocab_size=300, max_sentences=500)
+    with pytest.raises(UserError, match="--vocab_size=1 is below the 259 pieces any tokenizer needs"):
+        train_tokenizer([corpus], tmp_path / "bad", ("prompt", "response"), vocab_size=1, max_sentences=500)
     tok = train_tokenizer([corpus], tmp_path / "tok", ("prompt", "response"), vocab_size=600, max_sentences=500)
     assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
     assert tok.bos_token_id is None

@@ -165,6 +165,18 @@ def test_learning_rate_is_applied_with_warmup_and_decay(tmp_path, tokenizer):
     trainer.close()
 
 
+def test_warmup_longer_than_the_run_is_clamped_and_said(tmp_path, tokenizer, capsys):
+    trainer = make_trainer(tmp_path, tokenizer, learn_rate=0.01, warmup_steps=10, max_steps=4)
+    assert "--warmup_steps=10 is more than the run's 4 steps" in capsys.readouterr().out
+    seen = []
+    for _ in range(4):
+        seen.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    assert seen == pytest.approx([0.0, 0.0025, 0.005, 0.0075])  # warms up over the 4 steps
+    trainer.close()
+
+
 @pytest.mark.parametrize("beta1, weight_decay", [(None, 0.0), (0.9, 0.01)])
 def test_our_adafactor_is_transformers_adafactor_bit_for_bit(beta1, weight_decay):
     from transformers.optimization import Adafactor as Reference
