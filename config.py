@@ -166,7 +166,7 @@ class TrainConfig:
     memory_profile: str | None = _f(None, "A named set of the flags below for a budget: "
                                           + ", ".join(MEMORY_PROFILES) + ". Explicit flags win over it.")
     gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward. True saves most "
-                                             "activation memory for about 20-35% more time.")
+                                             "activation memory for about 20-60% more time on the CPU.")
     optimizer: str = _f("adafactor", "adafactor (factored second moments: the smallest state), adamw (2 x weights "
                                      "of state) or adamw8bit (bitsandbytes, pip install .[gpu]: 1/4 of adamw).")
     lora_r: int = _f(0, "LoRA rank (0 = off; peft, pip install .[gpu]). Only adapters get gradients and "

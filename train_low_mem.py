@@ -6,7 +6,7 @@
     accelerate launch --multi_gpu train_low_mem.py train --is_finetune=True
     python train_low_mem.py plan --budget_gb=12 --device=gpu       # predicted peak memory, modes that fit
     python train_low_mem.py evaluate --init_from=runs/sft/best --is_finetune=True
-    python train_low_mem.py generate --init_from=runs/sft/best --prompt="你好"
+    python train_low_mem.py generate --init_from=runs/sft/best --prompt="What is AI?"
     python train_low_mem.py plot --output_dir=runs/pretrain         # PNG charts in runs/pretrain/plots
     python train_low_mem.py train_tokenizer --train_file=corpus.jsonl --tokenizer_dir=my_tokenizer
     python train_low_mem.py prepare --train_file=corpus.jsonl --prepared_dir=corpus.prepared  # tokenize once

@@ -35,7 +35,7 @@ from data.sources import (
     resolve_files,
     too_many_bad_rows,
 )
-from data.stream import ExampleStream, batched, eval_files_of, eval_split
+from data.stream import ExampleStream, batched, eval_files_of, eval_split, largest_share
 from data.tokenization import tokenizer_sha1
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
@@ -113,6 +113,7 @@ class LowMemTrainer:
         self.encoder_cache = None
         self.frozen_bf16 = 0  # frozen weight elements stored in bf16 (--frozen_dtype)
         self.held_out_rows = 0  # rows of --train_file held out as the eval set (no --eval_file)
+        self.grad_norm = self.step_lr = None  # of the last optimizer step, for its log record
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> LowMemTrainer:
@@ -141,7 +142,9 @@ class LowMemTrainer:
         for path, index in zip(self.train_files, indexes):
             if not index.rows:
                 self.say(f"warning: {path} is empty")
-        per_epoch = steps_per_epoch(math.ceil(rows / self.world), cfg.batch_size, cfg.gradient_accumulation_steps)
+        # The process with the most rows sets the epoch's steps: the others step with it on empty windows.
+        per_epoch = steps_per_epoch(largest_share(indexes, self.world), cfg.batch_size,
+                                    cfg.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * per_epoch
         self._build_optimizer()
 
@@ -432,6 +435,9 @@ class LowMemTrainer:
                "of training (pass --eval_file to evaluate on another set)"),
             "memory: " + ", ".join(features),
         ]
+        if (cfg.memory_profile or "").startswith("gpu") and self.accelerator.device.type == "cpu":
+            lines.append(f"--memory_profile={cfg.memory_profile} is a GPU profile but this run is on the CPU: its "
+                         "bf16 autocast saves no host memory there (it measured more); host16g is the CPU profile")
         if cfg.warmup_steps > self.total_steps:
             lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {self.total_steps} steps: the "
                          f"learning rate warms up over all {self.total_steps} and never decays")
@@ -457,8 +463,8 @@ class LowMemTrainer:
                         disable=not (self.main and self._tty()), dynamic_ncols=True)
         if state.step == 0 and self.cfg.eval_steps:
             self.evaluate_and_keep_best()  # the baseline every later eval is compared with
-        self._reset_interval(self.resumed_interval)  # after the baseline: tok/s and step_s time training only
         freeze_long_lived()  # later collections skip the imports, model and tokenizer
+        self._reset_interval(self.resumed_interval)  # after the baseline: tok/s and step_s time training only
         while not self._finished():
             free_memory()  # at each epoch start
             windows = self._epoch_windows()
@@ -468,11 +474,15 @@ class LowMemTrainer:
                 window = self.train_collator.window(examples, self.cfg.batch_size) if examples else []
                 counts = self.window_counts(window)
                 self.check_bad_rows(counts["bad_rows"])
-                if not counts["examples"]:
+                if not counts["examples"]:  # only bad rows were left
                     state.epoch += 1  # every process has finished this epoch: all agree on the count
                     break
                 stepped = self.train_step(window or [self._empty_batch()], counts)
                 self.log_consumed(examples, epoch)
+                last = not counts["rows_left"]  # the epoch's last step: count it before eval and save see it
+                if last:
+                    self.stream.close_epoch(state.epoch)
+                    state.epoch += 1
                 if stepped:
                     self.maybe_log()
                     self.maybe_gc()
@@ -483,7 +493,7 @@ class LowMemTrainer:
                     self.stop_for_signal()  # which ran one more step (a scheduler's grace period may not allow it)
                 if counts["memory"]:
                     self.stop_for_memory()
-                if self._finished():
+                if last or self._finished():
                     break
             if not state.examples:
                 self.report_data_errors()
@@ -518,19 +528,20 @@ class LowMemTrainer:
         """Target tokens and examples of one accumulation window: local, and summed over processes.
 
         Counted on host tensors (no device sync); one small all-reduce when there are several
-        processes, which is also how every process learns whether any of them still has data, how
-        many bad rows all have met, and whether any is near --max_rss_gb.
+        processes, which is also how every process learns whether any of them has rows left in this
+        epoch after this window, how many bad rows all have met, and whether any is near --max_rss_gb.
         """
         local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
                               sum(mb["labels"].shape[0] for mb in window),
-                              self.stream.problems.total, int(self.near_memory_limit())])
+                              self.stream.problems.total, int(self.near_memory_limit()),
+                              int(not self.stream.finished_epoch(self.state.epoch))])
         total = local
         if self.world > 1:
             total = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu()
         source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
         return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
                 "tokens": int(total[0]), "examples": int(total[1]), "bad_rows": int(total[2]),
-                "memory": int(total[3]) > 0}
+                "memory": int(total[3]) > 0, "rows_left": int(total[4]) > 0}
 
     def _empty_batch(self) -> dict:
         """A micro-batch with no target tokens, for a process whose share of the epoch ran out
@@ -551,6 +562,7 @@ class LowMemTrainer:
             self.skip_nonfinite_step()
             return False
         self.state.nonfinite_in_a_row = 0
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (logged with it)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -679,7 +691,7 @@ class LowMemTrainer:
         seconds = max(time.time() - iv["t0"], 1e-9)
         self.timed["seconds"] += seconds
         self.timed["steps"] += iv["timed_steps"]
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.get_last_lr()[0] if self.step_lr is None else self.step_lr
         mem = memory_snapshot()
         fields = dict(loss=round(loss_sum / max(tokens, 1), 5), lr=lr, tokens_per_s=round(all_tokens / seconds, 1),
                       step_s=round(seconds / max(iv["timed_steps"], 1), 4),
@@ -731,6 +743,10 @@ class LowMemTrainer:
     def finish(self) -> dict:
         """Final log, evaluation, checkpoint and ``final/`` export."""
         self.maybe_log(force=True)
+        if self.state.step < self.total_steps:  # epochs planned from row counts; bad or skipped rows shorten them
+            self.say(f"the epochs took {self.state.step} optimizer steps, not the {self.total_steps} planned from the "
+                     "files' row counts (bad rows and non-finite steps are skipped): the learning-rate schedule, made "
+                     f"for {self.total_steps} steps, stopped at {self.scheduler.get_last_lr()[0]:.3g}")
         metrics = self.evaluate_and_keep_best()
         self.save_checkpoint()
         self.export(self.out / "final")

@@ -103,8 +103,27 @@ class ExampleStream:
 
     def share(self, file_index: int) -> tuple[int, int]:
         """This process's row range [start, end) of one file."""
-        rows = self.indexes[file_index].rows
-        return rows * self.rank // self.world_size, rows * (self.rank + 1) // self.world_size
+        return share_range(self.indexes[file_index].rows, self.rank, self.world_size)
+
+    def finished_epoch(self, epoch: int) -> bool:
+        """Whether this process has handed out every row of ``epoch`` (known without reading on: a
+        window that ends exactly at the end of the share leaves its generator unfinished)."""
+        if self.epoch != epoch:
+            return self.epoch > epoch
+        if self.buffer:
+            return False
+        order = self.file_order(self.epoch)
+        for n, index in enumerate(order[self.file_pos:]):
+            start, end = self.share(index)
+            if end > (max(self.row_pos, start) if n == 0 else start):
+                return False
+        return True
+
+    def close_epoch(self, epoch: int) -> None:
+        """Move a stream that ``finished_epoch(epoch)`` to the start of the next epoch (the generator
+        of ``epoch`` is then dropped, not read on)."""
+        if self.epoch == epoch:
+            self.epoch, self.file_pos, self.row_pos = epoch + 1, 0, 0
 
     def _upstream(self) -> Iterator[Example]:
         """This process's rows of the current epoch from the saved position; advances file_pos / row_pos."""
@@ -147,6 +166,18 @@ class ExampleStream:
             self.buffer[slot], self.buffer[-1] = self.buffer[-1], self.buffer[slot]
             yield self.buffer.pop()
         self.epoch, self.file_pos, self.row_pos = self.epoch + 1, 0, 0
+
+
+def largest_share(indexes: list[FileIndex], world_size: int) -> int:
+    """The most rows any process reads in an epoch (``ExampleStream.share`` splits each file, so a
+    process can hold up to one more row per file than another)."""
+    return max(sum(end - start for start, end in (share_range(i.rows, rank, world_size) for i in indexes))
+               for rank in range(world_size))
+
+
+def share_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Process ``rank``'s contiguous row range [start, end) of a file of ``rows`` rows."""
+    return rows * rank // world_size, rows * (rank + 1) // world_size
 
 
 def take_examples(files: list[Path], columns: tuple[str, str], limit: int,

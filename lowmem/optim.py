@@ -3,9 +3,11 @@
 Why not import them from transformers: ``transformers.optimization`` imports ``transformers.trainer_utils``,
 which imports peft, bitsandbytes and parts of torch._dynamo whenever they are installed: about 55 MB of
 host RSS and 1.4 s at start (measured on the 2-core CPU machine) for two small pieces of arithmetic.
-Both follow transformers' code operation for operation; tests check they give bit-identical weights and
-identical learning rates (``tests/test_training_math.py``). Checkpoints are interchangeable: same
-parameter-group options, same state keys.
+Adafactor follows transformers' code operation for operation; a test checks it gives bit-identical weights
+(``tests/test_training_math.py``), and checkpoints are interchangeable: same parameter-group options, same
+state keys. The schedules give transformers' rates after warmup; during warmup step k (from 1) applies
+k / warmup of the rate, where transformers applies (k - 1) / warmup, so its first step has rate 0 and
+changes nothing (transformers issue 34754).
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ class Adafactor(torch.optim.Optimizer):
 
 
 def _warmup(step: int, warmup: int) -> float:
-    return float(step) / float(max(1, warmup))
+    """``step`` counts from 0 (LambdaLR's ``last_epoch`` when the step is taken): the first step
+    applies 1 / warmup of the rate, step ``warmup`` the whole rate."""
+    return float(step + 1) / float(max(1, warmup))
 
 
 def _linear(step: int, warmup: int, total: int) -> float:
@@ -108,7 +112,8 @@ SCHEDULES = {"linear": _linear, "cosine": _cosine, "constant": _constant}
 
 
 def warmup_schedule(optimizer, name: str, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over ``warmup_steps``, then ``name`` (linear or cosine decay to 0 at ``total_steps``,
-    or constant), as transformers' ``get_scheduler`` computes them."""
+    """Linear warmup over ``warmup_steps`` (the first step already at 1 / warmup_steps of the rate),
+    then ``name`` (linear or cosine decay to 0 at ``total_steps``, or constant) as transformers'
+    ``get_scheduler`` computes it."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(SCHEDULES[name], warmup=warmup_steps,
                                                                 total=total_steps))

@@ -13,7 +13,7 @@ from config import UserError
 from data.collate import Seq2SeqCollator
 from data.readers import index_file, read_range
 from data.sources import DataProblems, iter_rows, resolve_files
-from data.stream import ExampleStream, hold_out, read_ranges, take_examples
+from data.stream import ExampleStream, hold_out, largest_share, read_ranges, take_examples
 
 COLS = ("prompt", "response")
 
@@ -180,6 +180,28 @@ def test_processes_split_every_file_and_read_only_their_share(tmp_path, world):
     everything = sorted((f, r) for f, n in enumerate([101, 151]) for r in range(n))
     assert sorted(sum(shares, [])) == everything
     assert max(map(len, shares)) - min(map(len, shares)) <= 2
+
+
+@pytest.mark.parametrize("buffer_size", [0, 5, 64])
+def test_the_stream_knows_its_epoch_is_over_without_reading_on(tmp_path, buffer_size):
+    """``finished_epoch`` turns true with the last example of this process's share, before the
+    generator is asked for more, and ``largest_share`` is the biggest share any process gets."""
+    files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(3, seed=i)) for i in range(7)]
+    indexes = [index_file(f) for f in files]
+    assert largest_share(indexes, 1) == 21 and largest_share(indexes, 2) == 14 and largest_share(indexes, 4) == 7
+    for rank in range(2):
+        stream = ExampleStream(files, COLS, seed=7, buffer_size=buffer_size, rank=rank, world_size=2)
+        share = 7 if rank == 0 else 14
+        seen = []
+        for example in stream.iter_epoch():
+            seen.append(example)
+            assert stream.finished_epoch(0) == (len(seen) == share)
+            if len(seen) == share:
+                break  # the generator is left unfinished, as after a window that ends the share
+        assert len(seen) == share and stream.epoch == 0
+        stream.close_epoch(0)
+        assert (stream.epoch, stream.file_pos, stream.row_pos) == (1, 0, 0) and not stream.finished_epoch(1)
+        assert stream.finished_epoch(0) and len(list(stream.iter_epoch())) == share
 
 
 def test_bad_rows_of_every_kind_are_counted_per_reason(tmp_path):

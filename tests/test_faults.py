@@ -67,6 +67,8 @@ def test_bad_rows_are_skipped_and_counted_exactly(tmp_path):
     assert len(event["first"]) == 5 and all(str(train) in f or str(parquet) in f for f in event["first"])
     assert proc.stdout.count("skipping bad row:") == 5 and " line " in proc.stdout
     assert "bad rows skipped: 18 of 359" in proc.stdout
+    # Epochs were planned from 359 rows (45 windows of 2 x 4 each); 341 good rows fill 43.
+    assert "the epochs took 86 optimizer steps, not the 90 planned" in proc.stdout
     assert [r for r in metrics(out) if r["event"] == "train"][-1]["examples"] == 2 * (359 - 18)  # every good row
 
 

@@ -257,6 +257,8 @@ def test_profile_trains_on_the_cpu(tmp_path, profile):
     done = run_cli("train", f"--memory_profile={profile}", "--cpu=True", f"--train_file={data}",
                    f"--eval_file={data}", f"--output_dir={tmp_path / 'run'}", "--max_steps=2", *FAST)
     assert done.returncode == 0, done.stderr[-2000:]
+    # A GPU profile that ends up on the CPU says so at start-up; the CPU profile does not.
+    assert ("is a GPU profile but this run is on the CPU" in done.stdout) == (profile == "gpu8g")
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
@@ -32,24 +33,35 @@ def accelerate_launch(*args: str, processes: int = 2, port: int = 29517) -> subp
 
 
 def test_two_processes_share_each_epoch_exactly_once(tmp_path):
-    # 33 rows in one file: the processes hold 17 and 16 rows, so one of them runs dry first at
-    # each epoch's end and must still take part in the last gradient all-reduce.
-    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(33, seed=1))
+    # 11 files of 3 rows: each file is split between the processes, 1 row to rank 0 and 2 to rank 1,
+    # so rank 1 holds 22 of the 33 rows (not 17), rank 0 runs dry first at each epoch's end and must
+    # still take part in the last gradient all-reduces, and the epoch has ceil(22 / (2 x 2)) = 6 steps.
+    rows = synthetic_rows(33, seed=1)
+    folder = tmp_path / "train"
+    for i in range(11):
+        write_rows(folder / f"part{i:02d}.jsonl", rows[3 * i:3 * i + 3])
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(7, seed=2))  # 4 + 3 eval rows
     out = tmp_path / "run"
-    proc = accelerate_launch(f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={out}", "--epochs=2",
-                             "--gradient_accumulation_steps=4", "--eval_steps=2", "--save_steps=2", "--logging_steps=1",
-                             "--max_source_len=32", "--max_target_len=32", "--dump_consumed=True")
+    proc = accelerate_launch(f"--train_file={folder}", f"--eval_file={evals}", f"--output_dir={out}", "--epochs=2",
+                             "--gradient_accumulation_steps=2", "--eval_steps=6", "--save_steps=6", "--logging_steps=1",
+                             "--warmup_steps=2", "--max_source_len=32", "--max_target_len=32", "--dump_consumed=True")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    train_records = [r for r in metrics(out) if r["event"] == "train"]
-    assert [r["examples"] for r in train_records if r["step"] in (3, 6)] == [33, 66]
-    assert train_records[-1]["step"] == 6  # ceil(ceil(17 / 2) / 4) = 3 steps per epoch
-    assert all(r["eval_examples"] == 7 for r in metrics(out) if r["event"] == "eval")
+    records = metrics(out)
+    train_records = [r for r in records if r["event"] == "train"]
+    assert [r["examples"] for r in train_records if r["step"] in (6, 12)] == [33, 66]
+    assert [r["epoch"] for r in train_records if r["step"] in (5, 6, 12)] == [0, 1, 2]  # counted at its last step
+    setup = next(r for r in records if r["event"] == "setup")
+    assert setup["total_steps"] == train_records[-1]["step"] == 12
+    # Every step trains: warmup's first step is not at rate 0, the last one is the decay's last (1/10).
+    assert train_records[0]["lr"] == pytest.approx(3e-3 / 2) and train_records[-1]["lr"] == pytest.approx(3e-3 / 10)
+    assert [r["step"] for r in records if r["event"] == "eval"] == [0, 6, 12]  # the last step evaluated once
+    assert all(r["eval_examples"] == 7 for r in records if r["event"] == "eval")
     lines = [ln.split("\t") for rank in (0, 1) for ln in (out / f"consumed-rank{rank}.tsv").read_text().splitlines()]
     for epoch in ("0", "1"):
-        seen = Counter(int(row) for e, _, _, row in lines if e == epoch)
-        assert sorted(seen) == list(range(33)) and max(seen.values()) == 1
-    assert {rank for _, rank, _, _ in lines} == {"0", "1"}
+        seen = Counter((Path(path).name, int(row)) for e, _, path, row in lines if e == epoch)
+        assert sorted(seen) == sorted((f"part{i:02d}.jsonl", r) for i in range(11) for r in range(3))
+        assert max(seen.values()) == 1
+    assert Counter(rank for _, rank, _, _ in lines) == {"0": 22, "1": 44}
     assert (out / "best" / "model.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
 
 

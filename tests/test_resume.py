@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,3 +145,33 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path):
 def test_keep_training_without_a_run_is_a_clear_error(tmp_path):
     proc = run_cli("train", f"--output_dir={tmp_path / 'nothing'}", "--is_keep_training=True")
     assert proc.returncode == 2 and "no run to continue" in proc.stderr
+
+
+def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resumes_exactly(tmp_path):
+    # 64 rows, windows of 2 x 4 = 8: each epoch ends exactly on a window, so the stream does not know
+    # it has ended until asked for more. The epoch must be counted at its 8th step, before that step's
+    # evaluation and checkpoint; the run's last step must be evaluated and saved once, not twice.
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(64, seed=3))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(6, seed=4))
+    common = [f"--train_file={train}", f"--eval_file={evals}", "--epochs=2", "--gradient_accumulation_steps=4",
+              "--eval_steps=8", "--save_steps=8", "--max_new_tokens=8", *SMALL]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    proc = run_cli("train", f"--output_dir={straight}", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = metrics(straight)
+    assert [r["step"] for r in records if r["event"] == "eval"] == [0, 8, 16]
+    assert [r["step"] for r in records if r["event"] == "checkpoint"] == [8, 16]
+    assert {r["step"]: r["epoch"] for r in records if r["event"] == "train"} == {2: 0, 4: 0, 6: 0, 8: 1, 10: 1,
+                                                                                12: 1, 14: 1, 16: 2}
+    assert json.loads((straight / "final" / "training_info.json").read_text())["epoch"] == 2
+    # Continue from the checkpoint at the epoch boundary: the second epoch is trained as it was.
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000016")
+    proc = run_cli("train", f"--output_dir={resumed}", *common, "--is_keep_training=True",
+                   f"--resume_from={resumed / 'checkpoints' / 'step_000008'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 8 (epoch 1)" in proc.stdout
+    assert train_losses(resumed) == train_losses(straight)
+    a = load_file(straight / "final" / "model.safetensors")
+    b = load_file(resumed / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
