@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import TrainConfig, UserError, model_folder_config
+from config import SHIPPED_CORPORA, TrainConfig, UserError, model_folder_config, saved_json
 from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
@@ -242,6 +242,11 @@ class LowMemTrainer:
         self.core = self.accelerator.unwrap_model(self.model)
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len, self.shape_multiple)
         self.eval_examples, _, self.held_out_rows = eval_split(cfg, self.eval_files, self.train_files)
+        trained = (saved_json(model_dir / "training_info.json") or {}).get("kind")
+        shipped_eval = cfg.eval_file == str(SHIPPED_CORPORA[cfg.kind][1]) and not cfg.prompt
+        if trained in SHIPPED_CORPORA and trained != cfg.kind and shipped_eval:  # e.g. an SFT model, no --is_finetune
+            self.say(f"note: {model_dir} was trained by {trained}, and these are the shipped {cfg.kind} eval rows "
+                     f"({cfg.eval_file}); pass --is_finetune={trained == 'sft'} for the {trained} ones")
         return self
 
     @torch.no_grad()

@@ -82,6 +82,11 @@ def test_pretrain_sft_resume_and_export(tmp_path):
 
     proc = run_cli("generate", f"--init_from={sft / 'best'}", "--prompt=the dog jumps", f"--eval_file={sft_eval}")
     assert proc.returncode == 0 and "the dog jumps  ->" in proc.stdout
+    # An SFT model answering the shipped pretraining eval prompts (no --is_finetune) is told so.
+    proc = run_cli("generate", f"--init_from={sft / 'best'}", "--max_eval_samples=2", "--max_new_tokens=4")
+    assert proc.returncode == 0 and proc.stdout.count("  ->  ") == 2
+    assert "was trained by sft, and these are the shipped pretrain eval rows" in proc.stdout
+    assert "--is_finetune=True for the sft ones" in proc.stdout
 
 
 def test_kill_and_resume_gives_bit_identical_weights(tmp_path):
