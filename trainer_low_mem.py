@@ -84,6 +84,7 @@ class TrainState:
     elapsed_s: float = 0.0
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     nonfinite_in_a_row: int = 0
+    last_eval: dict | None = None  # step, eval_loss and bleu of the latest evaluation
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -748,11 +749,12 @@ class LowMemTrainer:
     def finish(self) -> dict:
         """Final log, evaluation, checkpoint and ``final/`` export."""
         self.maybe_log(force=True)
+        done = self.state.last_eval  # this step may be evaluated already: an epoch whose last rows were bad
+        metrics = done if done and done["step"] == self.state.step else self.evaluate_and_keep_best()  # or a resume
         if self.state.step < self.total_steps:  # epochs planned from row counts; bad or skipped rows shorten them
             self.say(f"the epochs took {self.state.step} optimizer steps, not the {self.total_steps} planned from the "
                      "files' row counts (bad rows and non-finite steps are skipped): the learning-rate schedule, made "
                      f"for {self.total_steps} steps, stopped at {self.scheduler.get_last_lr()[0]:.3g}")
-        metrics = self.evaluate_and_keep_best()
         self.save_checkpoint()
         self.export(self.out / "final")
         self.log_memory("end")
@@ -853,6 +855,7 @@ class LowMemTrainer:
         if improved:
             self.state.best_metric, self.state.best_step = metric, self.state.step
             self.export(self.out / "best")
+        self.state.last_eval = {"step": self.state.step, "eval_loss": result["eval_loss"], "bleu": result["bleu"]}
         self.record("eval", **result, best=improved)
         self.say(f"eval step {self.state.step} | eval_loss {result['eval_loss']:.4f} | bleu {result['bleu']:.2f}"
                  + (" | new best" if improved else ""))

@@ -288,3 +288,20 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path):
         assert f"resumed from {kept[0]}" in proc.stdout and "steps:       12" in proc.stdout
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_an_epoch_ending_in_bad_rows_evaluates_its_last_step_once(tmp_path):
+    # 10 good rows then 2 bad ones: the stream learns the epoch is over only when it reads them, one
+    # window after the last step, so the run's last step has had its evaluation by then.
+    train = tmp_path / "train.jsonl"
+    good = "".join(json.dumps(r) + "\n" for r in synthetic_rows(10, seed=3))
+    train.write_text(good + "{not json\n{not json either\n")
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(4, seed=4))
+    out = tmp_path / "run"
+    proc = run_cli("train", f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={out}", "--epochs=2",
+                   *SMALL, "--gradient_accumulation_steps=1", "--shuffle_buffer_size=0", "--max_bad_rows_fraction=0.2",
+                   "--eval_steps=1", "--max_new_tokens=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [r["step"] for r in metrics(out) if r["event"] == "eval"]
+    assert steps == list(range(11))  # the last step (10) once, not twice
+    assert json.loads((out / "final" / "training_info.json").read_text())["epoch"] == 2

@@ -175,3 +175,7 @@ def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resume
     a = load_file(straight / "final" / "model.safetensors")
     b = load_file(resumed / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # Continuing the finished run (from its final checkpoint) does not evaluate its last step again.
+    proc = run_cli("train", f"--output_dir={resumed}", *common, "--is_keep_training=True")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in metrics(resumed) if r["event"] == "eval"] == [0, 8, 16]
