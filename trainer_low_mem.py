@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import SHIPPED_CORPORA, TrainConfig, UserError, model_folder_config, saved_json
+from config import MEMORY_PROFILES, SHIPPED_CORPORA, TrainConfig, UserError, model_folder_config, saved_json
 from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
@@ -441,7 +441,8 @@ class LowMemTrainer:
                "of training (pass --eval_file to evaluate on another set)"),
             "memory: " + ", ".join(features),
         ]
-        if (cfg.memory_profile or "").startswith("gpu") and self.accelerator.device.type == "cpu":
+        gpu_profile = cfg.memory_profile and not MEMORY_PROFILES[cfg.memory_profile].get("cpu")
+        if gpu_profile and self.accelerator.device.type == "cpu":
             lines.append(f"--memory_profile={cfg.memory_profile} is a GPU profile but this run is on the CPU: its "
                          "bf16 autocast saves no host memory there (it measured more); host16g is the CPU profile")
         if cfg.warmup_steps > self.total_steps:
