@@ -51,7 +51,7 @@ def train(config: str | None = None, **flags) -> dict:
     except StoppedBySignal:
         return None  # checkpoint written and the resume command printed: a clean exit
     except StoppedForMemory as stop:
-        print(f"error: {stop}", file=sys.stderr)
+        print_error(str(stop))
         sys.exit(EXIT_MEMORY_GUARD)
     finally:
         trainer.close()
@@ -198,6 +198,32 @@ def verbatim_text(argv: list[str]) -> list[str]:
     return out
 
 
+def print_error(message: str) -> None:
+    """Print ``error: message`` on stderr, once per machine under ``accelerate launch``.
+
+    A wrong flag or bad data is met by every process alike, and N identical lines (interleaved, as
+    processes write at once) bury it. The launcher's per-launch folder (the parent of each worker's
+    ``TORCHELASTIC_ERROR_FILE``) holds the lines already printed; a process prints only a line no
+    other process on this machine has, so a mistake met by one process alone is still shown.
+    """
+    line = f"error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import fcntl
+
+        key = line.replace("\n", "\\n")
+        try:
+            with open(Path(error_file).parent.parent / "t5_lowmem_errors.txt", "a+") as seen:
+                fcntl.flock(seen, fcntl.LOCK_EX)  # released when the file closes
+                seen.seek(0)
+                if key in seen.read().splitlines():
+                    return
+                seen.write(key + "\n")
+        except OSError:
+            pass  # cannot share the folder: print the line anyway
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     import fire
 
@@ -206,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         print(help_text())
         return
     if argv[0] not in COMMANDS:
-        print(f"error: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)} (see --help)", file=sys.stderr)
+        print_error(f"unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)} (see --help)")
         sys.exit(2)
     debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
     try:
@@ -220,16 +246,15 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         if debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print_error(str(err))
         sys.exit(2)
     except OSError as err:
         from lowmem.checkpoint import DISK_FULL  # torch is already loaded by any run that writes
 
         if debug or err.errno not in DISK_FULL:
             raise
-        print(f"error: no space left on the device ({err.filename or 'output'}); checkpoints are written "
-              "atomically, so the last one is intact: free space, then continue with --is_keep_training=True",
-              file=sys.stderr)
+        print_error(f"no space left on the device ({err.filename or 'output'}); checkpoints are written "
+                    "atomically, so the last one is intact: free space, then continue with --is_keep_training=True")
         sys.exit(2)
 
 
