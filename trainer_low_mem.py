@@ -35,7 +35,7 @@ from data.sources import (
     resolve_files,
     too_many_bad_rows,
 )
-from data.stream import ExampleStream, batched, eval_files_of, eval_split, largest_share
+from data.stream import ExampleStream, batched, eval_files_of, eval_split, largest_share, steps_per_epoch
 from data.tokenization import tokenizer_sha1
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
@@ -51,7 +51,6 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
     freeze_for_sft,
     frozen_encoder_states,
     load_model,
-    steps_per_epoch,
     store_frozen_in_bf16,
     target_index,
     token_loss_sum,

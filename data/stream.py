@@ -9,6 +9,7 @@ the model; the current file is re-opened at the saved row with one seek.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,6 +167,11 @@ class ExampleStream:
             self.buffer[slot], self.buffer[-1] = self.buffer[-1], self.buffer[slot]
             yield self.buffer.pop()
         self.epoch, self.file_pos, self.row_pos = self.epoch + 1, 0, 0
+
+
+def steps_per_epoch(rows: int, batch_size: int, accumulation: int) -> int:
+    """Optimizer steps to take ``rows`` (the largest process share) in micro-batches of ``batch_size``."""
+    return max(1, math.ceil(math.ceil(rows / batch_size) / accumulation))
 
 
 def largest_share(indexes: list[FileIndex], world_size: int) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 from pathlib import Path
 
@@ -316,6 +315,3 @@ def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torc
         hidden[row, :length] = states[0, :length]
     return hidden
 
-
-def steps_per_epoch(rows: int, batch_size: int, accumulation: int) -> int:
-    return max(1, math.ceil(math.ceil(rows / batch_size) / accumulation))

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, replace
 
 from config import TrainConfig
+from data.stream import steps_per_epoch
 from lowmem.plan_batches import (  # noqa: F401  (part of the planner's API)
     estimated_rows,
     eval_batch_lengths,
@@ -75,11 +76,15 @@ SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.
          "encoder_cache": 0.8}
 
 
-def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_temp: int, ddp_copy: int,
-                  world: int) -> dict:
-    """What a training step holds at its costliest moment, by component (bytes): the backward of its
-    costliest micro-batch, or the optimizer step (every gradient and the optimizer's temporaries;
-    the activations are freed by then).
+def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_state: float, opt_temp: int,
+                  ddp_copy: int, world: int, one_step: bool) -> tuple[str, dict]:
+    """Where a training step peaks ("backward" or "optimizer step") and what it holds then, by
+    component (bytes): the backward of its costliest micro-batch, or the optimizer step (every
+    gradient, the optimizer's state and temporaries; the activations are freed by then).
+
+    The optimizers make their state at their first step, so in a run of one optimizer step
+    (``one_step``, not resumed) no backward has it beside: base with AdamW for one step was planned
+    1.17x its measured peak with the state counted there.
 
     In pretraining the shared embedding is trained and tied to the output layer: the output layer's
     gradient for it (embedding-sized) is made first in the backward and held until the input
@@ -94,13 +99,13 @@ def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_tem
     or its end (every gradient, and the input embeddings' one).
     """
     def moment(gradients, activations=0.0, logits=0.0, temp=0.0, copy=0.0) -> dict:
-        return {"gradients": gradients, "activations": activations, "logits_loss": logits,
-                "optimizer_step_temp": temp, "ddp_gradient_copy": copy}
+        return {"optimizer": 0.0 if one_step else opt_state, "gradients": gradients, "activations": activations,
+                "logits_loss": logits, "optimizer_step_temp": temp, "ddp_gradient_copy": copy}
 
     pretraining = not (cfg.is_finetune or cfg.lora_r)
     embedding = 4 * numel(shapes["shared"][0]) if pretraining else 0
     after_decoder = act["activations"] - act["decoder_saved"]
-    moments = [moment(grads, temp=opt_temp)]
+    moments = [{**moment(grads, temp=opt_temp), "optimizer": opt_state}]
     if world > 1 or cfg.gradient_accumulation_steps > 1:
         moments += [moment(grads + embedding, act["activations"], act["logits"], copy=ddp_copy),
                     moment(grads + 2 * embedding, after_decoder - act["encoder_saved"], copy=ddp_copy)]
@@ -109,7 +114,8 @@ def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_tem
         moments += [moment(embedding, act["activations"], act["logits"]),
                     moment(embedding + decoder + embedding, after_decoder + act["decoder_block"]),
                     moment(grads + embedding, after_decoder - act["encoder_saved"])]
-    return max(moments, key=lambda parts: sum(parts.values()))
+    costliest = max(moments, key=lambda parts: sum(parts.values()))
+    return ("optimizer step" if costliest is moments[0] else "backward"), costliest
 
 
 def runner_up_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str) -> tuple[int, ...] | None:
@@ -164,7 +170,8 @@ class StepSizes:
     cast_cache: float  # autocast's bf16 copy of every trainable weight
     cache: float  # the encoder cache read into RAM
     buffers: float  # shuffle buffer and eval set
-    alive: dict  # gradients, activations, logits, optimizer temporaries and DDP's copy at the step's peak
+    alive: dict  # optimizer state, gradients, activations, logits, optimizer temporaries, DDP's copy at the peak
+    peak_at: str  # "backward" or "optimizer step"
     act: dict  # activation_bytes of the costliest micro-batch
     before: dict  # activation_bytes of the runner-up, which shaped the heap kept beside it
     churn: float  # gradient and optimizer-temporary bytes carved from (not mmapped beside) the CPU heap
@@ -192,6 +199,8 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
     grads = 4 * n_train
     opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
     peak = peak_batch_lengths(cfg, dims, lengths, device, world)
+    steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch(
+        math.ceil(lengths["rows"] / world), cfg.batch_size, cfg.gradient_accumulation_steps)
     runner_up = runner_up_lengths(cfg, dims, lengths, device) or peak
     multiple = shape_multiple(cfg.mixed_precision, device == "cpu")
     if multiple > 1:  # padded as the trainer pads
@@ -225,6 +234,8 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         churn = min(churn, FRESH_GRADIENT_CHURN * (made["activations"] + made["logits"]))
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
     freed_at_save = act["activations"] + act["logits"] + opt_temp + ddp_copy + (grads if world == 1 else 0)
+    peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world,
+                                   one_step=steps == 1 and not cfg.is_keep_training)
     return StepSizes(
         n_params=n_params, n_train=n_train, half=half,
         encoder_elements=sum(numel(x) for x in shapes["encoder"]),
@@ -232,7 +243,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         weights=weights, optimizer=opt_state,
         cast_cache=2 * n_train if cfg.mixed_precision == "bf16" else 0,
         cache=cache, buffers=(buffered + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400),
-        alive=alive_at_peak(cfg, shapes, act, grads, opt_temp, ddp_copy, world), act=act, before=before,
+        alive=alive, peak_at=peak_at, act=act, before=before,
         churn=churn, fresh_gradients=fresh_gradients, optimizer_temp=opt_temp,
         freed_at_save=freed_at_save,
         # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
@@ -274,7 +285,7 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
         # The gradients made anew in the backward land beside the activations, whose blocks, freed by
         # the optimizer step, stay behind it (its temporaries do not fill them: measured, 26 runs).
         at_step = 4 * s.n_train + s.optimizer_temp + act["activations"] + act["logits"] + FIRST_STEP_MB * MB
-        slack = max(slack, at_step - sum(s.alive.values()))
+        slack = max(slack, at_step - sum(v for k, v in s.alive.items() if k != "optimizer"))
     host = {"framework": framework_mb * MB, "weights": s.weights, "gradients": s.alive["gradients"],
             "optimizer": s.optimizer, "bf16_weight_copies": s.cast_cache, **s.alive,
             "allocator_slack": slack, "caches": s.cache, "data_buffers": s.buffers}
@@ -285,7 +296,7 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
     # framework, the weights, the optimizer state, caches and buffers. An evaluation before the
     # training peak (step 0, then every --eval_steps) leaves EVAL_FIRST_MB resident under it.
     resident = EVAL_FIRST_MB * MB if cfg.eval_steps > 0 else 0
-    kept = sum(host[k] for k in ("framework", "weights", "optimizer", "caches", "data_buffers"))
+    kept = s.optimizer + sum(host[k] for k in ("framework", "weights", "caches", "data_buffers"))
     at_eval = kept + (FIRST_STEP_MB + EVAL_FIRST_MB) * MB + s.evaluation
     host["evaluation"] = resident + max(0, at_eval - sum(host.values()) - resident)
     return host
@@ -302,7 +313,7 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     return {"device": device, "parameters": s.n_params, "trainable_parameters": s.n_train,
             "max_source_tokens": peak[0], "max_target_tokens": peak[1],
             "peak_batch_target_tokens": peak[2] if len(peak) > 2 else cfg.batch_size * peak[1],
-            "training_peak_at": "optimizer step" if s.alive["optimizer_step_temp"] else "backward",
+            "training_peak_at": s.peak_at,
             "host_mb": host_mb, "gpu_mb": gpu_mb, "host_peak_mb": round(sum(host_mb.values()), 1),
             "gpu_peak_mb": round(sum(gpu_mb.values()), 1)}
 

@@ -262,6 +262,31 @@ def test_profile_trains_on_the_cpu(tmp_path, profile):
 
 
 @pytest.mark.slow
+def test_a_one_step_run_has_no_optimizer_state_in_its_backward():
+    from lowmem import planner
+
+    # The optimizers make their state at their first step: a run of one step peaks either in a
+    # backward without it or at that step (activations freed). A resumed run loads it first.
+    lengths = {"max_source": 128, "max_target": 128, "mean_source": 128, "row_bytes": 900, "rows": 1000,
+               "pairs": [(128, 128)] * 1000}
+
+    def plan(**flags):
+        cfg = load_config({"model_preset": "small", "optimizer": "adamw", "gradient_accumulation_steps": 2,
+                           "eval_steps": 0, **flags})[0]
+        return planner.predict(cfg, 8000, lengths, 300.0)
+
+    one, two, resumed = plan(max_steps=1), plan(max_steps=2), plan(max_steps=1, is_keep_training=True)
+    assert two["training_peak_at"] == "backward" and two["host_mb"]["activations"] > 0
+    assert one["training_peak_at"] == "optimizer step" and one["host_mb"]["activations"] == 0
+    assert one["host_mb"]["optimizer"] == two["host_mb"]["optimizer"] > 300
+    # the step holds every gradient, the state and the step's temporaries, not the activations and
+    # logits (nor the output layer's extra embedding gradient): all else is planned alike
+    alive = ("gradients", "activations", "logits_loss", "optimizer_step_temp")
+    lighter = sum(two["host_mb"][k] - one["host_mb"][k] for k in alive)
+    assert lighter > 100 and one["host_peak_mb"] == pytest.approx(two["host_peak_mb"] - lighter, abs=1)
+    assert resumed["host_peak_mb"] == two["host_peak_mb"]
+
+
 def test_train_reports_predicted_and_measured_peak_side_by_side(tmp_path):
     data = write_rows(tmp_path / "d.jsonl", synthetic_rows(200))
     done = run_cli("train", f"--train_file={data}", f"--eval_file={data}", f"--output_dir={tmp_path / 'run'}",
