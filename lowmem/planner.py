@@ -176,6 +176,7 @@ class StepSizes:
     before: dict  # activation_bytes of the runner-up, which shaped the heap kept beside it
     churn: float  # gradient and optimizer-temporary bytes carved from (not mmapped beside) the CPU heap
     fresh_gradients: bool  # one process, no accumulation: each step's gradients are made anew, then freed
+    one_step: bool  # a run of one optimizer step, not resumed: the optimizer state is made at that step
     optimizer_temp: float
     freed_at_save: float
     serialize: float
@@ -234,8 +235,8 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         churn = min(churn, FRESH_GRADIENT_CHURN * (made["activations"] + made["logits"]))
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
     freed_at_save = act["activations"] + act["logits"] + opt_temp + ddp_copy + (grads if world == 1 else 0)
-    peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world,
-                                   one_step=steps == 1 and not cfg.is_keep_training)
+    one_step = steps == 1 and not cfg.is_keep_training
+    peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world, one_step)
     return StepSizes(
         n_params=n_params, n_train=n_train, half=half,
         encoder_elements=sum(numel(x) for x in shapes["encoder"]),
@@ -244,7 +245,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         cast_cache=2 * n_train if cfg.mixed_precision == "bf16" else 0,
         cache=cache, buffers=(buffered + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400),
         alive=alive, peak_at=peak_at, act=act, before=before,
-        churn=churn, fresh_gradients=fresh_gradients, optimizer_temp=opt_temp,
+        churn=churn, fresh_gradients=fresh_gradients, one_step=one_step, optimizer_temp=opt_temp,
         freed_at_save=freed_at_save,
         # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
         # safetensors that is not zero-copy (recent ones write straight from the tensors' memory).
@@ -285,6 +286,8 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
         # The gradients made anew in the backward land beside the activations, whose blocks, freed by
         # the optimizer step, stay behind it (its temporaries do not fill them: measured, 26 runs).
         at_step = 4 * s.n_train + s.optimizer_temp + act["activations"] + act["logits"] + FIRST_STEP_MB * MB
+        if s.one_step:  # the state, made at that step, is carved from those freed blocks
+            at_step -= s.optimizer
         slack = max(slack, at_step - sum(v for k, v in s.alive.items() if k != "optimizer"))
     host = {"framework": framework_mb * MB, "weights": s.weights, "gradients": s.alive["gradients"],
             "optimizer": s.optimizer, "bf16_weight_copies": s.cast_cache, **s.alive,
