@@ -35,7 +35,7 @@ from data.sources import (
     resolve_files,
     too_many_bad_rows,
 )
-from data.stream import ExampleStream, batched, eval_files_of, eval_split, largest_share, steps_per_epoch
+from data.stream import ExampleStream, batched, eval_files_of, eval_split, largest_share, steps_per_epoch, total_steps
 from data.tokenization import tokenizer_sha1
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
@@ -143,9 +143,9 @@ class LowMemTrainer:
             if not index.rows:
                 self.say(f"warning: {path} is empty")
         # The process with the most rows sets the epoch's steps: the others step with it on empty windows.
-        per_epoch = steps_per_epoch(largest_share(indexes, self.world), cfg.batch_size,
-                                    cfg.gradient_accumulation_steps)
-        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * per_epoch
+        share = largest_share(indexes, self.world)
+        per_epoch = steps_per_epoch(share, cfg.batch_size, cfg.gradient_accumulation_steps)
+        self.total_steps = total_steps(cfg, share)
         self._build_optimizer()
 
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len, self.shape_multiple)

@@ -174,6 +174,14 @@ def steps_per_epoch(rows: int, batch_size: int, accumulation: int) -> int:
     return max(1, math.ceil(math.ceil(rows / batch_size) / accumulation))
 
 
+def total_steps(cfg, rows: int) -> int:
+    """A run's optimizer steps: ``--max_steps`` when set, else ``--epochs`` over ``rows`` (the largest
+    process share)."""
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    return cfg.epochs * steps_per_epoch(rows, cfg.batch_size, cfg.gradient_accumulation_steps)
+
+
 def largest_share(indexes: list[FileIndex], world_size: int) -> int:
     """The most rows any process reads in an epoch (``ExampleStream.share`` splits each file, so a
     process can hold up to one more row per file than another)."""

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 
 from config import TrainConfig
-from data.stream import steps_per_epoch
+from data.stream import total_steps
 from lowmem.plan_batches import (  # noqa: F401  (part of the planner's API)
     estimated_rows,
     eval_batch_lengths,
@@ -98,14 +98,14 @@ def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_sta
     with checkpointing, recomputed: small SFT with checkpointing was planned 0.93x without them),
     or its end (every gradient, and the input embeddings' one).
     """
-    def moment(gradients, activations=0.0, logits=0.0, temp=0.0, copy=0.0) -> dict:
-        return {"optimizer": 0.0 if one_step else opt_state, "gradients": gradients, "activations": activations,
-                "logits_loss": logits, "optimizer_step_temp": temp, "ddp_gradient_copy": copy}
+    def moment(gradients, activations=0.0, logits=0.0, temp=0.0, copy=0.0, state=0.0 if one_step else opt_state):
+        return {"optimizer": state, "gradients": gradients, "activations": activations, "logits_loss": logits,
+                "optimizer_step_temp": temp, "ddp_gradient_copy": copy}
 
     pretraining = not (cfg.is_finetune or cfg.lora_r)
     embedding = 4 * numel(shapes["shared"][0]) if pretraining else 0
     after_decoder = act["activations"] - act["decoder_saved"]
-    moments = [{**moment(grads, temp=opt_temp), "optimizer": opt_state}]
+    moments = [moment(grads, temp=opt_temp, state=opt_state)]
     if world > 1 or cfg.gradient_accumulation_steps > 1:
         moments += [moment(grads + embedding, act["activations"], act["logits"], copy=ddp_copy),
                     moment(grads + 2 * embedding, after_decoder - act["encoder_saved"], copy=ddp_copy)]
@@ -200,8 +200,6 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
     grads = 4 * n_train
     opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
     peak = peak_batch_lengths(cfg, dims, lengths, device, world)
-    steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch(
-        math.ceil(lengths["rows"] / world), cfg.batch_size, cfg.gradient_accumulation_steps)
     runner_up = runner_up_lengths(cfg, dims, lengths, device) or peak
     multiple = shape_multiple(cfg.mixed_precision, device == "cpu")
     if multiple > 1:  # padded as the trainer pads
@@ -235,7 +233,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         churn = min(churn, FRESH_GRADIENT_CHURN * (made["activations"] + made["logits"]))
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
     freed_at_save = act["activations"] + act["logits"] + opt_temp + ddp_copy + (grads if world == 1 else 0)
-    one_step = steps == 1 and not cfg.is_keep_training
+    one_step = total_steps(cfg, math.ceil(lengths["rows"] / world)) == 1 and not cfg.is_keep_training
     peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world, one_step)
     return StepSizes(
         n_params=n_params, n_train=n_train, half=half,
@@ -264,7 +262,8 @@ def gpu_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> tuple
     if encoder_weights and s.half:
         encoder_weights -= 2 * s.encoder_matrices
     gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": s.weights - encoder_weights,
-           "gradients": s.alive["gradients"], "optimizer": s.optimizer, "bf16_weight_copies": s.cast_cache, **s.alive}
+           "gradients": s.alive["gradients"], "optimizer": s.alive["optimizer"], "bf16_weight_copies": s.cast_cache,
+           **s.alive}
     live = sum(v for k, v in gpu.items() if k != "cuda_context")
     gpu["allocator_slack"] = GPU_ALLOCATOR_SLACK * live
     # Evaluation (cache emptied before it): the whole model on the GPU again, the optimizer state.
@@ -290,7 +289,7 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
             at_step -= s.optimizer
         slack = max(slack, at_step - sum(v for k, v in s.alive.items() if k != "optimizer"))
     host = {"framework": framework_mb * MB, "weights": s.weights, "gradients": s.alive["gradients"],
-            "optimizer": s.optimizer, "bf16_weight_copies": s.cast_cache, **s.alive,
+            "optimizer": s.alive["optimizer"], "bf16_weight_copies": s.cast_cache, **s.alive,
             "allocator_slack": slack, "caches": s.cache, "data_buffers": s.buffers}
     host["checkpoint_copy"] = (max(0, s.serialize - s.freed_at_save - slack)
                                + max(0, s.export_copies - (1 - ALLOCATOR_SLACK) * s.freed_at_save))

@@ -261,7 +261,6 @@ def test_profile_trains_on_the_cpu(tmp_path, profile):
     assert ("is a GPU profile but this run is on the CPU" in done.stdout) == (profile == "gpu8g")
 
 
-@pytest.mark.slow
 def test_a_one_step_run_has_no_optimizer_state_in_its_backward():
     from lowmem import planner
 
@@ -291,6 +290,7 @@ def test_a_one_step_run_has_no_optimizer_state_in_its_backward():
     assert one["host_mb"]["allocator_slack"] < two["host_mb"]["allocator_slack"] - 20
 
 
+@pytest.mark.slow
 def test_train_reports_predicted_and_measured_peak_side_by_side(tmp_path):
     data = write_rows(tmp_path / "d.jsonl", synthetic_rows(200))
     done = run_cli("train", f"--train_file={data}", f"--eval_file={data}", f"--output_dir={tmp_path / 'run'}",
