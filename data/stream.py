@@ -27,7 +27,7 @@ class ExampleStream:
         files: data files, in their canonical (sorted) order.
         columns: (prompt column, response column).
         seed: seeds the per-epoch file order and the shuffle buffer.
-        buffer_size: rows held for shuffling; 0 streams in file order. Bounds host RAM.
+        buffer_size: rows held for shuffling; 0 streams in file order (one row held ahead). Bounds host RAM.
         rank, world_size: this process's share: the rank-th of world_size contiguous row ranges of
             every file. Each row goes to exactly one process per epoch, shares differ by at most one
             row per file, and a process seeks to its range instead of reading the rows before it.
@@ -152,18 +152,18 @@ class ExampleStream:
         Whenever an example has been handed out, ``state_dict()`` describes exactly the stream that
         remains, so a checkpoint can be taken between any two examples.
         """
+        # Without shuffling one row is still held: reading up to the next usable row (past any bad
+        # ones) before handing one out is how the epoch's end is known with its last usable row.
+        capacity = max(self.buffer_size, 1)
         for example in self._upstream():
-            if len(self.buffer) < self.buffer_size:
+            if len(self.buffer) < capacity:
                 self.buffer.append(example)
                 continue
-            if not self.buffer_size:
-                yield example
-                continue
-            slot = self.rng.randrange(self.buffer_size)
+            slot = self.rng.randrange(capacity) if self.buffer_size else 0
             out, self.buffer[slot] = self.buffer[slot], example
             yield out
         while self.buffer:  # drain at the end of the epoch
-            slot = self.rng.randrange(len(self.buffer))
+            slot = self.rng.randrange(len(self.buffer)) if self.buffer_size else 0
             self.buffer[slot], self.buffer[-1] = self.buffer[-1], self.buffer[slot]
             yield self.buffer.pop()
         self.epoch, self.file_pos, self.row_pos = self.epoch + 1, 0, 0

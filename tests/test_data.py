@@ -204,6 +204,39 @@ def test_the_stream_knows_its_epoch_is_over_without_reading_on(tmp_path, buffer_
         assert stream.finished_epoch(0) and len(list(stream.iter_epoch())) == share
 
 
+@pytest.mark.parametrize("buffer_size", [0, 1, 5])
+def test_the_epoch_ends_with_its_last_usable_row_when_bad_rows_follow_it(tmp_path, buffer_size):
+    """Bad rows after a share's last usable one (at a file's end, or a whole file of them) do not
+    hide the epoch's end: ``finished_epoch`` turns true with the last usable example, in file order
+    too, and a stream saved and restored mid-epoch hands out the same rows."""
+    bad = [{"prompt": " ", "response": "r"}] * 3
+    files = [write_rows(tmp_path / "a.jsonl", synthetic_rows(5, seed=1) + bad),
+             write_rows(tmp_path / "b.jsonl", bad + synthetic_rows(4, seed=2) + bad),
+             write_rows(tmp_path / "c.jsonl", bad)]
+    for rank, world in [(0, 1), (0, 2), (1, 2)]:
+        def stream(rank=rank, world=world):
+            return ExampleStream(files, COLS, seed=3, buffer_size=buffer_size, rank=rank, world_size=world)
+
+        whole = _drain(stream())
+        share = len(whole)
+        assert share == {(0, 1): 9, (0, 2): 6, (1, 2): 3}[rank, world]
+        first = stream()
+        seen = []
+        for example in first.iter_epoch():
+            seen.append((example.file_index, example.row))
+            assert first.finished_epoch(0) == (len(seen) == share)
+            if len(seen) == share:
+                break
+        assert seen == whole
+        if buffer_size == 0:
+            assert [f for f, _ in seen] == sorted(f for f, _ in seen)  # no shuffling: file order
+        part = stream()
+        head = _drain(part, limit=2)
+        resumed = stream()
+        resumed.load_state_dict(part.state_dict())
+        assert head + _drain(resumed) == whole
+
+
 def test_bad_rows_of_every_kind_are_counted_per_reason(tmp_path):
     good = [json.dumps(r).encode() for r in synthetic_rows(40)]
     bad = {
