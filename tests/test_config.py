@@ -115,3 +115,19 @@ def test_text_flags_reach_the_config_verbatim():
         fire.Fire(lambda **flags: seen.update(flags), command=verbatim_text(argv))
         cfg, _ = load_config(seen)
         assert cfg.prompt == "hello, world" and cfg.output_dir == "1e3"
+
+
+def test_each_distinct_error_line_is_printed_once_per_launch(tmp_path, monkeypatch, capsys):
+    from train_low_mem import print_error
+
+    # the layout torch's elastic agent gives each worker: <launch folder>/attempt_0/<local rank>/error.json
+    (tmp_path / "launch" / "attempt_0").mkdir(parents=True)
+    for rank, message in [(0, "bad flag"), (1, "bad flag"), (1, "only rank 1's shard\nhas this"), (0, "bad flag")]:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "launch" / "attempt_0" / str(rank) / "error.json"))
+        print_error(message)
+    assert capsys.readouterr().err == "error: bad flag\nerror: only rank 1's shard\nhas this\n"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "gone" / "attempt_0" / "0" / "error.json"))
+    print_error("bad flag")  # no folder to share: the line is printed all the same
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    print_error("bad flag")  # not launched: always printed
+    assert capsys.readouterr().err == "error: bad flag\nerror: bad flag\n"
