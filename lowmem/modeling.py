@@ -226,7 +226,8 @@ def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     """Linear warmup, then linear / cosine decay to 0 at ``total_steps`` (or constant)."""
     from lowmem.optim import warmup_schedule
 
-    return warmup_schedule(optimizer, cfg.lr_scheduler, min(cfg.warmup_steps, total_steps), total_steps)
+    # A warmup as long as the run (or longer) ends it at the peak rate, on its last step.
+    return warmup_schedule(optimizer, cfg.lr_scheduler, min(cfg.warmup_steps, total_steps - 1), total_steps)
 
 
 def target_index(labels: torch.Tensor, multiple: int = 1) -> torch.Tensor:

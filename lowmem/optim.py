@@ -5,9 +5,10 @@ which imports peft, bitsandbytes and parts of torch._dynamo whenever they are in
 host RSS and 1.4 s at start (measured on the 2-core CPU machine) for two small pieces of arithmetic.
 Adafactor follows transformers' code operation for operation; a test checks it gives bit-identical weights
 (``tests/test_training_math.py``), and checkpoints are interchangeable: same parameter-group options, same
-state keys. The schedules give transformers' rates after warmup; during warmup step k (from 1) applies
-k / warmup of the rate, where transformers applies (k - 1) / warmup, so its first step has rate 0 and
-changes nothing (transformers issue 34754).
+state keys. The schedules give transformers' rates from the peak on, which both reach at step warmup + 1
+(from 1); before it step k applies k / (warmup + 1) of the rate, where transformers applies
+(k - 1) / warmup, so its first step has rate 0 and changes nothing (transformers issue 34754). The ramp
+stays a straight line to the peak, and the peak rate is applied once, as in transformers.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ class Adafactor(torch.optim.Optimizer):
 
 
 def _warmup(step: int, warmup: int) -> float:
-    """``step`` counts from 0 (LambdaLR's ``last_epoch`` when the step is taken): the first step
-    applies 1 / warmup of the rate, step ``warmup`` the whole rate."""
-    return float(step + 1) / float(max(1, warmup))
+    """``step`` counts from 0 (LambdaLR's ``last_epoch`` when the step is taken) and is below
+    ``warmup``: the first step applies 1 / (warmup + 1) of the rate, each next one 1 / (warmup + 1)
+    more, up to the whole rate at step ``warmup`` (the decay's first)."""
+    return float(step + 1) / float(warmup + 1)
 
 
 def _linear(step: int, warmup: int, total: int) -> float:
@@ -112,7 +114,7 @@ SCHEDULES = {"linear": _linear, "cosine": _cosine, "constant": _constant}
 
 
 def warmup_schedule(optimizer, name: str, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over ``warmup_steps`` (the first step already at 1 / warmup_steps of the rate),
+    """Linear warmup over ``warmup_steps`` (the first step already at 1 / (warmup_steps + 1) of the rate),
     then ``name`` (linear or cosine decay to 0 at ``total_steps``, or constant) as transformers'
     ``get_scheduler`` computes it."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(SCHEDULES[name], warmup=warmup_steps,

@@ -53,7 +53,7 @@ def test_two_processes_share_each_epoch_exactly_once(tmp_path):
     setup = next(r for r in records if r["event"] == "setup")
     assert setup["total_steps"] == train_records[-1]["step"] == 12
     # Every step trains: warmup's first step is not at rate 0, the last one is the decay's last (1/10).
-    assert train_records[0]["lr"] == pytest.approx(3e-3 / 2) and train_records[-1]["lr"] == pytest.approx(3e-3 / 10)
+    assert train_records[0]["lr"] == pytest.approx(3e-3 / 3) and train_records[-1]["lr"] == pytest.approx(3e-3 / 10)
     assert [r["step"] for r in records if r["event"] == "eval"] == [0, 6, 12]  # the last step evaluated once
     assert all(r["eval_examples"] == 7 for r in records if r["event"] == "eval")
     lines = [ln.split("\t") for rank in (0, 1) for ln in (out / f"consumed-rank{rank}.tsv").read_text().splitlines()]

@@ -158,8 +158,9 @@ def test_learning_rate_is_applied_with_warmup_and_decay(tmp_path, tokenizer):
         seen.append(trainer.optimizer.param_groups[0]["lr"])
         trainer.optimizer.step()  # no gradients: nothing changes, but the order is the real one
         trainer.scheduler.step()
-    # Warmup over 2 steps (the first one already trains), then linear decay to 0 after step 6.
-    assert seen == pytest.approx([0.005, 0.01, 0.01, 0.0075, 0.005, 0.0025])
+    # Warmup over 2 steps (the first one already trains) up to the peak on step 3, applied once, then
+    # linear decay to 0 after step 6.
+    assert seen == pytest.approx([0.01 / 3, 0.02 / 3, 0.01, 0.0075, 0.005, 0.0025])
     opt = trainer.optimizer.optimizer
     assert opt.defaults["relative_step"] is False and opt.defaults["scale_parameter"] is False
     trainer.close()
@@ -219,6 +220,8 @@ def test_schedules_match_transformers_after_a_warmup_whose_first_step_trains(nam
             sched.step()
         rates.append(seen)
     assert rates[0][7:] == rates[1][7:]  # after warmup: transformers' rates exactly
-    # Warmup: step k (from 1) applies k/7 of the rate; transformers' (k-1)/7 leaves step 1 at 0.
-    assert rates[0][:7] == pytest.approx([2e-3 * k / 7 for k in range(1, 8)])
+    # Warmup: step k (from 1) applies k/8 of the rate; transformers' (k-1)/7 leaves step 1 at 0. Both
+    # reach the peak at step 8, once.
+    assert rates[0][:7] == pytest.approx([2e-3 * k / 8 for k in range(1, 8)])
+    assert rates[0].count(2e-3) == rates[1].count(2e-3) == (45 - 7 if name == "constant" else 1)
     assert rates[1][:7] == pytest.approx([2e-3 * (k - 1) / 7 for k in range(1, 8)])
