@@ -30,7 +30,8 @@ SHIPPED_CORPORA = {
 
 STARTED_MARKER = ".started"  # left in an output folder as soon as a run begins there
 
-# The low-memory caps, kept in one place. A request above a cap is lowered with a log line.
+# The low-memory caps, kept in one place. A request above a cap is lowered with a log line (a training
+# batch then becomes more accumulation steps of micro-batches within the cap: the same batch per step).
 LOW_MEMORY_CAPS = {"batch_size": 2, "eval_batch_size": 4}
 
 MODEL_PRESETS = {
@@ -144,7 +145,8 @@ class TrainConfig:
     dropout_rate: float = _f(0.1, "Dropout inside the T5 blocks.")
 
     # --- batch and optimisation ---
-    batch_size: int = _f(2, "Training micro-batch per process (capped at 2). Lower saves activation memory.")
+    batch_size: int = _f(2, "Training micro-batch per process (capped at 2; more becomes accumulation). Lower saves "
+                               "activation memory.")
     eval_batch_size: int = _f(4, "Eval and generation batch (capped at 4). Lower saves memory.")
     gradient_accumulation_steps: int = _f(16, "Micro-batches per optimizer step. Higher: same batch, less memory.")
     epochs: int = _f(1, "Passes over the training data.")
@@ -252,13 +254,27 @@ class TrainConfig:
         return unused
 
     def apply_caps(self) -> list[str]:
-        """Lower values above the low-memory caps; return one message per change."""
+        """Lower values above the low-memory caps; return one message per change.
+
+        A training batch above its cap keeps its size as micro-batches times accumulation: the
+        largest micro-batch within the cap that divides it, and that many times the accumulation
+        steps, so the gradient (and the learning rate tuned for it) is the one asked for.
+        """
         notes = []
-        for name, cap in LOW_MEMORY_CAPS.items():
-            value = getattr(self, name)
-            if value > cap:
-                notes.append(f"--{name}={value} is above the low-memory cap; using {cap}")
-                setattr(self, name, cap)
+        cap = LOW_MEMORY_CAPS["batch_size"]
+        if self.batch_size > cap:
+            micro = next(m for m in range(cap, 0, -1) if self.batch_size % m == 0)
+            times = self.batch_size // micro
+            notes.append(f"--batch_size={self.batch_size} is above the low-memory cap of {cap}: training "
+                         f"micro-batches of {micro} with --gradient_accumulation_steps="
+                         f"{self.gradient_accumulation_steps * times} ({self.gradient_accumulation_steps} x {times}), "
+                         f"the same batch of {self.batch_size * self.gradient_accumulation_steps} examples per "
+                         "optimizer step")
+            self.batch_size, self.gradient_accumulation_steps = micro, self.gradient_accumulation_steps * times
+        cap = LOW_MEMORY_CAPS["eval_batch_size"]
+        if self.eval_batch_size > cap:
+            notes.append(f"--eval_batch_size={self.eval_batch_size} is above the low-memory cap; using {cap}")
+            self.eval_batch_size = cap
         return notes
 
     def validate(self) -> None:
