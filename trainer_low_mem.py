@@ -749,8 +749,9 @@ class LowMemTrainer:
     def finish(self) -> dict:
         """Final log, evaluation, checkpoint and ``final/`` export."""
         self.maybe_log(force=True)
-        done = self.state.last_eval  # this step may be evaluated already (after a window with no usable rows)
-        metrics = done if done and done["step"] == self.state.step else self.evaluate_and_keep_best()  # or a resume
+        # This step is evaluated already when the run resumed from its own final checkpoint.
+        done = self.state.last_eval
+        metrics = done if done and done["step"] == self.state.step else self.evaluate_and_keep_best()
         if self.state.step < self.total_steps:  # epochs planned from row counts; bad or skipped rows shorten them
             self.say(f"the epochs took {self.state.step} optimizer steps, not the {self.total_steps} planned from the "
                      "files' row counts (bad rows and non-finite steps are skipped): the learning-rate schedule, made "
