@@ -249,6 +249,8 @@ class TrainConfig:
             unused += [(name, "without --lora_r") for name in ("lora_alpha", "lora_dropout", "lora_target_modules")]
         if self.encoder_cache == "off":
             unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
+        if self.is_finetune:
+            unused.append(("model_preset", "with --is_finetune=True (the --init_from model's shape is trained)"))
         if self.is_keep_training:
             unused.append(("overwrite_output_dir", "with --is_keep_training=True (the run is continued)"))
         return unused
@@ -354,6 +356,10 @@ class TrainConfig:
         if bad or not targets:
             problems.append(f"--lora_target_modules must be a comma list of {', '.join(LORA_TARGETS)} "
                             f"(got {self.lora_target_modules!r})")
+        elif len(set(targets)) < len(targets):
+            twice = sorted({t for t in targets if targets.count(t) > 1})
+            problems.append(f"--lora_target_modules names {', '.join(twice)} more than once "
+                            f"(got {self.lora_target_modules!r}): list each layer once")
         if self.encoder_cache not in ENCODER_CACHE_MODES:
             problems.append(f"--encoder_cache must be one of {', '.join(ENCODER_CACHE_MODES)} "
                             f"(got {self.encoder_cache!r})")

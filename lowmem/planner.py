@@ -18,9 +18,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 from dataclasses import dataclass, replace
 
-from config import TrainConfig
+from config import MEMORY_PROFILES, MODEL_PRESETS, TrainConfig
 from data.stream import total_steps
 from lowmem.plan_batches import (  # noqa: F401  (part of the planner's API)
     estimated_rows,
@@ -379,8 +380,8 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
                      "gradient_accumulation_steps": accumulation}
             if cfg.is_finetune:
                 flags.update(encoder_cache=cache, frozen_dtype=frozen_dtype)
-            if device == "cpu":
-                flags["cpu"] = True
+            if device == "cpu" or cfg.cpu:  # a GPU plan undoes --cpu=True (given, or from host16g)
+                flags["cpu"] = device == "cpu"
             best = (speed, flags, peak)
     if best is None:
         return None
@@ -439,8 +440,12 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     from data.stream import eval_files_of, eval_split
     from data.tokenization import load_trained_tokenizer
 
-    device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-    check_plan_flags(device, budget_gb, num_processes, num_machines)
+    check_plan_flags(device or "cpu", budget_gb, num_processes, num_machines)
+    if device is None:
+        device = "gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu"
+        if device == "cpu" and cfg.memory_profile and not MEMORY_PROFILES[cfg.memory_profile].get("cpu"):
+            print(f"note: --memory_profile={cfg.memory_profile} is a GPU profile and this plan is for the CPU (no GPU "
+                  "here, or --cpu=True); add --device=gpu to plan one GPU's memory", file=sys.stderr)
     per_machine = num_processes // num_machines
     tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
     files = resolve_files(cfg.train_file, "--train_file")
@@ -502,12 +507,17 @@ def print_plan(cfg: TrainConfig, result: dict) -> None:
     if budget_gb is not None:
         rec = result["recommendation"]
         if rec is None:
-            fewer = "fewer processes, " if num_processes > 1 else ""
-            lora = ("" if not cfg.is_finetune else " or fewer --lora_target_modules" if cfg.lora_r
-                    else " or --lora_r (LoRA)")
-            print(f"nothing fits {budget_gb} GiB on the {device} with {RECOMMEND_HEADROOM:.0%} headroom: lower "
-                  f"--max_source_len / --max_target_len, {fewer}a smaller "
-                  f"{'--init_from model' if cfg.is_finetune else '--model_preset'}{lora}")
+            changes = ["lower --max_source_len / --max_target_len"]
+            if num_processes > 1:
+                changes.append("fewer processes")
+            if cfg.is_finetune:
+                changes.append("a smaller --init_from model")
+            elif cfg.model_preset != next(iter(MODEL_PRESETS)):  # the first preset is the smallest
+                changes.append("a smaller --model_preset")
+            if cfg.is_finetune:
+                changes.append("fewer --lora_target_modules" if cfg.lora_r else "--lora_r (LoRA)")
+            print(f"nothing fits {budget_gb} GiB on the {device} with {RECOMMEND_HEADROOM:.0%} headroom: "
+                  + ", ".join(changes[:-1]) + (" or " if len(changes) > 1 else "") + changes[-1])
         else:
             flags = " ".join(f"--{k}={v}" for k, v in rec["flags"].items())
             print(f"fits {budget_gb} GiB ({device}, {RECOMMEND_HEADROOM:.0%} headroom): {flags}  (predicted peak "

@@ -52,6 +52,7 @@ def test_low_memory_defaults():
     ({"gradient_accumulation_steps": 0}, "--gradient_accumulation_steps must be at least 1"),
     ({"num_workers": 2}, "--num_workers must be 0"),
     ({"max_steps": 0}, "--max_steps must be -1"),
+    ({"is_finetune": True, "lora_r": 4, "lora_target_modules": "q,v,q"}, "names q more than once"),
 ])
 def test_invalid_values_are_refused(flags, fragment):
     with pytest.raises(UserError, match=fragment):
@@ -105,6 +106,9 @@ def test_flags_that_the_configuration_does_not_read_are_named():
     _, notes = load_config({"is_finetune": True, "lora_r": 4, "lora_alpha": 32.0, "encoder_cache": "memory",
                             "encoder_cache_dtype": "bfloat16"})
     assert not [n for n in notes if "has no effect" in n]
+    _, notes = load_config({"is_finetune": True, "model_preset": "small"})  # SFT trains --init_from's shape
+    assert notes == ["note: --model_preset has no effect with --is_finetune=True (the --init_from model's shape "
+                     "is trained)"]
     _, notes = load_config({})  # defaults are never named
     assert not [n for n in notes if "has no effect" in n]
 

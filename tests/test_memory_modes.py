@@ -375,6 +375,13 @@ def test_plan_json_table_and_recommendation(tmp_path):
     assert table.returncode == 0 and "total (peak)" in table.stdout and "fits 2 GiB" in table.stdout, table.stdout
     nothing = run_cli("plan", "--budget_gb=0.1", "--device=cpu")
     assert nothing.returncode == 0 and "nothing fits" in nothing.stdout
+    assert "--model_preset" not in nothing.stdout  # tiny is the smallest preset
+    # A GPU profile planned without --device on a machine without a GPU says the plan is the CPU's;
+    # a GPU plan's flags undo the CPU profile's --cpu=True
+    profile = run_cli("plan", "--memory_profile=gpu8g")
+    assert "add --device=gpu" in profile.stderr
+    host = run_cli("plan", "--json", "--memory_profile=host16g", "--device=gpu", "--budget_gb=4")
+    assert json.loads(host.stdout.strip().splitlines()[-1])["recommendation"]["flags"]["cpu"] is False
 
 
 @pytest.mark.skipif(not installed("bitsandbytes"), reason="the search tries adamw8bit only with bitsandbytes")
