@@ -56,6 +56,7 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
     token_loss_sum,
     weights_in_float32,
 )
+from lowmem.optim import resume_schedule
 from lowmem.run_folder import RunFolder
 
 
@@ -910,6 +911,7 @@ class LowMemTrainer:
         """Restore weights, optimizer, scheduler, counters, RNG and this process's data position."""
         trainer_state, process_state = self.folder.read_checkpoint(
             folder, self.core, self.optimizer, self.scheduler, self.run_config, self.rank, self.world, self.say)
+        resume_schedule(self.optimizer, self.scheduler, self.cfg.learn_rate, self.cfg.weight_decay)
         self.state.load_state_dict(trainer_state)
         self.stream.load_state_dict(process_state["data"])
         checkpoint.set_rng_state(process_state["rng"])

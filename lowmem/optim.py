@@ -119,3 +119,17 @@ def warmup_schedule(optimizer, name: str, warmup_steps: int, total_steps: int) -
     ``get_scheduler`` computes it."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(SCHEDULES[name], warmup=warmup_steps,
                                                                 total=total_steps))
+
+
+def resume_schedule(optimizer, scheduler, lr: float, weight_decay: float) -> None:
+    """After a resume, this command's peak rate and weight decay, and its schedule (``--max_steps``,
+    ``--warmup_steps``, ``--lr_scheduler``, which ``scheduler`` was built with) from the restored step on.
+
+    The restored optimizer and scheduler states hold the rate and decay the run was saved with: a
+    changed ``--learn_rate`` would be ignored, and the next step would apply the old schedule's rate
+    before the new one took over. With unchanged settings the numbers are the very same.
+    """
+    rates = [lr * fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group.update(lr=rate, initial_lr=lr, weight_decay=weight_decay)
+    scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": [lr] * len(rates), "_last_lr": rates})

@@ -225,3 +225,33 @@ def test_schedules_match_transformers_after_a_warmup_whose_first_step_trains(nam
     assert rates[0][:7] == pytest.approx([2e-3 * k / 8 for k in range(1, 8)])
     assert rates[0].count(2e-3) == rates[1].count(2e-3) == (45 - 7 if name == "constant" else 1)
     assert rates[1][:7] == pytest.approx([2e-3 * (k - 1) / 7 for k in range(1, 8)])
+
+
+def test_a_resume_applies_this_commands_rate_and_schedule_from_its_first_step():
+    from lowmem.optim import Adafactor, resume_schedule, warmup_schedule
+
+    def run(lr, total, steps, state=None):
+        param = torch.nn.Parameter(torch.ones(3))
+        opt = Adafactor([param], lr=lr, weight_decay=0.01)
+        sched = warmup_schedule(opt, "linear", 4, total)
+        if state is not None:
+            opt.load_state_dict(state[0])
+            sched.load_state_dict(state[1])
+            resume_schedule(opt, sched, lr, 0.01)
+        rates = []
+        for _ in range(steps):
+            rates.append(sched.get_last_lr()[0])
+            assert opt.param_groups[0]["lr"] == rates[-1]
+            param.grad = torch.ones(3)
+            opt.step()
+            sched.step()
+        return rates, (opt.state_dict(), sched.state_dict())
+
+    straight, _ = run(3e-3, 16, 16)
+    first, saved = run(3e-3, 16, 10)
+    again, _ = run(3e-3, 16, 6, saved)
+    assert first + again == straight  # unchanged settings: the very same rates
+    longer, _ = run(3e-3, 20, 10, saved)  # --max_steps raised from 16 to 20
+    assert longer == pytest.approx([3e-3 * (20 - k) / 16 for k in range(10, 20)])  # not the old schedule's first
+    lower, _ = run(1e-3, 16, 6, saved)  # --learn_rate lowered
+    assert lower == pytest.approx([r / 3 for r in straight[10:]])
