@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -32,6 +33,7 @@ from data.sources import (
     DataProblems,
     check_columns,
     ignored_in_folders,
+    repeated_files,
     resolve_files,
     too_many_bad_rows,
 )
@@ -448,17 +450,34 @@ class LowMemTrainer:
         if cfg.warmup_steps > self.total_steps:
             lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {self.total_steps} steps: the "
                          f"learning rate warms up over all {self.total_steps} and never decays")
-        ignored = ignored_in_folders(cfg.train_file)
-        if ignored:
-            lines.append(f"not read: {len(ignored)} file(s) in the --train_file folder(s) without a data ending "
-                         f"({'/'.join(FORMATS)}): " + ", ".join(str(p) for p in ignored[:3])
-                         + (" ..." if len(ignored) > 3 else ""))
-        for line in lines:
+        for line in lines + self._data_notes():
             self.say(line)
         self.record("setup", trainable_params=self.trainable, frozen_params=self.frozen,
                     frozen_bf16_params=self.frozen_bf16, effective_batch=effective,
                     train_rows=rows, held_out_rows=self.held_out_rows, eval_rows=len(self.eval_examples),
                     total_steps=self.total_steps, world_size=self.world)
+
+    def _data_notes(self) -> list[str]:
+        """What the log says about the files: those not read, those reached twice, an eval set trained on."""
+        cfg, notes = self.cfg, []
+
+        def some(paths: list) -> str:
+            return ", ".join(str(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+
+        ignored = ignored_in_folders(cfg.train_file)
+        if ignored:
+            notes.append(f"not read: {len(ignored)} file(s) in the --train_file folder(s) without a data ending "
+                         f"({'/'.join(FORMATS)}): {some(ignored)}")
+        repeated = repeated_files(cfg.train_file)
+        if repeated:
+            notes.append(f"read once: {len(repeated)} file(s) that --train_file reaches more than once: "
+                         f"{some(repeated)}")
+        trained = {os.path.realpath(p) for p in self.train_files}
+        shared = [p for p in self.eval_files if os.path.realpath(p) in trained] if cfg.eval_file else []
+        if shared:
+            notes.append(f"--eval_file shares {len(shared)} file(s) with --train_file ({some(shared)}): the eval "
+                         "loss and BLEU measure rows the model trains on")
+        return notes
 
     # ------------------------------------------------------------------ train
     def train(self) -> dict:

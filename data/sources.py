@@ -36,12 +36,31 @@ def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None 
     """Expand a file, a glob, a folder, or a comma-separated list of those, into sorted data files.
 
     A folder gives its data files at any depth (through linked folders too), leaving out hidden
-    files and folders (``.ipynb_checkpoints``, ``.git``) as a glob's ``*`` does.
+    files and folders (``.ipynb_checkpoints``, ``.git``) as a glob's ``*`` does. A file reached
+    twice (a folder and one of its files, a name listed twice, a link) is read once, where it is
+    first reached: read twice, its rows would train twice per epoch, and a copy outside the eval
+    hold-out would train on the held-out rows (``repeated_files`` names them for the log).
 
     Raises:
         UserError: when nothing matches, a matched file has an unsupported ending, or the run's
             ``output_dir`` lies inside a data folder (its own files would become training rows).
     """
+    files, seen = [], set()
+    for path in _expand(spec, flag, output_dir):
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            files.append(path)
+    return files
+
+
+def repeated_files(spec: str) -> list[Path]:
+    """The files ``spec`` reaches more than once (each named once), which ``resolve_files`` reads once."""
+    reached = [os.path.realpath(p) for p in _expand(spec, "--train_file")]
+    return [Path(p) for p in dict.fromkeys(p for p in reached if reached.count(p) > 1)]
+
+
+def _expand(spec: str, flag: str, output_dir: str | None = None) -> list[Path]:
     files: list[Path] = []
     for part in [p.strip() for p in str(spec).split(",") if p.strip()]:
         path = Path(part).expanduser()

@@ -12,7 +12,7 @@ from conftest import synthetic_rows, write_rows
 from config import UserError
 from data.collate import Seq2SeqCollator
 from data.readers import index_file, read_range
-from data.sources import DataProblems, iter_rows, resolve_files
+from data.sources import DataProblems, iter_rows, repeated_files, resolve_files
 from data.stream import ExampleStream, hold_out, largest_share, read_ranges, take_examples
 
 COLS = ("prompt", "response")
@@ -34,6 +34,9 @@ def test_resolve_files_globs_folders_and_errors(tmp_path):
     assert resolve_files(str(tmp_path / "d")) == [a, b]
     assert resolve_files(str(tmp_path / "d" / "*.jsonl")) == [a]
     assert resolve_files(f"{a},{b}") == [a, b]
+    # A file reached twice is read once, where it is first reached, and named for the log
+    assert resolve_files(f"{tmp_path / 'd'},{b},{a}") == [a, b] and resolve_files(f"{b},{tmp_path / 'd'}") == [b, a]
+    assert repeated_files(f"{tmp_path / 'd'},{b},{b}") == [b] and repeated_files(f"{a},{b}") == []
     with pytest.raises(UserError, match="does not exist"):
         resolve_files(str(tmp_path / "missing.jsonl"))
     with pytest.raises(UserError, match="matches no file"):

@@ -143,11 +143,13 @@ def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path):
     would hold out other rows is refused."""
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(300, seed=8))
     out = tmp_path / "run"
-    common = [f"--train_file={train}", f"--output_dir={out}", "--eval_steps=0", "--save_steps=50",
+    # Named twice (a slip in a comma list), the file is read once: no row trains twice, none held out
+    common = [f"--train_file={train},{train}", f"--output_dir={out}", "--eval_steps=0", "--save_steps=50",
               "--gradient_accumulation_steps=2", "--dump_consumed=True", *SMALL[:2], "--max_eval_samples=12"]
     proc = run_cli("train", *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval rows 12 from the last 12 rows of --train_file" in proc.stdout
+    assert f"read once: 1 file(s) that --train_file reaches more than once: {train}" in proc.stdout
     records = metrics(out)
     setup = next(r for r in records if r["event"] == "setup")
     assert (setup["train_rows"], setup["held_out_rows"], setup["eval_rows"]) == (288, 12, 12)
