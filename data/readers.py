@@ -102,7 +102,7 @@ def index_file(path: Path) -> FileIndex:
     except UserError:
         raise
     except Exception as exc:  # pyarrow / csv / OS errors: name the file, say what to do
-        raise UserError(f"cannot read {path}: {type(exc).__name__}: {exc}; fix or remove the file") from exc
+        raise unreadable(path, exc) from exc
 
 
 def _index_lines(path: Path) -> FileIndex:
@@ -313,8 +313,15 @@ def read_range(path: Path, index: FileIndex | None, start: int = 0, end: int | N
             yield from _array_range(path, index, start, end)
         else:
             yield from _jsonl_range(path, index, start, end)
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc}") from exc
+    except UserError:
+        raise
+    except Exception as exc:  # OS errors, and pyarrow's for a file that is not parquet or is cut short
+        raise unreadable(path, exc) from exc
+
+
+def unreadable(path: Path, exc: Exception) -> UserError:
+    """The one-line error for a data file the reader failed on: the file, the reader's words, the fix."""
+    return UserError(f"cannot read {path}: {type(exc).__name__}: {str(exc).rstrip('. ')}; fix or remove the file")
 
 
 def _seek_point(index: FileIndex | None, start: int) -> tuple[int, int | None]:

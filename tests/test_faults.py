@@ -135,10 +135,13 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train_tokenizer"], "holds a tokenizer already"),
     (["train", "--train_file={tmp}/empty.jsonl", "--output_dir={tmp}/run"], "is empty (no rows in 1 file(s))"),
     (["train", "--train_file={tmp}/semi.csv", "--output_dir={tmp}/run"], "separated by ';', not commas"),
+    (["train", "--train_file={tmp}/cut.parquet", "--output_dir={tmp}/run"], "cannot read"),
+    (["prepare", "--train_file={tmp}/cut.parquet", "--prepared_dir={tmp}/prepared"], "cannot read"),
 ])
 def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
     (tmp_path / "empty.jsonl").write_bytes(b"")
     (tmp_path / "semi.csv").write_text("prompt;response\nhello;world\n")
+    (tmp_path / "cut.parquet").write_bytes(b"PAR1 a parquet file cut short")  # no footer
     proc = run_cli(*[a.format(tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert fragment in error_line(proc)
