@@ -108,6 +108,7 @@ class LowMemTrainer:
         self.out = Path(cfg.output_dir)
         self.folder = RunFolder(self.out)
         self.metrics: MetricsLog | None = None
+        self.saved_step: int | None = None  # the step of the newest checkpoint written or resumed from
         self.consumed = None
         self.stop_signal = None
         self.resumed_interval = None
@@ -901,26 +902,37 @@ class LowMemTrainer:
         self.accelerator.wait_for_everyone()
 
     def save_checkpoint(self) -> Path:
-        """Model, optimizer, scheduler, counters, and every process's RNG, data position and log offsets."""
+        """Model, optimizer, scheduler, counters, and every process's RNG, data position and log offsets.
+
+        Once per step: a stop right after a save step, or the end of a run resumed from its final
+        checkpoint, finds the step's checkpoint written (and its record logged) already.
+        """
         from accelerate.utils import gather_object
 
-        trainer_state = self.state_now()
-        process_states = gather_object([self._process_state()])  # small: RNG + data position per rank
         folder = self.folder.checkpoint_path(self.state.step)
+        if self.saved_step == self.state.step:
+            return folder
+        trainer_state = self.state_now()
+        # The checkpoint's own record goes into the log after it is written, and with it into the
+        # checkpoint, so a resume from it writes that line again where it was cut back to.
+        record = MetricsLog.line("checkpoint", self.state.step, path=str(folder))
+        process_states = gather_object([self._process_state(record)])  # small: RNG + data position per rank
         if self.main:
             self.folder.write_checkpoint(self.state.step, self.core, self.optimizer, self.scheduler,
                                          trainer_state, self.run_config, process_states,
                                          keep=self.cfg.save_total_limit)
-            self.record("checkpoint", path=str(folder))
+            self.metrics.write_line(record)
         self.accelerator.wait_for_everyone()
+        self.saved_step = self.state.step
         return folder
 
-    def _process_state(self) -> dict:
+    def _process_state(self, checkpoint_record: str) -> dict:
         offsets = {}  # logs are cut back to these on resume, so they match an uninterrupted run
         if self.consumed is not None:
             offsets["consumed"] = self.consumed.tell(sync=True)
         if self.metrics is not None:
             offsets["metrics"] = self.metrics.tell()
+            offsets["checkpoint_record"] = checkpoint_record
         interval = {k: float(v) if k == "loss" else v for k, v in self.interval.items()
                     if k in ("loss", "tokens", "steps")}
         return {"rank": self.rank, "world_size": self.world, "rng": checkpoint.rng_state(),
@@ -932,6 +944,7 @@ class LowMemTrainer:
             folder, self.core, self.optimizer, self.scheduler, self.run_config, self.rank, self.world, self.say)
         resume_schedule(self.optimizer, self.scheduler, self.cfg.learn_rate, self.cfg.weight_decay)
         self.state.load_state_dict(trainer_state)
+        self.saved_step = self.state.step
         self.stream.load_state_dict(process_state["data"])
         checkpoint.set_rng_state(process_state["rng"])
         offsets = process_state["log_offsets"]  # drop log lines of steps after the checkpoint
@@ -939,6 +952,8 @@ class LowMemTrainer:
             self.consumed.truncate(offsets.get("consumed", 0))
         if self.metrics is not None and "metrics" in offsets:
             self.metrics.truncate(offsets["metrics"])
+            if "checkpoint_record" in offsets:  # (checkpoints of older versions lack it)
+                self.metrics.write_line(offsets["checkpoint_record"])
         # The steps since the last log line, so the next logged loss averages the same steps.
         self.resumed_interval = process_state["interval"]
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.state.epoch})")

@@ -44,10 +44,18 @@ class AppendLog:
 class MetricsLog(AppendLog):
     """``metrics.jsonl``. Only the main process creates one."""
 
-    def write(self, event: str, step: int, **fields) -> dict:  # noqa: D102
+    @staticmethod
+    def line(event: str, step: int, **fields) -> str:
+        """One record as its line of the log."""
         record = {"event": event, "step": step, "time": round(time.time(), 3), **fields}
-        super().write(json.dumps(record, ensure_ascii=False) + "\n")
-        return record
+        return json.dumps(record, ensure_ascii=False) + "\n"
+
+    def write(self, event: str, step: int, **fields) -> None:  # noqa: D102
+        super().write(self.line(event, step, **fields))
+
+    def write_line(self, line: str) -> None:
+        """A record made earlier by ``line``."""
+        super().write(line)
 
 
 def read_metrics(path: Path) -> list[dict]:

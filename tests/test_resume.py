@@ -95,6 +95,12 @@ def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
     plans = [r["host_peak_mb"] for r in records if r["event"] == "memory_plan"]
     peak = [r for r in records if r["event"] == "memory_peak"][-1]
     assert plans[-1] == peak["predicted_host_peak_mb"]
+    # Each checkpoint's record once, the ones resumed from included (a resume cuts the log back to
+    # its checkpoint, which used to drop that checkpoint's own record); beyond the uninterrupted
+    # run's, only the one the SIGTERM stop wrote
+    saved = [r["step"] for r in records if r["event"] == "checkpoint"]
+    saved_straight = [r["step"] for r in metrics(straight) if r["event"] == "checkpoint"]
+    assert len(saved) == len(set(saved)) and set(saved_straight) <= set(saved) <= set(saved_straight) | {stopped}
 
     a = load_file(str(straight / "final" / "model.safetensors"))
     b = load_file(str(broken / "final" / "model.safetensors"))
