@@ -272,10 +272,14 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
         return examples, indexes, 0
     indexes, ranges = hold_out(indexes, cfg.max_eval_samples)
     examples = read_ranges(train_files, ranges, columns, indexes, problems)
+    held = sum(end - start for _, start, end in ranges)
+    if not examples and held:
+        raise UserError(f"--train_file={cfg.train_file}: the {held} row(s) it would hold out for evaluation (its last, "
+                        f"{HOLD_OUT_AT_MOST:.0%} of its rows at most) are all bad; fix the data, or pass --eval_file")
     if not examples:
-        raise UserError(f"--train_file={cfg.train_file} has too few usable rows to hold out an eval set "
+        raise UserError(f"--train_file={cfg.train_file} has too few rows to hold out an eval set "
                         f"({HOLD_OUT_AT_MOST:.0%} of its rows at most): pass --eval_file")
-    return examples, indexes, sum(end - start for _, start, end in ranges)
+    return examples, indexes, held
 
 
 def batched(items, size: int):
