@@ -377,6 +377,11 @@ class TrainConfig:
         return problems
 
     @property
+    def gpu_profile(self) -> bool:
+        """Whether --memory_profile names one of the GPU profiles (all but the CPU's, host16g)."""
+        return bool(self.memory_profile) and not MEMORY_PROFILES[self.memory_profile].get("cpu")
+
+    @property
     def lora_targets(self) -> list[str]:
         return [t.strip() for t in str(self.lora_target_modules).split(",") if t.strip()]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import MEMORY_PROFILES, SHIPPED_CORPORA, TrainConfig, UserError, model_folder_config, saved_json
+from config import SHIPPED_CORPORA, TrainConfig, UserError, model_folder_config, saved_json
 from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
@@ -444,8 +444,7 @@ class LowMemTrainer:
                "of training (pass --eval_file to evaluate on another set)"),
             "memory: " + ", ".join(features),
         ]
-        gpu_profile = cfg.memory_profile and not MEMORY_PROFILES[cfg.memory_profile].get("cpu")
-        if gpu_profile and self.accelerator.device.type == "cpu":
+        if cfg.gpu_profile and self.accelerator.device.type == "cpu":
             lines.append(f"--memory_profile={cfg.memory_profile} is a GPU profile but this run is on the CPU: its "
                          "bf16 autocast saves no host memory there (it measured more); host16g is the CPU profile")
         if cfg.warmup_steps > self.total_steps:
@@ -932,11 +931,11 @@ class LowMemTrainer:
             offsets["consumed"] = self.consumed.tell(sync=True)
         if self.metrics is not None:
             offsets["metrics"] = self.metrics.tell()
-            offsets["checkpoint_record"] = checkpoint_record
         interval = {k: float(v) if k == "loss" else v for k, v in self.interval.items()
                     if k in ("loss", "tokens", "steps")}
         return {"rank": self.rank, "world_size": self.world, "rng": checkpoint.rng_state(),
-                "data": self.stream.state_dict(), "log_offsets": offsets, "interval": interval}
+                "data": self.stream.state_dict(), "log_offsets": offsets, "interval": interval,
+                "checkpoint_record": checkpoint_record if self.metrics is not None else None}
 
     def load_checkpoint(self, folder: Path) -> None:
         """Restore weights, optimizer, scheduler, counters, RNG and this process's data position."""
@@ -952,8 +951,8 @@ class LowMemTrainer:
             self.consumed.truncate(offsets.get("consumed", 0))
         if self.metrics is not None and "metrics" in offsets:
             self.metrics.truncate(offsets["metrics"])
-            if "checkpoint_record" in offsets:  # (checkpoints of older versions lack it)
-                self.metrics.write_line(offsets["checkpoint_record"])
+            if process_state.get("checkpoint_record"):  # (checkpoints of older versions lack it)
+                self.metrics.write_line(process_state["checkpoint_record"])
         # The steps since the last log line, so the next logged loss averages the same steps.
         self.resumed_interval = process_state["interval"]
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.state.epoch})")

@@ -21,7 +21,7 @@ import math
 import sys
 from dataclasses import dataclass, replace
 
-from config import MEMORY_PROFILES, MODEL_PRESETS, TrainConfig
+from config import MODEL_PRESETS, TrainConfig
 from data.stream import total_steps
 from lowmem.plan_batches import (  # noqa: F401  (part of the planner's API)
     estimated_rows,
@@ -440,12 +440,12 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     from data.stream import eval_files_of, eval_split
     from data.tokenization import load_trained_tokenizer
 
-    check_plan_flags(device or "cpu", budget_gb, num_processes, num_machines)
-    if device is None:
-        device = "gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu"
-        if device == "cpu" and cfg.memory_profile and not MEMORY_PROFILES[cfg.memory_profile].get("cpu"):
-            print(f"note: --memory_profile={cfg.memory_profile} is a GPU profile and this plan is for the CPU (no GPU "
-                  "here, or --cpu=True); add --device=gpu to plan one GPU's memory", file=sys.stderr)
+    chosen = device is None
+    device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
+    check_plan_flags(device, budget_gb, num_processes, num_machines)
+    if chosen and device == "cpu" and cfg.gpu_profile:
+        print(f"note: --memory_profile={cfg.memory_profile} is a GPU profile and this plan is for the CPU (no GPU "
+              "here, or --cpu=True); add --device=gpu to plan one GPU's memory", file=sys.stderr)
     per_machine = num_processes // num_machines
     tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
     files = resolve_files(cfg.train_file, "--train_file")
@@ -511,11 +511,10 @@ def print_plan(cfg: TrainConfig, result: dict) -> None:
             if num_processes > 1:
                 changes.append("fewer processes")
             if cfg.is_finetune:
-                changes.append("a smaller --init_from model")
+                changes += ["a smaller --init_from model",
+                            "fewer --lora_target_modules" if cfg.lora_r else "--lora_r (LoRA)"]
             elif cfg.model_preset != next(iter(MODEL_PRESETS)):  # the first preset is the smallest
                 changes.append("a smaller --model_preset")
-            if cfg.is_finetune:
-                changes.append("fewer --lora_target_modules" if cfg.lora_r else "--lora_r (LoRA)")
             print(f"nothing fits {budget_gb} GiB on the {device} with {RECOMMEND_HEADROOM:.0%} headroom: "
                   + ", ".join(changes[:-1]) + (" or " if len(changes) > 1 else "") + changes[-1])
         else:
