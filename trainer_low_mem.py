@@ -320,6 +320,11 @@ class LowMemTrainer:
 
         def build(folder: Path) -> None:
             self.say(f"encoder cache: encoding {rows:,} rows into {folder}")
+            reads = (self.total_steps - self.state.step) * cfg.batch_size * cfg.gradient_accumulation_steps
+            if reads <= rows:
+                self.say(f"encoder cache: this run reads {reads:,} of those rows, none twice; encoding costs what "
+                         "the encoder would take in its steps, so the cache saves time only in runs that read rows "
+                         "again (more --epochs or --max_steps); it still frees the encoder's GPU memory")
             bar = tqdm(total=rows, desc="encoder cache", unit="row",
                        disable=not (self.main and self._tty()))
             encoder_cache.build(folder, self.rank, self.train_files, indexes, shares, columns, self._encode,

@@ -84,6 +84,7 @@ def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrai
 def test_encoder_cache_notices_a_file_rewritten_under_the_same_size_and_mtime(tmp_path, pretrained):
     out, done = sft(tmp_path, pretrained, "cached", "--encoder_cache=disk", steps=2)
     assert "encoder cache: encoding" in done.stdout
+    assert "this run reads 8 of those rows, none twice" in done.stdout  # 2 steps of 2 x 2 rows, of 300
     data = tmp_path / "sft.jsonl"
     before, rows = data.stat(), [json.loads(line) for line in data.read_text().splitlines()]
     swap = str.maketrans("ae", "ea")  # every prompt changes, not one byte more or less
@@ -421,6 +422,25 @@ def test_recommendation_stores_frozen_weights_in_bf16_only_when_it_must():
     assert roomy["flags"]["frozen_dtype"] == "float32"
     tight = planner.recommend(cfg, (peak("bfloat16") + peak("float32")) / 2 / 1024, "gpu", 8000, lengths, 300.0)
     assert tight["flags"]["frozen_dtype"] == "bfloat16" and tight["flags"]["mixed_precision"] == "bf16"
+
+
+def test_recommendation_takes_the_encoder_cache_for_speed_only_when_rows_are_read_again():
+    from dataclasses import replace
+
+    from lowmem import planner
+
+    cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "model_preset": "small"})
+    lengths = {"max_source": 64, "max_target": 64, "mean_source": 40, "row_bytes": 300, "rows": 3200,
+               "pairs": [(64, 64)] * 1000}
+
+    def cache(**changes):  # a roomy GPU: memory decides nothing, speed over the whole run does
+        return planner.recommend(replace(cfg, **changes), 80, "gpu", 8000, lengths, 300.0)["flags"]["encoder_cache"]
+
+    # encoding every row once costs what the encoder takes in one epoch's steps: no gain in one pass
+    assert planner.reads_per_row(cfg, lengths["rows"]) == 1.0
+    assert cache() == "off" and cache(max_steps=20) == "off"  # 20 steps of 32 read 640 of the 3,200 rows
+    assert cache(epochs=3) == "auto" and cache(max_steps=300) == "auto"
+    assert planner.reads_per_row(replace(cfg, epochs=3), lengths["rows"], world=2) == 3.0
 
 
 def test_plan_for_several_processes():
