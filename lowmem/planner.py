@@ -78,14 +78,14 @@ SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.
 
 
 def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_state: float, opt_temp: int,
-                  ddp_copy: int, world: int, one_step: bool) -> tuple[str, dict]:
+                  ddp_copy: int, world: int, first_step: bool) -> tuple[str, dict]:
     """Where a training step peaks ("backward" or "optimizer step") and what it holds then, by
     component (bytes): the backward of its costliest micro-batch, or the optimizer step (every
     gradient, the optimizer's state and temporaries; the activations are freed by then).
 
-    The optimizers make their state at their first step, so in a run of one optimizer step
-    (``one_step``, not resumed) no backward has it beside: base with AdamW for one step was planned
-    1.17x its measured peak with the state counted there.
+    The optimizers make their state at their first step, so the first step's backward (``first_step``:
+    the batches planned are those of a fresh run's first step) does not have it beside: base with AdamW
+    for one step was planned 1.17x its measured peak with the state counted there.
 
     In pretraining the shared embedding is trained and tied to the output layer: the output layer's
     gradient for it (embedding-sized) is made first in the backward and held until the input
@@ -99,7 +99,7 @@ def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_sta
     with checkpointing, recomputed: small SFT with checkpointing was planned 0.93x without them),
     or its end (every gradient, and the input embeddings' one).
     """
-    def moment(gradients, activations=0.0, logits=0.0, temp=0.0, copy=0.0, state=0.0 if one_step else opt_state):
+    def moment(gradients, activations=0.0, logits=0.0, temp=0.0, copy=0.0, state=0.0 if first_step else opt_state):
         return {"optimizer": state, "gradients": gradients, "activations": activations, "logits_loss": logits,
                 "optimizer_step_temp": temp, "ddp_gradient_copy": copy}
 
@@ -177,7 +177,7 @@ class StepSizes:
     before: dict  # activation_bytes of the runner-up, which shaped the heap kept beside it
     churn: float  # gradient and optimizer-temporary bytes carved from (not mmapped beside) the CPU heap
     fresh_gradients: bool  # one process, no accumulation: each step's gradients are made anew, then freed
-    one_step: bool  # a run of one optimizer step, not resumed: the optimizer state is made at that step
+    first_step: bool  # the batches planned are a fresh run's first step: the optimizer state is made at its end
     optimizer_temp: float
     freed_at_save: float
     serialize: float
@@ -186,9 +186,11 @@ class StepSizes:
     peak: tuple
 
 
-def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, world: int) -> StepSizes:
+def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, world: int,
+               first_step: bool = False) -> StepSizes:
     """Weights, gradients, optimizer state, the costliest micro-batch's activations, caches, buffers,
-    saves and evaluation of a run, in bytes."""
+    saves and evaluation of a run, in bytes. ``first_step``: ``lengths`` holds a fresh run's first
+    step only (a run of one step is one too)."""
     from data.collate import round_up, shape_multiple
 
     dims = model_dims(cfg, vocab_size)
@@ -234,8 +236,9 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         churn = min(churn, FRESH_GRADIENT_CHURN * (made["activations"] + made["logits"]))
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
     freed_at_save = act["activations"] + act["logits"] + opt_temp + ddp_copy + (grads if world == 1 else 0)
-    one_step = total_steps(cfg, math.ceil(lengths["rows"] / world)) == 1 and not cfg.is_keep_training
-    peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world, one_step)
+    first_step = first_step or (total_steps(cfg, math.ceil(lengths["rows"] / world)) == 1
+                                and not cfg.is_keep_training)
+    peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world, first_step)
     return StepSizes(
         n_params=n_params, n_train=n_train, half=half,
         encoder_elements=sum(numel(x) for x in shapes["encoder"]),
@@ -244,7 +247,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         cast_cache=2 * n_train if cfg.mixed_precision == "bf16" else 0,
         cache=cache, buffers=(buffered + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400),
         alive=alive, peak_at=peak_at, act=act, before=before,
-        churn=churn, fresh_gradients=fresh_gradients, one_step=one_step, optimizer_temp=opt_temp,
+        churn=churn, fresh_gradients=fresh_gradients, first_step=first_step, optimizer_temp=opt_temp,
         freed_at_save=freed_at_save,
         # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
         # safetensors that is not zero-copy (recent ones write straight from the tensors' memory).
@@ -286,7 +289,7 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
         # The gradients made anew in the backward land beside the activations, whose blocks, freed by
         # the optimizer step, stay behind it (its temporaries do not fill them: measured, 26 runs).
         at_step = 4 * s.n_train + s.optimizer_temp + act["activations"] + act["logits"] + FIRST_STEP_MB * MB
-        if s.one_step:  # the state, made at that step, is carved from those freed blocks
+        if s.first_step:  # the state, made at that step, is carved from those freed blocks
             at_step -= s.optimizer
         slack = max(slack, at_step - sum(v for k, v in s.alive.items() if k != "optimizer"))
     host = {"framework": framework_mb * MB, "weights": s.weights, "gradients": s.alive["gradients"],
@@ -307,8 +310,26 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
 
 def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str = "cpu",
             world: int = 1) -> dict:
-    """Peak memory by component for host RAM and GPU memory (MiB), plus their totals."""
-    s = step_sizes(cfg, vocab_size, lengths, device, world)
+    """Peak memory by component for host RAM and GPU memory (MiB), plus their totals.
+
+    When the run's batches are known (replayed) and it starts fresh, its first step and the later ones
+    are planned apart, and the larger peak is the plan: the optimizers make their state at the end of
+    the first step, so a long batch met there has no state beside it (base pretraining with AdamW
+    whose longest batch came in the first step was planned 1.16x its measured peak with it counted).
+    """
+    windows = lengths.get("windows")
+    if windows and len(windows) > 1 and not cfg.is_keep_training:
+        key = "gpu_peak_mb" if device == "gpu" else "host_peak_mb"
+        return max((one_plan(cfg, vocab_size, {**lengths, "windows": windows[:1]}, framework_mb, device, world, True),
+                    one_plan(cfg, vocab_size, {**lengths, "windows": windows[1:]}, framework_mb, device, world)),
+                   key=lambda plan: plan[key])
+    return one_plan(cfg, vocab_size, lengths, framework_mb, device, world)
+
+
+def one_plan(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str, world: int,
+             first_step: bool = False) -> dict:
+    """``predict`` for the batches of ``lengths`` (``first_step``: those of a fresh run's first step)."""
+    s = step_sizes(cfg, vocab_size, lengths, device, world, first_step)
     gpu, host = gpu_components(cfg, s, framework_mb) if device == "gpu" else ({}, host_components(cfg, s, framework_mb))
     host_mb = {k: round(v / MB, 1) for k, v in host.items()}
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
