@@ -399,7 +399,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     caches = ["off", "auto"] if cfg.is_finetune else ["off"]
     precisions = ["no", "bf16"] if device == "gpu" else ["no"]
     frozen = ["float32", "bfloat16"] if cfg.is_finetune else ["float32"]
-    reads, best = reads_per_row(cfg, lengths["rows"], world), None
+    reads, best = reads_per_row(cfg, lengths.get("train_rows", lengths["rows"]), world), None
     for ckpt, prec, opt, batch, cache, frozen_dtype in itertools.product(
             [False, True], precisions, optimizers, [2, 1], caches, frozen):
         if frozen_dtype == "bfloat16" and prec != "bf16":
@@ -475,6 +475,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     import torch
 
     from config import installed
+    from data.readers import index_file
     from data.sources import resolve_files
     from data.stream import eval_files_of, eval_split
     from data.tokenization import load_trained_tokenizer
@@ -490,9 +491,12 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     files = resolve_files(cfg.train_file, "--train_file")
     # As the trainer: without --eval_file the eval set is the training files' last rows, which it never trains on
     eval_examples, indexes, _ = eval_split(cfg, eval_files_of(cfg, files), files)
+    if indexes is None:  # with --eval_file: the replay would index them anyway; the row count comes with it
+        indexes = [index_file(f) for f in files]
     lengths = sample_lengths(cfg, tokenizer, files)
     lengths["windows"] = replay_windows(cfg, tokenizer, files, 0, num_processes, indexes)  # the first process's share
     lengths["eval"] = eval_batch_lengths(cfg, tokenizer, eval_examples, 0, num_processes)
+    lengths["train_rows"] = sum(i.rows for i in indexes)  # counted ("rows" is estimated from a sample)
     # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
     # then what importing it adds, so every optimizer the search tries gets its own baseline.
     core = framework_mb(replace(cfg, optimizer="adafactor"))

@@ -443,6 +443,20 @@ def test_recommendation_takes_the_encoder_cache_for_speed_only_when_rows_are_rea
     assert planner.reads_per_row(replace(cfg, epochs=3), lengths["rows"], world=2) == 3.0
 
 
+def test_plan_counts_the_rows_to_weigh_the_encoder_cache(tmp_path, pretrained):
+    # 300 rows, 2 x 2 per step: 75 steps read each row once, 150 twice (rows counted, not estimated)
+    data = write_rows(tmp_path / "sft.jsonl", synthetic_rows(300, seed=2))
+
+    def cache(steps):
+        done = run_cli("plan", "--json", "--is_finetune=True", f"--init_from={pretrained}", f"--train_file={data}",
+                       f"--eval_file={data}", "--gradient_accumulation_steps=2", f"--max_steps={steps}",
+                       "--budget_gb=8", "--device=gpu")
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])["recommendation"]["flags"]["encoder_cache"]
+
+    assert cache(75) == "off" and cache(150) == "auto"
+
+
 def test_plan_for_several_processes():
     def plan(*flags):
         done = run_cli("plan", "--json", "--model_preset=small", *flags)
