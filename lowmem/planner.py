@@ -489,10 +489,9 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     per_machine = num_processes // num_machines
     tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
     files = resolve_files(cfg.train_file, "--train_file")
-    # As the trainer: without --eval_file the eval set is the training files' last rows, which it never trains on
-    eval_examples, indexes, _ = eval_split(cfg, eval_files_of(cfg, files), files)
-    if indexes is None:  # with --eval_file: the replay would index them anyway; the row count comes with it
-        indexes = [index_file(f) for f in files]
+    # As the trainer: the files indexed first (the replay and the row count use them); without --eval_file
+    # the eval set is the training files' last rows, which it never trains on
+    eval_examples, indexes, _ = eval_split(cfg, eval_files_of(cfg, files), files, [index_file(f) for f in files])
     lengths = sample_lengths(cfg, tokenizer, files)
     lengths["windows"] = replay_windows(cfg, tokenizer, files, 0, num_processes, indexes)  # the first process's share
     lengths["eval"] = eval_batch_lengths(cfg, tokenizer, eval_examples, 0, num_processes)
