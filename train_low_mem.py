@@ -99,7 +99,8 @@ def mark_run_started(cfg) -> None:
 
 def plan(config: str | None = None, **flags) -> None:
     """Predicted peak memory by component (--json: one JSON object); --budget_gb=X --device=cpu|gpu
-    recommends the fastest modes that fit; --num_processes=N [--num_machines=M] plans N processes."""
+    recommends the fastest modes that fit (exit code 1 when nothing does); --num_processes=N
+    [--num_machines=M] plans N processes."""
     from lowmem.planner import plan_command
 
     as_json = to_bool("json", flags.pop("json", False))
@@ -113,7 +114,9 @@ def plan(config: str | None = None, **flags) -> None:
         return
     for note in notes:
         print(note, file=sys.stderr)
-    plan_command(cfg, as_json, budget_gb, device, num_processes, num_machines)
+    result = plan_command(cfg, as_json, budget_gb, device, num_processes, num_machines)
+    if budget_gb is not None and result["recommendation"] is None:
+        sys.exit(1)  # scripts can test it: `plan --budget_gb=X ... && train ...`
 
 
 def evaluate(config: str | None = None, **flags) -> dict:

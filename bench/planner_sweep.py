@@ -2,12 +2,16 @@
 
     python bench/planner_sweep.py                      # 20 configurations, seed 1
     python bench/planner_sweep.py --runs=40 --seed=7 --presets=tiny,small
+    python bench/planner_sweep.py --seed=60 --profile_share=0.5   # half the runs use a --memory_profile
 
 bench/memory_modes.py times a fixed list of configurations; this draws them at random, as a user
 would combine flags: preset, corpus (short or long rows, jsonl, csv, parquet, a folder, prompts
 several times their answers), pretraining or SFT, micro-batch, accumulation, sequence limits,
 checkpointing, bf16, the optimizer, LoRA or the encoder cache, evaluation with generation,
-checkpoint saves, the shuffle buffer and the schedule. Each is a real ``train_low_mem.py train`` run
+checkpoint saves, the shuffle buffer and the schedule. With ``--profile_share=F`` a fraction F of the
+runs instead take their batch, accumulation, checkpointing, precision and optimizer from a random
+``--memory_profile``, as a user who picks one would (a separate random stream, so a seed draws the
+same other flags with any F). Each is a real ``train_low_mem.py train`` run
 of a few optimizer steps; the prediction is the ``memory_plan`` it wrote at start, the measurement
 its peak RSS. One line per run (JSON), then the range of the ratios. Target: every ratio within
 0.85-1.15.
@@ -24,6 +28,8 @@ from pathlib import Path
 
 from make_corpus import load_sources
 from memory_modes import make_corpora, measure, run
+
+from config import MEMORY_PROFILES
 
 
 def more_corpora(folder: Path, made: dict) -> dict:
@@ -79,13 +85,27 @@ def draw(rng: random.Random, presets: list[str]) -> tuple[str, str, bool, list[s
     return preset, kind, sft, flags
 
 
+# What a profile sets (config.MEMORY_PROFILES); a profiled run drops its own drawn values of these.
+PROFILED = ("--gradient_accumulation_steps=", "--batch_size=", "--gradient_checkpointing=", "--mixed_precision=",
+            "--optimizer=", "--learn_rate=", "--frozen_dtype=")
+
+
+def with_profile(rng: random.Random, flags: list[str]) -> list[str]:
+    """The flags with those a memory profile sets replaced by a random profile."""
+    kept = [flag for flag in flags if not flag.startswith(PROFILED)]
+    return [f"--memory_profile={rng.choice(sorted(MEMORY_PROFILES))}", *kept]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20, help="configurations to draw")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--presets", default="tiny,tiny,small,small,base", help="drawn from (repeat to weight)")
+    parser.add_argument("--profile_share", type=float, default=0.0,
+                        help="fraction of runs that use a random --memory_profile instead of drawn shape flags")
     options = parser.parse_args()
     rng = random.Random(options.seed)
+    profile_rng = random.Random(f"profiles {options.seed}")
     presets = options.presets.split(",")
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,6 +114,8 @@ def main() -> None:
         inits = {}
         for i in range(options.runs):
             preset, kind, sft, flags = draw(rng, presets)
+            if profile_rng.random() < options.profile_share:
+                flags = with_profile(profile_rng, flags)
             data = [f"--model_preset={preset}", f"--train_file={corpora[kind]}"]
             if sft:
                 if preset not in inits:  # a pretrained model to fine-tune (one step is enough)
