@@ -23,13 +23,15 @@ import argparse
 import csv
 import json
 import random
+import sys
 import tempfile
 from pathlib import Path
 
 from make_corpus import load_sources
-from memory_modes import make_corpora, measure, run
+from memory_modes import REPO, make_corpora, measure, run
 
-from config import MEMORY_PROFILES
+sys.path.insert(0, str(REPO))
+from config import MEMORY_PROFILES  # noqa: E402
 
 
 def more_corpora(folder: Path, made: dict) -> dict:
