@@ -87,15 +87,12 @@ def draw(rng: random.Random, presets: list[str]) -> tuple[str, str, bool, list[s
     return preset, kind, sft, flags
 
 
-# What a profile sets (config.MEMORY_PROFILES); a profiled run drops its own drawn values of these.
-PROFILED = ("--gradient_accumulation_steps=", "--batch_size=", "--gradient_checkpointing=", "--mixed_precision=",
-            "--optimizer=", "--learn_rate=", "--frozen_dtype=")
-
-
 def with_profile(rng: random.Random, flags: list[str]) -> list[str]:
-    """The flags with those a memory profile sets replaced by a random profile."""
-    kept = [flag for flag in flags if not flag.startswith(PROFILED)]
-    return [f"--memory_profile={rng.choice(sorted(MEMORY_PROFILES))}", *kept]
+    """The flags with those a random memory profile sets replaced by the profile (and the drawn
+    learning rate and frozen-weight dtype, which went with the drawn optimizer and precision)."""
+    name = rng.choice(sorted(MEMORY_PROFILES))
+    dropped = tuple(f"--{key}=" for key in [*MEMORY_PROFILES[name], "learn_rate", "frozen_dtype"])
+    return [f"--memory_profile={name}", *(flag for flag in flags if not flag.startswith(dropped))]
 
 
 def main() -> None:
