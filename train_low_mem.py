@@ -27,12 +27,11 @@ from config import (  # noqa: E402
     SHIPPED_CORPORA,
     STARTED_MARKER,
     UserError,
-    help_text,
     load_config,
     model_folder_config,
-    text_flags,
     to_bool,
 )
+from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
 
 
 def train(config: str | None = None, **flags) -> dict:
@@ -40,7 +39,8 @@ def train(config: str | None = None, **flags) -> dict:
     die_with_launcher()
     cfg, notes = load_config(flags, config)
     mark_run_started(cfg)  # before the heavy imports below: a run killed this early can still be continued
-    from trainer_low_mem import LowMemTrainer, StoppedBySignal, StoppedForMemory
+    from lowmem.run_memory import StoppedForMemory
+    from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
     trainer = LowMemTrainer(cfg)
     for note in notes:
@@ -58,24 +58,6 @@ def train(config: str | None = None, **flags) -> dict:
 
 
 EXIT_MEMORY_GUARD = 3  # distinct from user errors (2): a checkpoint was written, resume with more memory
-
-
-def die_with_launcher() -> None:
-    """Under ``accelerate launch`` / torchrun, die when the launcher dies.
-
-    torch's elastic agent starts each worker in a session of its own, so a SIGKILL of the launcher
-    (or of its process group) would leave the workers training and writing checkpoints into the run
-    folder, racing the run that resumes it. Linux only (prctl); elsewhere nothing changes.
-    """
-    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the launcher died before the request took effect
-        os._exit(1)
 
 
 def mark_run_started(cfg) -> None:
@@ -187,78 +169,8 @@ COMMANDS = {"train": train, "plan": plan, "evaluate": evaluate, "generate": gene
             "train_tokenizer": train_tokenizer, "prepare": prepare, "plot": plot}
 
 
-def verbatim_text(argv: list[str]) -> list[str]:
-    """Text flags' values as Python string literals, which fire hands over unchanged."""
-    text = text_flags() | {"config", "prepared_dir", "plot_dir"}
-    out = []
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.removeprefix("--").partition("=")
-        if arg.startswith("--") and eq and name in text:
-            arg = f"--{name}={value!r}"
-        elif i and argv[i - 1].startswith("--") and "=" not in argv[i - 1] and argv[i - 1][2:] in text:
-            arg = repr(arg)  # --prompt "hello, world"
-        out.append(arg)
-    return out
-
-
-def print_error(message: str) -> None:
-    """Print ``error: message`` on stderr, once per machine under ``accelerate launch``.
-
-    A wrong flag or bad data is met by every process alike, and N identical lines (interleaved, as
-    processes write at once) bury it. The launcher's per-launch folder (the parent of each worker's
-    ``TORCHELASTIC_ERROR_FILE``) holds the lines already printed; a process prints only a line no
-    other process on this machine has, so a mistake met by one process alone is still shown.
-    """
-    line = f"error: {message}"
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        import fcntl
-
-        key = line.replace("\n", "\\n")
-        try:
-            with open(Path(error_file).parent.parent / "t5_lowmem_errors.txt", "a+") as seen:
-                fcntl.flock(seen, fcntl.LOCK_EX)  # released when the file closes
-                seen.seek(0)
-                if key in seen.read().splitlines():
-                    return
-                seen.write(key + "\n")
-        except OSError:
-            pass  # cannot share the folder: print the line anyway
-    print(line, file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> None:
-    import fire
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or "--help" in argv or "-h" in argv:
-        print(help_text())
-        return
-    if argv[0] not in COMMANDS:
-        print_error(f"unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)} (see --help)")
-        sys.exit(2)
-    debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
-    try:
-        fire.Fire(COMMANDS, command=verbatim_text(argv), name="train_low_mem.py")
-        if "LOCAL_RANK" in os.environ:  # a launched worker whose work is done and flushed
-            # Skip interpreter teardown: C++ threads of the gloo process group left to static
-            # destructors can abort a finished worker ("terminate called without an active exception").
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-    except UserError as err:
-        if debug:
-            raise
-        print_error(str(err))
-        sys.exit(2)
-    except OSError as err:
-        from lowmem.checkpoint import DISK_FULL  # torch is already loaded by any run that writes
-
-        if debug or err.errno not in DISK_FULL:
-            raise
-        print_error(f"no space left on the device ({err.filename or 'output'}); checkpoints are written "
-                    "atomically, so the last one is intact: free space, then continue with --is_keep_training=True")
-        sys.exit(2)
+    run_cli(COMMANDS, sys.argv[1:] if argv is None else list(argv))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -29,11 +28,10 @@ from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
 from data.sources import (
-    FORMATS,
     DataProblems,
+    bad_rows_report,
     check_columns,
-    ignored_in_folders,
-    repeated_files,
+    file_notes,
     resolve_files,
     too_many_bad_rows,
 )
@@ -60,17 +58,11 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
 )
 from lowmem.optim import resume_schedule
 from lowmem.run_folder import RunFolder
+from lowmem.run_memory import guard_stop, near_limit, peak_against_plan, plan_run
 
 
 class StoppedBySignal(Exception):
     """Raised after the checkpoint written on SIGTERM / SIGINT; the CLI exits cleanly."""
-
-
-class StoppedForMemory(Exception):
-    """Raised after the checkpoint written when the memory guard (--max_rss_gb) trips; exit code 3."""
-
-
-MEMORY_GUARD_AT = 0.9  # stop once RSS reaches this fraction of --max_rss_gb: the next step may need more
 
 
 @dataclass
@@ -139,7 +131,9 @@ class LowMemTrainer:
         self.eval_problems = DataProblems(report=self.say)
         self.eval_examples, indexes, self.held_out_rows = eval_split(
             cfg, self.eval_files, self.train_files, self._index_files(self.train_files), self.eval_problems)
-        self.memory_plan = self._predict_memory(indexes, resuming=resume_dir is not None)  # before the model exists
+        self.memory_plan = plan_run(cfg, self.tokenizer, self.train_files, self.eval_examples, indexes, self.rank,
+                                    self.world, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
+                                    resuming=resume_dir is not None)  # before the model exists
         self._build_model()
 
         rows = sum(i.rows for i in indexes)
@@ -265,41 +259,9 @@ class LowMemTrainer:
             answers.extend(self.tokenizer.batch_decode(out, skip_special_tokens=True))
         return answers
 
-    def _predict_memory(self, indexes: list, resuming: bool) -> dict:
-        """The planner's prediction for this run (``python train_low_mem.py plan`` prints the same).
-
-        Made before the model exists (the framework baseline is measured here). A run from the start
-        replays this process's stream to find its costliest micro-batch; a resumed one, which starts
-        mid-stream, is planned from the sampled lengths.
-        """
-        from lowmem import planner
-
-        device = "gpu" if self.accelerator.device.type == "cuda" else "cpu"
-        lengths = planner.sample_lengths(self.cfg, self.tokenizer, self.train_files)
-        if not resuming:
-            lengths["windows"] = planner.replay_windows(self.cfg, self.tokenizer, self.train_files, self.rank,
-                                                        self.world, indexes)
-        lengths["eval"] = planner.eval_batch_lengths(self.cfg, self.tokenizer, self.eval_examples, self.rank,
-                                                     self.world)
-        return planner.predict(self.cfg, len(self.tokenizer), lengths, planner.framework_mb(self.cfg), device,
-                               self.world)
-
     def report_memory_peak(self) -> dict:
         """Predicted and measured peak memory side by side (log line and a memory_peak event)."""
-        snap = memory_snapshot()
-        plan = self.memory_plan
-        fields = {"predicted_host_peak_mb": plan["host_peak_mb"], "measured_host_peak_mb": snap["peak_rss_mb"],
-                  "host_ratio": round(plan["host_peak_mb"] / max(snap["peak_rss_mb"], 1), 3)}
-        line = (f"peak host RAM: predicted {plan['host_peak_mb']:,.0f} MiB, measured {snap['peak_rss_mb']:,.0f} MiB "
-                f"(ratio {fields['host_ratio']:.2f})")
-        if "cuda_peak_mb" in snap:
-            from lowmem.planner import CUDA_CONTEXT_MB
-
-            measured = snap["cuda_reserved_peak_mb"] + CUDA_CONTEXT_MB
-            fields.update(predicted_gpu_peak_mb=plan["gpu_peak_mb"], measured_gpu_peak_mb=measured,
-                          gpu_ratio=round(plan["gpu_peak_mb"] / max(measured, 1), 3))
-            line += (f"; GPU: predicted {plan['gpu_peak_mb']:,.0f} MiB, measured {measured:,.0f} MiB "
-                     "(torch's reserved peak + CUDA context)")
+        fields, line = peak_against_plan(self.memory_plan)
         self.record("memory_peak", **fields)
         self.say(line)
         return fields
@@ -455,34 +417,12 @@ class LowMemTrainer:
         if cfg.warmup_steps > self.total_steps:
             lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {self.total_steps} steps: the "
                          f"learning rate warms up over all {self.total_steps} and never decays")
-        for line in lines + self._data_notes():
+        for line in lines + file_notes(cfg.train_file, self.train_files, self.eval_files, bool(cfg.eval_file)):
             self.say(line)
         self.record("setup", trainable_params=self.trainable, frozen_params=self.frozen,
                     frozen_bf16_params=self.frozen_bf16, effective_batch=effective,
                     train_rows=rows, held_out_rows=self.held_out_rows, eval_rows=len(self.eval_examples),
                     total_steps=self.total_steps, world_size=self.world)
-
-    def _data_notes(self) -> list[str]:
-        """What the log says about the files: those not read, those reached twice, an eval set trained on."""
-        cfg, notes = self.cfg, []
-
-        def some(paths: list) -> str:
-            return ", ".join(str(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
-
-        ignored = ignored_in_folders(cfg.train_file)
-        if ignored:
-            notes.append(f"not read: {len(ignored)} file(s) in the --train_file folder(s) without a data ending "
-                         f"({'/'.join(FORMATS)}): {some(ignored)}")
-        repeated = repeated_files(cfg.train_file)
-        if repeated:
-            notes.append(f"read once: {len(repeated)} file(s) that --train_file reaches more than once: "
-                         f"{some(repeated)}")
-        trained = {os.path.realpath(p) for p in self.train_files}
-        shared = [p for p in self.eval_files if os.path.realpath(p) in trained] if cfg.eval_file else []
-        if shared:
-            notes.append(f"--eval_file shares {len(shared)} file(s) with --train_file ({some(shared)}): the eval "
-                         "loss and BLEU measure rows the model trains on")
-        return notes
 
     # ------------------------------------------------------------------ train
     def train(self) -> dict:
@@ -564,7 +504,7 @@ class LowMemTrainer:
         """
         local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
                               sum(mb["labels"].shape[0] for mb in window),
-                              self.stream.problems.total, int(self.near_memory_limit()),
+                              self.stream.problems.total, int(near_limit(self.cfg.max_rss_gb)),
                               int(not self.stream.finished_epoch(self.state.epoch))])
         total = local
         if self.world > 1:
@@ -623,23 +563,12 @@ class LowMemTrainer:
                             "--learn_rate, keep --max_grad_norm on, or use --mixed_precision=no (best/ never "
                             "holds non-finite weights)")
 
-    def near_memory_limit(self) -> bool:
-        """Whether this process's RSS has reached MEMORY_GUARD_AT of --max_rss_gb (off at 0)."""
-        if not self.cfg.max_rss_gb:
-            return False
-        return process_rss_bytes() >= MEMORY_GUARD_AT * self.cfg.max_rss_gb * 2**30
-
     def stop_for_memory(self) -> None:
         folder = self.save_checkpoint()
         self.bar.close()
         rss = process_rss_bytes() / 2**30
         self.record("memory_guard", rss_gb=rss, max_rss_gb=self.cfg.max_rss_gb)
-        raise StoppedForMemory(
-            f"memory guard: RSS {rss:.2f} GiB reached {MEMORY_GUARD_AT:.0%} of --max_rss_gb={self.cfg.max_rss_gb} "
-            f"at step {self.state.step}; checkpoint {folder}. Lower memory with --shuffle_buffer_size, "
-            "--batch_size (raise --gradient_accumulation_steps to keep the batch), --max_source_len / "
-            "--max_target_len, --eval_batch_size or a smaller --model_preset, then continue with "
-            "--is_keep_training=True")
+        raise guard_stop(rss, self.cfg.max_rss_gb, self.state.step, folder)
 
     def accumulate_gradients(self, window: list[dict], total_tokens: int | None = None) -> torch.Tensor:
         """Backward over one window; the gradient is that of (sum of token losses) / (target tokens
@@ -811,20 +740,10 @@ class LowMemTrainer:
 
         train = self.stream.problems.merge(gather_object([self.stream.problems.state_dict()]))
         rows_read = sum(gather_object([self.stream.rows_read]))
-        bad = sum(train["by_reason"].values())
-        eval_bad = self.eval_problems.total
-        event = {"bad_rows": bad, "rows_read": rows_read, "train_rows": self.stream.total_rows,
-                 "by_reason": train["by_reason"], "by_file": train["by_file"], "first": train["first"],
-                 "eval_bad_rows": eval_bad, "eval_by_reason": dict(self.eval_problems.by_reason)}
-        prepared_bad = self.prepared["bad_rows"] if self.prepared else 0  # skipped by `prepare`, before the shards
-        if self.prepared:
-            event.update(prepared_bad_rows=prepared_bad, prepared_by_reason=self.prepared["bad_rows_by_reason"])
+        event, line = bad_rows_report(train, rows_read, self.stream.total_rows, self.eval_problems, self.prepared)
         self.record("data_errors", **event)
-        if bad or eval_bad or prepared_bad:
-            self.say(f"bad rows skipped: {bad} of {rows_read} training rows read "
-                     f"({', '.join(f'{k} {v}' for k, v in train['by_reason'].items()) or 'none'})"
-                     + (f"; {prepared_bad} when the corpus was prepared" if prepared_bad else "")
-                     + (f"; {eval_bad} in the eval file" if eval_bad else ""))
+        if line:
+            self.say(line)
         return event
 
     # ------------------------------------------------------------------ evaluation

@@ -165,6 +165,53 @@ def too_many_bad_rows(bad: int, rows: int, fraction: float, by_reason: dict, wha
                      "fix the data, or raise --max_bad_rows_fraction to skip them")
 
 
+def bad_rows_report(train: dict, rows_read: int, train_rows: int, eval_problems: DataProblems,
+                    prepared: dict | None) -> tuple[dict, str | None]:
+    """The ``data_errors`` event and its log line (None when no row was bad).
+
+    Args:
+        train: the training bad rows summed over processes (``DataProblems.merge``).
+        prepared: the manifest of a corpus tokenized by ``prepare``, which skipped its own bad rows.
+    """
+    bad, eval_bad = sum(train["by_reason"].values()), eval_problems.total
+    event = {"bad_rows": bad, "rows_read": rows_read, "train_rows": train_rows,
+             "by_reason": train["by_reason"], "by_file": train["by_file"], "first": train["first"],
+             "eval_bad_rows": eval_bad, "eval_by_reason": dict(eval_problems.by_reason)}
+    prepared_bad = prepared["bad_rows"] if prepared else 0  # skipped by `prepare`, before the shards
+    if prepared:
+        event.update(prepared_bad_rows=prepared_bad, prepared_by_reason=prepared["bad_rows_by_reason"])
+    if not (bad or eval_bad or prepared_bad):
+        return event, None
+    line = (f"bad rows skipped: {bad} of {rows_read} training rows read "
+            f"({', '.join(f'{k} {v}' for k, v in train['by_reason'].items()) or 'none'})"
+            + (f"; {prepared_bad} when the corpus was prepared" if prepared_bad else "")
+            + (f"; {eval_bad} in the eval file" if eval_bad else ""))
+    return event, line
+
+
+def file_notes(train_spec: str, train_files: list[Path], eval_files: list[Path], eval_given: bool) -> list[str]:
+    """What the log says about the files: those not read, those reached twice, an eval set trained on
+    (``eval_given``: the eval files are --eval_file's, not rows held out of --train_file)."""
+    notes = []
+
+    def some(paths: list) -> str:
+        return ", ".join(str(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+
+    ignored = ignored_in_folders(train_spec)
+    if ignored:
+        notes.append(f"not read: {len(ignored)} file(s) in the --train_file folder(s) without a data ending "
+                     f"({'/'.join(FORMATS)}): {some(ignored)}")
+    repeated = repeated_files(train_spec)
+    if repeated:
+        notes.append(f"read once: {len(repeated)} file(s) that --train_file reaches more than once: {some(repeated)}")
+    trained = {os.path.realpath(p) for p in train_files}
+    shared = [p for p in eval_files if os.path.realpath(p) in trained] if eval_given else []
+    if shared:
+        notes.append(f"--eval_file shares {len(shared)} file(s) with --train_file ({some(shared)}): the eval "
+                     "loss and BLEU measure rows the model trains on")
+    return notes
+
+
 def row_place(kind: str, row: int) -> str:
     """Where a row is, as a user finds it: the line of a jsonl file, the row of any other (1-based)."""
     return f"line {row + 1}" if kind == "jsonl" else f"row {row + 1}"

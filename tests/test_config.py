@@ -117,7 +117,7 @@ def test_text_flags_reach_the_config_verbatim():
     """fire reads "hello, world" as a tuple and "1e3" as a number; the CLI passes text flags as literals."""
     import fire
 
-    from train_low_mem import verbatim_text
+    from lowmem.cli import verbatim_text
 
     seen = {}
     for argv in (["--prompt=hello, world", "--output_dir=1e3"], ["--prompt", "hello, world", "--output_dir", "1e3"]):
@@ -127,7 +127,7 @@ def test_text_flags_reach_the_config_verbatim():
 
 
 def test_each_distinct_error_line_is_printed_once_per_launch(tmp_path, monkeypatch, capsys):
-    from train_low_mem import print_error
+    from lowmem.cli import print_error
 
     # the layout torch's elastic agent gives each worker: <launch folder>/attempt_0/<local rank>/error.json
     (tmp_path / "launch" / "attempt_0").mkdir(parents=True)

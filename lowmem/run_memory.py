@@ -1,0 +1,63 @@
+"""A training run's memory: the plan made at setup, the measured peak set beside it at the end, and
+the ``--max_rss_gb`` guard that checkpoints and stops before the host runs out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from config import TrainConfig
+from lowmem import planner
+from lowmem.memory import memory_snapshot, process_rss_bytes
+
+MEMORY_GUARD_AT = 0.9  # stop once RSS reaches this fraction of --max_rss_gb: the next step may need more
+
+
+class StoppedForMemory(Exception):
+    """Raised after the checkpoint written when the memory guard (--max_rss_gb) trips; exit code 3."""
+
+
+def plan_run(cfg: TrainConfig, tokenizer, train_files: list[Path], eval_examples: list, indexes: list,
+             rank: int, world: int, device: str, resuming: bool) -> dict:
+    """The planner's prediction for this process of the run (``python train_low_mem.py plan`` prints
+    the same).
+
+    Made before the model exists (the framework baseline is measured here). A run from the start
+    replays this process's stream to find its costliest micro-batch; a resumed one, which starts
+    mid-stream, is planned from the sampled lengths.
+    """
+    lengths = planner.sample_lengths(cfg, tokenizer, train_files)
+    if not resuming:
+        lengths["windows"] = planner.replay_windows(cfg, tokenizer, train_files, rank, world, indexes)
+    lengths["eval"] = planner.eval_batch_lengths(cfg, tokenizer, eval_examples, rank, world)
+    return planner.predict(cfg, len(tokenizer), lengths, planner.framework_mb(cfg), device, world)
+
+
+def peak_against_plan(plan: dict) -> tuple[dict, str]:
+    """Predicted and measured peaks side by side: (the ``memory_peak`` event's fields, its log line)."""
+    snap = memory_snapshot()
+    fields = {"predicted_host_peak_mb": plan["host_peak_mb"], "measured_host_peak_mb": snap["peak_rss_mb"],
+              "host_ratio": round(plan["host_peak_mb"] / max(snap["peak_rss_mb"], 1), 3)}
+    line = (f"peak host RAM: predicted {plan['host_peak_mb']:,.0f} MiB, measured {snap['peak_rss_mb']:,.0f} MiB "
+            f"(ratio {fields['host_ratio']:.2f})")
+    if "cuda_peak_mb" in snap:
+        measured = snap["cuda_reserved_peak_mb"] + planner.CUDA_CONTEXT_MB
+        fields.update(predicted_gpu_peak_mb=plan["gpu_peak_mb"], measured_gpu_peak_mb=measured,
+                      gpu_ratio=round(plan["gpu_peak_mb"] / max(measured, 1), 3))
+        line += (f"; GPU: predicted {plan['gpu_peak_mb']:,.0f} MiB, measured {measured:,.0f} MiB "
+                 "(torch's reserved peak + CUDA context)")
+    return fields, line
+
+
+def near_limit(max_rss_gb: float) -> bool:
+    """Whether this process's RSS has reached MEMORY_GUARD_AT of --max_rss_gb (off at 0)."""
+    return bool(max_rss_gb) and process_rss_bytes() >= MEMORY_GUARD_AT * max_rss_gb * 2**30
+
+
+def guard_stop(rss_gb: float, max_rss_gb: float, step: int, checkpoint: Path) -> StoppedForMemory:
+    """The exception that ends a run stopped by the guard, naming the flags that lower memory."""
+    return StoppedForMemory(
+        f"memory guard: RSS {rss_gb:.2f} GiB reached {MEMORY_GUARD_AT:.0%} of --max_rss_gb={max_rss_gb} "
+        f"at step {step}; checkpoint {checkpoint}. Lower memory with --shuffle_buffer_size, "
+        "--batch_size (raise --gradient_accumulation_steps to keep the batch), --max_source_len / "
+        "--max_target_len, --eval_batch_size or a smaller --model_preset, then continue with "
+        "--is_keep_training=True")
