@@ -53,6 +53,18 @@ def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None,
             "row_bytes": mean_row, "rows": estimated_rows(files, mean_row, columns), "pairs": list(zip(s, t))}
 
 
+def run_lengths(cfg: TrainConfig, tokenizer, files: list[Path], eval_examples: list, indexes: list,
+                rank: int = 0, world: int = 1, replay: bool = True) -> dict:
+    """Every length the plan of one process reads: the sampled rows, the replayed windows of its share
+    (``replay``: a run from the start; a resumed one starts mid-stream) and its evaluation batches.
+    ``train`` and ``plan`` both take them from here, so the two predictions agree."""
+    lengths = sample_lengths(cfg, tokenizer, files)
+    if replay:
+        lengths["windows"] = replay_windows(cfg, tokenizer, files, rank, world, indexes)
+    lengths["eval"] = eval_batch_lengths(cfg, tokenizer, eval_examples, rank, world)
+    return lengths
+
+
 def estimated_rows(files: list[Path], mean_row_bytes: float, columns: tuple[str, str]) -> int:
     """Rows in ``files`` without reading them: parquet footers hold the count (their bytes are
     compressed); text files are estimated from their size, the sampled rows' mean text size and

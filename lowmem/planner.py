@@ -25,10 +25,8 @@ from config import MODEL_PRESETS, TrainConfig
 from data.stream import total_steps
 from lowmem.plan_batches import (  # noqa: F401  (part of the planner's API)
     estimated_rows,
-    eval_batch_lengths,
     micro_batch_lengths,
-    replay_windows,
-    sample_lengths,
+    run_lengths,
 )
 from lowmem.tensor_bytes import (
     activation_bytes,
@@ -135,7 +133,7 @@ def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
     """Source and target lengths (and, when replayed, target tokens) of the costliest micro-batch the
     run is expected to meet.
 
-    When the run's stream was replayed (``lengths["windows"]``, see :func:`replay_windows`), that
+    When the run's stream was replayed (``lengths["windows"]``, see ``plan_batches.replay_windows``), that
     is the costliest micro-batch it will train on. Otherwise a run that reads every row meets the
     longest source and the longest target (rows of similar length share a micro-batch, so both can
     meet in one), and a shorter run (``--max_steps``) reading n of the m sampled rows meets the
@@ -492,9 +490,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     # As the trainer: the files indexed first (the replay and the row count use them); without --eval_file
     # the eval set is the training files' last rows, which it never trains on
     eval_examples, indexes, _ = eval_split(cfg, eval_files_of(cfg, files), files, [index_file(f) for f in files])
-    lengths = sample_lengths(cfg, tokenizer, files)
-    lengths["windows"] = replay_windows(cfg, tokenizer, files, 0, num_processes, indexes)  # the first process's share
-    lengths["eval"] = eval_batch_lengths(cfg, tokenizer, eval_examples, 0, num_processes)
+    lengths = run_lengths(cfg, tokenizer, files, eval_examples, indexes, 0, num_processes)  # the first process
     lengths["train_rows"] = sum(i.rows for i in indexes)  # counted ("rows" is estimated from a sample)
     # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
     # then what importing it adds, so every optimizer the search tries gets its own baseline.

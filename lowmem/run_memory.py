@@ -25,10 +25,8 @@ def plan_run(cfg: TrainConfig, tokenizer, train_files: list[Path], eval_examples
     replays this process's stream to find its costliest micro-batch; a resumed one, which starts
     mid-stream, is planned from the sampled lengths.
     """
-    lengths = planner.sample_lengths(cfg, tokenizer, train_files)
-    if not resuming:
-        lengths["windows"] = planner.replay_windows(cfg, tokenizer, train_files, rank, world, indexes)
-    lengths["eval"] = planner.eval_batch_lengths(cfg, tokenizer, eval_examples, rank, world)
+    lengths = planner.run_lengths(cfg, tokenizer, train_files, eval_examples, indexes, rank, world,
+                                  replay=not resuming)
     return planner.predict(cfg, len(tokenizer), lengths, planner.framework_mb(cfg), device, world)
 
 
