@@ -1,7 +1,8 @@
 """Memory probes and hygiene.
 
 Figures are MiB. ``rss_mb`` counts this process and its children (tokenizer threads live in the
-process; loader or launcher children would not), ``peak_rss_mb`` is the kernel's high-water mark.
+process; loader or launcher children would not), ``peak_rss_mb`` is the kernel's high-water mark of
+this process (see :func:`peak_rss_bytes`) or of a finished child, whichever is higher.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ def memory_snapshot() -> dict:
             rss += child.memory_info().rss
         except psutil.Error:  # a child may exit between listing and reading
             pass
-    # ru_maxrss is in KiB on Linux.
-    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+    # Children's peaks in KiB (Linux); a child's includes our RSS when it started, never above our own peak.
+    peak = max(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024) / 2**20
     snap = {"rss_mb": round(rss / 2**20, 1), "peak_rss_mb": round(peak, 1),
             "sys_available_mb": round(psutil.virtual_memory().available / 2**20, 1)}
     if torch.cuda.is_available():
@@ -36,6 +36,24 @@ def memory_snapshot() -> dict:
 
 
 _SELF = psutil.Process()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started: the kernel's high-water mark (VmHWM).
+
+    Not ``getrusage(RUSAGE_SELF).ru_maxrss``: on Linux that keeps the peak of the process image an
+    ``exec`` replaced, i.e. the RSS of whoever spawned us (Python's subprocess forks the parent, then
+    execs). A run started from a 700 MiB pytest, or by a launcher, reported the parent's peak as its
+    own. VmHWM belongs to the running program alone; ru_maxrss stays the fallback where /proc is missing.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def process_rss_bytes() -> int:
