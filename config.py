@@ -43,10 +43,13 @@ MODEL_PRESETS = {
 
 
 OPTIMIZERS = ("adafactor", "adamw", "adamw8bit")
-LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo")
+# T5's linear layers by name: attention q, k, v, o; feed-forward wi, wo (wi_0 and wi_1 on gated models:
+# t5-v1_1, flan-t5, mT5, ByT5, where "wi" names both).
+LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo", "wi_0", "wi_1")
 ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 FROZEN_DTYPES = ("float32", "bfloat16")
+FREEZE_CHOICES = ("encoder", "embeddings", "none")
 REPORT_TO = ("none", "tensorboard")  # accelerate trackers we test; each is an optional package
 
 # Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
@@ -75,28 +78,6 @@ class UserError(Exception):
     """A mistake the user can fix; the CLI prints it as one line and exits with code 2."""
 
 
-def model_folder_config(path: str | Path) -> dict:
-    """The saved T5 config of the model folder ``--init_from`` names (a run's best/ or final/).
-
-    A training run's own folder also holds a config.json (the run's flags), so the file alone
-    does not make a model folder: its ``model_type`` must be t5.
-    """
-    folder = Path(path)
-    inside = [folder / name for name in ("best", "final") if (folder / name / "config.json").is_file()]
-    fix = (f"it is a training run's folder: pass --init_from={inside[0]}" if inside
-           else "point it at a run's best/ or final/ folder (pretrain first: python train_low_mem.py train)")
-    if not (folder / "config.json").is_file():
-        raise UserError(f"--init_from={path} is not a model folder (no config.json); {fix}")
-    saved = saved_json(folder / "config.json")
-    if saved is None:
-        raise UserError(f"--init_from={path}: its config.json cannot be read as JSON; {fix}")
-    if saved.get("model_type") != "t5":
-        kind = saved.get("model_type")
-        what = f"a {kind} model's config" if kind else "no model's config"
-        raise UserError(f"--init_from={path} is not a T5 model folder (its config.json is {what}); {fix}")
-    return saved
-
-
 def saved_json(path: Path) -> dict | None:
     """The JSON object stored in ``path``; None when it is missing, unreadable or not an object."""
     try:
@@ -115,14 +96,25 @@ class TrainConfig:
     """Every option of every command. Field order is the order of ``--help``."""
 
     # --- run mode and paths ---
-    is_finetune: bool = _f(False, "SFT: start from --init_from, freeze encoder + embeddings, train the decoder.")
+    is_finetune: bool = _f(False, "SFT: start from --init_from and train on prompt/response pairs with "
+                                  "--freeze=encoder (the encoder and shared embedding fixed; the decoder and an "
+                                  "untied lm_head train).")
     is_keep_training: bool = _f(False, "Resume from the latest valid checkpoint in --output_dir.")
     resume_from: str | None = _f(None, "Resume from this checkpoint folder instead of the latest one.")
     output_dir: str | None = _f(None, "Run folder. Default: runs/pretrain, or runs/sft with --is_finetune.")
     overwrite_output_dir: bool = _f(False, "Start over in an --output_dir that already holds a run (deletes it).")
-    init_from: str | None = _f(None, "Model folder to start from. Default for SFT: runs/pretrain/best.")
-    tokenizer_dir: str | None = _f(None, "Tokenizer folder. Default: the one saved with --init_from, else the "
-                                         "shipped data/tokenizer (trained from --train_file if missing).")
+    init_from: str | None = _f(None, "Model to start from: a folder (a run's best/ or final/, a downloaded T5, "
+                                     "flan-t5, t5-v1_1, mT5, umT5 or ByT5) or a hub id such as google/flan-t5-small "
+                                     "(the Hugging Face cache first, then the hub). Without --is_finetune: continued "
+                                     "pretraining. Default for SFT: runs/pretrain/best.")
+    tokenizer_dir: str | None = _f(None, "Tokenizer folder. Default: the --init_from model's own (tokenizer.json, "
+                                         "spiece.model or ByT5's), else the shipped data/tokenizer (trained from "
+                                         "--train_file into a new or empty folder if missing).")
+    freeze: str | None = _f(None, "What stays fixed while training: encoder (the encoder and the shared embedding, "
+                                  "and the output layer when tied to it; the default with --is_finetune), embeddings "
+                                  "(the shared embedding, and a tied output layer), none (every weight trains: full "
+                                  "fine-tuning; the default otherwise). An untied lm_head (t5-v1_1, flan-t5, mT5, "
+                                  "ByT5) always trains. More frozen saves gradient and optimizer memory.")
     seed: int = _f(42, "Seed for model init, shuffling and dropout.")
 
     # --- data ---
@@ -176,7 +168,9 @@ class TrainConfig:
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).")
     lora_dropout: float = _f(0.05, "Dropout on the LoRA input.")
     lora_target_modules: str = _f("q,v", "Comma list of T5 linear layers that get adapters: q, k, v, o "
-                                         "(attention), wi, wo (feed-forward). With SFT only the decoder's.")
+                                         "(attention), wi, wo (feed-forward; on gated models wi means wi_0 and "
+                                         "wi_1, each also nameable). Only the layers --freeze leaves "
+                                         "trainable: with --freeze=encoder the decoder's.")
     encoder_cache: str = _f("off", "SFT only: compute the frozen encoder's outputs once per example and train "
                                    "the decoder from them. off, disk (OUTPUT_DIR/encoder_cache), memory (the "
                                    "same file read into RAM) or auto (memory when small). Saves the encoder's "
@@ -237,10 +231,11 @@ class TrainConfig:
                 self.eval_file = str(eval_default)
         if self.is_finetune and self.init_from is None:
             self.init_from = str(Path("runs") / "pretrain" / "best")
-        if self.tokenizer_dir is None:
-            # A model keeps the tokenizer it was trained with (best/ and final/ hold one).
-            saved = self.init_from and (Path(self.init_from) / "tokenizer.json").is_file()
-            self.tokenizer_dir = self.init_from if saved else str(SHIPPED_TOKENIZER_DIR)
+        if self.tokenizer_dir is None and self.init_from is None:
+            # With --init_from it stays None: the model's own tokenizer (lowmem.model_source.tokenizer_folder).
+            self.tokenizer_dir = str(SHIPPED_TOKENIZER_DIR)
+        if self.freeze is None:
+            self.freeze = "encoder" if self.is_finetune else "none"
 
     def unused_flags(self) -> list[tuple[str, str]]:
         """(flag, why) for the settings this configuration does not read."""
@@ -249,8 +244,8 @@ class TrainConfig:
             unused += [(name, "without --lora_r") for name in ("lora_alpha", "lora_dropout", "lora_target_modules")]
         if self.encoder_cache == "off":
             unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
-        if self.is_finetune:
-            unused.append(("model_preset", "with --is_finetune=True (the --init_from model's shape is trained)"))
+        if self.init_from:
+            unused.append(("model_preset", "with --init_from (that model's shape is trained)"))
         if self.is_keep_training:
             unused.append(("overwrite_output_dir", "with --is_keep_training=True (the run is continued)"))
         return unused
@@ -340,9 +335,14 @@ class TrainConfig:
             problems.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
         if self.lora_r < 0:
             problems.append(f"--lora_r must not be negative (got {self.lora_r})")
-        if self.lora_r and not self.is_finetune:
-            problems.append("--lora_r needs --is_finetune=True: LoRA adapts a trained model, pretraining from "
+        if self.lora_r and not self.init_from:
+            problems.append("--lora_r needs a model to adapt (--init_from, or --is_finetune=True): pretraining from "
                             "scratch must train every weight")
+        if self.freeze not in FREEZE_CHOICES:
+            problems.append(f"--freeze must be one of {', '.join(FREEZE_CHOICES)} (got {self.freeze!r})")
+        elif self.freeze != "none" and not self.init_from:
+            problems.append(f"--freeze={self.freeze} needs a trained model (--init_from, or --is_finetune=True): a "
+                            "new model's weights are random, and frozen they would stay random")
         for flag, wanted, module in (("--optimizer=adamw8bit", self.optimizer == "adamw8bit", "bitsandbytes"),
                                      ("--lora_r", self.lora_r > 0, "peft")):
             if wanted and not installed(module):
@@ -363,14 +363,16 @@ class TrainConfig:
         if self.encoder_cache not in ENCODER_CACHE_MODES:
             problems.append(f"--encoder_cache must be one of {', '.join(ENCODER_CACHE_MODES)} "
                             f"(got {self.encoder_cache!r})")
-        elif self.encoder_cache != "off" and not self.is_finetune:
-            problems.append("--encoder_cache needs --is_finetune=True: only SFT freezes the encoder "
-                            "(pretraining trains it, so its outputs change every step)")
+        elif self.encoder_cache != "off" and not self.frozen_encoder:
+            problems.append("--encoder_cache needs a frozen encoder (--is_finetune=True with --freeze=encoder, the "
+                            "default): a trained encoder's outputs change every step")
         if self.frozen_dtype not in FROZEN_DTYPES:
             problems.append(f"--frozen_dtype must be one of {', '.join(FROZEN_DTYPES)} (got {self.frozen_dtype!r})")
-        elif self.frozen_dtype == "bfloat16" and not (self.is_finetune and self.mixed_precision == "bf16"):
-            problems.append("--frozen_dtype=bfloat16 needs --is_finetune=True (only SFT freezes weights) and "
-                            "--mixed_precision=bf16 (bf16 weights are only used inside bf16 autocast)")
+        elif self.frozen_dtype == "bfloat16" and not ((self.freeze != "none" or self.lora_r)
+                                                      and self.mixed_precision == "bf16"):
+            problems.append("--frozen_dtype=bfloat16 needs frozen weights (--is_finetune=True, --freeze=encoder or "
+                            "embeddings, or --lora_r) and --mixed_precision=bf16 (bf16 weights are only used inside "
+                            "bf16 autocast)")
         if self.encoder_cache_dtype not in CACHE_DTYPES:
             problems.append(f"--encoder_cache_dtype must be one of {', '.join(CACHE_DTYPES)} "
                             f"(got {self.encoder_cache_dtype!r})")
@@ -380,6 +382,11 @@ class TrainConfig:
     def gpu_profile(self) -> bool:
         """Whether --memory_profile names one of the GPU profiles (all but the CPU's, host16g)."""
         return bool(self.memory_profile) and not MEMORY_PROFILES[self.memory_profile].get("cpu")
+
+    @property
+    def frozen_encoder(self) -> bool:
+        """Whether the encoder stays fixed (it then runs under no_grad in eval mode, and may be cached)."""
+        return self.freeze == "encoder"
 
     @property
     def lora_targets(self) -> list[str]:

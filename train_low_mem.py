@@ -18,20 +18,14 @@ import os
 import sys
 from pathlib import Path
 
-# Air-gapped by design: nothing is ever fetched from a model or data hub.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own bars and log lines say enough
+# The Hugging Face environment (HF_HUB_OFFLINE, HF_HOME, HF_TOKEN) is the user's: a hub id given to
+# --init_from resolves through the cache, then the hub when online, exactly as from_pretrained does.
+if not sys.stderr.isatty():  # progress bars (weights written, files fetched) only where someone watches
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from config import (  # noqa: E402
-    SHIPPED_CORPORA,
-    STARTED_MARKER,
-    UserError,
-    load_config,
-    model_folder_config,
-    to_bool,
-)
+from config import SHIPPED_CORPORA, STARTED_MARKER, UserError, load_config, to_bool  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
+from lowmem.model_source import model_folder_config  # noqa: E402
 
 
 def train(config: str | None = None, **flags) -> dict:
@@ -70,8 +64,8 @@ def mark_run_started(cfg) -> None:
     resolve_files(cfg.train_file, "--train_file", cfg.output_dir)
     if cfg.eval_file is not None:  # None: held out of --train_file
         resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir)
-    if cfg.is_finetune:
-        model_folder_config(cfg.init_from)
+    if cfg.init_from:
+        model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
     try:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.output_dir) / STARTED_MARKER).touch()
@@ -149,10 +143,11 @@ def prepare(config: str | None = None, **flags) -> dict:
     """Tokenize --train_file once into parquet shards in --prepared_dir (default: runs/prepared);
     then train with --train_file=PREPARED_DIR (no tokenization in any epoch)."""
     from data.prepare import prepare_command
+    from lowmem.model_source import tokenizer_folder
 
     out_dir = flags.pop("prepared_dir", "runs/prepared")
     cfg, _ = load_config(flags, config)
-    return prepare_command(cfg, Path(out_dir))
+    return prepare_command(cfg, Path(out_dir), tokenizer_folder(cfg))
 
 
 def plot(config: str | None = None, **flags) -> dict:

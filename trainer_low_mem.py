@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import SHIPPED_CORPORA, TrainConfig, UserError, model_folder_config, saved_json
+from config import SHIPPED_CORPORA, TrainConfig, UserError, saved_json
 from data.collate import CachedEncoderCollator, Seq2SeqCollator, shape_multiple
 from data.prepare import check_manifest, manifest_of
 from data.readers import TOKEN_COLUMNS, index_file
@@ -41,6 +41,7 @@ from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
 from lowmem.memory import free_memory, freeze_long_lived, memory_snapshot, process_rss_bytes, thaw_long_lived
 from lowmem.metrics import AppendLog, MetricsLog, tracker_scalars, train_line
+from lowmem.model_source import has_tokenizer, model_folder_config, resolve_model_dir, tokenizer_folder
 from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part of this module's API)
     apply_memory_modes,
     build_model,
@@ -48,8 +49,9 @@ from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part
     build_scheduler,
     count_parameters,
     export_state_dict,
-    freeze_for_sft,
+    freeze_parts,
     frozen_encoder_states,
+    head_is_tied,
     load_model,
     store_frozen_in_bf16,
     target_index,
@@ -95,6 +97,7 @@ class LowMemTrainer:
     def __init__(self, cfg: TrainConfig, tokenizer=None, model=None):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.tokenizer_dir: Path | None = None  # the folder the tokenizer was loaded from (its files go into exports)
         self.model = model
         self.state = TrainState()
         self.out = Path(cfg.output_dir)
@@ -172,24 +175,20 @@ class LowMemTrainer:
         train_columns = TOKEN_COLUMNS if self.prepared else (cfg.prompt_column, cfg.response_column)
         check_columns(self.train_files, train_columns, "--train_file")
         self.eval_files = eval_files_of(cfg, self.train_files)
-        if cfg.is_finetune and self.model is None:
+        if cfg.init_from and self.model is None:
             model_folder_config(cfg.init_from)
-        if cfg.init_from and not cfg.is_finetune:
-            raise UserError("--init_from is read by SFT (--is_finetune=True), evaluate and generate; pretraining "
-                            "builds a new --model_preset model (continue a pretraining run with "
-                            "--is_keep_training=True)")
         return train_columns
 
     def _build_model(self) -> None:
-        """Build (pretraining) or load (SFT) the model, freeze for SFT and apply the memory modes."""
+        """Build (from scratch) or load (--init_from) the model, freeze what --freeze names and apply the
+        memory modes."""
         cfg = self.cfg
         if self.model is None:
-            self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.is_finetune
+            self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.init_from
                           else build_model(cfg, self.tokenizer))
         self._check_vocabulary()
         self.run_config = self._run_config()  # the tokenizer is fixed for the run: fingerprint it once
-        if cfg.is_finetune:
-            freeze_for_sft(self.model)
+        freeze_parts(self.model, cfg.freeze)
         self.model = apply_memory_modes(self.model, cfg)
         self.trainable, self.frozen = count_parameters(self.model)
         self.frozen_bf16 = store_frozen_in_bf16(self.model) if cfg.frozen_dtype == "bfloat16" else 0
@@ -206,20 +205,25 @@ class LowMemTrainer:
         self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
         self.log_memory("prepared")
 
-    def _check_vocabulary(self) -> None:
-        """The tokenizer must be the model's: same size, and the one saved beside --init_from if any
-        (a tokenizer of the same size with other words would feed the model wrong ids silently)."""
+    def _check_vocabulary(self, model_dir: Path | None = None) -> None:
+        """The tokenizer must fit the model: no id past its embedding (Google's checkpoints pad the
+        embedding past the tokenizer, 32,128 rows for 32,100 pieces: rows never produced, which is
+        fine), and it must be the one saved with the model if the model has one (a tokenizer with
+        other words would feed the model wrong ids silently)."""
         cfg = self.cfg
-        if self.model.config.vocab_size != len(self.tokenizer):
-            raise UserError(f"model vocabulary ({self.model.config.vocab_size}) does not match the tokenizer "
-                            f"({len(self.tokenizer)}); pass the --tokenizer_dir the model was trained with")
-        saved = Path(cfg.init_from) if cfg.init_from else None
-        if saved and (saved / "tokenizer.json").is_file() and saved.resolve() != Path(cfg.tokenizer_dir).resolve():
+        rows = self.model.get_input_embeddings().num_embeddings
+        if len(self.tokenizer) > rows:
+            raise UserError(f"the tokenizer has {len(self.tokenizer):,} tokens but the model's embedding only "
+                            f"{rows:,} rows: ids past {rows - 1:,} have no embedding; pass the --tokenizer_dir the "
+                            "model was trained with (or leave it out to use the model's own)")
+        saved = model_dir or (resolve_model_dir(cfg.init_from) if cfg.init_from else None)
+        if saved and cfg.tokenizer_dir is not None and has_tokenizer(saved) \
+                and saved.resolve() != Path(cfg.tokenizer_dir).resolve():
             from data.tokenization import load_tokenizer
 
             if tokenizer_sha1(load_tokenizer(saved)) != tokenizer_sha1(self.tokenizer):
-                raise UserError(f"--tokenizer_dir={cfg.tokenizer_dir} is not the tokenizer saved with --init_from="
-                                f"{cfg.init_from} (same size, other words); leave --tokenizer_dir out to use that one")
+                raise UserError(f"--tokenizer_dir={cfg.tokenizer_dir} is not the tokenizer saved with the model "
+                                f"{saved} (other words); leave --tokenizer_dir out to use that one")
 
     def setup_inference(self) -> LowMemTrainer:
         """Load a saved model (--init_from, default OUTPUT_DIR/best) for ``evaluate`` / ``generate``."""
@@ -229,13 +233,16 @@ class LowMemTrainer:
         self.train_files = resolve_files(cfg.train_file, "--train_file") if cfg.eval_file is None else []
         self.eval_files = eval_files_of(cfg, self.train_files)
         self.model = load_model(model_dir)
+        model_dir = resolve_model_dir(str(model_dir))
         self._start_accelerator()
         if self.tokenizer is None:
             from data.tokenization import load_tokenizer
 
-            saved = (model_dir / "tokenizer.json").is_file()  # --tokenizer_dir defaults to --init_from's
-            self.tokenizer = load_tokenizer(model_dir if saved and not cfg.init_from else cfg.tokenizer_dir)
-        self._check_vocabulary()
+            # The model's own tokenizer unless --tokenizer_dir names one (without --init_from it holds the
+            # shipped default, which OUTPUT_DIR/best's own wins over).
+            own = has_tokenizer(model_dir) and not (cfg.init_from and cfg.tokenizer_dir)
+            self.tokenizer = load_tokenizer(model_dir if own else tokenizer_folder(cfg))
+        self._check_vocabulary(model_dir)
         self.model = self.accelerator.prepare(self.model)
         self.core = self.accelerator.unwrap_model(self.model)
         self.collator = Seq2SeqCollator(self.tokenizer, cfg.max_source_len, cfg.max_target_len, self.shape_multiple)
@@ -365,9 +372,12 @@ class LowMemTrainer:
         from data.tokenization import load_tokenizer, train_tokenizer, vocab_shortfall
 
         cfg = self.cfg
-        folder = Path(cfg.tokenizer_dir)
-        if (folder / "tokenizer.json").is_file():
+        folder = self.tokenizer_dir = tokenizer_folder(cfg)
+        if has_tokenizer(folder):
             return load_tokenizer(folder)
+        if cfg.init_from:
+            raise UserError(f"no tokenizer in --tokenizer_dir={folder}; pass the folder of the tokenizer the "
+                            f"--init_from model was trained with (or leave --tokenizer_dir out to use its own)")
         if self.prepared:
             raise UserError(f"no tokenizer in --tokenizer_dir={folder}; pass the one the corpus was prepared with "
                             f"({self.prepared['tokenizer_dir']})")
@@ -394,13 +404,12 @@ class LowMemTrainer:
         if cfg.encoder_cache != "off":
             cache = self.encoder_cache
             features.append(f"encoder cache ({'RAM' if cache.in_memory else 'disk'}, {cfg.encoder_cache_dtype})")
-        if cfg.is_finetune:
-            features.append("frozen encoder + embeddings (no_grad, eval mode)")
+        features.append(self._frozen_summary())
         if self.frozen_bf16:
             features.append(f"{self.frozen_bf16:,} frozen weights stored in bf16")
         lines = [
             f"device {self.accelerator.device} x {self.world} process(es) | "
-            f"model {cfg.init_from if cfg.is_finetune else cfg.model_preset} | "
+            f"model {cfg.init_from or cfg.model_preset} | "
             f"params trainable {self.trainable:,} / frozen {self.frozen:,}",
             f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
             f"x {self.world}) | tokens per optimizer step <= {effective * (cfg.max_source_len + cfg.max_target_len):,}",
@@ -425,6 +434,15 @@ class LowMemTrainer:
                     total_steps=self.total_steps, world_size=self.world)
 
     # ------------------------------------------------------------------ train
+    def _frozen_summary(self) -> str:
+        """What --freeze keeps fixed, in the start-up line's words."""
+        freeze, tied = self.cfg.freeze, head_is_tied(self.core)
+        if freeze == "none":
+            return "every weight trains" if not self.cfg.lora_r else "base weights frozen (LoRA adapters train)"
+        parts = ["encoder (no_grad, eval mode)"] if freeze == "encoder" else []
+        parts.append("shared embedding" + (" = tied output layer" if tied else ""))
+        return "frozen " + " + ".join(parts) + ("" if tied else "; the untied lm_head trains")
+
     def train(self) -> dict:
         """Run optimizer steps until ``max_steps`` or the last epoch; evaluate and export at the end."""
         cfg, state = self.cfg, self.state
@@ -492,7 +510,7 @@ class LowMemTrainer:
 
     def _set_train_mode(self) -> None:
         self.model.train()
-        if self.cfg.is_finetune:
+        if self.cfg.frozen_encoder:
             self.core.encoder.eval()  # frozen: no dropout, and it runs under no_grad
 
     def window_counts(self, window: list[dict]) -> dict:
@@ -589,7 +607,7 @@ class LowMemTrainer:
             batch = self.to_device(micro)
             with self.accelerator.accumulate(self.model):
                 with self.accelerator.autocast():
-                    loss = token_loss_sum(self.model, self.core, batch, frozen_encoder=self.cfg.is_finetune,
+                    loss = token_loss_sum(self.model, self.core, batch, frozen_encoder=self.cfg.frozen_encoder,
                                           multiple=self.shape_multiple)
                 self.accelerator.backward(loss * scale)  # all-reduce only on the window's last micro-batch
             loss_sum += loss.detach()
@@ -815,8 +833,8 @@ class LowMemTrainer:
             on_gpu = self.accelerator.device.type == "cuda"
             with contextlib.nullcontext() if on_gpu else weights_in_float32(self.core):
                 plain = export_state_dict(self.core, to_host=on_gpu)
-                self.folder.export(folder, self.core, self.tokenizer,
-                                   {"kind": self.cfg.kind, **self.state_now()}, state_dict=plain)
+                self.folder.export(folder, self.core, self.tokenizer, {"kind": self.cfg.kind, **self.state_now()},
+                                   state_dict=plain, tokenizer_source=self.tokenizer_dir)
                 del plain
             # The export's new host tensors (LoRA's merged matrices, a GPU model's float32 copies) come
             # from the C heap, which keeps them resident once freed: trimmed, an export in mid-run does

@@ -76,7 +76,7 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
     from lowmem.modeling import (
         build_model,
         build_optimizer,
-        freeze_for_sft,
+        freeze_parts,
         frozen_encoder_states,
         target_index,
         token_loss_sum,
@@ -86,7 +86,7 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
     torch.manual_seed(seed)
     model = build_model(cfg, tokenizer).to(device)
-    freeze_for_sft(model)
+    freeze_parts(model, "encoder")
     model.train()
     model.encoder.eval()  # frozen: no dropout, as in the trainer
     params = [p for p in model.parameters() if p.requires_grad]

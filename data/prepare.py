@@ -25,7 +25,7 @@ GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
 SHARD_ROWS = 100_000  # rows per shard: several shards let each epoch visit them in a new order
 
 
-def prepare_command(cfg, out_dir: Path) -> dict:
+def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     """The ``prepare`` command: resolve and check the corpus, load the tokenizer, write the shards."""
     from data.collate import Seq2SeqCollator
     from data.sources import check_columns, resolve_files
@@ -36,9 +36,9 @@ def prepare_command(cfg, out_dir: Path) -> dict:
         raise UserError(f"--train_file={cfg.train_file} is prepared already; train from it directly")
     columns = (cfg.prompt_column, cfg.response_column)
     check_columns(files, columns, "--train_file")
-    tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
+    tokenizer = load_trained_tokenizer(tokenizer_dir)
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
-    manifest = prepare(files, columns, collator, out_dir, tokenizer_sha1(tokenizer), cfg.tokenizer_dir,
+    manifest = prepare(files, columns, collator, out_dir, tokenizer_sha1(tokenizer), tokenizer_dir,
                        max_bad_fraction=cfg.max_bad_rows_fraction)
     return {"prepared_dir": str(out_dir), "rows": manifest["rows"], "tokens": manifest["tokens"],
             "shards": len(manifest["shards"]), "bad_rows": manifest["bad_rows"]}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from config import UserError
+from config import UserError, saved_json
 from data.sources import iter_rows
 
 EXTRA_IDS = 100
@@ -122,9 +122,19 @@ def tokenizer_sha1(tokenizer) -> str:
     return hashlib.sha1(vocab).hexdigest()
 
 
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a tokenizer ``AutoTokenizer`` loads: a tokenizers JSON, a sentencepiece
+    model alone (t5-v1_1 and mT5 ship only ``spiece.model``), or a config naming its class (ByT5's
+    byte tokenizer has no vocabulary file at all)."""
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file() or (folder / "spiece.model").is_file():
+        return True
+    return bool((saved_json(folder / "tokenizer_config.json") or {}).get("tokenizer_class"))
+
+
 def load_trained_tokenizer(folder: str | Path):
     """The tokenizer in ``--tokenizer_dir``, for commands that need one and do not train it."""
-    if not (Path(folder) / "tokenizer.json").is_file():
+    if not has_tokenizer(folder):
         raise UserError(f"no tokenizer in --tokenizer_dir={folder}; train one first (python train_low_mem.py "
                         "train_tokenizer, same flags) or pass the folder that has it")
     return load_tokenizer(folder)

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from config import MODEL_PRESETS, TrainConfig, UserError, model_folder_config, optional_package_missing
+from config import MODEL_PRESETS, TrainConfig, UserError, optional_package_missing
+from lowmem.model_source import model_folder_config, resolve_model_dir
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
 # warns that it cannot fetch an optional 4-bit CPU kernel from the hub (nothing here uses it): one
@@ -56,19 +57,39 @@ def build_model(cfg: TrainConfig, tokenizer):
     return model
 
 
-def load_model(path: str | Path, **config_overrides):
-    """Load a saved model folder (``save_pretrained`` layout); ``config_overrides`` such as
-    ``dropout_rate`` replace values of its saved config."""
+def load_model(init_from: str | Path, **config_overrides):
+    """Load a T5-family model (a folder or a hub id) as saved: T5, T5 v1.1 / flan-t5, mT5, umT5, ByT5.
+
+    ``from_pretrained`` reads the checkpoint as it is: an untied ``lm_head`` stays untied, a gated
+    feed-forward stays gated (rebuilding from a config would tie the head in transformers 5).
+    ``config_overrides`` such as ``dropout_rate`` replace values of its saved config.
+    """
     import_transformers_models()
-    from transformers import T5ForConditionalGeneration
+    import transformers
+    from transformers import AutoModelForSeq2SeqLM
 
-    model_folder_config(path)
-    return T5ForConditionalGeneration.from_pretrained(str(path), **config_overrides)
+    model_folder_config(init_from)
+    verbosity = transformers.logging.get_verbosity()
+    # transformers 5 warns on every untied checkpoint that its T5 config "specifies to tie" the head
+    # (it always does): the checkpoint's distinct lm_head is what is loaded, which is right.
+    transformers.logging.set_verbosity_error()
+    try:
+        return AutoModelForSeq2SeqLM.from_pretrained(str(resolve_model_dir(str(init_from))), **config_overrides)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
-def freeze_for_sft(model) -> None:
-    """Freeze the shared embedding (and so the tied output layer) and the whole encoder."""
-    for module in (model.shared, model.encoder, model.lm_head):
+def head_is_tied(model) -> bool:
+    """Whether the output layer is the shared embedding itself (original T5) or its own matrix (v1.1 on)."""
+    return model.lm_head.weight is model.shared.weight
+
+
+def freeze_parts(model, freeze: str) -> None:
+    """Freeze what ``--freeze`` names: ``encoder`` (encoder and shared embedding), ``embeddings`` (the
+    shared embedding) or ``none``. A tied output layer is the embedding and freezes with it; an untied
+    ``lm_head`` trains with the decoder."""
+    modules = {"encoder": (model.shared, model.encoder), "embeddings": (model.shared,), "none": ()}[freeze]
+    for module in modules:
         for param in module.parameters():
             param.requires_grad_(False)
 
@@ -127,19 +148,47 @@ def optional_import(module: str, flag: str):
         raise UserError(optional_package_missing(flag, module)) from None
 
 
+def lora_stacks(cfg: TrainConfig) -> tuple[str, ...]:
+    """The stacks whose linear layers get adapters: those ``--freeze`` leaves trainable (a frozen
+    encoder runs under no_grad, and its outputs may be cached)."""
+    return ("decoder",) if cfg.frozen_encoder else ("encoder", "decoder")
+
+
+def lora_module_names(model, cfg: TrainConfig) -> dict[str, list[str]]:
+    """Each ``--lora_target_modules`` name -> the module paths it adapts (``wi``: ``wi_0`` and ``wi_1``
+    on gated models).
+
+    Raises:
+        UserError: a name that matches no linear layer, with the names that exist.
+    """
+    found: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        parts = path.split(".")
+        if isinstance(module, torch.nn.Linear) and parts[0] in lora_stacks(cfg) and "block" in parts:
+            found.setdefault(parts[-1], []).append(path)
+    matched = {name: found.get(name, []) + (found.get("wi_0", []) + found.get("wi_1", []) if name == "wi" else [])
+               for name in cfg.lora_targets}
+    missing = [name for name, paths in matched.items() if not paths]
+    if missing:
+        names = ", ".join(sorted(found, key=lambda n: ("qkvow".find(n[0]), n)))
+        raise UserError(f"--lora_target_modules names {', '.join(missing)}, which this model does not have "
+                        f"(its {' and '.join(lora_stacks(cfg))} linear layers are {names}); list some of those")
+    return matched
+
+
 def add_lora(model, cfg: TrainConfig):
-    """Inject LoRA adapters (peft) into the decoder's ``--lora_target_modules`` and freeze the rest.
+    """Inject LoRA adapters (peft) into the ``--lora_target_modules`` layers of the trainable stacks and
+    freeze every other weight.
 
     The model stays a plain ``T5ForConditionalGeneration`` with LoRA layers inside, so the trainer
     calls it as before; :func:`export_state_dict` gives the plain weights for export.
     """
     peft = optional_import("peft", "--lora_r")
-    # A regex on the module path: only the decoder adapts (the encoder is frozen in SFT, and its
-    # outputs may be cached).
-    pattern = r"decoder\.block\.\d+\.layer\.\d+\.(SelfAttention|EncDecAttention|DenseReluDense)\.(" \
-              + "|".join(cfg.lora_targets) + ")"
+    paths = sorted({p for found in lora_module_names(model, cfg).values() for p in found})
+    # Exact module paths: peft matches a list entry against each module path's end, and a regex here
+    # could not say which names matched nothing.
     config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                             target_modules=pattern, bias="none")
+                             target_modules=paths, bias="none")
     model = peft.inject_adapter_in_model(config, model)
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)

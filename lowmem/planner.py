@@ -477,6 +477,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     from data.sources import resolve_files
     from data.stream import eval_files_of, eval_split
     from data.tokenization import load_trained_tokenizer
+    from lowmem.model_source import tokenizer_folder
 
     chosen = device is None
     device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
@@ -485,7 +486,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
         print(f"note: --memory_profile={cfg.memory_profile} is a GPU profile and this plan is for the CPU (no GPU "
               "here, or --cpu=True); add --device=gpu to plan one GPU's memory", file=sys.stderr)
     per_machine = num_processes // num_machines
-    tokenizer = load_trained_tokenizer(cfg.tokenizer_dir)
+    tokenizer = load_trained_tokenizer(tokenizer_folder(cfg))
     files = resolve_files(cfg.train_file, "--train_file")
     # As the trainer: the files indexed first (the replay and the row count use them); without --eval_file
     # the eval set is the training files' last rows, which it never trains on

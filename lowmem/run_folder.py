@@ -21,13 +21,14 @@ import torch
 from config import STARTED_MARKER, TrainConfig, UserError, saved_json
 from lowmem import checkpoint
 from lowmem.metrics import read_metrics
+from lowmem.model_source import resolve_model_dir
 
 LOCK_FILE = ".lock"
 
 
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
 # The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
-SHAPE_SETTINGS = ("model_preset", "is_finetune", "tokenizer_size", "tokenizer_sha1", "optimizer", "lora_r",
+SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1", "optimizer", "lora_r",
                   "lora_target_modules")
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 
@@ -54,9 +55,8 @@ class RunFolder:
         Raises:
             UserError: unwritable folder, a run already there, nothing to resume, SFT into pretraining.
         """
-        if cfg.is_finetune and cfg.init_from and self.path.resolve() in [init := Path(cfg.init_from).resolve(),
-                                                                          *init.parents]:
-            raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: SFT must not "
+        if cfg.init_from and self.path.resolve() in [init := resolve_model_dir(cfg.init_from).resolve(), *init.parents]:
+            raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: a run must not "
                             "write into the model it starts from; choose another --output_dir")
         if (saved_json(self.path / "config.json") or {}).get("model_type"):  # a run's config.json has none
             raise UserError(f"--output_dir={cfg.output_dir} holds a saved model (config.json, weights), which a run "
@@ -201,15 +201,36 @@ class RunFolder:
 
     # ------------------------------------------------------------------ exports
     @staticmethod
-    def export(folder: Path, model, tokenizer, info: dict, state_dict: dict | None = None) -> None:
+    def export(folder: Path, model, tokenizer, info: dict, state_dict: dict | None = None,
+               tokenizer_source: Path | None = None) -> None:
         """A plain transformers model folder: safetensors weights, config, generation config, tokenizer.
 
-        ``state_dict`` replaces the model's own weights (LoRA: the merged plain weights).
+        ``state_dict`` replaces the model's own weights (LoRA: the merged plain weights). The source
+        tokenizer's own files (``spiece.model``) are kept beside the saved tokenizer.
         """
+        from lowmem.model_source import copy_tokenizer_files
+
         with checkpoint.atomic_folder(folder) as tmp:
             model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            mark_head_tying(tmp / "config.json", model)
             tokenizer.save_pretrained(tmp)
+            if tokenizer_source is not None:
+                copy_tokenizer_files(Path(tokenizer_source), tmp)
             (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
+
+
+def mark_head_tying(config_path: Path, model) -> None:
+    """Write whether the output layer is tied to the embedding as the model has it.
+
+    transformers 5's T5Config always says ``tie_word_embeddings: true`` (an untied head then shows
+    only as ``scale_decoder_outputs: false``); any other reader, transformers 4 included, would tie
+    an untied flan-t5 / v1.1 / mT5 head on load and scale its output: another model.
+    """
+    from lowmem.modeling import head_is_tied
+
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tie_word_embeddings"] = head_is_tied(model)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _setting(key: str, value):

@@ -7,16 +7,15 @@ peak by component and checks them against measured RSS (``bench/memory_modes.py`
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from config import MODEL_PRESETS, TrainConfig, model_folder_config
+from config import MODEL_PRESETS, TrainConfig
+from lowmem.model_source import model_folder_config
 
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
 
 
 def model_dims(cfg: TrainConfig, vocab_size: int) -> dict:
     """d_model, d_ff, heads, d_kv, layers and vocabulary of the model the run trains."""
-    if cfg.is_finetune and cfg.init_from and (Path(cfg.init_from) / "config.json").is_file():
+    if cfg.init_from:
         saved = model_folder_config(cfg.init_from)
         dims = {k: saved[k] for k in ("d_model", "d_ff", "num_heads", "d_kv", "num_layers")}
         dims["num_decoder_layers"] = saved.get("num_decoder_layers") or saved["num_layers"]
@@ -154,7 +153,7 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     dec_layer = b * t * (block + 4 * d + 2 * i + 3 * h * (t + s)) * width + b * s * 2 * i * width
     dec_layer += lora_layer_delta(cfg, dims, s, t) * width
     n_enc, n_dec = dims["num_layers"], dims["num_decoder_layers"]
-    frozen_encoder = cfg.is_finetune
+    frozen_encoder = cfg.frozen_encoder
     attention_grads = ATTENTION_GRADS * b * h * max(t * (t + s), 0 if frozen_encoder else s * s) * 4
     encoder_saved = 0 if frozen_encoder else enc_layer * n_enc
     # A frozen encoder runs under no_grad, one row at a time (frozen_encoder_states): only one layer's

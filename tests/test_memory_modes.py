@@ -180,11 +180,11 @@ def test_frozen_weights_in_bf16_train_and_export_float32(tmp_path, pretrained):
 
 
 def test_bf16_frozen_weights_are_float32_while_exported(tokenizer):
-    from lowmem.modeling import build_model, export_state_dict, freeze_for_sft, store_frozen_in_bf16, weights_in_float32
+    from lowmem.modeling import build_model, export_state_dict, freeze_parts, store_frozen_in_bf16, weights_in_float32
 
     cfg, _ = load_config({"is_finetune": True, "init_from": "unused"})
     model = build_model(cfg, tokenizer)
-    freeze_for_sft(model)
+    freeze_parts(model, "encoder")
     stored = store_frozen_in_bf16(model)
     assert model.shared.weight.dtype == torch.bfloat16 and model.lm_head.weight is model.shared.weight
     assert model.decoder.block[0].layer[0].SelfAttention.q.weight.dtype == torch.float32  # trainable

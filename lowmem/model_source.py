@@ -1,0 +1,130 @@
+"""Where a run's starting model comes from: ``--init_from`` as a local folder or a hub id, its
+family (T5, T5 v1.1 / flan-t5, mT5, umT5, ByT5), its own tokenizer, and the tokenizer files an
+export carries.
+
+A hub id resolves as ``from_pretrained`` resolves one: the Hugging Face cache first, the hub when
+online, and ``HF_HUB_OFFLINE`` / ``HF_HOME`` as the user set them (this project never sets them).
+It resolves once per process to the cached snapshot folder, so everything after reads a plain
+local folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+
+from config import UserError, saved_json
+from data.tokenization import has_tokenizer
+
+# model_type values of the T5 family; each loads with AutoModelForSeq2SeqLM (T5-, MT5-, UMT5ForConditionalGeneration).
+T5_FAMILY = ("t5", "mt5", "umt5")
+# What a model folder's tokenizer may be saved as: a tokenizers JSON, a sentencepiece model (t5-v1_1 and mT5
+# ship only this), or ByT5's byte tokenizer, which has no vocabulary file at all (its tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json")
+# Hub files worth fetching: config, weights (safetensors; the older .bin only where a repository has no
+# safetensors) and tokenizer. Not the TensorFlow, Flax, Rust or ONNX copies most T5 repositories also hold.
+HUB_FILES = ["*.json", "*.safetensors", "*.model"]
+HUB_FALLBACK_WEIGHTS = ["pytorch_model*.bin"]
+
+
+@functools.cache
+def resolve_model_dir(init_from: str) -> Path:
+    """The local folder ``--init_from`` names: the folder itself, or a hub id's snapshot in the cache.
+
+    Raises:
+        UserError: neither a folder nor a resolvable hub id (one line: what was tried, what to change).
+    """
+    path = Path(init_from).expanduser()
+    if path.exists() or not _looks_like_repo_id(init_from):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(init_from, allow_patterns=HUB_FILES))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(init_from, allow_patterns=HUB_FALLBACK_WEIGHTS))
+    except GatedRepoError:
+        raise UserError(f"--init_from={init_from} is a gated hub model: accept its terms on the hub and log in "
+                        "(hf auth login), then run again") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"--init_from={init_from} is neither a local folder nor a model on the hub (or it is "
+                        "private: log in with hf auth login); check the path or the id") from None
+    except LocalEntryNotFoundError:
+        raise UserError(f"--init_from={init_from} is not a local folder and not in the Hugging Face cache, and the "
+                        "hub cannot be reached (offline, or HF_HUB_OFFLINE=1); download it once online, or pass "
+                        "the model's folder") from None
+    except (HfHubHTTPError, OSError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"--init_from={init_from}: the hub download failed ({reason}); run again, or pass the "
+                        "model's folder") from None
+    return folder
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    """Whether ``text`` could be a hub model id (``name`` or ``owner/name``), not a filesystem path."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text:
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def model_folder_config(init_from: str | Path) -> dict:
+    """The saved config of the T5-family model ``--init_from`` names (a folder, a run's best/ or final/,
+    or a hub id).
+
+    A training run's own folder also holds a config.json (the run's flags), so the file alone
+    does not make a model folder: its ``model_type`` must be one of the T5 family.
+    """
+    folder = resolve_model_dir(str(init_from))
+    inside = [folder / name for name in ("best", "final") if (folder / name / "config.json").is_file()]
+    fix = (f"it is a training run's folder: pass --init_from={inside[0]}" if inside
+           else "point it at a model folder (a run's best/ or final/, a downloaded T5) or a hub id such as "
+                "google/flan-t5-small (pretrain first: python train_low_mem.py train)")
+    if not (folder / "config.json").is_file():
+        raise UserError(f"--init_from={init_from} is not a model folder (no config.json); {fix}")
+    saved = saved_json(folder / "config.json")
+    if saved is None:
+        raise UserError(f"--init_from={init_from}: its config.json cannot be read as JSON; {fix}")
+    if saved.get("model_type") not in T5_FAMILY:
+        kind = saved.get("model_type")
+        what = f"a {kind} model's config" if kind else "no model's config"
+        raise UserError(f"--init_from={init_from} is not a T5-family model folder (its config.json is {what}; "
+                        f"model_type must be one of {', '.join(T5_FAMILY)}); {fix}")
+    return saved
+
+
+def tokenizer_folder(cfg) -> Path:
+    """The tokenizer a run uses: ``--tokenizer_dir``, else the ``--init_from`` model's own.
+
+    Raises:
+        UserError: the model folder has no tokenizer and none was given.
+    """
+    if cfg.tokenizer_dir is not None:
+        return Path(cfg.tokenizer_dir)
+    folder = resolve_model_dir(cfg.init_from)
+    if not has_tokenizer(folder):
+        raise UserError(f"--init_from={cfg.init_from} has no tokenizer (no tokenizer.json, spiece.model or "
+                        "tokenizer_config.json); pass --tokenizer_dir=FOLDER with the tokenizer the model was "
+                        "trained with")
+    return folder
+
+
+def copy_tokenizer_files(source: Path, target: Path) -> None:
+    """Put the source tokenizer's own files into an export beside what ``save_pretrained`` wrote.
+
+    transformers 5 saves a sentencepiece tokenizer as tokenizer.json only: ``spiece.model`` (which
+    other tools, slow tokenizers and older transformers read) would be lost. Files the save wrote
+    are kept as written.
+    """
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file() and not (target / name).exists():
+            shutil.copyfile(source / name, target / name)
