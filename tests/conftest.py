@@ -13,6 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the test helpers (t5_family)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -88,3 +89,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """Model folders of every T5 family in the hub's layouts (tests/t5_family.py), built once per session."""
+    from t5_family import FAMILIES, train_spiece, write_family_model
+
+    root = tmp_path_factory.mktemp("families")
+    texts = [r[c] for r in read_jsonl(SHIPPED_CORPORA["sft"][0]) for c in ("prompt", "response")]
+    texts += [r[c] for r in synthetic_rows(500) for c in ("prompt", "response")]
+    spiece = train_spiece(root / "spiece.model", texts)
+    return {family: write_family_model(root / family, family, spiece) for family in FAMILIES}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
