@@ -36,22 +36,25 @@ from data.sources import (
     too_many_bad_rows,
 )
 from data.stream import ExampleStream, batched, eval_files_of, eval_split, largest_share, steps_per_epoch, total_steps
-from data.tokenization import tokenizer_sha1
+from data.tokenization import has_tokenizer, tokenizer_sha1
 from lowmem import checkpoint
 from lowmem.evaluation import bleu_score, is_better
 from lowmem.memory import free_memory, freeze_long_lived, memory_snapshot, process_rss_bytes, thaw_long_lived
 from lowmem.metrics import AppendLog, MetricsLog, tracker_scalars, train_line
-from lowmem.model_source import has_tokenizer, model_folder_config, resolve_model_dir, tokenizer_folder
+from lowmem.model_source import model_folder_config, resolve_model_dir, tokenizer_folder
 from lowmem.modeling import (  # noqa: F401  (re-exported: the builders are part of this module's API)
     apply_memory_modes,
     build_model,
     build_optimizer,
     build_scheduler,
+    check_lora_targets,
     count_parameters,
     export_state_dict,
     freeze_parts,
     frozen_encoder_states,
+    generation_cache,
     head_is_tied,
+    linear_layer_names,
     load_model,
     store_frozen_in_bf16,
     target_index,
@@ -175,8 +178,12 @@ class LowMemTrainer:
         train_columns = TOKEN_COLUMNS if self.prepared else (cfg.prompt_column, cfg.response_column)
         check_columns(self.train_files, train_columns, "--train_file")
         self.eval_files = eval_files_of(cfg, self.train_files)
+        if self.eval_files:
+            check_columns(self.eval_files, (cfg.prompt_column, cfg.response_column), "--eval_file")
         if cfg.init_from and self.model is None:
-            model_folder_config(cfg.init_from)
+            saved = model_folder_config(cfg.init_from)
+            if cfg.lora_r:  # before the planner and the model: a name the model lacks is a typo to fix first
+                check_lora_targets(cfg, linear_layer_names(saved))
         return train_columns
 
     def _build_model(self) -> None:
@@ -262,7 +269,8 @@ class LowMemTrainer:
         for chunk in batched(prompts, self.cfg.eval_batch_size):
             batch = self.to_device(self.collator.encode(chunk, self.cfg.max_source_len))
             with self.accelerator.autocast():
-                out = self.core.generate(**batch, max_new_tokens=self.cfg.max_new_tokens, num_beams=self.cfg.num_beams)
+                out = self.core.generate(**batch, max_new_tokens=self.cfg.max_new_tokens, num_beams=self.cfg.num_beams,
+                                         past_key_values=generation_cache())
             answers.extend(self.tokenizer.batch_decode(out, skip_special_tokens=True))
         return answers
 
@@ -789,7 +797,8 @@ class LowMemTrainer:
             with self.accelerator.autocast():
                 loss_sum += float(token_loss_sum(self.model, self.core, batch, multiple=self.shape_multiple))
                 generated = self.core.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                               max_new_tokens=self.cfg.max_target_len, num_beams=self.cfg.num_beams)
+                                               max_new_tokens=self.cfg.max_target_len, num_beams=self.cfg.num_beams,
+                                               past_key_values=generation_cache())
             tokens += int(batch["labels"].ne(-100).sum())
             predictions = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
             pairs.extend(zip(predictions, [e.response for e in chunk]))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import UserError
-from data.readers import MANIFEST, REASONS, FileIndex, file_kind, index_file, read_range, row_problem
+from data.readers import MANIFEST, REASONS, TOKEN_COLUMNS, FileIndex, file_kind, index_file, read_range, row_problem
 
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # file endings read by data.readers
 
@@ -241,13 +241,18 @@ def iter_rows(path: Path, file_index: int, columns: tuple[str, str], start_row: 
 
 def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample: int = 100) -> None:
     """Fail early, before any model is built, when no row among the first ``sample`` rows of the
-    first file has the configured columns (single bad rows are counted later, not fatal)."""
+    first file has the configured columns, or a column holds no text there, only numbers or booleans
+    (single bad rows are counted later, not fatal)."""
     seen: dict[str, None] = {}
+    found: dict[str, set[str]] = {c: set() for c in columns}  # the value types met in each column
+    read = 0
     for _, record in read_range(files[0], None, 0, sample):
+        read += 1
         if isinstance(record, dict):
-            if all(c in record for c in columns):
-                return
             seen.update(dict.fromkeys(record))
+            for c in columns:
+                if record.get(c) is not None:
+                    found[c].add(type(record[c]).__name__)
     missing = [c for c in columns if c not in seen]
     if seen and missing:
         which = " and ".join(f"'{c}'" for c in missing)
@@ -255,3 +260,14 @@ def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample
         fix = (f"it looks separated by {separator!r}, not commas: save it comma-separated" if separator and
                files[0].suffix.lower() == ".csv" else "set --prompt_column / --response_column")
         raise UserError(f"{flag}: {files[0]} has no column {which} (columns: {', '.join(seen)}); {fix}")
+    text = "list" if columns == TOKEN_COLUMNS else "str"  # a prepared corpus holds token ids
+    for column, types in found.items():
+        if types and text not in types:
+            kinds = ", ".join(VALUE_KINDS.get(t, t) for t in sorted(types))
+            raise UserError(f"{flag}: column '{column}' of {files[0]} holds {kinds}, not text, in all of the "
+                            f"{read} rows read; store it as text (strings), or point --prompt_column / "
+                            "--response_column at the text columns")
+
+
+VALUE_KINDS = {"int": "numbers (int)", "float": "numbers (float)", "bool": "booleans", "list": "lists",
+               "dict": "objects", "bytes": "bytes", "Decimal": "numbers (decimal)"}

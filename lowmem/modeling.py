@@ -115,6 +115,18 @@ def store_frozen_in_bf16(model) -> int:
     return stored
 
 
+def generation_cache():
+    """An empty key/value cache for ``generate`` that grows a layer at a time.
+
+    transformers 5.24 sizes the cache it makes from the config's ``num_layers``, the encoder's count:
+    a model with more decoder than encoder layers (``num_decoder_layers``) fails in generation with an
+    IndexError. Without a config, the cache adds each layer as the decoder reaches it.
+    """
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    return EncoderDecoderCache(DynamicCache(), DynamicCache())
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, frozen) parameter counts; tied tensors are counted once."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -154,26 +166,36 @@ def lora_stacks(cfg: TrainConfig) -> tuple[str, ...]:
     return ("decoder",) if cfg.frozen_encoder else ("encoder", "decoder")
 
 
-def lora_module_names(model, cfg: TrainConfig) -> dict[str, list[str]]:
-    """Each ``--lora_target_modules`` name -> the module paths it adapts (``wi``: ``wi_0`` and ``wi_1``
-    on gated models).
+def linear_layer_names(saved_config: dict) -> list[str]:
+    """The names of a T5 block's linear layers, from a saved config.json (gated models: wi_0 and wi_1)."""
+    gated = saved_config.get("is_gated_act") or str(saved_config.get("feed_forward_proj", "")).startswith("gated-")
+    return ["q", "k", "v", "o", *(["wi_0", "wi_1"] if gated else ["wi"]), "wo"]
+
+
+def check_lora_targets(cfg: TrainConfig, names) -> None:
+    """Refuse a ``--lora_target_modules`` name that matches none of the linear layer ``names``.
 
     Raises:
-        UserError: a name that matches no linear layer, with the names that exist.
+        UserError: one line with the names that exist.
     """
+    names = set(names)
+    missing = [t for t in cfg.lora_targets if t not in names and not (t == "wi" and {"wi_0", "wi_1"} <= names)]
+    if missing:
+        listed = ", ".join(sorted(names, key=lambda n: ("qkvow".find(n[0]), n)))
+        raise UserError(f"--lora_target_modules names {', '.join(missing)}, which this model does not have "
+                        f"(its {' and '.join(lora_stacks(cfg))} linear layers are {listed}); list some of those")
+
+
+def lora_module_names(model, cfg: TrainConfig) -> list[str]:
+    """The module paths ``--lora_target_modules`` adapts (``wi``: ``wi_0`` and ``wi_1`` on gated models)."""
     found: dict[str, list[str]] = {}
     for path, module in model.named_modules():
         parts = path.split(".")
         if isinstance(module, torch.nn.Linear) and parts[0] in lora_stacks(cfg) and "block" in parts:
             found.setdefault(parts[-1], []).append(path)
-    matched = {name: found.get(name, []) + (found.get("wi_0", []) + found.get("wi_1", []) if name == "wi" else [])
-               for name in cfg.lora_targets}
-    missing = [name for name, paths in matched.items() if not paths]
-    if missing:
-        names = ", ".join(sorted(found, key=lambda n: ("qkvow".find(n[0]), n)))
-        raise UserError(f"--lora_target_modules names {', '.join(missing)}, which this model does not have "
-                        f"(its {' and '.join(lora_stacks(cfg))} linear layers are {names}); list some of those")
-    return matched
+    check_lora_targets(cfg, found)
+    wanted = {n for t in cfg.lora_targets for n in ((t,) if t in found else ("wi_0", "wi_1"))}
+    return sorted(p for name in wanted for p in found[name])
 
 
 def add_lora(model, cfg: TrainConfig):
@@ -184,7 +206,7 @@ def add_lora(model, cfg: TrainConfig):
     calls it as before; :func:`export_state_dict` gives the plain weights for export.
     """
     peft = optional_import("peft", "--lora_r")
-    paths = sorted({p for found in lora_module_names(model, cfg).values() for p in found})
+    paths = lora_module_names(model, cfg)
     # Exact module paths: peft matches a list entry against each module path's end, and a regex here
     # could not say which names matched nothing.
     config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,

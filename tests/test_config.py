@@ -107,8 +107,7 @@ def test_flags_that_the_configuration_does_not_read_are_named():
                             "encoder_cache_dtype": "bfloat16"})
     assert not [n for n in notes if "has no effect" in n]
     _, notes = load_config({"is_finetune": True, "model_preset": "small"})  # SFT trains --init_from's shape
-    assert notes == ["note: --model_preset has no effect with --is_finetune=True (the --init_from model's shape "
-                     "is trained)"]
+    assert notes == ["note: --model_preset has no effect with --init_from (that model's shape is trained)"]
     _, notes = load_config({})  # defaults are never named
     assert not [n for n in notes if "has no effect" in n]
 

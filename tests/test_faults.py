@@ -130,7 +130,8 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["nosuchcommand"], "unknown command"),
     (["train", "--learn_rate=nan"], "--learn_rate must be a finite number"),
     (["train", "--seed=-1"], "--seed must be in [0, 2**32)"),
-    (["train", "--init_from={tmp}"], "--init_from is read by SFT"),
+    (["train", "--freeze=encoder"], "--freeze=encoder needs a trained model"),
+    (["train", "--init_from=no/such-model"], "not in the Hugging Face cache"),
     (["generate", "--prompt="], "--prompt is empty"),
     (["train_tokenizer"], "holds a tokenizer already"),
     (["train", "--train_file={tmp}/empty.jsonl", "--output_dir={tmp}/run"], "is empty (no rows in 1 file(s))"),
@@ -158,7 +159,8 @@ def test_init_from_a_run_folder_names_its_best_model(tmp_path, command):
     (run / "best" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     proc = run_cli(*command, f"--init_from={run}", f"--output_dir={tmp_path / 'sft'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "is not a T5 model folder" in error_line(proc) and f"pass --init_from={run / 'best'}" in error_line(proc)
+    line = error_line(proc)
+    assert "is not a T5-family model folder" in line and f"pass --init_from={run / 'best'}" in line
     assert not (tmp_path / "sft").exists()
 
 
@@ -209,7 +211,7 @@ def test_a_trained_run_is_never_overwritten_or_shared(tmp_path):
     text = (other / "tokenizer.json").read_text(encoding="utf-8")
     (other / "tokenizer.json").write_text(text.replace('"▁the"', '"▁thee"'), encoding="utf-8")
     proc = run_cli("evaluate", f"--init_from={out / 'final'}", f"--tokenizer_dir={other}", f"--eval_file={evals}")
-    assert proc.returncode == 2 and "is not the tokenizer saved with --init_from" in error_line(proc)
+    assert proc.returncode == 2 and "is not the tokenizer saved with the model" in error_line(proc)
     proc = run_cli("generate", f"--init_from={out / 'final'}", "--prompt=hello, world 1e3")
     assert proc.returncode == 0 and proc.stdout.count("hello, world 1e3  ->") == 1  # verbatim, printed once
     proc = run_cli("plan", *common, "--json=false")

@@ -719,12 +719,12 @@ def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--encoder_cache=disk"], "--encoder_cache needs --is_finetune=True"),
-    (["--lora_r=4"], "--lora_r needs --is_finetune=True"),
+    (["--encoder_cache=disk"], "--encoder_cache needs a frozen encoder"),
+    (["--lora_r=4"], "--lora_r needs a model to adapt"),
     (["--optimizer=sgd"], "--optimizer must be one of"),
     (["--memory_profile=gpu4g"], "--memory_profile must be one of"),
     (["--is_finetune=True", "--frozen_dtype=bfloat16"], "--frozen_dtype=bfloat16 needs"),
-    (["--mixed_precision=bf16", "--frozen_dtype=bfloat16"], "--frozen_dtype=bfloat16 needs --is_finetune=True"),
+    (["--mixed_precision=bf16", "--frozen_dtype=bfloat16"], "--frozen_dtype=bfloat16 needs frozen weights"),
     (["--frozen_dtype=float16"], "--frozen_dtype must be one of"),
     (["--is_finetune=True", "--lora_r=4", "--lora_target_modules=q,x"], "--lora_target_modules must be"),
 ])
