@@ -110,11 +110,11 @@ class TrainConfig:
     tokenizer_dir: str | None = _f(None, "Tokenizer folder. Default: the --init_from model's own (tokenizer.json, "
                                          "spiece.model or ByT5's), else the shipped data/tokenizer (trained from "
                                          "--train_file into a new or empty folder if missing).")
-    freeze: str | None = _f(None, "What stays fixed while training: encoder (the encoder and the shared embedding, "
-                                  "and the output layer when tied to it; the default with --is_finetune), embeddings "
-                                  "(the shared embedding, and a tied output layer), none (every weight trains: full "
-                                  "fine-tuning; the default otherwise). An untied lm_head (t5-v1_1, flan-t5, mT5, "
-                                  "ByT5) always trains. More frozen saves gradient and optimizer memory.")
+    freeze: str = _f("auto", "What stays fixed while training: encoder (the encoder and the shared embedding, and "
+                             "the output layer when tied to it; auto's choice with --is_finetune), embeddings (the "
+                             "shared embedding, and a tied output layer), none (every weight trains: full fine-tuning; "
+                             "auto's choice otherwise). An untied lm_head (t5-v1_1, flan-t5, mT5, ByT5) always trains. "
+                             "More frozen saves gradient and optimizer memory.")
     seed: int = _f(42, "Seed for model init, shuffling and dropout.")
 
     # --- data ---
@@ -234,7 +234,7 @@ class TrainConfig:
         if self.tokenizer_dir is None and self.init_from is None:
             # With --init_from it stays None: the model's own tokenizer (lowmem.model_source.tokenizer_folder).
             self.tokenizer_dir = str(SHIPPED_TOKENIZER_DIR)
-        if self.freeze is None:
+        if self.freeze == "auto":
             self.freeze = "encoder" if self.is_finetune else "none"
 
     def unused_flags(self) -> list[tuple[str, str]]:

@@ -20,9 +20,11 @@ from tqdm import tqdm
 
 from config import UserError, saved_json
 from data.sources import iter_rows
+from lowmem.ownership import MARKERS, check_folder, claim_folder, remove_ours
 
 EXTRA_IDS = 100
 MIN_PIECES = 3 + 256  # pad, eos, unk and the byte-fallback pieces: any vocabulary needs these
+STAGING = ".saving"  # inside --tokenizer_dir: the files are written here, then moved into place
 
 
 def sample_sentences(files: list[Path], columns: tuple[str, str], limit: int, progress: bool = False):
@@ -60,7 +62,7 @@ def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, 
     if vocab_size < MIN_PIECES:  # below this sentencepiece fails with an internal assertion
         raise UserError(f"--vocab_size={vocab_size} is below the {MIN_PIECES} pieces any tokenizer needs "
                         "(3 special pieces + 256 bytes) before this corpus's characters; raise it")
-    out_dir = Path(out_dir)
+    out_dir = check_folder(out_dir, "--tokenizer_dir", "tokenizer")  # before training: a refusal costs nothing
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "spiece")
         try:
@@ -83,8 +85,21 @@ def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, 
     tokenizer._tokenizer.decoder = decoders.Sequence([
         decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True),
         decoders.ByteFallback(), decoders.Fuse()])
-    staging = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
+    _save_into(out_dir, tokenizer)
+    return load_tokenizer(out_dir)
+
+
+def _save_into(out_dir: Path, tokenizer) -> None:
+    """Save ``tokenizer`` into ``out_dir`` (claimed: new, empty or ours), staged in a folder of ours
+    inside it; then its files replace those of the same names. Nothing else in the folder is touched.
+
+    ``tokenizer.json`` moves last: a folder caught between two moves fails to load, rather than
+    loading the vocabulary with another tokenizer's settings.
+    """
+    claim_folder(out_dir, "--tokenizer_dir", "tokenizer")
+    staging = out_dir / STAGING
+    remove_ours(staging, "tokenizer")  # left by a save that was stopped
+    claim_folder(staging, "--tokenizer_dir", "tokenizer")
     tokenizer.save_pretrained(staging)
     # Load tokenizer.json as saved: T5Tokenizer's constructor would rebuild the model without
     # byte fallback on reload.
@@ -92,9 +107,11 @@ def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, 
     tok_config = json.loads(config_path.read_text(encoding="utf-8"))
     tok_config["tokenizer_class"] = "TokenizersBackend"
     config_path.write_text(json.dumps(tok_config, ensure_ascii=False, indent=2), encoding="utf-8")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    staging.rename(out_dir)
-    return load_tokenizer(out_dir)
+    saved = sorted((p for p in staging.iterdir() if p.name != MARKERS["tokenizer"]),
+                   key=lambda p: p.name == "tokenizer.json")
+    for path in saved:
+        os.replace(path, out_dir / path.name)
+    shutil.rmtree(staging)
 
 
 def vocab_shortfall(tokenizer, vocab_size: int) -> str | None:
@@ -144,4 +161,13 @@ def load_tokenizer(path: str | Path):
     """Load a tokenizer folder offline."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except ValueError:
+        # transformers 5.24 maps model_type umt5 to a tokenizer class that cannot read a sentencepiece
+        # model: a umT5 folder with spiece.model alone fails there, and T5's own class reads it.
+        if not (Path(path) / "spiece.model").is_file() or (Path(path) / "tokenizer.json").is_file():
+            raise
+        from transformers import T5Tokenizer
+
+        return T5Tokenizer.from_pretrained(str(path))

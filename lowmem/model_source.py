@@ -11,6 +11,7 @@ local folder.
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 from pathlib import Path
 
@@ -119,12 +120,20 @@ def tokenizer_folder(cfg) -> Path:
 
 
 def copy_tokenizer_files(source: Path, target: Path) -> None:
-    """Put the source tokenizer's own files into an export beside what ``save_pretrained`` wrote.
+    """Make an export's tokenizer files the source tokenizer's own, beside what ``save_pretrained`` wrote.
 
-    transformers 5 saves a sentencepiece tokenizer as tokenizer.json only: ``spiece.model`` (which
-    other tools, slow tokenizers and older transformers read) would be lost. Files the save wrote
-    are kept as written.
+    transformers 5 saves a sentencepiece tokenizer as tokenizer.json only, so ``spiece.model`` (which
+    slow tokenizers, older transformers and other tools read) is copied; the source's tokenizer.json
+    replaces the saved one, which carries the truncation the collator set at its last call (a reader
+    using the tokenizers library directly would cut every text at --max_source_len). A tokenizer.json
+    the source lacks (``spiece.model`` alone) is written without that state.
     """
+    saved = target / "tokenizer.json"
+    if saved.is_file():
+        state = json.loads(saved.read_text(encoding="utf-8"))
+        if state.get("truncation") or state.get("padding"):
+            state.update(truncation=None, padding=None)
+            saved.write_text(json.dumps(state, ensure_ascii=False, indent=2), encoding="utf-8")
     for name in TOKENIZER_FILES:
-        if (source / name).is_file() and not (target / name).exists():
+        if (source / name).is_file() and (name in ("tokenizer.json", "spiece.model") or not (target / name).exists()):
             shutil.copyfile(source / name, target / name)

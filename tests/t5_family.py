@@ -5,8 +5,7 @@
                     tokenizer.json, model.safetensors, generation_config.json
     t5-v1_1         gated-gelu, untied, spiece.model alone (no tokenizer.json), pytorch_model.bin
     mT5             model_type mt5, gated, untied, padded, spiece.model alone, pytorch_model.bin
-    umT5            model_type umt5 (a relative position table in every layer), gated, untied, spiece.model +
-                    tokenizer.json
+    umT5            model_type umt5 (a relative position table in every layer), gated, untied, spiece.model alone
     ByT5            model_type t5, gated, untied, 384 rows: the byte tokenizer, no vocabulary file
 
 Shapes are tiny (d_model 64, 2 encoder and 3 decoder layers) so the tests run on a CPU in seconds.
@@ -56,7 +55,7 @@ def _tokenizer_files(folder: Path, family: str, spiece: Path | None) -> int:
         "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
         "additional_special_tokens": [f"<extra_id_{i}>" for i in range(EXTRA_IDS)]}), encoding="utf-8")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    if family in ("t5", "flan", "umt5"):  # these releases carry both files
+    if family in ("t5", "flan"):  # these releases carry both files
         tokenizer.backend_tokenizer.save(str(folder / "tokenizer.json"))
     return len(tokenizer)
 

@@ -16,6 +16,8 @@ import torch
 from conftest import metrics, run_cli, synthetic_rows, write_rows
 from t5_family import hub_cache
 
+from data.tokenization import load_tokenizer
+
 pytestmark = pytest.mark.slow
 
 TEXTS = ["the quick brown fox jumps over a lazy dog", "What is AI?", "night river stone, day light"]
@@ -75,7 +77,8 @@ def check_export(source_dir: Path, export: Path, last_eval_loss: float, eval_fil
     source_model = AutoModelForSeq2SeqLM.from_pretrained(str(source_dir))
     assert type(model) is type(source_model)
     assert (model.lm_head.weight is model.shared.weight) == src_cfg["tie_word_embeddings"]
-    source_tok, export_tok = AutoTokenizer.from_pretrained(str(source_dir)), AutoTokenizer.from_pretrained(str(export))
+    # The source through the trainer's loader (transformers' AutoTokenizer cannot read umT5's spiece.model alone)
+    source_tok, export_tok = load_tokenizer(source_dir), AutoTokenizer.from_pretrained(str(export))
     assert [source_tok(t).input_ids for t in TEXTS] == [export_tok(t).input_ids for t in TEXTS]
     proc = run_cli("evaluate", f"--init_from={export}", f"--eval_file={eval_file}", "--max_eval_samples=8",
                    "--max_source_len=24", "--max_target_len=24")
