@@ -445,8 +445,11 @@ class LowMemTrainer:
     def _frozen_summary(self) -> str:
         """What --freeze keeps fixed, in the start-up line's words."""
         freeze, tied = self.cfg.freeze, head_is_tied(self.core)
+        if self.cfg.lora_r:  # every base weight, an untied lm_head too
+            return "base weights frozen, LoRA adapters train" + (
+                "; encoder under no_grad, eval mode" if freeze == "encoder" else "")
         if freeze == "none":
-            return "every weight trains" if not self.cfg.lora_r else "base weights frozen (LoRA adapters train)"
+            return "every weight trains"
         parts = ["encoder (no_grad, eval mode)"] if freeze == "encoder" else []
         parts.append("shared embedding" + (" = tied output layer" if tied else ""))
         return "frozen " + " + ".join(parts) + ("" if tied else "; the untied lm_head trains")
