@@ -23,7 +23,7 @@ from pathlib import Path
 if not sys.stderr.isatty():  # progress bars (weights written, files fetched) only where someone watches
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from config import SHIPPED_CORPORA, STARTED_MARKER, UserError, load_config, to_bool  # noqa: E402
+from config import SHIPPED_CORPORA, UserError, load_config, to_bool  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
 from lowmem.model_source import model_folder_config  # noqa: E402
 
@@ -56,8 +56,10 @@ EXIT_MEMORY_GUARD = 3  # distinct from user errors (2): a checkpoint was written
 
 def mark_run_started(cfg) -> None:
     """Leave OUTPUT_DIR/.started so ``--is_keep_training`` knows a run began there (once its data
-    paths and SFT's model folder resolve: a typo in them should not leave a run folder behind)."""
+    paths and SFT's model folder resolve: a typo in them should not leave a run folder behind), in a
+    folder that is new, empty or a run's: the trainer's check refuses any other, saying why."""
     from data.sources import resolve_files  # light: datasets is imported only when reading
+    from lowmem.ownership import claim_folder, is_run_folder
 
     if cfg.is_keep_training:
         return
@@ -67,10 +69,9 @@ def mark_run_started(cfg) -> None:
     if cfg.init_from:
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
     try:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.output_dir) / STARTED_MARKER).touch()
-    except OSError:
-        pass  # the trainer's own check reports an unwritable folder with a clear message
+        claim_folder(cfg.output_dir, "--output_dir", "run", is_run_folder)
+    except UserError:
+        pass  # not ours, or not writable: the trainer's own check reports it, before it writes anything
 
 
 def plan(config: str | None = None, **flags) -> None:

@@ -20,9 +20,11 @@ from pathlib import Path
 from config import UserError
 from data.readers import MANIFEST, TOKEN_COLUMNS
 from data.sources import DataProblems, iter_rows, too_many_bad_rows
+from lowmem.ownership import MARKERS, check_folder, claim_folder, remove_ours
 
 GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
 SHARD_ROWS = 100_000  # rows per shard: several shards let each epoch visit them in a new order
+STAGING = ".partial"  # inside --prepared_dir: shards are written here, then moved into place
 
 
 def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
@@ -31,6 +33,7 @@ def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     from data.sources import check_columns, resolve_files
     from data.tokenization import load_trained_tokenizer, tokenizer_sha1
 
+    check_prepared_dir(out_dir)  # before any work
     files = resolve_files(cfg.train_file, "--train_file")
     if manifest_of(files):
         raise UserError(f"--train_file={cfg.train_file} is prepared already; train from it directly")
@@ -63,23 +66,55 @@ def check_manifest(manifest: dict, tokenizer_sha1: str, max_source_len: int, max
                             f"most {manifest[flag]}, or prepare again with --{flag}={limit}")
 
 
+def check_prepared_dir(out_dir: Path) -> None:
+    """Refuse a ``--prepared_dir`` holding a prepared corpus (a run may train from it) or files not ours."""
+    if (out_dir / MANIFEST).is_file():
+        raise UserError(f"--prepared_dir={out_dir} exists and holds a prepared corpus ({MANIFEST}); choose a new "
+                        "or empty folder, or remove that one first")
+    check_folder(out_dir, "--prepared_dir", "prepared")
+
+
 def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path, tokenizer_sha1: str,
             tokenizer_dir: str, report=print, max_bad_fraction: float = 1.0) -> dict:
-    """Tokenize ``files`` into parquet shards in ``out_dir`` (written aside, renamed into place at the end).
+    """Tokenize ``files`` into parquet shards in ``out_dir`` (new, empty or ours; written in a staging
+    folder inside it, the shards moved into place at the end and the manifest last).
 
-    More bad rows than ``max_bad_fraction`` of the rows read stop it, as they stop ``train``.
+    More bad rows than ``max_bad_fraction`` of the rows read stop it, as they stop ``train``; a stopped
+    prepare leaves nothing behind (nor the folder, when it made it).
 
     Returns:
         The manifest (also written as ``out_dir/prepared.manifest``).
     """
+    check_prepared_dir(out_dir)
+    created = not out_dir.exists()
+    claim_folder(out_dir, "--prepared_dir", "prepared")
+    staging = out_dir / STAGING
+    remove_ours(staging, "prepared")  # left by a prepare that was stopped
+    claim_folder(staging, "--prepared_dir", "prepared")
+    try:
+        manifest = _write_shards(files, columns, collator, staging, report, max_bad_fraction)
+        manifest.update(tokenizer_sha1=tokenizer_sha1, tokenizer_dir=str(tokenizer_dir))
+    except BaseException:
+        shutil.rmtree(staging)
+        if created:  # made by this call a moment ago: nothing but its marker
+            (out_dir / MARKERS["prepared"]).unlink()
+            out_dir.rmdir()
+        raise
+    for stale in out_dir.glob("shard-*.parquet"):  # of a prepare stopped while moving its shards in
+        stale.unlink()
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
+    for name in [*manifest["shards"], MANIFEST]:  # the manifest last: with it, the corpus is complete
+        os.replace(staging / name, out_dir / name)
+    shutil.rmtree(staging)
+    return manifest
+
+
+def _write_shards(files: list[Path], columns: tuple[str, str], collator, folder: Path, report,
+                  max_bad_fraction: float) -> dict:
+    """Write the shards of ``files`` into ``folder``; returns the manifest but for the tokenizer."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if out_dir.exists():
-        raise UserError(f"--prepared_dir={out_dir} exists; remove it or choose another folder")
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     problems = DataProblems(report=report)
     schema = pa.schema([(c, pa.list_(pa.int32())) for c in TOKEN_COLUMNS])
     shards, writer, in_shard, rows, tokens = [], None, 0, 0, 0
@@ -90,7 +125,7 @@ def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path
             if writer is not None:
                 writer.close()
             shards.append(f"shard-{len(shards):05d}.parquet")
-            writer, in_shard = pq.ParquetWriter(tmp / shards[-1], schema), 0
+            writer, in_shard = pq.ParquetWriter(folder / shards[-1], schema), 0
         sources = collator.token_ids([e.prompt for e in group], collator.max_source_len)
         targets = collator.targets(group)
         writer.write_table(pa.table([sources, targets], schema=schema), row_group_size=GROUP_ROWS)
@@ -110,16 +145,10 @@ def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path
     if writer is not None:
         writer.close()
     if not rows:
-        shutil.rmtree(tmp)
         raise UserError(f"--train_file holds no usable rows ({problems.total} bad); nothing to prepare")
     if problems.total > max_bad_fraction * (rows + problems.total):
-        shutil.rmtree(tmp)
         raise too_many_bad_rows(problems.total, rows + problems.total, max_bad_fraction, problems.by_reason, "rows")
-    manifest = {"rows": rows, "tokens": tokens, "shards": shards, "tokenizer_sha1": tokenizer_sha1,
-                "tokenizer_dir": str(tokenizer_dir), "max_source_len": collator.max_source_len,
-                "max_target_len": collator.max_target_len, "columns": list(columns),
-                "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
-                "bad_rows": problems.total, "bad_rows_by_reason": dict(problems.by_reason)}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, out_dir)
-    return manifest
+    return {"rows": rows, "tokens": tokens, "shards": shards, "max_source_len": collator.max_source_len,
+            "max_target_len": collator.max_target_len, "columns": list(columns),
+            "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
+            "bad_rows": problems.total, "bad_rows_by_reason": dict(problems.by_reason)}

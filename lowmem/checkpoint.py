@@ -113,6 +113,39 @@ def validate(folder: Path) -> str | None:
     return None
 
 
+# Earlier versions pickled numpy's RNG key as a uint32 array in process_*.pt: rebuilding one takes these
+# (under either module name numpy has used); an array of objects still needs a type no list here holds.
+_RECONSTRUCT = np.zeros(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct (numpy.core before numpy 2)
+OLD_NUMPY_STATE = [(_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),
+                   (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
+                   type(np.dtype(np.uint32))]
+
+
+def load_state(path: Path):
+    """The tensors and plain values (dicts, lists, tuples, numbers, strings) of a checkpoint file.
+
+    torch's ``weights_only`` unpickler builds nothing else: an object of any other type (a pickled
+    callable, ``os.system`` in ``__reduce__``) would run its code as it is unpickled, so a file
+    holding one is refused before anything of it is built.
+
+    Raises:
+        UserError: the file holds other objects.
+    """
+    import pickle
+    import re
+
+    try:
+        with torch.serialization.safe_globals(OLD_NUMPY_STATE):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>", str(err))
+        what = f" ({found.group(1) or found.group(2)})" if found else ""
+        raise UserError(f"checkpoint file {path} holds objects other than tensors and plain values{what}, which "
+                        "t5-lowmem never writes; it was not loaded, since building them could run any code. Resume "
+                        "only from checkpoints t5-lowmem wrote, or start over with --overwrite_output_dir=True "
+                        "(or another --output_dir)") from None
+
+
 def step_folders(root: Path) -> list[Path]:
     """Checkpoint folders under ``root``, newest step first."""
     if not Path(root).is_dir():
@@ -143,8 +176,11 @@ def prune(root: Path, keep: int, protect: Path | None = None) -> None:
 
 
 def rng_state() -> dict:
-    """Every RNG this process draws from (python, numpy, torch CPU, CUDA)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG this process draws from (python, numpy, torch CPU, CUDA), as tensors and plain values
+    (numpy's key as a list of ints, not an array), which ``load_state`` reads without unpickling objects."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, key.tolist(), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -152,7 +188,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, key, *rest = state["numpy"]  # a list of ints, or the array checkpoints of earlier versions hold
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -15,7 +15,8 @@ Layout of ``OUTPUT_DIR/encoder_cache/<fingerprint>/`` (one set per process):
 
 The fingerprint covers the encoder's weights, the tokenizer, --max_source_len, the storage dtype,
 the files (path, size, modification time) and the process layout, so any change builds a new cache
-(the old ones are removed). A file rewritten under the same size and modification time (``cp -p``,
+(the old ones are removed: only folders holding nothing but cache files, see
+``lowmem.ownership``). A file rewritten under the same size and modification time (``cp -p``,
 ``rsync -t``, or two writes within the file system's clock tick) escapes the fingerprint; the
 checksum of each row's source, compared as the row is read, catches it: the run stops with a clear
 error and removes the stale cache, so the next one rebuilds it. ``disk`` reads rows with ``pread``
@@ -27,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import re
 import zlib
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from config import UserError
 from data.readers import file_kind
 from data.sources import iter_rows, row_place
 from data.stream import batched
+from lowmem.ownership import MARKERS, claim_folder, remove_ours
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
            "float16": (torch.float16, torch.float16)}  # name -> (torch dtype, numpy-compatible view)
@@ -45,6 +47,9 @@ BUILD_CHUNK = 256  # rows read and tokenized together while building (each is en
 AUTO_MEMORY_FRACTION = 0.1  # auto keeps the cache in RAM when it is at most this share of free RAM
 ROW_FIELDS = 3  # offset, length, source checksum: int64 each in rows-rank{R}.bin
 LAYOUT = "rows: offset, length, crc32 of the source"  # part of the fingerprint: a new layout rebuilds
+CACHE_FILE = re.compile(r"(rows|states)-rank\d+\.bin|done-rank\d+\.json|" + re.escape(MARKERS["encoder_cache"]))
+CACHE_LABEL = "the encoder cache folder"  # under --output_dir
+CACHE_HINT = "move those files out of it, or choose another --output_dir"
 
 
 def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, files: list[Path],
@@ -146,7 +151,7 @@ def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tupl
     Rows are streamed in chunks of BUILD_CHUNK, so RAM holds one chunk whatever the corpus size.
     """
     torch_dtype, view_dtype = STORAGE[dtype]
-    folder.mkdir(parents=True, exist_ok=True)
+    claim_folder(folder, CACHE_LABEL, "encoder_cache", is_cache_folder, CACHE_HINT)
     offset = 0
     with open(folder / f"rows-rank{rank}.bin", "wb") as rows_out, \
             open(folder / f"states-rank{rank}.bin", "wb") as states_out:
@@ -179,15 +184,15 @@ def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[in
                build_fn, say=print) -> EncoderCache:
     """Reuse the complete cache for ``key`` or build it with ``build_fn(folder)`` (removing caches of
     other keys), then open it in RAM (``memory``, or ``auto`` when small) or on disk."""
+    claim_folder(root, CACHE_LABEL, "encoder_cache", _unmarked_root, CACHE_HINT)
     folder = root / key
     done = folder / f"done-rank{rank}.json"
     if done.is_file():
         say(f"encoder cache: reusing {folder}")
     else:
-        if root.is_dir():
-            for old in root.iterdir():
-                if old.name != key:
-                    shutil.rmtree(old, ignore_errors=True)  # data, tokenizer or encoder changed
+        for old in root.iterdir():
+            if old.name != key:
+                remove_ours(old, "encoder_cache", is_cache_folder)  # data, tokenizer or encoder changed
         try:
             build_fn(folder)
         except BaseException:
@@ -205,6 +210,17 @@ def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[in
     say(f"encoder cache: {meta['tokens']:,} tokens, {meta['bytes'] / 2**20:.1f} MiB "
         f"({meta['dtype']}), {'in RAM' if in_memory else 'read from disk'}")
     return cache
+
+
+def is_cache_folder(folder: Path) -> bool:
+    """A cache folder of ours, marked or not (written before cache folders were): only cache files."""
+    files = list(folder.iterdir())
+    return bool(files) and all(f.is_file() and CACHE_FILE.fullmatch(f.name) for f in files)
+
+
+def _unmarked_root(root: Path) -> bool:
+    """OUTPUT_DIR/encoder_cache written before it was marked: cache folders alone."""
+    return all(p.is_dir() and is_cache_folder(p) for p in root.iterdir())
 
 
 def _available_ram() -> int:

@@ -15,9 +15,17 @@ from pathlib import Path
 
 from config import UserError
 from lowmem.metrics import read_metrics
+from lowmem.ownership import claim_folder, is_ours, is_run_folder
 
 CHART_SIZE = (8, 4.5)  # inches at 100 dpi: 800 x 450 pixels
 DPI = 100
+CHARTS = {  # name (the file: NAME.png): title, y label, lines as (label, event, field)
+    "loss": ("loss", "mean token loss", [("train", "train", "loss"), ("eval", "eval", "eval_loss")]),
+    "bleu": ("eval BLEU-4", "BLEU", [("eval", "eval", "bleu")]),
+    "learning_rate": ("learning rate", "lr", [("train", "train", "lr")]),
+    "tokens_per_s": ("throughput", "tokens / s (all processes)", [("train", "train", "tokens_per_s")]),
+    "rss": ("host memory (main process)", "RSS (MiB)", [("train steps", "train", "rss_mb")]),
+}
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
@@ -27,28 +35,18 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
         ``{"plot_dir": ..., "written": [png paths], "skipped": {chart: why}}``.
 
     Raises:
-        UserError: no run folder, no metrics.jsonl, or no train records in it yet.
+        UserError: no run folder, no metrics.jsonl, or no train records in it yet; ``out_dir`` holds
+            files not ours (``lowmem.ownership``) or cannot be written.
     """
     run = Path(run_dir)
     records = _load(run)
-    out = Path(out_dir) if out_dir else run / "plots"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"--plot_dir={out} cannot be created ({err.strerror})") from None
+    out = claim_folder(Path(out_dir) if out_dir else run / "plots", "--plot_dir", "plots", _unmarked_plots)
 
     # Figures without pyplot: no global state, no display; savefig renders PNGs with the Agg backend.
     from matplotlib.figure import Figure
 
-    charts = {  # file name: title, y label, lines as (label, event, field)
-        "loss": ("loss", "mean token loss", [("train", "train", "loss"), ("eval", "eval", "eval_loss")]),
-        "bleu": ("eval BLEU-4", "BLEU", [("eval", "eval", "bleu")]),
-        "learning_rate": ("learning rate", "lr", [("train", "train", "lr")]),
-        "tokens_per_s": ("throughput", "tokens / s (all processes)", [("train", "train", "tokens_per_s")]),
-        "rss": ("host memory (main process)", "RSS (MiB)", [("train steps", "train", "rss_mb")]),
-    }
     written, skipped = [], {}
-    for name, (title, ylabel, wanted) in charts.items():
+    for name, (title, ylabel, wanted) in CHARTS.items():
         lines = [(label, series(records, event, field)) for label, event, field in wanted]
         lines = [(label, points) for label, points in lines if points]
         if not lines:
@@ -71,6 +69,13 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
         fig.savefig(path, dpi=DPI)
         written.append(str(path))
     return {"plot_dir": str(out), "written": written, "skipped": skipped}
+
+
+def _unmarked_plots(folder: Path) -> bool:
+    """A run's plots/ from before plot folders were marked: the chart PNGs alone, in a run folder of ours."""
+    names = {f"{name}.png" for name in CHARTS}
+    return folder.name == "plots" and is_ours(folder.parent, "run", is_run_folder) \
+        and all(p.name in names for p in folder.iterdir())
 
 
 def _load(run: Path) -> list[dict]:

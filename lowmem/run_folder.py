@@ -22,6 +22,7 @@ from config import STARTED_MARKER, TrainConfig, UserError, saved_json
 from lowmem import checkpoint
 from lowmem.metrics import read_metrics
 from lowmem.model_source import resolve_model_dir
+from lowmem.ownership import check_folder, claim_folder, is_run_folder
 
 LOCK_FILE = ".lock"
 
@@ -53,7 +54,8 @@ class RunFolder:
             The checkpoint to resume from (None: step 0) and the old run files to remove first.
 
         Raises:
-            UserError: unwritable folder, a run already there, nothing to resume, SFT into pretraining.
+            UserError: a folder of files not ours, unwritable, a run already there, nothing to resume, SFT
+                into pretraining.
         """
         if cfg.init_from and self.path.resolve() in [init := resolve_model_dir(cfg.init_from).resolve(), *init.parents]:
             raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: a run must not "
@@ -61,6 +63,11 @@ class RunFolder:
         if (saved_json(self.path / "config.json") or {}).get("model_type"):  # a run's config.json has none
             raise UserError(f"--output_dir={cfg.output_dir} holds a saved model (config.json, weights), which a run "
                             "there would overwrite; choose another --output_dir")
+        if cfg.is_keep_training:  # a run to continue, or nothing (said below): not a folder to start one in
+            check_folder(self.path, "--output_dir", "run", is_run_folder, "pass the --output_dir of the run "
+                         "to continue")
+        else:
+            claim_folder(self.path, "--output_dir", "run", is_run_folder, "choose a new or empty --output_dir")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             probe = self.path / f".write-test-{rank}"
@@ -193,11 +200,15 @@ class RunFolder:
         if saved_world != world:
             raise UserError(f"checkpoint {folder} was written by {saved_world} process(es); resume with the same "
                             f"number (this run has {world})")
+        # Tensors and plain values only, all read before anything is restored: a checkpoint from
+        # elsewhere holding other objects is refused whole, and none of its code runs.
+        optimizer_state, scheduler_state, process_state = (
+            checkpoint.load_state(folder / name) for name in ("optimizer.pt", "scheduler.pt", f"process_{rank}.pt"))
         load_model(model, str(folder / "model.safetensors"))
-        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
-        scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+        optimizer.load_state_dict(optimizer_state)
+        scheduler.load_state_dict(scheduler_state)
         trainer_state = json.loads((folder / "trainer_state.json").read_text())
-        return trainer_state, torch.load(folder / f"process_{rank}.pt", weights_only=False)
+        return trainer_state, process_state
 
     # ------------------------------------------------------------------ exports
     @staticmethod

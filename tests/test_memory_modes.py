@@ -61,7 +61,7 @@ def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrai
     assert max(float((a[k] - c[k]).abs().max()) for k in a) <= 1e-6
 
     # Resuming reuses the cache; changed data builds a new one and removes the old.
-    keys = sorted(p.name for p in (cached / "encoder_cache").iterdir())
+    keys = sorted(p.name for p in (cached / "encoder_cache").glob("[!.]*"))  # the cache folders, not our marker
     done = run_cli("train", "--is_finetune=True", f"--init_from={pretrained}", f"--output_dir={cached}",
                    f"--train_file={tmp_path / 'sft.jsonl'}", f"--eval_file={tmp_path / 'sft.jsonl'}",
                    "--is_keep_training=True", "--max_steps=52", "--encoder_cache=disk",
@@ -72,7 +72,7 @@ def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrai
                    f"--train_file={tmp_path / 'sft.jsonl'}", f"--eval_file={tmp_path / 'sft.jsonl'}",
                    "--overwrite_output_dir=True", "--max_steps=2", "--encoder_cache=disk", *FAST)
     assert done.returncode == 0 and "encoder cache: encoding" in done.stdout
-    new_keys = sorted(p.name for p in (cached / "encoder_cache").iterdir())
+    new_keys = sorted(p.name for p in (cached / "encoder_cache").glob("[!.]*"))
     assert len(new_keys) == 1 and new_keys != keys
     # How the encoder runs counts too: under bf16 autocast its outputs differ from float32 ones.
     done = run_cli("train", "--is_finetune=True", f"--init_from={pretrained}", f"--output_dir={cached}",
@@ -80,7 +80,7 @@ def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrai
                    "--overwrite_output_dir=True", "--max_steps=2", "--encoder_cache=disk",
                    "--mixed_precision=bf16", *FAST)
     assert done.returncode == 0 and "encoder cache: encoding" in done.stdout
-    assert sorted(p.name for p in (cached / "encoder_cache").iterdir()) != new_keys
+    assert sorted(p.name for p in (cached / "encoder_cache").glob("[!.]*")) != new_keys
 
 
 def test_encoder_cache_notices_a_file_rewritten_under_the_same_size_and_mtime(tmp_path, pretrained):

@@ -1,0 +1,117 @@
+"""Which folders the commands may write into: new ones, empty ones, and their own.
+
+Every folder a command writes is claimed first. A folder that does not exist or is empty is
+created and marked with a marker file; one that holds its marker (or, written by an earlier
+version, files only this program writes) is ours and is reused; anything else is refused with one
+line naming the flag, before any file in it is created, changed or removed. Removing (a stale
+staging folder, an old encoder cache) goes through ``remove_ours``, which removes only a folder
+that passes the same test.
+
+    --output_dir     .started (every version wrote it), or a run's config.json beside metrics.jsonl
+    --tokenizer_dir  .t5-lowmem-tokenizer
+    --prepared_dir   .t5-lowmem-prepared
+    --plot_dir       .t5-lowmem-plots, or the chart PNGs alone in a run folder's plots/
+    encoder cache    .t5-lowmem-encoder-cache, or cache files alone (OUTPUT_DIR/encoder_cache/...)
+
+A marker is a small file named for its kind; its existence is what counts, and it is created
+before anything else in the folder (exclusively, O_EXCL): processes claiming one folder at once each
+see it new, empty or marked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from itertools import islice
+from pathlib import Path
+
+from config import STARTED_MARKER, UserError, saved_json
+
+MARKERS = {"run": STARTED_MARKER, "tokenizer": ".t5-lowmem-tokenizer", "prepared": ".t5-lowmem-prepared",
+           "plots": ".t5-lowmem-plots", "encoder_cache": ".t5-lowmem-encoder-cache"}
+MARKER_TEXT = "written by t5-lowmem: this folder is its own, and its next run may replace the files it wrote here\n"
+SHOWN = 3  # entries named in a refusal
+
+Recogniser = Callable[[Path], bool]
+
+
+def is_ours(path: str | Path, kind: str, recognise: Recogniser | None = None) -> bool:
+    """Whether ``path`` is a folder of ``kind`` we wrote: its marker, or what ``recognise`` knows
+    (folders of earlier versions, which wrote no marker)."""
+    path = Path(path)
+    return path.is_dir() and ((path / MARKERS[kind]).is_file() or (recognise is not None and recognise(path)))
+
+
+def check_folder(path: str | Path, flag: str, kind: str, recognise: Recogniser | None = None,
+                 hint: str = "choose a new or empty folder") -> Path:
+    """Refuse ``path`` unless it is new, empty or ours (``is_ours``); touches nothing.
+
+    Args:
+        flag: how the user named the folder (``--tokenizer_dir``), shown as ``flag=path``; a label
+            that is not a flag (``the encoder cache folder``) is shown before the path.
+        hint: what to change, the end of the refusal.
+
+    Raises:
+        UserError: a file, an unreadable folder, or a folder of someone else's files.
+    """
+    path = Path(path)
+    where = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{where} is a file, not a folder; {hint}")
+    if not path.is_dir() or is_ours(path, kind, recognise):
+        return path
+    try:
+        with os.scandir(path) as entries:
+            names = sorted(e.name + ("/" if e.is_dir() else "") for e in islice(entries, SHOWN + 1))
+    except OSError as err:
+        raise UserError(f"{where} cannot be read ({err.strerror}); {hint}") from None
+    if not names:
+        return path
+    listed = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
+    raise UserError(f"{where} holds files t5-lowmem did not write ({listed}), and it writes only into a new or "
+                    f"empty folder or one of its own: {hint}")
+
+
+def claim_folder(path: str | Path, flag: str, kind: str, recognise: Recogniser | None = None,
+                 hint: str = "choose a new or empty folder") -> Path:
+    """``check_folder``, then create the folder (and its parents) and leave its marker.
+
+    Raises:
+        UserError: as ``check_folder``, or the folder cannot be created or written.
+    """
+    path = check_folder(path, flag, kind, recognise, hint)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / MARKERS[kind], "x", encoding="utf-8") as marker:
+            marker.write(MARKER_TEXT)
+    except FileExistsError:
+        pass  # marked already (by an earlier run, or by another process of this one)
+    except OSError as err:
+        where = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
+        raise UserError(f"{where} is not writable ({err.strerror}); {hint}") from None
+    return path
+
+
+def remove_ours(path: str | Path, kind: str, recognise: Recogniser | None = None) -> bool:
+    """Remove the folder ``path`` when it is ours (``is_ours``; a link is never followed).
+
+    Returns:
+        Whether it was removed.
+    """
+    path = Path(path)
+    try:
+        if path.is_symlink() or not is_ours(path, kind, recognise):
+            return False
+        shutil.rmtree(path)
+    except FileNotFoundError:  # removed meanwhile by another process of the run
+        return False
+    return True
+
+
+def is_run_folder(path: Path) -> bool:
+    """A run folder written before runs were marked: a run's config.json (the flags: no model_type,
+    which a saved model's config has) beside metrics.jsonl."""
+    config = saved_json(path / "config.json")
+    return bool(config) and "model_preset" in config and not config.get("model_type") \
+        and (path / "metrics.jsonl").is_file()

@@ -1,0 +1,287 @@
+"""Every folder a command writes is new, empty or ours; anything else is one error line and stays
+byte for byte as it was. Checkpoints load tensors and plain values only, never code."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import metrics, run_cli, synthetic_rows, write_rows
+
+from lowmem import checkpoint
+from lowmem.ownership import MARKERS
+
+TINY = ["--max_steps=2", "--eval_steps=0", "--max_eval_samples=4", "--gradient_accumulation_steps=2",
+        "--max_source_len=24", "--max_target_len=24", "--logging_steps=1"]
+
+
+def user_files(folder: Path, model_like: bool = False) -> Path:
+    """A folder of someone's files, some named as ours are (metrics.jsonl, best/, plots/, tokenizer_config.json)."""
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("my notes\n")
+    (folder / "metrics.jsonl").write_text('{"mine": 1}\n')
+    (folder / "tokenizer_config.json").write_text('{"mine": true}\n')
+    (folder / "best").mkdir()
+    (folder / "best" / "thesis.tex").write_text("\\section{}\n")
+    (folder / "plots").mkdir()
+    (folder / "plots" / "loss.png").write_bytes(b"\x89PNG mine")
+    (folder / ".hidden").write_text("also mine\n")
+    if model_like:  # a downloaded model: a real tokenizer's name, weights, a model config
+        (folder / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
+        (folder / "model.safetensors").write_bytes(os.urandom(2048))
+        (folder / "spiece.model").write_bytes(os.urandom(512))
+    return folder
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under ``root`` (hidden ones too) with its content's hash ('dir' for a folder)."""
+    found = {}
+    for here, dirs, files in os.walk(root):
+        for name in dirs:
+            found[os.path.relpath(os.path.join(here, name), root)] = "dir"
+        for name in files:
+            path = os.path.join(here, name)
+            found[os.path.relpath(path, root)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return found
+
+
+def error_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[0]
+
+
+# name: (command and flags, the flag refused, run in the folder of user files). {user}: user files;
+# {model}: a model-like folder; {run}: a run with metrics (its plots/ is someone's folder); {corpus}, {tmp}.
+REFUSED = {
+    "train_tokenizer into user files": (["train_tokenizer", "--tokenizer_dir={user}"], "--tokenizer_dir", False),
+    "train_tokenizer into a model": (["train_tokenizer", "--tokenizer_dir={model}"], "--tokenizer_dir", False),
+    "train_tokenizer --tokenizer_dir=.": (["train_tokenizer", "--tokenizer_dir=."], "--tokenizer_dir", True),
+    "train trains a tokenizer into user files": (["train", "--tokenizer_dir={user}", "--output_dir={tmp}/new_run"],
+                                                 "--tokenizer_dir", False),
+    "train into user files": (["train", "--output_dir={user}"], "--output_dir", False),
+    "train --overwrite_output_dir into user files": (["train", "--output_dir={user}", "--overwrite_output_dir=True"],
+                                                     "--output_dir", False),
+    "train --is_keep_training in user files": (["train", "--output_dir={user}", "--is_keep_training=True"],
+                                               "--output_dir", False),
+    "train --overwrite_output_dir into a model": (["train", "--output_dir={model}", "--overwrite_output_dir=True"],
+                                                  "--output_dir", False),
+    "train --output_dir=.": (["train", "--output_dir=.", "--overwrite_output_dir=True"], "--output_dir", True),
+    "prepare into user files": (["prepare", "--prepared_dir={user}"], "--prepared_dir", False),
+    "prepare into a model": (["prepare", "--prepared_dir={model}"], "--prepared_dir", False),
+    "prepare --prepared_dir=.": (["prepare", "--prepared_dir=."], "--prepared_dir", True),
+    "plot into user files": (["plot", "--output_dir={run}", "--plot_dir={user}"], "--plot_dir", False),
+    "plot into a model": (["plot", "--output_dir={run}", "--plot_dir={model}"], "--plot_dir", False),
+    "plot into a run's plots/ of user files": (["plot", "--output_dir={run}"], "--plot_dir", False),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_folder_of_user_files_is_refused_and_left_untouched(tmp_path, case):
+    command, flag, inside = REFUSED[case]
+    places = {"tmp": tmp_path, "corpus": write_rows(tmp_path / "data" / "train.jsonl", synthetic_rows(60, seed=1)),
+              "run": tmp_path / "run", "user": user_files(tmp_path / "user"),
+              "model": user_files(tmp_path / "model", model_like=True)}
+    places["run"].mkdir()
+    (places["run"] / MARKERS["run"]).touch()
+    (places["run"] / "metrics.jsonl").write_text('{"event": "train", "step": 1, "loss": 2.5, "lr": 0.001}\n')
+    shutil.copytree(places["user"], places["run"] / "plots")
+    args = [a.format(**places) for a in command]
+    if command[0] != "plot":
+        args += [f"--train_file={places['corpus']}"] + (TINY if command[0] == "train" else [])
+    before = snapshot(tmp_path)
+    line = error_line(run_cli(*args, cwd=places["user"] if inside else tmp_path))
+    assert f"{flag}=" in line and ("t5-lowmem did not write" in line or "holds a saved model" in line), line
+    after = snapshot(tmp_path)
+    if "new_run" in " ".join(args):  # the run folder it made for itself is new; nothing else changed
+        after = {k: v for k, v in after.items() if k.split(os.sep)[0] != "new_run"}
+    assert after == before
+
+
+def test_sibling_folders_survive_and_a_tokenizer_folder_of_ours_is_reused(tmp_path):
+    from data.tokenization import has_tokenizer, train_tokenizer
+
+    corpus = write_rows(tmp_path / "c.jsonl", synthetic_rows(200, seed=2))
+    for sibling in ("tok.tmp", "tok.partial", ".tok.partial"):  # names the old staging used, or might
+        user_files(tmp_path / sibling)
+    before = snapshot(tmp_path)
+    proc = run_cli("train_tokenizer", f"--train_file={corpus}", f"--tokenizer_dir={tmp_path / 'tok'}",
+                   "--vocab_size=400")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("tok/") and k != "tok"} == before
+    assert has_tokenizer(tmp_path / "tok") and (tmp_path / "tok" / MARKERS["tokenizer"]).is_file()
+    assert not (tmp_path / "tok" / ".saving").exists()
+    proc = run_cli("train_tokenizer", f"--train_file={corpus}", f"--tokenizer_dir={tmp_path / 'tok'}")
+    assert "holds a tokenizer already" in error_line(proc)
+
+    # Ours: trained again in place (as the trainer does when it finds no tokenizer), a file put beside kept.
+    (tmp_path / "tok" / "tokenizer.json").unlink()
+    (tmp_path / "tok" / "README.md").write_text("mine\n")
+    train_tokenizer([corpus], tmp_path / "tok", ("prompt", "response"), vocab_size=400, max_sentences=400)
+    assert has_tokenizer(tmp_path / "tok") and (tmp_path / "tok" / "README.md").read_text() == "mine\n"
+    # An empty folder is claimed.
+    (tmp_path / "empty").mkdir()
+    train_tokenizer([corpus], tmp_path / "empty", ("prompt", "response"), vocab_size=400, max_sentences=400)
+    assert has_tokenizer(tmp_path / "empty") and (tmp_path / "empty" / MARKERS["tokenizer"]).is_file()
+
+
+def test_prepare_and_plot_write_into_empty_folders_and_refuse_their_own_corpus(tmp_path):
+    corpus = write_rows(tmp_path / "c.jsonl", synthetic_rows(50, seed=3))
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    user_files(tmp_path / "prepared.partial")
+    before = snapshot(tmp_path / "prepared.partial")
+    proc = run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in prepared.iterdir()) == [MARKERS["prepared"], "prepared.manifest",
+                                                          "shard-00000.parquet"]
+    assert snapshot(tmp_path / "prepared.partial") == before
+    proc = run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}")
+    assert "holds a prepared corpus" in error_line(proc)
+
+    run, charts = tmp_path / "run", tmp_path / "charts"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"event": "train", "step": 1, "time": 1.0, "loss": 2.5, "lr": 0.001}\n')
+    charts.mkdir()
+    for _ in range(2):  # empty, then ours
+        proc = run_cli("plot", f"--output_dir={run}", f"--plot_dir={charts}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert {p.name for p in charts.iterdir()} == {MARKERS["plots"], "loss.png", "learning_rate.png"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run with a checkpoint at step 2, trained into a folder that existed and was empty."""
+    root = tmp_path_factory.mktemp("trained")
+    corpus = write_rows(root / "train.jsonl", synthetic_rows(80, seed=4))
+    run = root / "run"
+    run.mkdir()
+    args = [f"--train_file={corpus}", "--save_steps=2", *TINY]
+    proc = run_cli("train", f"--output_dir={run}", *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / MARKERS["run"]).is_file() and checkpoint.find_latest_valid(run / "checkpoints")
+    return run, args
+
+
+def test_a_run_folder_of_ours_is_reused_marked_or_not(trained, tmp_path):
+    run, args = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / MARKERS["run"]).unlink()  # as a run of a version that left no marker: config.json + metrics.jsonl
+    (copy / "notes.txt").write_text("kept\n")  # overwriting removes only the run's own files
+    proc = run_cli("train", f"--output_dir={copy}", *args)
+    assert "already holds a run" in error_line(proc)
+    proc = run_cli("train", f"--output_dir={copy}", *args, "--overwrite_output_dir=True")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (copy / MARKERS["run"]).is_file() and (copy / "notes.txt").read_text() == "kept\n"
+    assert [r["step"] for r in metrics(copy) if r["event"] == "train"] == [1, 2]
+
+
+class RunsCommand:
+    """Unpickled, it runs a shell command: what a checkpoint from elsewhere could hold."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+class WritesFile:
+    """Unpickled, it writes a file through exec."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.path)!r}, 'w').write('ran')",)
+
+
+def replace_in_checkpoint(folder: Path, name: str, content) -> None:
+    """Write ``content`` as ``name`` and record its size in the manifest, as a complete checkpoint has it."""
+    torch.save(content, folder / name)
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    manifest["files"][name] = (folder / name).stat().st_size
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name, payload", [("optimizer.pt", "system"), ("scheduler.pt", "system"),
+                                           ("process_0.pt", "system"), ("optimizer.pt", "exec")])
+def test_a_checkpoint_holding_code_is_refused_and_the_code_never_runs(trained, tmp_path, name, payload):
+    run, args = trained
+    copy, sentinel = tmp_path / "run", tmp_path / "SENTINEL"
+    shutil.copytree(run, copy)
+    folder = checkpoint.find_latest_valid(copy / "checkpoints")
+    evil = RunsCommand(f"touch {sentinel}") if payload == "system" else WritesFile(sentinel)
+    replace_in_checkpoint(folder, name, {"state": {}, "param_groups": [], "rng": evil})
+    weights = hashlib.sha256((copy / "final" / "model.safetensors").read_bytes()).hexdigest()
+    proc = run_cli("train", f"--output_dir={copy}", *args, "--is_keep_training=True")
+    line = error_line(proc)
+    assert name in line and "not loaded" in line and ("posix.system" in line or "exec" in line), line
+    assert not sentinel.exists()
+    assert hashlib.sha256((copy / "final" / "model.safetensors").read_bytes()).hexdigest() == weights
+
+
+def test_checkpoint_state_is_plain_and_an_older_one_with_numpy_arrays_still_loads(trained, tmp_path):
+    run, args = trained
+    folder = checkpoint.find_latest_valid(run / "checkpoints")
+    state = checkpoint.load_state(folder / "process_0.pt")
+    assert isinstance(state["rng"]["numpy"][1], list)  # numpy's key stored as ints, no array
+    # RNG states round-trip exactly.
+    random.seed(5)
+    np.random.seed(6)
+    torch.manual_seed(7)
+    saved = checkpoint.rng_state()
+    torch.save(saved, tmp_path / "rng.pt")
+    drawn = (random.random(), np.random.rand(), torch.rand(1).item())
+    checkpoint.set_rng_state(checkpoint.load_state(tmp_path / "rng.pt"))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == drawn
+
+    # A checkpoint of the previous version: numpy's state pickled as an array.
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    folder = checkpoint.find_latest_valid(copy / "checkpoints")
+    old = checkpoint.load_state(folder / "process_0.pt")
+    kind, key, *rest = old["rng"]["numpy"]
+    old["rng"]["numpy"] = (kind, np.asarray(key, dtype=np.uint32), *rest)
+    replace_in_checkpoint(folder, "process_0.pt", old)
+    proc = run_cli("train", f"--output_dir={copy}", *args, "--is_keep_training=True")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"resumed from {folder}" in proc.stdout
+
+
+def test_the_encoder_cache_removes_only_cache_folders_in_a_root_of_ours(tmp_path):
+    from config import UserError
+    from lowmem import encoder_cache
+
+    root = tmp_path / "encoder_cache"
+    old = root / "0123456789abcdef"  # a cache of an earlier version: its own files, no marker
+    old.mkdir(parents=True)
+    for name in ("rows-rank0.bin", "states-rank0.bin", "done-rank0.json"):
+        (old / name).write_bytes(b"0")
+    user_files(root / "mine")
+
+    def build(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "rows-rank0.bin").write_bytes(b"")
+        (folder / "states-rank0.bin").write_bytes(b"")
+        (folder / "done-rank0.json").write_text(json.dumps({"d_model": 4, "dtype": "float32", "tokens": 0,
+                                                            "bytes": 0}))
+
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError, match="the encoder cache folder .* did not write"):  # someone's folder in it
+        encoder_cache.open_cache(root, "new", 0, "disk", [], [], build, say=lambda _: None)
+    assert snapshot(tmp_path) == before
+    (root / MARKERS["encoder_cache"]).touch()  # ours: old caches go, anything else stays
+    encoder_cache.open_cache(root, "new", 0, "disk", [], [], build, say=lambda _: None).close()
+    assert sorted(p.name for p in root.iterdir()) == [MARKERS["encoder_cache"], "mine", "new"]
+    assert {k: v for k, v in snapshot(tmp_path).items() if k.startswith(os.path.join("encoder_cache", "mine"))} \
+        == {k: v for k, v in before.items() if k.startswith(os.path.join("encoder_cache", "mine"))}
