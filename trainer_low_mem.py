@@ -270,7 +270,7 @@ class LowMemTrainer:
             batch = self.to_device(self.collator.encode(chunk, self.cfg.max_source_len))
             with self.accelerator.autocast():
                 out = self.core.generate(**batch, max_new_tokens=self.cfg.max_new_tokens, num_beams=self.cfg.num_beams,
-                                         past_key_values=generation_cache())
+                                         cache=generation_cache())
             answers.extend(self.tokenizer.batch_decode(out, skip_special_tokens=True))
         return answers
 
@@ -801,7 +801,7 @@ class LowMemTrainer:
                 loss_sum += float(token_loss_sum(self.model, self.core, batch, multiple=self.shape_multiple))
                 generated = self.core.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                                max_new_tokens=self.cfg.max_target_len, num_beams=self.cfg.num_beams,
-                                               past_key_values=generation_cache())
+                                               cache=generation_cache())
             tokens += int(batch["labels"].ne(-100).sum())
             predictions = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
             pairs.extend(zip(predictions, [e.response for e in chunk]))

@@ -111,6 +111,7 @@ def tokenizer_folder(cfg) -> Path:
     """
     if cfg.tokenizer_dir is not None:
         return Path(cfg.tokenizer_dir)
+    model_folder_config(cfg.init_from)  # first whether it is a model at all (a run's folder names its best/)
     folder = resolve_model_dir(cfg.init_from)
     if not has_tokenizer(folder):
         raise UserError(f"--init_from={cfg.init_from} has no tokenizer (no tokenizer.json, spiece.model or "
