@@ -2,12 +2,16 @@
 
     python bench/memory_modes.py                 # every configuration (a few minutes on 2 cores)
     python bench/memory_modes.py --quick         # tiny and small only
+    python bench/memory_modes.py --only=t5-small # the flan-t5-small and mt5-small shapes (docs/t5_family.md)
 
 Each configuration is a real ``train_low_mem.py train`` run in its own process (a few optimizer
 steps, a final checkpoint and exports included). The prediction is the ``memory_plan`` record the
 run writes at start (the same numbers ``plan`` prints); the measurement is the process's peak RSS
 (the kernel's high-water mark) at the end. Step time is the mean of the optimizer steps after the
-first, relative to the plain configuration of the same model and data. Rows marked "2 processes"
+first, relative to the plain configuration of the same model and data. The flan-t5-small and mt5-small
+rows fine-tune models of those releases' shapes (SHAPES: gated-gelu, untied lm_head, mT5's 250,112-row
+embedding), built here from their configs with random weights and the shipped tokenizer (never
+downloaded; the embedding has more rows than the tokenizer, as Google's do). Rows marked "2 processes"
 run under ``accelerate launch`` on two CPU processes over gloo (predicted and measured: per process,
 rank 0; their step is twice the batch, so their time is not compared).
 Target: every predicted / measured ratio within 0.85-1.15.
@@ -61,7 +65,48 @@ CONFIGS = [
                                                       "--gradient_checkpointing=True", "--learn_rate=1e-3"], None),
     ("small, 2 processes", "small", "long", [], None),
     ("small SFT, 2 processes", "small", "sft", [], None),
+    ("flan-t5-small SFT", "flan-t5-small", "sft", [], None),
+    ("flan-t5-small full fine-tune", "flan-t5-small", "sft", ["--freeze=none"], "flan-t5-small SFT"),
+    ("flan-t5-small LoRA q,v,wi,wo", "flan-t5-small", "sft", ["--lora_r=8", "--lora_target_modules=q,v,wi,wo",
+                                                               "--learn_rate=1e-3"], "flan-t5-small SFT"),
+    ("mt5-small SFT", "mt5-small", "sft", [], None),
+    ("mt5-small SFT encoder cache", "mt5-small", "sft", ["--encoder_cache=memory"], "mt5-small SFT"),
 ]
+
+# Released models' shapes (their config.json values), built by write_shape: model_type, then the config.
+SHAPES = {
+    "flan-t5-small": ("t5", dict(d_model=512, d_ff=1024, num_heads=6, d_kv=64, num_layers=8, num_decoder_layers=8,
+                                 vocab_size=32128, feed_forward_proj="gated-gelu")),
+    "mt5-small": ("mt5", dict(d_model=512, d_ff=1024, num_heads=6, d_kv=64, num_layers=8, num_decoder_layers=8,
+                              vocab_size=250112, feed_forward_proj="gated-gelu")),
+}
+
+
+def write_shape(folder: Path, name: str) -> Path:
+    """A model folder of a release's shape (SHAPES) as the hub lays it out: random weights with an untied
+    ``lm_head`` of its own, ``tie_word_embeddings: false`` in config.json, and the shipped tokenizer."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    model_type, shape = SHAPES[name]
+    config = AutoConfig.for_model(model_type, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLM.from_config(config)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()
+               if k not in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")}
+    weights["lm_head.weight"] = torch.randn(shape["vocab_size"], shape["d_model"]) * shape["d_model"] ** -0.5
+    folder.mkdir(parents=True)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    saved = config.to_dict()
+    saved.pop("scale_decoder_outputs", None)
+    saved.update(tie_word_embeddings=False)
+    (folder / "config.json").write_text(json.dumps(saved, indent=2))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(REPO / "data/tokenizer" / file, folder / file)
+    return folder
 
 
 def make_corpora(folder: Path) -> dict[str, Path]:
@@ -149,11 +194,15 @@ def main() -> None:
         print(f"{'configuration':<28}{'predicted MiB':>14}{'measured MiB':>14}{'ratio':>7}{'step s':>8}"
               f"{'rel. time':>10}")
         for name, preset, kind, flags, baseline in CONFIGS:
-            if (options.quick and preset == "base") or options.only not in name:
+            if (options.quick and preset not in ("tiny", "small")) or options.only not in name:
                 continue
             out = tmp / name.replace(" ", "_").replace(",", "").replace("=", "")
             data = ["--train_file=" + str(corpora[kind]), "--model_preset=" + preset]
-            if kind.startswith("sft"):
+            if preset in SHAPES:
+                if preset not in inits:
+                    inits[preset] = write_shape(tmp / f"shape_{preset}", preset)
+                data = ["--is_finetune=True", f"--init_from={inits[preset]}", f"--train_file={corpora[kind]}"]
+            elif kind.startswith("sft"):
                 if preset not in inits:  # a pretrained model to fine-tune (one step is enough)
                     inits[preset] = tmp / f"init_{preset}"
                     run([*data, f"--output_dir={inits[preset]}", "--max_steps=1", "--gradient_accumulation_steps=1",

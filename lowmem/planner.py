@@ -34,12 +34,14 @@ from lowmem.tensor_bytes import (
     evaluation_bytes,
     frozen_cast_bytes,
     frozen_matrix_elements,
+    frozen_parts,
     lora_merged_elements,
+    matrix_elements,
     model_dims,
     numel,
     optimizer_bytes,
     parameter_shapes,
-    stack_matrix_elements,
+    part_elements,
     trainable_shapes,
 )
 
@@ -85,33 +87,41 @@ def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_sta
     the batches planned are those of a fresh run's first step) does not have it beside: base with AdamW
     for one step was planned 1.17x its measured peak with the state counted there.
 
-    In pretraining the shared embedding is trained and tied to the output layer: the output layer's
-    gradient for it (embedding-sized) is made first in the backward and held until the input
-    embeddings' backward adds one more at its end, and only then is their sum added into ``.grad``.
-    Gradients accumulated from earlier micro-batches (``--gradient_accumulation_steps`` > 1), or
-    kept in DDP's buckets (several processes), are all alive during the backward, beside those two.
+    The output layer's gradient is made first in the backward. Tied to a trained shared embedding
+    (pretraining, --freeze=none) it is embedding-sized and held until the input embeddings' backward
+    adds one more at its end, and only then is their sum added into ``.grad``; an untied ``lm_head``'s
+    goes into its ``.grad`` at once (and a trained untied embedding's input gradients are held the
+    same way). Gradients accumulated from earlier micro-batches (``--gradient_accumulation_steps`` > 1),
+    or kept in DDP's buckets (several processes), are all alive during the backward, beside those.
     With one process and no accumulation, each optimizer step sets them to None, so the backward
     creates them while it frees the activations, layer by layer: its costliest moment is its start
-    (everything saved, the logits and their gradient, and the output layer's embedding gradient),
-    the end of the decoder's backward (its gradients beside its first block's activations, saved or,
-    with checkpointing, recomputed: small SFT with checkpointing was planned 0.93x without them),
-    or its end (every gradient, and the input embeddings' one).
+    (everything saved, the logits and their gradient, and the output layer's gradient), the end of the
+    decoder's backward (its gradients beside its first block's activations, saved or, with
+    checkpointing, recomputed: small SFT with checkpointing was planned 0.93x without them), or its
+    end (every gradient, and the input embeddings' one).
     """
     def moment(gradients, activations=0.0, logits=0.0, temp=0.0, copy=0.0, state=0.0 if first_step else opt_state):
         return {"optimizer": state, "gradients": gradients, "activations": activations, "logits_loss": logits,
                 "optimizer_step_temp": temp, "ddp_gradient_copy": copy}
 
-    pretraining = not (cfg.is_finetune or cfg.lora_r)
-    embedding = 4 * numel(shapes["shared"][0]) if pretraining else 0
+    frozen = frozen_parts(cfg)
+    embedding = 4 * part_elements(shapes, "shared") if "shared" not in frozen else 0
+    tied_head = 0 if shapes["lm_head"] else embedding  # the tied embedding's first share, held
+    # An untied lm_head's gradient is made once the logits' gradient is, and only that gradient is left of
+    # them then (mT5-small SFT measured 490 + 175 MiB above the micro-batch's start at that moment, where
+    # the full logits and the head's gradient together were planned 700 + 490)
+    own_head = 4 * part_elements(shapes, "lm_head") if shapes["lm_head"] and "lm_head" not in frozen else 0
     after_decoder = act["activations"] - act["decoder_saved"]
     moments = [moment(grads, temp=opt_temp, state=opt_state)]
     if world > 1 or cfg.gradient_accumulation_steps > 1:
-        moments += [moment(grads + embedding, act["activations"], act["logits"], copy=ddp_copy),
+        moments += [moment(grads + tied_head, act["activations"], act["logits"], copy=ddp_copy),
+                    moment(grads + own_head, act["activations"], act["logits_grad"], copy=ddp_copy),
                     moment(grads + 2 * embedding, after_decoder - act["encoder_saved"], copy=ddp_copy)]
     else:
-        decoder = 4 * sum(numel(x) for x in shapes["decoder"]) if pretraining else grads
-        moments += [moment(embedding, act["activations"], act["logits"]),
-                    moment(embedding + decoder + embedding, after_decoder + act["decoder_block"]),
+        decoder = 4 * part_elements(shapes, "decoder") if "decoder" not in frozen else grads
+        moments += [moment(tied_head, act["activations"], act["logits"]),
+                    moment(own_head, act["activations"], act["logits_grad"]),
+                    moment(tied_head + own_head + decoder + embedding, after_decoder + act["decoder_block"]),
                     moment(grads + embedding, after_decoder - act["encoder_saved"])]
     costliest = max(moments, key=lambda parts: sum(parts.values()))
     return ("optimizer step" if costliest is moments[0] else "backward"), costliest
@@ -159,8 +169,11 @@ def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
 class StepSizes:
     """Bytes of everything a training run holds, before they are split by device (see ``predict``)."""
 
-    n_params: int
+    dims: dict  # the model's shape (tensor_bytes.model_dims)
+    n_params: int  # the base model's (LoRA's adapters are n_train)
     n_train: int
+    head_parts: dict  # bytes of the shared embedding and an untied lm_head as held (large vocabularies)
+    unread: int  # bytes of a mapped frozen embedding's rows past the tokenizer: never read while training
     half: int  # frozen elements stored in bf16 (--frozen_dtype=bfloat16)
     encoder_elements: int  # the encoder stack's weights (offloaded from the GPU with the encoder cache)
     encoder_matrices: int  # of which matrices (the ones --frozen_dtype stores in bf16)
@@ -193,10 +206,25 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
 
     dims = model_dims(cfg, vocab_size)
     shapes = parameter_shapes(dims)
-    n_params = sum(numel(x) for part in shapes.values() for x in part)
+    n_params = part_elements(shapes, *shapes)
     train_shapes = trainable_shapes(cfg, dims)
     n_train = sum(numel(x) for x in train_shapes)
     half = frozen_matrix_elements(cfg, shapes) if cfg.frozen_dtype == "bfloat16" else 0
+    stored = {part: 2 if half and part in frozen_parts(cfg) else 4 for part in ("shared", "lm_head")}
+    steps = total_steps(cfg, math.ceil(lengths["rows"] / world))
+    # from_pretrained maps the checkpoint: a frozen embedding kept float32 stays a view of the file, and
+    # training reads only the rows the tokenizer's ids reach (mT5-small SFT with an 8,100-token tokenizer:
+    # 667 of the file's 1,145 MiB resident), until something reads the whole model: an export (best/ at
+    # the step-0 evaluation, a checkpoint every --save_steps; the final one is counted at the save), the
+    # encoder cache's fingerprint of the encoder's weights (the embedding's among them), a resume's load.
+    unread = 0
+    if (device == "cpu" and cfg.init_from and "shared" in frozen_parts(cfg) and not half
+            and cfg.encoder_cache == "off" and cfg.eval_steps == 0 and not 0 < cfg.save_steps < steps
+            and not cfg.is_keep_training):
+        unread = 4 * dims["d_model"] * max(0, dims["vocab_size"] - vocab_size)
+    head_parts = {"embedding": stored["shared"] * part_elements(shapes, "shared") - unread}
+    if shapes["lm_head"]:
+        head_parts["lm_head"] = stored["lm_head"] * part_elements(shapes, "lm_head")
     weights = 4 * (n_params + (n_train if cfg.lora_r else 0)) - 2 * half  # --frozen_dtype=bfloat16: 2 bytes
     grads = 4 * n_train
     opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
@@ -234,13 +262,12 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         churn = min(churn, FRESH_GRADIENT_CHURN * (made["activations"] + made["logits"]))
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
     freed_at_save = act["activations"] + act["logits"] + opt_temp + ddp_copy + (grads if world == 1 else 0)
-    first_step = first_step or (total_steps(cfg, math.ceil(lengths["rows"] / world)) == 1
-                                and not cfg.is_keep_training)
+    first_step = first_step or (steps == 1 and not cfg.is_keep_training)
     peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world, first_step)
     return StepSizes(
-        n_params=n_params, n_train=n_train, half=half,
-        encoder_elements=sum(numel(x) for x in shapes["encoder"]),
-        encoder_matrices=stack_matrix_elements(shapes["encoder"]),
+        dims=dims, n_params=n_params, n_train=n_train, head_parts=head_parts, unread=unread, half=half,
+        encoder_elements=part_elements(shapes, "encoder"),
+        encoder_matrices=matrix_elements(shapes["encoder"]),
         weights=weights, optimizer=opt_state,
         cast_cache=2 * n_train if cfg.mixed_precision == "bf16" else 0,
         cache=cache, buffers=(buffered + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400),
@@ -290,10 +317,11 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
         if s.first_step:  # the state, made at that step, is carved from those freed blocks
             at_step -= s.optimizer
         slack = max(slack, at_step - sum(v for k, v in s.alive.items() if k != "optimizer"))
-    host = {"framework": framework_mb * MB, "weights": s.weights, "gradients": s.alive["gradients"],
+    host = {"framework": framework_mb * MB, "weights": s.weights - s.unread, "gradients": s.alive["gradients"],
             "optimizer": s.alive["optimizer"], "bf16_weight_copies": s.cast_cache, **s.alive,
             "allocator_slack": slack, "caches": s.cache, "data_buffers": s.buffers}
-    host["checkpoint_copy"] = (max(0, s.serialize - s.freed_at_save - slack)
+    # a save reads the whole model, the embedding's unread rows too
+    host["checkpoint_copy"] = (max(0, s.serialize + s.unread - s.freed_at_save - slack)
                                + max(0, s.export_copies - (1 - ALLOCATOR_SLACK) * s.freed_at_save))
     host["frozen_cast"] = max(0, frozen_cast_bytes(s.n_params, s.half) - sum(host.values()) + host["framework"])
     # Evaluation runs between optimizer steps (gradients freed, heap trimmed): what stays is the
@@ -332,7 +360,12 @@ def one_plan(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: flo
     host_mb = {k: round(v / MB, 1) for k, v in host.items()}
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
     peak = s.peak
-    return {"device": device, "parameters": s.n_params, "trainable_parameters": s.n_train,
+    parts_mb = {k: round(v / MB, 1) for k, v in {**s.head_parts, "logits": s.act["logits"]}.items()}
+    # As the trainer counts them (lowmem.modeling.count_parameters): LoRA's adapters are parameters too
+    return {"device": device, "parameters": s.n_params + (s.n_train if cfg.lora_r else 0),
+            "trainable_parameters": s.n_train, "embedding_shape": [s.dims["vocab_size"], s.dims["d_model"]],
+            "embedding_rows_read": s.dims["vocab_size"] - s.unread // (4 * s.dims["d_model"]),
+            "lm_head": "tied" if s.dims["tied"] else "untied", "model_parts_mb": parts_mb,
             "max_source_tokens": peak[0], "max_target_tokens": peak[1],
             "peak_batch_target_tokens": peak[2] if len(peak) > 2 else cfg.batch_size * peak[1],
             "training_peak_at": s.peak_at,
@@ -386,17 +419,19 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     bitsandbytes) what importing an optimizer's package costs (bitsandbytes for adamw8bit).
 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
-    micro-batch 2 or 1 (accumulation doubled to keep the batch) and, for SFT, the encoder cache and
-    (with bf16) bf16 storage of the frozen weights.
+    micro-batch 2 or 1 (accumulation doubled to keep the batch), the encoder cache when the encoder is
+    frozen (--freeze=encoder) and, with bf16, bf16 storage of the frozen weights (any --freeze but none,
+    or LoRA).
     Sequence lengths, LoRA and the model are never changed: they change what is trained. "Fastest" is
     over the whole run: the encoder cache wins only where the run reads its rows more than once.
     """
     from config import installed
 
     optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
-    caches = ["off", "auto"] if cfg.is_finetune else ["off"]
+    has_frozen = bool(frozen_parts(cfg))
+    caches = ["off", "auto"] if cfg.frozen_encoder else ["off"]
     precisions = ["no", "bf16"] if device == "gpu" else ["no"]
-    frozen = ["float32", "bfloat16"] if cfg.is_finetune else ["float32"]
+    frozen = ["float32", "bfloat16"] if has_frozen else ["float32"]
     reads, best = reads_per_row(cfg, lengths.get("train_rows", lengths["rows"]), world), None
     for ckpt, prec, opt, batch, cache, frozen_dtype in itertools.product(
             [False, True], precisions, optimizers, [2, 1], caches, frozen):
@@ -415,8 +450,10 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         if best is None or speed < best[0]:
             flags = {"gradient_checkpointing": ckpt, "mixed_precision": prec, "optimizer": opt, "batch_size": batch,
                      "gradient_accumulation_steps": accumulation}
-            if cfg.is_finetune:
-                flags.update(encoder_cache=cache, frozen_dtype=frozen_dtype)
+            if cfg.frozen_encoder:
+                flags["encoder_cache"] = cache
+            if has_frozen:
+                flags["frozen_dtype"] = frozen_dtype
             if device == "cpu" or cfg.cpu:  # a GPU plan undoes --cpu=True (given, or from host16g)
                 flags["cpu"] = device == "cpu"
             best = (speed, flags, peak, trial)
@@ -426,10 +463,20 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
 
 
 def format_table(plan: dict) -> str:
+    """The plan by component; under the weights, the shared embedding's and an untied lm_head's share of
+    them (with a large vocabulary, as mT5's 250,112 rows, they and the logits are the largest terms)."""
+    def row(label, host, gpu):
+        return f"{label:<22}{'' if host is None else f'{host:,.0f}':>16}{'' if gpu is None else f'{gpu:,.0f}':>12}"
+
     lines = [f"{'component':<22}{'host RAM (MiB)':>16}{'GPU (MiB)':>12}"]
     for key in dict.fromkeys(list(plan["host_mb"]) + list(plan["gpu_mb"])):
         host, gpu = plan["host_mb"].get(key), plan["gpu_mb"].get(key)
-        lines.append(f"{key:<22}{'' if host is None else f'{host:,.0f}':>16}{'' if gpu is None else f'{gpu:,.0f}':>12}")
+        lines.append(row(key, host, gpu))
+        if key == "weights":
+            for part in ("embedding", "lm_head"):
+                if part in plan.get("model_parts_mb", {}):
+                    mb = plan["model_parts_mb"][part]
+                    lines.append(row(f"  of which {part}", None if host is None else mb, None if gpu is None else mb))
     gpu_total = f"{plan['gpu_peak_mb']:,.0f}" if plan["gpu_mb"] else "-"
     lines.append(f"{'total (peak)':<22}{plan['host_peak_mb']:>16,.0f}{gpu_total:>12}")
     return "\n".join(lines)
@@ -535,8 +582,13 @@ def print_plan(cfg: TrainConfig, result: dict) -> None:
     device, num_processes, per_machine = result["device"], result["num_processes"], result["processes_per_machine"]
     budget_gb = result.get("budget_gb")
     processes = f"; per process, {num_processes} processes" if num_processes > 1 else ""
-    print(f"predicted peak memory ({device}; model {cfg.model_preset if not cfg.is_finetune else cfg.init_from}, "
-          f"{result['parameters']:,} parameters, {result['trainable_parameters']:,} trainable; costliest batch "
+    rows, d = result["embedding_shape"]
+    head = "tied lm_head" if result["lm_head"] == "tied" else f"untied lm_head {rows:,} x {d}"
+    read = result["embedding_rows_read"]
+    read = f" ({read:,} rows read: the tokenizer's)" if read < rows else ""
+    print(f"predicted peak memory ({device}; model {cfg.init_from or cfg.model_preset}, "
+          f"{result['parameters']:,} parameters, {result['trainable_parameters']:,} trainable; embedding "
+          f"{rows:,} x {d}{read}, {head}, logits over {rows:,} classes; costliest batch "
           f"{cfg.batch_size} x {result['max_source_tokens']} source / {result['max_target_tokens']} target "
           f"tokens{processes}; a training step peaks {'in' if result['training_peak_at'] == 'backward' else 'at'} the "
           f"{result['training_peak_at']})")
@@ -549,7 +601,7 @@ def print_plan(cfg: TrainConfig, result: dict) -> None:
             changes = ["lower --max_source_len / --max_target_len"]
             if num_processes > 1:
                 changes.append("fewer processes")
-            if cfg.is_finetune:
+            if cfg.init_from:
                 changes += ["a smaller --init_from model",
                             "fewer --lora_target_modules" if cfg.lora_r else "--lora_r (LoRA)"]
             elif cfg.model_preset != next(iter(MODEL_PRESETS)):  # the first preset is the smallest

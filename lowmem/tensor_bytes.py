@@ -2,36 +2,86 @@
 optimizer state, the activations a micro-batch saves for backward, and what evaluation allocates.
 
 Pure functions of the config and the model's dimensions; ``lowmem.planner`` adds them up into a
-peak by component and checks them against measured RSS (``bench/memory_modes.py``).
+peak by component and checks them against measured RSS (``bench/memory_modes.py``). The shapes
+follow the model the trainer builds, for every family ``--init_from`` takes (T5, T5 v1.1 / flan-t5,
+mT5, umT5, ByT5): a gated feed-forward, an untied ``lm_head``, a relative position table in every
+layer (umT5), an embedding padded past the tokenizer.
 """
 
 from __future__ import annotations
 
-from config import MODEL_PRESETS, TrainConfig
+import functools
+
+from config import MODEL_PRESETS, TrainConfig, UserError
 from lowmem.model_source import model_folder_config
 
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
+# Values a token's feed-forward saves for backward, in units of d_ff (saved-tensor hooks on T5LayerFF):
+# ReLU 3 (its output, the CPU dropout's float mask, wo's input; 3.25 as calibrated on the whole model),
+# and what gated-gelu adds: 5 (wi_0's and wi_1's outputs, the activation's output and three of gelu_new's
+# intermediates, less ReLU's output). A fused activation (gated-silu) saves less: the plan errs high.
+FF_SAVED = 3.25
+GATED_FF_SAVED = 5.0
+PARTS = ("shared", "encoder", "decoder", "lm_head")
 
 
 def model_dims(cfg: TrainConfig, vocab_size: int) -> dict:
-    """d_model, d_ff, heads, d_kv, layers and vocabulary of the model the run trains."""
+    """The shape of the model the run trains: d_model, d_ff, num_heads, d_kv, num_layers,
+    num_decoder_layers, vocab_size (the embedding's rows), gated (wi_0 and wi_1 instead of wi), tied
+    (the output layer is the embedding), buckets (relative position buckets) and table_every_layer
+    (umT5: each layer's self-attention has its own position table, not only the first layer's).
+
+    From the ``--init_from`` model's config.json (whose embedding may have more rows than the
+    tokenizer: Google pads it), else the preset's, which ``build_model`` makes tied with ReLU.
+    """
     if cfg.init_from:
-        saved = model_folder_config(cfg.init_from)
-        dims = {k: saved[k] for k in ("d_model", "d_ff", "num_heads", "d_kv", "num_layers")}
-        dims["num_decoder_layers"] = saved.get("num_decoder_layers") or saved["num_layers"]
-        dims["vocab_size"] = saved["vocab_size"]
-        return dims
-    return {**MODEL_PRESETS[cfg.model_preset], "vocab_size": vocab_size}
+        return dict(folder_dims(str(cfg.init_from)))
+    return {**MODEL_PRESETS[cfg.model_preset], "vocab_size": vocab_size, "gated": False, "tied": True,
+            "buckets": 32, "table_every_layer": False}
 
 
-def parameter_shapes(dims: dict) -> dict[str, list[tuple[int, ...]]]:
-    """Parameter shapes of a tied T5 by part: shared embedding, encoder, decoder."""
+@functools.cache
+def folder_dims(init_from: str) -> dict:
+    """``model_dims`` of a model folder (or hub id), read once per process.
+
+    transformers' own config class fills what config.json leaves out as ``from_pretrained`` does (mT5
+    and umT5 default to gated-gelu; a saved ``is_gated_act`` overrides ``feed_forward_proj``). The head
+    is tied unless config.json says ``tie_word_embeddings: false`` (transformers 5 always sets it true
+    in the loaded config and unties only a checkpoint with its own ``lm_head.weight``, which such
+    releases and our exports of them have).
+    """
+    from transformers import AutoConfig
+
+    saved = model_folder_config(init_from)
+    config = AutoConfig.for_model(**saved)
+    dims = {k: getattr(config, k) for k in ("d_model", "d_ff", "num_heads", "d_kv", "num_layers")}
+    return {**dims, "num_decoder_layers": config.num_decoder_layers or config.num_layers,
+            "vocab_size": config.vocab_size, "gated": bool(config.is_gated_act),
+            "tied": saved.get("tie_word_embeddings") is not False, "buckets": config.relative_attention_num_buckets,
+            "table_every_layer": saved["model_type"] == "umt5"}
+
+
+def parameter_shapes(dims: dict) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """(name, shape) of every parameter by part: the shared embedding, the encoder and decoder stacks,
+    and the ``lm_head`` (empty when tied: the embedding is the output layer). Each tensor once, as
+    ``lowmem.modeling.count_parameters`` counts them; names are the modules' own (q, wi_0, layer_norm)."""
     d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
-    attention = [(i, d), (i, d), (i, d), (d, i), (d,)]  # q k v o, layer norm
-    ff = [(f, d), (d, f), (d,)]
-    encoder = [(32, h)] + (attention + ff) * dims["num_layers"] + [(d,)]
-    decoder = [(32, h)] + (attention * 2 + ff) * dims["num_decoder_layers"] + [(d,)]
-    return {"shared": [(dims["vocab_size"], d)], "encoder": encoder, "decoder": decoder}
+    table = [("relative_attention_bias", (dims["buckets"], h))]
+    attention = [("q", (i, d)), ("k", (i, d)), ("v", (i, d)), ("o", (d, i)), ("layer_norm", (d,))]
+    ff = [("wi_0", (f, d)), ("wi_1", (f, d))] if dims["gated"] else [("wi", (f, d))]
+    ff += [("wo", (d, f)), ("layer_norm", (d,))]
+
+    def stack(layers: int, cross_attention: bool) -> list:
+        out = []
+        for layer in range(layers):  # the first layer's self-attention holds the stack's position table
+            out += table if layer == 0 or dims["table_every_layer"] else []
+            out += attention + (attention if cross_attention else []) + ff
+        return out + [("final_layer_norm", (d,))]
+
+    rows = dims["vocab_size"]
+    return {"shared": [("embedding", (rows, d))], "encoder": stack(dims["num_layers"], False),
+            "decoder": stack(dims["num_decoder_layers"], True),
+            "lm_head": [] if dims["tied"] else [("lm_head", (rows, d))]}
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -41,20 +91,52 @@ def numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def trainable_shapes(cfg: TrainConfig, dims: dict) -> list[tuple[int, ...]]:
-    shapes = parameter_shapes(dims)
+def part_elements(shapes: dict, *parts: str) -> int:
+    """Elements of the parameters of these parts of ``parameter_shapes``."""
+    return sum(numel(shape) for part in parts for _, shape in shapes[part])
+
+
+def frozen_parts(cfg: TrainConfig) -> tuple[str, ...]:
+    """The parts whose weights stay fixed: every base weight with LoRA, else what ``--freeze`` names (a
+    tied output layer is the embedding and freezes with it; an untied ``lm_head`` always trains)."""
     if cfg.lora_r:
-        d, f, i = dims["d_model"], dims["d_ff"], dims["num_heads"] * dims["d_kv"]
-        per_target = {"q": (d, i), "k": (d, i), "v": (d, i), "o": (i, d), "wi": (d, f), "wo": (f, d)}
-        out = []
-        for name in cfg.lora_targets:
-            fan_in, fan_out = per_target[name]
-            blocks = 2 if name in ("q", "k", "v", "o") else 1  # self- and cross-attention
-            out += [(cfg.lora_r, fan_in), (fan_out, cfg.lora_r)] * blocks * dims["num_decoder_layers"]
-        return out
-    if cfg.is_finetune:
-        return shapes["decoder"]
-    return shapes["shared"] + shapes["encoder"] + shapes["decoder"]
+        return PARTS
+    return {"encoder": ("shared", "encoder"), "embeddings": ("shared",), "none": ()}[cfg.freeze]
+
+
+def lora_weights(cfg: TrainConfig, dims: dict) -> list[tuple[int, ...]]:
+    """Shapes of the base weights that carry LoRA adapters: the ``--lora_target_modules`` linear layers
+    of the stacks ``lowmem.modeling.lora_stacks`` names (``wi``: wi_0 and wi_1 on a gated model).
+
+    Raises:
+        UserError: a name that matches no linear layer of those stacks (as building the model would).
+    """
+    from lowmem.modeling import lora_stacks
+
+    if not cfg.lora_r:
+        return []
+    shapes = parameter_shapes(dims)
+    stacks = lora_stacks(cfg)
+    wanted = {name: {"wi_0", "wi_1"} if name == "wi" and dims["gated"] else {name} for name in cfg.lora_targets}
+    present = {name for stack in stacks for name, _ in shapes[stack]}
+    missing = [name for name, names in wanted.items() if not names & present]
+    if missing:
+        raise UserError(f"--lora_target_modules names {', '.join(missing)}, which this model does not have "
+                        f"(its {' and '.join(stacks)} linear layers are "
+                        f"{', '.join(n for n in ('q', 'k', 'v', 'o', 'wi', 'wi_0', 'wi_1', 'wo') if n in present)}); "
+                        "list some of those")
+    names = set().union(*wanted.values())
+    return [shape for stack in stacks for name, shape in shapes[stack] if name in names]
+
+
+def trainable_shapes(cfg: TrainConfig, dims: dict) -> list[tuple[int, ...]]:
+    """Shapes of the tensors that train: LoRA's A (r x in) and B (out x r) of each adapted weight, else
+    every parameter of the parts ``--freeze`` leaves trainable."""
+    if cfg.lora_r:
+        return [adapter for out_f, in_f in lora_weights(cfg, dims)
+                for adapter in ((cfg.lora_r, in_f), (out_f, cfg.lora_r))]
+    frozen, shapes = frozen_parts(cfg), parameter_shapes(dims)
+    return [shape for part in PARTS if part not in frozen for _, shape in shapes[part]]
 
 
 def frozen_cast_bytes(n_params: int, half: int) -> int:
@@ -65,26 +147,19 @@ def frozen_cast_bytes(n_params: int, half: int) -> int:
 
 def lora_merged_elements(cfg: TrainConfig, dims: dict) -> int:
     """Elements of the base weights that carry LoRA adapters (an export holds their merged copies)."""
-    if not cfg.lora_r:
-        return 0
-    d, f, i = dims["d_model"], dims["d_ff"], dims["num_heads"] * dims["d_kv"]
-    per_layer = {"q": 2 * d * i, "k": 2 * d * i, "v": 2 * d * i, "o": 2 * d * i, "wi": d * f, "wo": d * f}
-    return sum(per_layer[name] for name in cfg.lora_targets) * dims["num_decoder_layers"]
+    return sum(numel(shape) for shape in lora_weights(cfg, dims))
 
 
-def stack_matrix_elements(stack: list[tuple[int, ...]]) -> int:
-    """Elements of a stack's weight matrices: not its norms nor its relative position table (its first
-    shape), which ``--frozen_dtype=bfloat16`` keeps float32."""
-    return sum(numel(x) for x in stack[1:] if len(x) == 2)
+def matrix_elements(entries: list[tuple[str, tuple[int, ...]]]) -> int:
+    """Elements of the weight matrices among ``entries``: not the norms nor the relative position
+    tables, which ``--frozen_dtype=bfloat16`` keeps float32 (``store_frozen_in_bf16``)."""
+    return sum(numel(shape) for name, shape in entries if len(shape) == 2 and name != "relative_attention_bias")
 
 
 def frozen_matrix_elements(cfg: TrainConfig, shapes: dict) -> int:
-    """Elements of the frozen weight matrices (what ``--frozen_dtype=bfloat16`` stores in bf16): in
-    SFT the shared embedding and the encoder's, with LoRA the decoder's too."""
-    if not cfg.is_finetune:
-        return 0
-    stacks = ["encoder"] + (["decoder"] if cfg.lora_r else [])
-    return numel(shapes["shared"][0]) + sum(stack_matrix_elements(shapes[name]) for name in stacks)
+    """Elements of the frozen weight matrices (what ``--frozen_dtype=bfloat16`` stores in bf16): those of
+    the parts ``frozen_parts`` names."""
+    return sum(matrix_elements(shapes[part]) for part in frozen_parts(cfg))
 
 
 def optimizer_bytes(cfg: TrainConfig, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
@@ -123,14 +198,16 @@ def lora_layer_delta(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
         return 0.0
     b, s, t = cfg.batch_size, source_len, target_len
     d, f, i = dims["d_model"], dims["d_ff"], dims["num_heads"] * dims["d_kv"]
-    reads = {  # target: the (input, tokens, width) of its self- and cross-attention / feed-forward layers
+    reads = {  # weight: the (input, tokens, width) of its self- and cross-attention / feed-forward layers
         "q": [("self_norm", t, d), ("cross_norm", t, d)], "k": [("self_norm", t, d), ("encoder", s, d)],
         "v": [("self_norm", t, d), ("encoder", s, d)], "o": [("self_o", t, i), ("cross_o", t, i)],
-        "wi": [("ff_norm", t, d)], "wo": [("ff_act", t, f)]}
+        "wi": [("ff_norm", t, d)], "wi_0": [("ff_norm", t, d)], "wi_1": [("ff_norm", t, d)], "wo": [("ff_act", t, f)]}
+    gated = dims["gated"]
+    names = {n for name in cfg.lora_targets for n in (("wi_0", "wi_1") if name == "wi" and gated else (name,))}
     if cfg.lora_dropout:
-        kept = sum(2 * tokens * width for name in cfg.lora_targets for _, tokens, width in reads[name])
+        kept = sum(2 * tokens * width for name in names for _, tokens, width in reads[name])
     else:
-        inputs = {key: tokens * width for name in cfg.lora_targets for key, tokens, width in reads[name]}
+        inputs = {key: tokens * width for name in names for key, tokens, width in reads[name]}
         inputs.pop("encoder", None)  # the encoder output: already counted once (activation_bytes' encoder_out)
         kept = sum(inputs.values())
     return b * kept - b * t * (f + 7 * d + 2 * i)
@@ -140,12 +217,16 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
                      target_tokens: int | None = None) -> dict:
     """Bytes saved for backward (and live at the backward peak) for one micro-batch padded to these
     lengths; logits exist only at its ``target_tokens`` real target positions (default: all).
-    ``decoder_block``: one decoder block's activations (what its backward, or recomputation, holds)."""
+    ``decoder_block``: one decoder block's activations (what its backward, or recomputation, holds);
+    ``logits_grad``: the logits' float gradient, what is left of them when the output layer's weight
+    gradient is made."""
     b, s, t = cfg.batch_size, source_len, target_len
     d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
     # On a GPU bf16 halves the matmul outputs (not norms / softmax); CPU autocast measured no saving.
     width = 2.4 if cfg.mixed_precision == "bf16" and device == "gpu" else 4
-    block = 8 * d + 4 * i + 3.25 * f  # per token: norms, q k v o, feed-forward, dropout masks
+    gated = dims["gated"]
+    ff = (FF_SAVED + (GATED_FF_SAVED if gated else 0)) * f
+    block = 8 * d + 4 * i + ff  # per token: norms, q k v o, feed-forward, dropout masks
     # Attention keeps 3 values per head and (query, key) pair (softmax output, dropout output and its
     # batched-matmul copy; counted with saved-tensor hooks), and the backward of one layer holds
     # ATTENTION_GRADS more of them at a time.
@@ -157,8 +238,9 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     attention_grads = ATTENTION_GRADS * b * h * max(t * (t + s), 0 if frozen_encoder else s * s) * 4
     encoder_saved = 0 if frozen_encoder else enc_layer * n_enc
     # A frozen encoder runs under no_grad, one row at a time (frozen_encoder_states): only one layer's
-    # scores and softmax, feed-forward and a few hidden states of one row are alive at once.
-    frozen_pass = s * (2 * h * s + 2 * f + 6 * d) * width
+    # scores and softmax, feed-forward (a gated one: wi_0's output, the activation's temporaries, wi_1's
+    # output and their product) and a few hidden states of one row are alive at once.
+    frozen_pass = s * (2 * h * s + (4 if gated else 2) * f + 6 * d) * width
     encoder_peak = frozen_pass if frozen_encoder and cfg.encoder_cache == "off" else 0
     if cfg.gradient_checkpointing:  # each block keeps its input; one block is recomputed at a time
         encoder_saved = 0 if frozen_encoder else b * s * d * 4 * n_enc + enc_layer
@@ -169,8 +251,8 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     logits = positions * dims["vocab_size"] * (4 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
     encoder_out = b * s * d * 4
     return {"activations": encoder_saved + decoder_saved + encoder_peak + encoder_out + attention_grads,
-            "logits": logits, "encoder_saved": encoder_saved, "decoder_saved": decoder_saved,
-            "decoder_block": dec_layer}
+            "logits": logits, "logits_grad": positions * dims["vocab_size"] * 4, "encoder_saved": encoder_saved,
+            "decoder_saved": decoder_saved, "decoder_block": dec_layer}
 
 
 def batch_cost(cfg: TrainConfig, dims: dict, device: str):
