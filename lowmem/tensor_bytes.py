@@ -111,20 +111,15 @@ def lora_weights(cfg: TrainConfig, dims: dict) -> list[tuple[int, ...]]:
     Raises:
         UserError: a name that matches no linear layer of those stacks (as building the model would).
     """
-    from lowmem.modeling import lora_stacks
+    from lowmem.modeling import check_lora_targets, lora_stacks
 
     if not cfg.lora_r:
         return []
     shapes = parameter_shapes(dims)
     stacks = lora_stacks(cfg)
+    linear = {"q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"}
+    check_lora_targets(cfg, {name for stack in stacks for name, _ in shapes[stack] if name in linear})
     wanted = {name: {"wi_0", "wi_1"} if name == "wi" and dims["gated"] else {name} for name in cfg.lora_targets}
-    present = {name for stack in stacks for name, _ in shapes[stack]}
-    missing = [name for name, names in wanted.items() if not names & present]
-    if missing:
-        raise UserError(f"--lora_target_modules names {', '.join(missing)}, which this model does not have "
-                        f"(its {' and '.join(stacks)} linear layers are "
-                        f"{', '.join(n for n in ('q', 'k', 'v', 'o', 'wi', 'wi_0', 'wi_1', 'wo') if n in present)}); "
-                        "list some of those")
     names = set().union(*wanted.values())
     return [shape for stack in stacks for name, shape in shapes[stack] if name in names]
 

@@ -421,13 +421,24 @@ def test_a_recommendation_is_what_plan_predicts_for_its_flags_and_leaves_headroo
     assert planned <= 1.25 * 1024 * (1 - RECOMMEND_HEADROOM)
 
 
-def test_recommendation_stores_frozen_weights_in_bf16_only_when_it_must():
+def preset_shaped_model(folder, preset: str):
+    """A model folder holding only the config.json of a preset's shape (ReLU, tied, 8,000 rows): enough
+    for the planner, which reads the ``--init_from`` model's shape from it."""
+    from transformers import T5Config
+
+    from config import MODEL_PRESETS
+
+    T5Config(**MODEL_PRESETS[preset], vocab_size=8000).save_pretrained(folder)
+    return str(folder)
+
+
+def test_recommendation_stores_frozen_weights_in_bf16_only_when_it_must(tmp_path):
     from dataclasses import replace
 
     from lowmem import planner
 
     # with LoRA the base decoder is frozen too (the encoder cache already takes the encoder off the GPU)
-    cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "model_preset": "base", "lora_r": 8})
+    cfg, _ = load_config({"is_finetune": True, "init_from": preset_shaped_model(tmp_path, "base"), "lora_r": 8})
     lengths = {"max_source": 128, "max_target": 128, "mean_source": 60, "row_bytes": 500, "rows": 1000,
                "pairs": [(128, 128)] * 1000}
 
@@ -443,12 +454,12 @@ def test_recommendation_stores_frozen_weights_in_bf16_only_when_it_must():
     assert tight["flags"]["frozen_dtype"] == "bfloat16" and tight["flags"]["mixed_precision"] == "bf16"
 
 
-def test_recommendation_takes_the_encoder_cache_for_speed_only_when_rows_are_read_again():
+def test_recommendation_takes_the_encoder_cache_for_speed_only_when_rows_are_read_again(tmp_path):
     from dataclasses import replace
 
     from lowmem import planner
 
-    cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "model_preset": "small"})
+    cfg, _ = load_config({"is_finetune": True, "init_from": preset_shaped_model(tmp_path, "small")})
     lengths = {"max_source": 64, "max_target": 64, "mean_source": 40, "row_bytes": 300, "rows": 3200,
                "pairs": [(64, 64)] * 1000}
 
