@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from config import MODEL_PRESETS, TrainConfig, UserError
+from config import MODEL_PRESETS, TrainConfig
 from lowmem.model_source import model_folder_config
 
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
