@@ -2,7 +2,8 @@
 
 Resolution order: dataclass defaults -> optional YAML file (``--config=FILE.yaml``) -> CLI flags ->
 run-dependent defaults (output folders, shipped data) -> low-memory caps -> one validation pass that
-collects every problem and raises a single ``UserError``.
+collects every problem and raises a single ``UserError``. Reading the YAML file and the flags, and
+the ``--help`` listing, live in ``lowmem.flags`` (``load_config``).
 
 Each field's ``help`` says what it does and, where it matters, which way saves memory.
 Runtime state (step, examples seen, ...) never lives here: see ``trainer_low_mem.TrainState``.
@@ -11,11 +12,9 @@ Runtime state (step, examples seen, ...) never lives here: see ``trainer_low_mem
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import json
 import math
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,7 +159,8 @@ class TrainConfig:
     memory_profile: str | None = _f(None, "A named set of the flags below for a budget: "
                                           + ", ".join(MEMORY_PROFILES) + ". Explicit flags win over it.")
     gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward. True saves most "
-                                             "activation memory for about 20-60% more time on the CPU.")
+                                             "activation memory for more step time (each block's forward runs "
+                                             "twice).")
     optimizer: str = _f("adafactor", "adafactor (factored second moments: the smallest state), adamw (2 x weights "
                                      "of state) or adamw8bit (bitsandbytes, pip install .[gpu]: 1/4 of adamw).")
     lora_r: int = _f(0, "LoRA rank (0 = off; peft, pip install .[gpu]). Only adapters get gradients and "
@@ -174,8 +174,8 @@ class TrainConfig:
     encoder_cache: str = _f("off", "SFT only: compute the frozen encoder's outputs once per example and train "
                                    "the decoder from them. off, disk (OUTPUT_DIR/encoder_cache), memory (the "
                                    "same file read into RAM) or auto (memory when small). Saves the encoder's "
-                                   "compute, activations and, on a GPU, its weights: small's step takes ~0.8x "
-                                   "with prompts as long as the answers, ~0.7x with prompts 4x longer.")
+                                   "compute (the more, the longer the prompts), activations and, on a GPU, its "
+                                   "weights.")
     encoder_cache_dtype: str = _f("float32", "Storage of the encoder cache: float32 (the compute dtype: "
                                              "training matches the uncached run), bfloat16 or float16 (half the "
                                              "disk and RAM).")
@@ -204,6 +204,10 @@ class TrainConfig:
     # --- generate ---
     prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.")
     max_new_tokens: int = _f(64, "Longest generated answer (generate).")
+    no_repeat_ngram_size: int = _f(0, "generate: no n-gram of this size appears twice in an answer (0: off); "
+                                      "against degenerate repetition")
+    repetition_penalty: float = _f(1.0, "generate: divide the score of tokens already in the answer by this "
+                                        "(1.0: off; 1.2 is a common choice)")
 
     max_bad_rows_fraction: float = _f(0.01, "Abort when more than this fraction of the training rows are bad "
                                             "(malformed, missing or empty prompt/response); they are skipped and "
@@ -287,13 +291,15 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1 (got {getattr(self, name)})")
         for name in ["shuffle_buffer_size", "eval_steps", "save_steps", "warmup_steps", "weight_decay",
-                     "max_grad_norm", "max_rss_gb"]:
+                     "max_grad_norm", "max_rss_gb", "no_repeat_ngram_size"]:
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must not be negative (got {getattr(self, name)})")
         if not 0 <= self.max_bad_rows_fraction <= 1:
             problems.append(f"--max_bad_rows_fraction must be in [0, 1] (got {self.max_bad_rows_fraction})")
         if self.learn_rate <= 0:
             problems.append(f"--learn_rate must be positive (got {self.learn_rate})")
+        if self.repetition_penalty <= 0:
+            problems.append(f"--repetition_penalty must be positive (got {self.repetition_penalty})")
         if not 0 <= self.dropout_rate < 1:
             problems.append(f"--dropout_rate must be in [0, 1) (got {self.dropout_rate})")
         if not 0 <= self.seed < 2**32:
@@ -406,138 +412,3 @@ def installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # ValueError: a module blocked in sys.modules
         return False
-
-
-FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_HINTS = typing.get_type_hints(TrainConfig)
-
-
-def to_bool(name: str, value) -> bool:
-    """A CLI/YAML value of the boolean flag ``name`` (True/False, true/false, 1/0, yes/no)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-        return value.lower() in ("true", "1", "yes")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise UserError(f"--{name} expects True or False (got {value!r})")
-
-
-def text_flags() -> set[str]:
-    """The flags whose values are text: the command line passes them on verbatim (fire would read
-    "hello, world" as a tuple and "1e3" as a number)."""
-    return {name for name, hint in _HINTS.items() if str in (hint, *typing.get_args(hint))}
-
-
-def _convert(name: str, value):
-    """Convert a CLI/YAML value to the declared type of field ``name``; raise UserError if it cannot."""
-    hint = _HINTS[name]
-    optional = type(None) in typing.get_args(hint)
-    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
-        if optional:
-            return None
-        raise UserError(f"--{name} needs a value")
-    if base is bool:
-        return to_bool(name, value)
-    if base is int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise UserError(f"--{name} expects an integer (got {value!r})")
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise UserError(f"--{name} expects an integer (got {value!r})") from None
-    if base is float:
-        if isinstance(value, bool):
-            raise UserError(f"--{name} expects a number (got {value!r})")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"--{name} expects a number (got {value!r})") from None
-    if isinstance(value, (list, tuple)):  # fire reads "a,b" as a tuple; text options keep the commas
-        return ",".join(str(v) for v in value)
-    if isinstance(value, dict):
-        raise UserError(f"--{name} expects text (got {value!r})")
-    return str(value)
-
-
-def unknown_flag_message(name: str, where: str = "flag") -> str:
-    close = difflib.get_close_matches(name, FIELDS, n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else "; see --help"
-    return f"unknown {where} --{name}{hint}"
-
-
-def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig, list[str]]:
-    """Build the resolved config from a YAML file and CLI flags.
-
-    Returns:
-        The validated config and the notes to log (caps applied).
-
-    Raises:
-        UserError: listing every problem found.
-    """
-    values: dict = {}
-    problems: list[str] = []
-    if yaml_path:
-        values.update(_read_yaml(yaml_path))
-    values.update({k.replace("-", "_"): v for k, v in flags.items()})
-    converted = {}
-    for name, value in values.items():
-        if name not in FIELDS:
-            problems.append(unknown_flag_message(name))
-            continue
-        try:
-            converted[name] = _convert(name, value)
-        except UserError as err:
-            problems.append(str(err))
-    if problems:
-        raise UserError("; ".join(problems))
-    notes = []
-    profile = converted.get("memory_profile")
-    if profile in MEMORY_PROFILES:  # an unknown name is reported by validate()
-        for name, value in MEMORY_PROFILES[profile].items():
-            if name in converted and converted[name] != value:
-                notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
-                             f"wins over the profile's {value!r}")
-            converted.setdefault(name, value)
-    cfg = TrainConfig(**converted)
-    cfg.resolve_defaults()
-    notes += cfg.apply_caps()
-    cfg.validate()
-    notes += [f"note: --{name} has no effect {why}" for name, why in cfg.unused_flags() if name in converted]
-    return cfg, notes
-
-
-def _read_yaml(path: str) -> dict:
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--config file {path} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"--config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"--config file {path} must hold a mapping of option: value")
-    return data
-
-
-def help_text() -> str:
-    """The ``--help`` listing: every option with its type, default and help."""
-    lines = ["t5-lowmem: low-memory T5 pretraining and SFT.", "",
-             "usage: python train_low_mem.py COMMAND [--option=value ...] [--config=FILE.yaml]", "",
-             "commands: train, plan, evaluate, generate, train_tokenizer, prepare, plot", "",
-             "prepare takes --train_file and --prepared_dir (default runs/prepared): token-id parquet shards that "
-             "train reads with --train_file=PREPARED_DIR", "",
-             "plan also takes --json (one JSON object), --budget_gb=X (GiB) and --device=cpu|gpu (recommend modes)", "",
-             "plot takes --output_dir=RUN and --plot_dir (default RUN/plots): PNG charts of RUN/metrics.jsonl", "",
-             "options:"]
-    for f in dataclasses.fields(TrainConfig):
-        hint = _HINTS[f.name]
-        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-        lines.append(f"  --{f.name} ({base.__name__}, default {f.default!r})")
-        lines.append(f"      {f.metadata['help']}")
-    lines.append("  --config (str)")
-    lines.append("      YAML file of option: value pairs; CLI flags override it.")
-    return "\n".join(lines)

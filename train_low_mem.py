@@ -23,8 +23,9 @@ from pathlib import Path
 if not sys.stderr.isatty():  # progress bars (weights written, files fetched) only where someone watches
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from config import SHIPPED_CORPORA, UserError, load_config, to_bool  # noqa: E402
+from config import SHIPPED_CORPORA, UserError  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
+from lowmem.flags import load_config, to_bool  # noqa: E402
 from lowmem.model_source import model_folder_config  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def mark_run_started(cfg) -> None:
     """Leave OUTPUT_DIR/.started so ``--is_keep_training`` knows a run began there (once its data
     paths and SFT's model folder resolve: a typo in them should not leave a run folder behind), in a
     folder that is new, empty or a run's: the trainer's check refuses any other, saying why."""
-    from data.sources import resolve_files  # light: datasets is imported only when reading
+    from data.sources import resolve_files  # light: pyarrow is imported only when reading
     from lowmem.ownership import claim_folder, is_run_folder
 
     if cfg.is_keep_training:
@@ -78,7 +79,7 @@ def plan(config: str | None = None, **flags) -> None:
     """Predicted peak memory by component (--json: one JSON object); --budget_gb=X --device=cpu|gpu
     recommends the fastest modes that fit (exit code 1 when nothing does); --num_processes=N
     [--num_machines=M] plans N processes."""
-    from lowmem.planner import plan_command
+    from lowmem.plan_command import plan_command
 
     as_json = to_bool("json", flags.pop("json", False))
     budget_gb, device = flags.pop("budget_gb", None), flags.pop("device", None)

@@ -69,10 +69,10 @@ def corpora(folder: Path, extra: list[str], turns: list[int]) -> dict[str, list[
 
 def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", precision: str = "no",
             seed: int = 0) -> dict:
-    from config import load_config
     from data.collate import Seq2SeqCollator, shape_multiple
     from data.sources import Example
     from data.tokenization import load_tokenizer
+    from lowmem.flags import load_config
     from lowmem.modeling import (
         build_model,
         build_optimizer,

@@ -64,8 +64,8 @@ def build(options):
     """(tokenizer, model) exactly as the trainer builds them for the preset, seeded the same way."""
     from transformers import set_seed
 
-    from config import load_config
     from data.tokenization import load_tokenizer
+    from lowmem.flags import load_config
     from lowmem.modeling import build_model
 
     set_seed(options.seed)  # the trainer seeds before building the model: same initial weights

@@ -74,7 +74,7 @@ def operators(flags: list[str], rows: int) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from config import load_config
+    from lowmem.flags import load_config
     from trainer_low_mem import LowMemTrainer
 
     options = dict(f.lstrip("-").split("=", 1) for f in flags)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import MEMORY_PROFILES, MODEL_PRESETS, SHIPPED_TOKENIZER_DIR, load_config  # noqa: E402
+from config import MEMORY_PROFILES, MODEL_PRESETS, SHIPPED_TOKENIZER_DIR  # noqa: E402
 from data.tokenization import load_tokenizer  # noqa: E402
-from lowmem import planner  # noqa: E402
+from lowmem import plan_command, planner  # noqa: E402
+from lowmem.flags import load_config  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
             else:
                 cells.append(f"{plan['gpu_peak_mb'] / 1024:.1f} GB GPU (+{plan['host_peak_mb'] / 1024:.1f} host)")
         shown = ", ".join(f"`{k}={v}`" for k, v in flags.items())
-        print(f"| `{name}` | {shown} | {' | '.join(cells)} | {planner.relative_time(cfg, device):.2f} |")
+        print(f"| `{name}` | {shown} | {' | '.join(cells)} | {plan_command.relative_time(cfg, device):.2f} |")
 
 
 if __name__ == "__main__":

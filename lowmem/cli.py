@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from config import UserError, help_text, text_flags
+from config import UserError
+from lowmem.flags import help_text, text_flags
 
 
 def verbatim_text(argv: list[str]) -> list[str]:

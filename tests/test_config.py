@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 from conftest import run_cli
 
-from config import LOW_MEMORY_CAPS, TrainConfig, UserError, help_text, load_config
+from config import LOW_MEMORY_CAPS, TrainConfig, UserError
+from lowmem.flags import help_text, load_config
 
 
 def test_values_are_converted_to_declared_types():
@@ -57,6 +58,20 @@ def test_low_memory_defaults():
 def test_invalid_values_are_refused(flags, fragment):
     with pytest.raises(UserError, match=fragment):
         load_config(flags)
+
+
+def test_generation_options_are_off_by_default_and_validated():
+    cfg, _ = load_config({})
+    assert (cfg.no_repeat_ngram_size, cfg.repetition_penalty) == (0, 1.0)
+    cfg, _ = load_config({"no_repeat_ngram_size": "3", "repetition_penalty": "1.2"})
+    assert (cfg.no_repeat_ngram_size, cfg.repetition_penalty) == (3, 1.2)
+    with pytest.raises(UserError) as err:
+        load_config({"no_repeat_ngram_size": -1, "repetition_penalty": 0})
+    message = str(err.value)  # both problems in one error
+    assert "--no_repeat_ngram_size must not be negative (got -1)" in message
+    assert "--repetition_penalty must be positive (got 0.0)" in message
+    with pytest.raises(UserError, match="--repetition_penalty must be positive"):
+        load_config({"repetition_penalty": -1.5})
 
 
 def test_sft_and_pretraining_default_to_different_folders():

@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
 
-from config import MEMORY_PROFILES, installed, load_config
+from config import MEMORY_PROFILES, installed
+from lowmem.flags import load_config
 
 FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5"]
 
@@ -406,7 +407,7 @@ def test_plan_json_table_and_recommendation(tmp_path):
 
 @pytest.mark.skipif(not installed("bitsandbytes"), reason="the search tries adamw8bit only with bitsandbytes")
 def test_a_recommendation_is_what_plan_predicts_for_its_flags_and_leaves_headroom():
-    from lowmem.planner import RECOMMEND_HEADROOM
+    from lowmem.plan_command import RECOMMEND_HEADROOM
 
     # small with Adafactor plans ~910 MiB and with 8-bit AdamW ~1,050: 1.25 GiB lets the search pick adamw8bit,
     # whose bitsandbytes import (not in an Adafactor run's baseline) must be counted in its peak
@@ -435,7 +436,7 @@ def preset_shaped_model(folder, preset: str):
 def test_recommendation_stores_frozen_weights_in_bf16_only_when_it_must(tmp_path):
     from dataclasses import replace
 
-    from lowmem import planner
+    from lowmem import plan_command, planner
 
     # with LoRA the base decoder is frozen too (the encoder cache already takes the encoder off the GPU)
     cfg, _ = load_config({"is_finetune": True, "init_from": preset_shaped_model(tmp_path, "base"), "lora_r": 8})
@@ -448,29 +449,30 @@ def test_recommendation_stores_frozen_weights_in_bf16_only_when_it_must(tmp_path
         return planner.predict(lean, 8000, lengths, 300.0, "gpu")["gpu_peak_mb"]
 
     assert peak("bfloat16") < peak("float32") - 150  # the base decoder's matrices: 2 x ~100M bytes less
-    roomy = planner.recommend(cfg, 80, "gpu", 8000, lengths, 300.0)
+    roomy = plan_command.recommend(cfg, 80, "gpu", 8000, lengths, 300.0)
     assert roomy["flags"]["frozen_dtype"] == "float32"
-    tight = planner.recommend(cfg, (peak("bfloat16") + peak("float32")) / 2 / 1024, "gpu", 8000, lengths, 300.0)
+    tight = plan_command.recommend(cfg, (peak("bfloat16") + peak("float32")) / 2 / 1024, "gpu", 8000, lengths, 300.0)
     assert tight["flags"]["frozen_dtype"] == "bfloat16" and tight["flags"]["mixed_precision"] == "bf16"
 
 
 def test_recommendation_takes_the_encoder_cache_for_speed_only_when_rows_are_read_again(tmp_path):
     from dataclasses import replace
 
-    from lowmem import planner
+    from lowmem import plan_command
 
     cfg, _ = load_config({"is_finetune": True, "init_from": preset_shaped_model(tmp_path, "small")})
     lengths = {"max_source": 64, "max_target": 64, "mean_source": 40, "row_bytes": 300, "rows": 3200,
                "pairs": [(64, 64)] * 1000}
 
     def cache(**changes):  # a roomy GPU: memory decides nothing, speed over the whole run does
-        return planner.recommend(replace(cfg, **changes), 80, "gpu", 8000, lengths, 300.0)["flags"]["encoder_cache"]
+        rec = plan_command.recommend(replace(cfg, **changes), 80, "gpu", 8000, lengths, 300.0)
+        return rec["flags"]["encoder_cache"]
 
     # encoding every row once costs what the encoder takes in one epoch's steps: no gain in one pass
-    assert planner.reads_per_row(cfg, lengths["rows"]) == 1.0
+    assert plan_command.reads_per_row(cfg, lengths["rows"]) == 1.0
     assert cache() == "off" and cache(max_steps=20) == "off"  # 20 steps of 32 read 640 of the 3,200 rows
     assert cache(epochs=3) == "auto" and cache(max_steps=300) == "auto"
-    assert planner.reads_per_row(replace(cfg, epochs=3), lengths["rows"], world=2) == 3.0
+    assert plan_command.reads_per_row(replace(cfg, epochs=3), lengths["rows"], world=2) == 3.0
 
 
 def test_plan_counts_the_rows_to_weigh_the_encoder_cache(tmp_path, pretrained):
@@ -701,7 +703,7 @@ def test_trim_heap_returns_freed_memory():
 
 
 def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
-    from lowmem import planner
+    from lowmem import plan_batches, planner
 
     lengths = {"max_source": 50, "max_target": 20, "mean_source": 40, "row_bytes": 500, "rows": 1000,
                "pairs": [(40, 20)] * 1000}
@@ -723,9 +725,9 @@ def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
     rows = [{"prompt": f"question {i} " * 5, "response": f"answer {i}"} for i in range(777)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     write_rows(tmp_path / "d.jsonl", rows)
-    assert planner.estimated_rows([tmp_path / "d.parquet"], 1e6, ("prompt", "response")) == 777
-    estimated = planner.estimated_rows([tmp_path / "d.jsonl"], sum(len(r["prompt"]) + len(r["response"]) for r in rows)
-                                       / 777, ("prompt", "response"))
+    assert plan_batches.estimated_rows([tmp_path / "d.parquet"], 1e6, ("prompt", "response")) == 777
+    mean_row = sum(len(r["prompt"]) + len(r["response"]) for r in rows) / 777
+    estimated = plan_batches.estimated_rows([tmp_path / "d.jsonl"], mean_row, ("prompt", "response"))
     assert estimated == pytest.approx(777, rel=0.05)
 
 

@@ -11,8 +11,9 @@ import torch
 from conftest import run_cli
 from t5_family import FAMILIES
 
-from config import SHIPPED_CORPORA, UserError, load_config
+from config import SHIPPED_CORPORA, UserError
 from data.tokenization import load_tokenizer
+from lowmem.flags import load_config
 
 FREEZES = ("encoder", "embeddings", "none")
 GATED = ("flan", "v1_1", "mt5", "umt5", "byt5")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import synthetic_rows, write_rows
 
-from config import load_config
 from data.stream import take_examples
+from lowmem.flags import load_config
 from trainer_low_mem import LowMemTrainer, build_model, target_index, token_loss_sum
 
 COLS = ("prompt", "response")

@@ -1,0 +1,150 @@
+"""Command-line and YAML values into a ``TrainConfig``: type conversion, unknown flags with a
+suggestion, the YAML file, the profile's flags, then the config's own resolution and validation;
+and the ``--help`` listing.
+
+    from lowmem.flags import load_config
+    cfg, notes = load_config({"epochs": "3"}, "run.yaml")   # flags win over the YAML file
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+
+from config import MEMORY_PROFILES, TrainConfig, UserError
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def to_bool(name: str, value) -> bool:
+    """A CLI/YAML value of the boolean flag ``name`` (True/False, true/false, 1/0, yes/no)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise UserError(f"--{name} expects True or False (got {value!r})")
+
+
+def text_flags() -> set[str]:
+    """The flags whose values are text: the command line passes them on verbatim (fire would read
+    "hello, world" as a tuple and "1e3" as a number)."""
+    return {name for name, hint in _HINTS.items() if str in (hint, *typing.get_args(hint))}
+
+
+def _convert(name: str, value):
+    """Convert a CLI/YAML value to the declared type of field ``name``; raise UserError if it cannot."""
+    hint = _HINTS[name]
+    optional = type(None) in typing.get_args(hint)
+    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise UserError(f"--{name} needs a value")
+    if base is bool:
+        return to_bool(name, value)
+    if base is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise UserError(f"--{name} expects an integer (got {value!r})")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise UserError(f"--{name} expects an integer (got {value!r})") from None
+    if base is float:
+        if isinstance(value, bool):
+            raise UserError(f"--{name} expects a number (got {value!r})")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"--{name} expects a number (got {value!r})") from None
+    if isinstance(value, (list, tuple)):  # fire reads "a,b" as a tuple; text options keep the commas
+        return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        raise UserError(f"--{name} expects text (got {value!r})")
+    return str(value)
+
+
+def unknown_flag_message(name: str, where: str = "flag") -> str:
+    close = difflib.get_close_matches(name, FIELDS, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else "; see --help"
+    return f"unknown {where} --{name}{hint}"
+
+
+def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig, list[str]]:
+    """Build the resolved config from a YAML file and CLI flags.
+
+    Returns:
+        The validated config and the notes to log (caps applied).
+
+    Raises:
+        UserError: listing every problem found.
+    """
+    values: dict = {}
+    problems: list[str] = []
+    if yaml_path:
+        values.update(_read_yaml(yaml_path))
+    values.update({k.replace("-", "_"): v for k, v in flags.items()})
+    converted = {}
+    for name, value in values.items():
+        if name not in FIELDS:
+            problems.append(unknown_flag_message(name))
+            continue
+        try:
+            converted[name] = _convert(name, value)
+        except UserError as err:
+            problems.append(str(err))
+    if problems:
+        raise UserError("; ".join(problems))
+    notes = []
+    profile = converted.get("memory_profile")
+    if profile in MEMORY_PROFILES:  # an unknown name is reported by validate()
+        for name, value in MEMORY_PROFILES[profile].items():
+            if name in converted and converted[name] != value:
+                notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
+                             f"wins over the profile's {value!r}")
+            converted.setdefault(name, value)
+    cfg = TrainConfig(**converted)
+    cfg.resolve_defaults()
+    notes += cfg.apply_caps()
+    cfg.validate()
+    notes += [f"note: --{name} has no effect {why}" for name, why in cfg.unused_flags() if name in converted]
+    return cfg, notes
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--config file {path} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"--config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config file {path} must hold a mapping of option: value")
+    return data
+
+
+def help_text() -> str:
+    """The ``--help`` listing: every option with its type, default and help."""
+    lines = ["t5-lowmem: low-memory T5 pretraining and SFT.", "",
+             "usage: python train_low_mem.py COMMAND [--option=value ...] [--config=FILE.yaml]", "",
+             "commands: train, plan, evaluate, generate, train_tokenizer, prepare, plot", "",
+             "prepare takes --train_file and --prepared_dir (default runs/prepared): token-id parquet shards that "
+             "train reads with --train_file=PREPARED_DIR", "",
+             "plan also takes --json (one JSON object), --budget_gb=X (GiB) and --device=cpu|gpu (recommend modes)", "",
+             "plot takes --output_dir=RUN and --plot_dir (default RUN/plots): PNG charts of RUN/metrics.jsonl", "",
+             "options:"]
+    for f in dataclasses.fields(TrainConfig):
+        hint = _HINTS[f.name]
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        lines.append(f"  --{f.name} ({base.__name__}, default {f.default!r})")
+        lines.append(f"      {f.metadata['help']}")
+    lines.append("  --config (str)")
+    lines.append("      YAML file of option: value pairs; CLI flags override it.")
+    return "\n".join(lines)
