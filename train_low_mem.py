@@ -59,8 +59,8 @@ def mark_run_started(cfg) -> None:
     """Leave OUTPUT_DIR/.started so ``--is_keep_training`` knows a run began there (once its data
     paths and SFT's model folder resolve: a typo in them should not leave a run folder behind), in a
     folder that is new, empty or a run's: the trainer's check refuses any other, saying why."""
+    from data.ownership import claim_folder, is_run_folder
     from data.sources import resolve_files  # light: pyarrow is imported only when reading
-    from lowmem.ownership import claim_folder, is_run_folder
 
     if cfg.is_keep_training:
         return
@@ -99,25 +99,25 @@ def plan(config: str | None = None, **flags) -> None:
 
 def evaluate(config: str | None = None, **flags) -> dict:
     """Eval loss and BLEU of --init_from (default: OUTPUT_DIR/best) on --eval_file."""
-    from trainer_low_mem import LowMemTrainer
+    from lowmem.evaluation import load_saved_model
 
     cfg, _ = load_config(flags, config)
-    trainer = LowMemTrainer(cfg).setup_inference()
-    result = trainer.evaluate()
+    saved = load_saved_model(cfg)
+    result = saved.evaluate()
     where = cfg.eval_file or f"the rows held out of --train_file={cfg.train_file}"
-    return {**result, "eval_file": where} if trainer.main else None
+    return {**result, "eval_file": where} if saved.main else None
 
 
 def generate(config: str | None = None, **flags) -> None:
     """Answer --prompt (or the first eval prompts) with --init_from (default: OUTPUT_DIR/best)."""
-    from trainer_low_mem import LowMemTrainer
+    from lowmem.evaluation import load_saved_model
 
     cfg, _ = load_config(flags, config)
     if cfg.prompt is not None and not cfg.prompt.strip():
         raise UserError("--prompt is empty: give the text to answer, or leave --prompt out to answer eval prompts")
-    trainer = LowMemTrainer(cfg).setup_inference()
-    prompts = [cfg.prompt] if cfg.prompt else [e.prompt for e in trainer.eval_examples[:5]]
-    for prompt, answer in zip(prompts, trainer.generate(prompts)):
+    saved = load_saved_model(cfg)
+    prompts = [cfg.prompt] if cfg.prompt else [e.prompt for e in saved.eval_examples[:5]]
+    for prompt, answer in zip(prompts, saved.generate(prompts)):
         print(f"{prompt}  ->  {answer}")
 
 

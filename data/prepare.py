@@ -18,9 +18,9 @@ import shutil
 from pathlib import Path
 
 from config import UserError
-from data.readers import MANIFEST, TOKEN_COLUMNS
+from data.ownership import MARKERS, check_folder, claim_folder, remove_ours
+from data.readers import MANIFEST, TOKEN_COLUMNS, manifest_of
 from data.sources import DataProblems, iter_rows, too_many_bad_rows
-from lowmem.ownership import MARKERS, check_folder, claim_folder, remove_ours
 
 GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
 SHARD_ROWS = 100_000  # rows per shard: several shards let each epoch visit them in a new order
@@ -45,14 +45,6 @@ def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
                        max_bad_fraction=cfg.max_bad_rows_fraction)
     return {"prepared_dir": str(out_dir), "rows": manifest["rows"], "tokens": manifest["tokens"],
             "shards": len(manifest["shards"]), "bad_rows": manifest["bad_rows"]}
-
-
-def manifest_of(files: list[Path]) -> dict | None:
-    """The manifest when ``files`` are the shards of one prepared folder, else None."""
-    folders = {f.parent for f in files}
-    if len(folders) != 1 or not (next(iter(folders)) / MANIFEST).is_file():
-        return None
-    return json.loads((next(iter(folders)) / MANIFEST).read_text(encoding="utf-8"))
 
 
 def check_manifest(manifest: dict, tokenizer_sha1: str, max_source_len: int, max_target_len: int) -> None:

@@ -81,6 +81,14 @@ def file_kind(path: Path) -> str:
     return suffix.lstrip(".")
 
 
+def manifest_of(files: list[Path]) -> dict | None:
+    """The manifest when ``files`` are the shards of one prepared folder, else None."""
+    folders = {f.parent for f in files}
+    if len(folders) != 1 or not (next(iter(folders)) / MANIFEST).is_file():
+        return None
+    return json.loads((next(iter(folders)) / MANIFEST).read_text(encoding="utf-8"))
+
+
 def index_file(path: Path) -> FileIndex:
     """Count the rows of one file and record seek points; streams the file once, never holds it."""
     kind = file_kind(path)

@@ -13,14 +13,15 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
 
 from config import UserError, saved_json
+from data.ownership import MARKERS, check_folder, claim_folder, remove_ours
 from data.sources import iter_rows
-from lowmem.ownership import MARKERS, check_folder, claim_folder, remove_ours
 
 EXTRA_IDS = 100
 MIN_PIECES = 3 + 256  # pad, eos, unk and the byte-fallback pieces: any vocabulary needs these
@@ -161,6 +162,9 @@ def load_tokenizer(path: str | Path):
     """Load a tokenizer folder offline."""
     from transformers import AutoTokenizer
 
+    if (Path(path) / "spiece.model").is_file() and not (Path(path) / "tokenizer.json").is_file():
+        _check_protobuf(path)
+
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except ValueError:
@@ -171,3 +175,41 @@ def load_tokenizer(path: str | Path):
         from transformers import T5Tokenizer
 
         return T5Tokenizer.from_pretrained(str(path))
+
+
+def tokenizer_for_run(cfg, folder: Path, files, is_main: bool = True, wait=lambda: None, say=print):
+    """The tokenizer a training run uses: the one in ``folder`` (``--tokenizer_dir``, or the
+    ``--init_from`` model's own), else one trained there on the training files by the main process
+    (``wait``: every process waits for it). ``files``: the run's ``data.pipeline.DataFiles``.
+
+    Raises:
+        UserError: a fine-tuned model or a prepared corpus needs the tokenizer it was made with.
+    """
+    if has_tokenizer(folder):
+        return load_tokenizer(folder)
+    if cfg.init_from:
+        raise UserError(f"no tokenizer in --tokenizer_dir={folder}; pass the folder of the tokenizer the "
+                        f"--init_from model was trained with (or leave --tokenizer_dir out to use its own)")
+    if files.prepared:
+        raise UserError(f"no tokenizer in --tokenizer_dir={folder}; pass the one the corpus was prepared with "
+                        f"({files.prepared['tokenizer_dir']})")
+    say(f"no tokenizer in {folder}: training one on {cfg.train_file}")
+    if is_main:
+        train_tokenizer(files.train, folder, (cfg.prompt_column, cfg.response_column), cfg.vocab_size,
+                        cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
+    wait()
+    tokenizer = load_tokenizer(folder)
+    shortfall = vocab_shortfall(tokenizer, cfg.vocab_size)
+    if shortfall:
+        say(shortfall)
+    return tokenizer
+
+
+def _check_protobuf(path) -> None:
+    """transformers reads a sentencepiece model alone (t5-v1_1, mT5) through protobuf: without it one
+    line, not the traceback of a conversion (an install with --no-deps, or a trimmed environment)."""
+    try:
+        import google.protobuf  # noqa: F401
+    except ImportError:
+        raise UserError(f"{path} has a sentencepiece model (spiece.model) and no tokenizer.json: reading it "
+                        "needs protobuf; pip install protobuf") from None

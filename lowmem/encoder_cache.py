@@ -16,7 +16,7 @@ Layout of ``OUTPUT_DIR/encoder_cache/<fingerprint>/`` (one set per process):
 The fingerprint covers the encoder's weights, the tokenizer, --max_source_len, the storage dtype,
 the files (path, size, modification time) and the process layout, so any change builds a new cache
 (the old ones are removed: only folders holding nothing but cache files, see
-``lowmem.ownership``). A file rewritten under the same size and modification time (``cp -p``,
+``data.ownership``). A file rewritten under the same size and modification time (``cp -p``,
 ``rsync -t``, or two writes within the file system's clock tick) escapes the fingerprint; the
 checksum of each row's source, compared as the row is read, catches it: the run stops with a clear
 error and removes the stale cache, so the next one rebuilds it. ``disk`` reads rows with ``pread``
@@ -25,6 +25,7 @@ error and removes the stale cache, so the next one rebuilds it. ``disk`` reads r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,12 +35,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from config import UserError
+from data.ownership import MARKERS, claim_folder, remove_ours
 from data.readers import file_kind
 from data.sources import iter_rows, row_place
 from data.stream import batched
-from lowmem.ownership import MARKERS, claim_folder, remove_ours
+from lowmem.modeling import batch_to_device, frozen_encoder_states
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
            "float16": (torch.float16, torch.float16)}  # name -> (torch dtype, numpy-compatible view)
@@ -227,3 +230,64 @@ def _available_ram() -> int:
     import psutil
 
     return psutil.virtual_memory().available
+
+
+def move_encoder(core, device) -> None:
+    """The encoder's blocks to ``device`` (the shared embedding stays: the decoder reads it)."""
+    for module in (core.encoder.block, core.encoder.final_layer_norm):
+        module.to(device)
+
+
+@contextlib.contextmanager
+def encoder_on(core, device):
+    """The encoder on ``device`` for what runs inside (evaluation: the eval set is not in the cache),
+    back where it was after (off the GPU when the cache took it off)."""
+    home = core.encoder.final_layer_norm.weight.device
+    if home != device:
+        move_encoder(core, device)
+    try:
+        yield
+    finally:
+        if home != device:
+            move_encoder(core, home)
+
+
+def open_for_training(cfg, core, data, tokenizer_sha1: str, accelerator, multiple: int, reads: int, out: Path,
+                      say=print, progress: bool = False) -> EncoderCache:
+    """Build (or reuse) the frozen encoder's outputs for this process's training rows.
+
+    ``data``: the run's ``data.pipeline.TrainData``; ``reads``: the rows the run will still read (a
+    run reading none twice gains no time from the cache, which the log says).
+    """
+    files, rank, world = data.files.train, data.rank, data.world
+    columns = (cfg.prompt_column, cfg.response_column)
+    shares = [data.stream.share(i) for i in range(len(files))]
+    device = accelerator.device
+    # How the encoder runs counts too: bf16 autocast (and its padding) or not, on which device.
+    compute = f"{cfg.mixed_precision}/{device.type}/{multiple}"
+    key = fingerprint(core.encoder, tokenizer_sha1, cfg.max_source_len, cfg.encoder_cache_dtype, files, columns, world,
+                      compute, [i.rows for i in data.indexes])  # held-out eval rows are not trained on
+    rows = sum(end - start for start, end in shares)
+    pin = cfg.pin_memory and device.type == "cuda"
+
+    @torch.no_grad()
+    def encode(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen encoder's outputs for ``prompts``, exactly as the uncached training step computes them."""
+        core.encoder.eval()
+        batch = batch_to_device(data.collator.encode(prompts, cfg.max_source_len), device, multiple, pin)
+        with accelerator.autocast():
+            hidden = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple)
+        return hidden, batch["attention_mask"]
+
+    def build_into(folder: Path) -> None:
+        say(f"encoder cache: encoding {rows:,} rows into {folder}")
+        if reads <= rows:
+            say(f"encoder cache: this run reads {reads:,} of those rows, none twice; encoding costs what "
+                "the encoder would take in its steps, so the cache saves time only in runs that read rows "
+                "again (more --epochs or --max_steps); it still frees the encoder's GPU memory")
+        bar = tqdm(total=rows, desc="encoder cache", unit="row", disable=not progress)
+        build(folder, rank, files, data.indexes, shares, columns, encode, core.config.d_model,
+              cfg.encoder_cache_dtype, bar)
+        bar.close()
+
+    return open_cache(out / "encoder_cache", key, rank, cfg.encoder_cache, shares, files, build_into, say)

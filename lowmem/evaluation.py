@@ -1,8 +1,29 @@
-"""Evaluation metrics: corpus BLEU-4 through sacrebleu, and the best-model comparison."""
+"""Evaluation and generation with a model and a tokenizer: eval loss and corpus BLEU-4 (sacrebleu)
+over an eval set, answers to prompts, the best-model comparison, and loading a saved model for the
+CLI's ``evaluate`` / ``generate`` (no trainer involved; training evaluates through the same functions).
+"""
 
 from __future__ import annotations
 
 import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from config import SHIPPED_CORPORA, TrainConfig, saved_json
+from data.collate import shape_multiple
+from data.eval_set import eval_files_of, eval_split
+from data.objectives import objective_for
+from data.sources import resolve_files
+from data.stream import batched
+from data.tokenization import has_tokenizer, load_tokenizer
+from lowmem.distributed import start_accelerator
+from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
+from lowmem.modeling import batch_to_device, generation_cache, load_model, token_loss_sum
+from lowmem.telemetry import on_terminal
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 
@@ -29,3 +50,115 @@ def is_better(value: float, best: float | None, metric: str) -> bool:
     if best is None:
         return True
     return value < best if metric == "eval_loss" else value > best
+
+
+def generation_options(cfg: TrainConfig, max_new_tokens: int) -> dict:
+    """``generate``'s keyword arguments from the flags (a cache that grows per layer: transformers
+    5.24 sizes its default by the encoder's depth, which breaks models with more decoder layers)."""
+    options = {"max_new_tokens": max_new_tokens, "num_beams": cfg.num_beams, "cache": generation_cache()}
+    if cfg.no_repeat_ngram_size:
+        options["no_repeat_ngram_size"] = cfg.no_repeat_ngram_size
+    if cfg.repetition_penalty != 1.0:
+        options["repetition_penalty"] = cfg.repetition_penalty
+    return options
+
+
+@torch.no_grad()
+def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainConfig, accelerator,
+                   multiple: int = 1, progress: bool = False) -> dict:
+    """Eval loss (token-mean) and BLEU-4 of greedy/beam generations over ``examples``.
+
+    ``model`` is the prepared (wrapped) model the loss runs through, ``core`` the unwrapped one that
+    generates. Each process takes every world-th example; no collective runs inside the loop (ranks
+    may hold different numbers of batches), and predictions are gathered once as text at the end.
+    """
+    from accelerate.utils import gather_object
+
+    start = time.time()
+    model.eval()
+    loss_sum, tokens, pairs = 0.0, 0, []
+    mine = examples[accelerator.process_index::accelerator.num_processes]
+    for chunk in tqdm(list(batched(mine, cfg.eval_batch_size)), desc="eval", leave=False, disable=not progress):
+        batch = batch_to_device(collator(chunk), accelerator.device, multiple)
+        with accelerator.autocast():
+            loss_sum += float(token_loss_sum(model, core, batch, multiple=multiple))
+            generated = core.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                      **generation_options(cfg, cfg.max_target_len))
+        tokens += int(batch["labels"].ne(-100).sum())
+        predictions = tokenizer.batch_decode(generated, skip_special_tokens=True)
+        pairs.extend(zip(predictions, [e.response for e in chunk]))
+        del batch, generated
+    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(totals, "sum")
+        pairs = gather_object(pairs)
+    return {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5),
+            "bleu": round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4),
+            "eval_examples": len(pairs), "eval_s": round(time.time() - start, 2)}
+
+
+@torch.no_grad()
+def generate_answers(core, tokenizer, collator, prompts: list[str], cfg: TrainConfig, accelerator,
+                     multiple: int = 1) -> list[str]:
+    """Answers to ``prompts``, in batches of ``--eval_batch_size``."""
+    core.eval()
+    answers = []
+    for chunk in batched(prompts, cfg.eval_batch_size):
+        batch = batch_to_device(collator.encode(chunk, cfg.max_source_len), accelerator.device, multiple)
+        with accelerator.autocast():
+            out = core.generate(**batch, **generation_options(cfg, cfg.max_new_tokens))
+        answers.extend(tokenizer.batch_decode(out, skip_special_tokens=True))
+    return answers
+
+
+@dataclass
+class SavedModel:
+    """A saved model loaded for ``evaluate`` / ``generate``, with its tokenizer and eval set."""
+
+    cfg: TrainConfig
+    accelerator: object
+    model: object  # prepared by accelerate
+    core: object  # unwrapped: generates
+    tokenizer: object
+    collator: object
+    eval_examples: list
+    multiple: int  # sequence lengths padded to a multiple of this (bf16 on the CPU)
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def evaluate(self) -> dict:
+        return evaluate_model(self.model, self.core, self.tokenizer, self.collator, self.eval_examples, self.cfg,
+                              self.accelerator, self.multiple, progress=self.main and on_terminal())
+
+    def generate(self, prompts: list[str]) -> list[str]:
+        return generate_answers(self.core, self.tokenizer, self.collator, prompts, self.cfg, self.accelerator,
+                                self.multiple)
+
+
+def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
+    """--init_from (default OUTPUT_DIR/best) with its own tokenizer (unless --tokenizer_dir names
+    one), and the eval set: --eval_file, or the rows training on --train_file held out."""
+    model_dir = Path(cfg.init_from) if cfg.init_from else Path(cfg.output_dir) / "best"
+    train_files = resolve_files(cfg.train_file, "--train_file") if cfg.eval_file is None else []
+    eval_files = eval_files_of(cfg, train_files)
+    model = load_model(model_dir)
+    model_dir = resolve_model_dir(str(model_dir))
+    accelerator = start_accelerator(cfg)
+    # The model's own tokenizer unless --tokenizer_dir names one (without --init_from it holds the
+    # shipped default, which OUTPUT_DIR/best's own wins over).
+    own = has_tokenizer(model_dir) and not (cfg.init_from and cfg.tokenizer_dir)
+    tokenizer = load_tokenizer(model_dir if own else tokenizer_folder(cfg))
+    check_vocabulary(cfg, model, tokenizer, model_dir)
+    model = accelerator.prepare(model)
+    multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
+    collator = objective_for(cfg).collator(tokenizer, multiple)
+    eval_examples, _, _ = eval_split(cfg, eval_files, train_files)
+    trained = (saved_json(model_dir / "training_info.json") or {}).get("kind")
+    shipped_eval = cfg.eval_file == str(SHIPPED_CORPORA[cfg.kind][1]) and not cfg.prompt
+    if trained in SHIPPED_CORPORA and trained != cfg.kind and shipped_eval and accelerator.is_main_process:
+        say(f"note: {model_dir} was trained by {trained}, and these are the shipped {cfg.kind} eval rows "
+            f"({cfg.eval_file}); pass --is_finetune={trained == 'sft'} for the {trained} ones")
+    return SavedModel(cfg, accelerator, model, accelerator.unwrap_model(model), tokenizer, collator, eval_examples,
+                      multiple)

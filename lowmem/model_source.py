@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from config import UserError, saved_json
-from data.tokenization import has_tokenizer
+from data.tokenization import has_tokenizer, load_tokenizer, tokenizer_sha1
 
 # model_type values of the T5 family; each loads with AutoModelForSeq2SeqLM (T5-, MT5-, UMT5ForConditionalGeneration).
 T5_FAMILY = ("t5", "mt5", "umt5")
@@ -138,3 +138,25 @@ def copy_tokenizer_files(source: Path, target: Path) -> None:
     for name in TOKENIZER_FILES:
         if (source / name).is_file() and (name in ("tokenizer.json", "spiece.model") or not (target / name).exists()):
             shutil.copyfile(source / name, target / name)
+
+
+def check_vocabulary(cfg, model, tokenizer, model_dir: Path | None = None) -> None:
+    """The tokenizer must fit the model: no id past its embedding (Google's checkpoints pad the
+    embedding past the tokenizer, 32,128 rows for 32,100 pieces: rows never produced, which is
+    fine), and it must be the one saved with the model if the model has one (a tokenizer with
+    other words would feed the model wrong ids silently).
+
+    Raises:
+        UserError: either is not so.
+    """
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise UserError(f"the tokenizer has {len(tokenizer):,} tokens but the model's embedding only "
+                        f"{rows:,} rows: ids past {rows - 1:,} have no embedding; pass the --tokenizer_dir the "
+                        "model was trained with (or leave it out to use the model's own)")
+    saved = model_dir or (resolve_model_dir(cfg.init_from) if cfg.init_from else None)
+    if saved and cfg.tokenizer_dir is not None and has_tokenizer(saved) \
+            and saved.resolve() != Path(cfg.tokenizer_dir).resolve():
+        if tokenizer_sha1(load_tokenizer(saved)) != tokenizer_sha1(tokenizer):
+            raise UserError(f"--tokenizer_dir={cfg.tokenizer_dir} is not the tokenizer saved with the model "
+                            f"{saved} (other words); leave --tokenizer_dir out to use that one")

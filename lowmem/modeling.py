@@ -301,6 +301,25 @@ def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     return warmup_schedule(optimizer, cfg.lr_scheduler, min(cfg.warmup_steps, total_steps - 1), total_steps)
 
 
+def check_init_from(cfg: TrainConfig) -> None:
+    """The --init_from model exists, and LoRA's targets are layers of it: checked before the planner and
+    the model are built (a name the model lacks is a typo to fix first)."""
+    if cfg.init_from:
+        saved = model_folder_config(cfg.init_from)
+        if cfg.lora_r:
+            check_lora_targets(cfg, linear_layer_names(saved))
+
+
+def ready_to_train(model, cfg: TrainConfig):
+    """Freeze what --freeze names, apply the memory modes (LoRA, gradient checkpointing, bf16 frozen
+    weights). Returns the model and its trainable, frozen and bf16-stored frozen parameter counts."""
+    freeze_parts(model, cfg.freeze)
+    model = apply_memory_modes(model, cfg)
+    trainable, frozen = count_parameters(model)
+    frozen_bf16 = store_frozen_in_bf16(model) if cfg.frozen_dtype == "bfloat16" else 0
+    return model, {"trainable": trainable, "frozen": frozen, "frozen_bf16": frozen_bf16}
+
+
 def target_index(labels: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     """Flat positions of the target tokens (labels != -100). Found on the host, before the batch moves
     to the GPU, this costs no device synchronisation (``nonzero`` on a CUDA tensor waits for it).
@@ -314,6 +333,14 @@ def target_index(labels: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     if extra:
         index = torch.cat([index, is_target.logical_not().nonzero().squeeze(1)[:extra]])
     return index
+
+
+def batch_to_device(batch: dict, device, multiple: int = 1, pin: bool = False) -> dict:
+    """The batch on ``device``, with its target positions found here on the host (``target_index``);
+    ``pin``: through pinned memory, copied without blocking (CUDA)."""
+    if "labels" in batch:
+        batch = {**batch, "target_index": target_index(batch["labels"], multiple)}
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in batch.items()}
 
 
 @contextlib.contextmanager

@@ -15,22 +15,13 @@ from config import TrainConfig
 REPLAY_ROWS = 10_000  # runs reading at most this many rows have their stream replayed (seconds)
 
 
-def training_columns(cfg: TrainConfig, files: list[Path]) -> tuple[str, str]:
-    """The columns the trainer reads: token ids for a prepared corpus, else the text columns."""
-    from data.prepare import manifest_of
+def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
+    """Token lengths of the first training rows (capped): the longest batch sets the activation peak.
+    ``data``: the run's ``data.pipeline.TrainData``."""
     from data.readers import TOKEN_COLUMNS
+    from data.sources import iter_rows
 
-    return TOKEN_COLUMNS if manifest_of(files) else (cfg.prompt_column, cfg.response_column)
-
-
-def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None, rows: int = 2000) -> dict:
-    """Token lengths of the first training rows (capped): the longest batch sets the activation peak."""
-    from data.collate import Seq2SeqCollator
-    from data.readers import TOKEN_COLUMNS
-    from data.sources import iter_rows, resolve_files
-
-    files = files if files is not None else resolve_files(cfg.train_file, "--train_file")
-    columns = training_columns(cfg, files)
+    files, columns = data.files.train, data.files.columns
     src, tgt, text_bytes = [], [], []
     for index, path in enumerate(files):
         for item in iter_rows(path, index, columns, 0, rows - len(src)):
@@ -45,23 +36,22 @@ def sample_lengths(cfg: TrainConfig, tokenizer, files: list[Path] | None = None,
     if not src:
         return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
                 "row_bytes": 0, "rows": 0, "pairs": []}
-    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
-    s = [len(x) for x in collator.token_ids(src, cfg.max_source_len)]
-    t = [len(x) for x in collator.token_ids(tgt, cfg.max_target_len)]
+    s = [len(x) for x in data.collator.token_ids(src, cfg.max_source_len)]
+    t = [len(x) for x in data.collator.token_ids(tgt, cfg.max_target_len)]
     mean_row = sum(text_bytes) / len(text_bytes)
     return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
             "row_bytes": mean_row, "rows": estimated_rows(files, mean_row, columns), "pairs": list(zip(s, t))}
 
 
-def run_lengths(cfg: TrainConfig, tokenizer, files: list[Path], eval_examples: list, indexes: list,
-                rank: int = 0, world: int = 1, replay: bool = True) -> dict:
+def run_lengths(cfg: TrainConfig, data, replay: bool = True) -> dict:
     """Every length the plan of one process reads: the sampled rows, the replayed windows of its share
     (``replay``: a run from the start; a resumed one starts mid-stream) and its evaluation batches.
-    ``train`` and ``plan`` both take them from here, so the two predictions agree."""
-    lengths = sample_lengths(cfg, tokenizer, files)
+    ``train`` and ``plan`` both take them from here, given the ``data.pipeline.TrainData`` of that
+    process, so the two predictions agree."""
+    lengths = sample_lengths(cfg, data)
     if replay:
-        lengths["windows"] = replay_windows(cfg, tokenizer, files, rank, world, indexes)
-    lengths["eval"] = eval_batch_lengths(cfg, tokenizer, eval_examples, rank, world)
+        lengths["windows"] = replay_windows(cfg, data)
+    lengths["eval"] = eval_batch_lengths(cfg, data)
     return lengths
 
 
@@ -84,29 +74,23 @@ def estimated_rows(files: list[Path], mean_row_bytes: float, columns: tuple[str,
     return rows
 
 
-def replay_windows(cfg: TrainConfig, tokenizer, files: list[Path], rank: int = 0, world: int = 1,
-                   indexes: list | None = None) -> list[list[tuple[int, int]]] | None:
+def replay_windows(cfg: TrainConfig, data) -> list[list[tuple[int, int]]] | None:
     """The (source, target) token lengths of every accumulation window this process will train on,
     from the start of the run, or None when the run reads more than ``REPLAY_ROWS`` rows.
 
     The training stream is deterministic (seeded file order and shuffle buffer, this process's share
-    of each file), so the planner replays it with the trainer's own ``ExampleStream`` instead of
+    of each file), so the planner replays a fresh copy of it (``TrainData.fresh_stream``) instead of
     guessing: the costliest micro-batch is then known exactly. Only lengths are kept.
     """
-    from data.collate import Seq2SeqCollator
-    from data.readers import index_file
-    from data.stream import ExampleStream, batched
+    from data.stream import batched
 
-    indexes = indexes if indexes is not None else [index_file(f) for f in files]
-    share = math.ceil(sum(i.rows for i in indexes) / world)
+    share = math.ceil(data.rows / data.world)
     steps = cfg.max_steps if cfg.max_steps > 0 else math.inf
     epochs = cfg.epochs if cfg.max_steps <= 0 else math.inf
     window_rows = cfg.batch_size * cfg.gradient_accumulation_steps
     if min(steps * window_rows, epochs * share) > REPLAY_ROWS:
         return None
-    stream = ExampleStream(files, training_columns(cfg, files), cfg.seed, cfg.shuffle_buffer_size, rank=rank,
-                           world_size=world, indexes=indexes)
-    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    stream, collator = data.fresh_stream(), data.collator
     windows, pending = [], []  # pending: windows read but not tokenized yet (one tokenizer call per ~1k rows)
 
     def tokenize_pending() -> None:
@@ -147,18 +131,16 @@ def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int) -
     return out
 
 
-def eval_batch_lengths(cfg: TrainConfig, tokenizer, examples: list, rank: int = 0,
-                       world: int = 1) -> list[tuple[int, int, int, int]]:
+def eval_batch_lengths(cfg: TrainConfig, data) -> list[tuple[int, int, int, int]]:
     """(rows, longest source, longest target, target tokens) of each evaluation batch this process runs:
-    every world-th of the eval ``examples`` (``take_examples``' first ``--max_eval_samples`` rows), in
-    batches of ``--eval_batch_size``, as ``LowMemTrainer.evaluate`` takes them."""
-    from data.collate import Seq2SeqCollator
+    every world-th of the eval examples (``take_examples``' first ``--max_eval_samples`` rows), in
+    batches of ``--eval_batch_size``, as ``lowmem.inference.evaluate`` takes them."""
     from data.stream import batched
 
-    mine = examples[rank::world]
+    mine = data.eval_examples[data.rank::data.world]
     if not mine:
         return []
-    collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
+    collator = data.collator
     pairs = zip(collator.token_ids([e.prompt for e in mine], cfg.max_source_len), collator.targets(mine))
     out = []
     for batch in batched([(len(s), len(t)) for s, t in pairs], cfg.eval_batch_size):

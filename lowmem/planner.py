@@ -13,6 +13,7 @@ recommends for a budget are in ``lowmem.plan_command``.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 
 from config import TrainConfig
@@ -424,16 +425,16 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
 
 
 def plan_lengths(cfg: TrainConfig, tokenizer, num_processes: int) -> dict:
-    """The lengths the ``plan`` command predicts from: those of the run's first process, gathered as
-    the trainer gathers them, and ``train_rows``, the training rows counted."""
-    from data.readers import index_file
-    from data.sources import resolve_files
-    from data.stream import eval_files_of, eval_split
+    """The lengths the ``plan`` command predicts from: those of the run's first process, from the data
+    entry point the trainer reads through, and ``train_rows``, the training rows counted."""
+    from data.objectives import objective_for
+    from data.pipeline import build_data, check_data
 
-    files = resolve_files(cfg.train_file, "--train_file")
-    # As the trainer: the files indexed first (the replay and the row count use them); without --eval_file
-    # the eval set is the training files' last rows, which it never trains on
-    eval_examples, indexes, _ = eval_split(cfg, eval_files_of(cfg, files), files, [index_file(f) for f in files])
-    lengths = run_lengths(cfg, tokenizer, files, eval_examples, indexes, 0, num_processes)  # the first process
-    lengths["train_rows"] = sum(i.rows for i in indexes)  # counted ("rows" is estimated from a sample)
+    objective = objective_for(cfg)
+    # As the trainer: without --eval_file the eval set is the training files' last rows, never trained on.
+    # Notes go to stderr: `plan --json` prints one JSON object on stdout.
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, 0, num_processes, objective=objective,
+                      report=lambda line: print(line, file=sys.stderr), warn=lambda line: print(line, file=sys.stderr))
+    lengths = run_lengths(cfg, data)
+    lengths["train_rows"] = data.rows  # counted ("rows" is estimated from a sample)
     return lengths

@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 
 from config import UserError
+from data.ownership import claim_folder, is_ours, is_run_folder
 from lowmem.metrics import read_metrics
-from lowmem.ownership import claim_folder, is_ours, is_run_folder
 
 CHART_SIZE = (8, 4.5)  # inches at 100 dpi: 800 x 450 pixels
 DPI = 100
@@ -36,7 +36,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
 
     Raises:
         UserError: no run folder, no metrics.jsonl, or no train records in it yet; ``out_dir`` holds
-            files not ours (``lowmem.ownership``) or cannot be written.
+            files not ours (``data.ownership``) or cannot be written.
     """
     run = Path(run_dir)
     records = _load(run)

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from config import STARTED_MARKER, TrainConfig, UserError, saved_json
+from data.ownership import check_folder, claim_folder, is_run_folder
 from lowmem import checkpoint
 from lowmem.metrics import read_metrics
 from lowmem.model_source import resolve_model_dir
-from lowmem.ownership import check_folder, claim_folder, is_run_folder
 
 LOCK_FILE = ".lock"
 

@@ -11,9 +11,10 @@ from conftest import synthetic_rows, write_rows
 
 from config import UserError
 from data.collate import Seq2SeqCollator
+from data.eval_set import hold_out, read_ranges, take_examples
 from data.readers import index_file, read_range
 from data.sources import DataProblems, iter_rows, repeated_files, resolve_files
-from data.stream import ExampleStream, hold_out, largest_share, read_ranges, take_examples
+from data.stream import ExampleStream, largest_share
 
 COLS = ("prompt", "response")
 

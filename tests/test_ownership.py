@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import metrics, run_cli, synthetic_rows, write_rows
 
+from data.ownership import MARKERS
 from lowmem import checkpoint
-from lowmem.ownership import MARKERS
 
 TINY = ["--max_steps=2", "--eval_steps=0", "--max_eval_samples=4", "--gradient_accumulation_steps=2",
         "--max_source_len=24", "--max_target_len=24", "--logging_steps=1"]

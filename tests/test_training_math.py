@@ -6,9 +6,10 @@ import pytest
 import torch
 from conftest import synthetic_rows, write_rows
 
-from data.stream import take_examples
+from data.eval_set import take_examples
 from lowmem.flags import load_config
-from trainer_low_mem import LowMemTrainer, build_model, target_index, token_loss_sum
+from lowmem.modeling import build_model, target_index, token_loss_sum
+from trainer_low_mem import LowMemTrainer
 
 COLS = ("prompt", "response")
 
@@ -28,18 +29,18 @@ def grads(trainer):
 
 def test_micro_2_x_accumulation_16_equals_one_batch_of_32(tmp_path, tokenizer):
     trainer = make_trainer(tmp_path, tokenizer)
-    examples = take_examples(trainer.train_files, COLS, 32)
-    trainer.accumulate_gradients([trainer.collator(examples[i:i + 2]) for i in range(0, 32, 2)])
+    examples = take_examples(trainer.files.train, COLS, 32)
+    trainer.accumulate_gradients([trainer.data.collator(examples[i:i + 2]) for i in range(0, 32, 2)])
     accumulated = grads(trainer)
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.accumulate_gradients(trainer.collator.window(examples, 2))  # the training path: grouped by length
+    trainer.accumulate_gradients(trainer.data.collator.window(examples, 2))  # the training path: grouped by length
     grouped = grads(trainer)
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.accumulate_gradients([trainer.collator(examples)])
+    trainer.accumulate_gradients([trainer.data.collator(examples)])
     one_batch = grads(trainer)
     trainer.optimizer.zero_grad(set_to_none=True)
     # Reference without our code path: transformers' own mean-over-target-tokens loss on 32 rows.
-    batch = trainer.collator(examples)
+    batch = trainer.data.collator(examples)
     trainer.core(**batch).loss.backward()
     reference = grads(trainer)
     for got in (accumulated, grouped, one_batch):
@@ -64,11 +65,11 @@ def test_window_pairs_rows_of_similar_length(tokenizer):
 def test_short_windows_are_token_normalised(tmp_path, tokenizer):
     """A window of unequal micro-batches weights every target token equally (no mean of means)."""
     trainer = make_trainer(tmp_path, tokenizer)
-    examples = take_examples(trainer.train_files, COLS, 5)
-    trainer.accumulate_gradients([trainer.collator(examples[:1]), trainer.collator(examples[1:])])
+    examples = take_examples(trainer.files.train, COLS, 5)
+    trainer.accumulate_gradients([trainer.data.collator(examples[:1]), trainer.data.collator(examples[1:])])
     split = grads(trainer)
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.accumulate_gradients([trainer.collator(examples)])
+    trainer.accumulate_gradients([trainer.data.collator(examples)])
     whole = grads(trainer)
     assert ((split - whole).norm() / whole.norm()).item() <= 1e-5
 

@@ -1,0 +1,93 @@
+"""Saving, resuming and exporting a run, beside its folder (``lowmem.run_folder`` writes the files).
+
+A checkpoint holds the weights, optimizer and scheduler, the trainer's counters, and each process's
+RNG, data position (shuffle buffer included), log offsets and the sums of the logging interval in
+progress: a resume continues exactly where the run stopped, its logs cut back to match. An export
+is a plain ``save_pretrained`` folder (``best/``, ``final/``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from lowmem import checkpoint
+from lowmem.memory import free_memory
+from lowmem.metrics import MetricsLog
+from lowmem.modeling import export_state_dict, weights_in_float32
+from lowmem.optim import resume_schedule
+from lowmem.run_folder import RunFolder
+
+
+class Checkpointer:
+    """Checkpoints and exports of one run. Collective: every process calls ``save`` and ``export``."""
+
+    def __init__(self, folder: RunFolder, accelerator, telemetry):
+        self.folder = folder
+        self.accelerator = accelerator
+        self.telemetry = telemetry
+        self.saved_step: int | None = None  # the step of the newest checkpoint written or resumed from
+
+    def save(self, step: int, trainer_state: dict, training, stream, meter, keep: int) -> Path:
+        """Write the checkpoint of ``step`` (once: a stop right after a save step, or the end of a run
+        resumed from its final checkpoint, finds it written and its record logged already).
+
+        ``training``: (model, optimizer, scheduler, run_config) as the run holds them.
+        """
+        from accelerate.utils import gather_object
+
+        folder = self.folder.checkpoint_path(step)
+        if self.saved_step == step:
+            return folder
+        # The checkpoint's own record goes into the log after it is written, and with it into the
+        # checkpoint, so a resume from it writes that line again where it was cut back to.
+        record = MetricsLog.line("checkpoint", step, path=str(folder))
+        mine = {"rank": self.accelerator.process_index, "world_size": self.accelerator.num_processes,
+                "rng": checkpoint.rng_state(), "data": stream.state_dict(), "log_offsets": self.telemetry.offsets(),
+                "interval": meter.saved(),
+                "checkpoint_record": record if self.telemetry.metrics is not None else None}
+        process_states = gather_object([mine])  # small: RNG + data position per rank
+        if self.accelerator.is_main_process:
+            model, optimizer, scheduler, run_config = training
+            self.folder.write_checkpoint(step, model, optimizer, scheduler, trainer_state, run_config,
+                                         process_states, keep=keep)
+            self.telemetry.metrics.write_line(record)
+        self.accelerator.wait_for_everyone()
+        self.saved_step = step
+        return folder
+
+    def load(self, folder: Path, training, stream, learn_rate: float, weight_decay: float) -> tuple[dict, dict]:
+        """Restore weights, optimizer, scheduler, RNG and this process's data position; cut the logs
+        back to the checkpoint.
+
+        Returns:
+            (the trainer's counters, the interval sums since the last log line: the next logged loss
+            averages the same steps as an uninterrupted run)
+        """
+        model, optimizer, scheduler, run_config = training
+        trainer_state, process_state = self.folder.read_checkpoint(
+            folder, model, optimizer, scheduler, run_config, self.accelerator.process_index,
+            self.accelerator.num_processes, self.telemetry.say)
+        resume_schedule(optimizer, scheduler, learn_rate, weight_decay)
+        self.saved_step = trainer_state["step"]
+        stream.load_state_dict(process_state["data"])
+        checkpoint.set_rng_state(process_state["rng"])
+        self.telemetry.cut_back(process_state["log_offsets"], process_state.get("checkpoint_record"))
+        return trainer_state, process_state["interval"]
+
+    def export(self, folder: Path, core, tokenizer, info: dict, tokenizer_source: Path | None) -> None:
+        """``core`` as a plain transformers folder (float32, LoRA merged), written by the main process."""
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            # One dtype and no adapters: on the CPU bf16-stored weights turn float32 in place; from a
+            # GPU every tensor is copied to the host as float32 (nothing new on the GPU).
+            on_gpu = self.accelerator.device.type == "cuda"
+            with contextlib.nullcontext() if on_gpu else weights_in_float32(core):
+                plain = export_state_dict(core, to_host=on_gpu)
+                self.folder.export(folder, core, tokenizer, info, state_dict=plain, tokenizer_source=tokenizer_source)
+                del plain
+            # The export's new host tensors (LoRA's merged matrices, a GPU model's float32 copies) come
+            # from the C heap, which keeps them resident once freed: trimmed, an export in mid-run does
+            # not raise the RSS of the steps after it.
+            free_memory()
+        self.accelerator.wait_for_everyone()

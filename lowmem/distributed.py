@@ -1,0 +1,81 @@
+"""What the processes of a run agree on, and how: the accelerator, the training files' indexes read
+once by the main process, and the one small all-reduce per accumulation window that carries every
+count a step needs to be the same on all processes (target tokens, examples, bad rows, the memory
+guard, whether any process has rows left in the epoch)."""
+
+from __future__ import annotations
+
+import torch
+
+from config import TrainConfig, UserError
+from data.readers import index_file
+from lowmem.run_memory import near_limit
+
+
+def start_accelerator(cfg: TrainConfig):
+    """The run's ``Accelerator``: device, mixed precision, DDP settings, tracker; seeds every RNG.
+
+    Raises:
+        UserError: bf16 on a GPU without it; a sharded engine (DeepSpeed, FSDP) this trainer does not run.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
+
+    if cfg.mixed_precision == "bf16" and torch.cuda.is_available() and not cfg.cpu \
+            and not torch.cuda.is_bf16_supported():
+        raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=no")
+    # --report_to: accelerate's tracker, its files under OUTPUT_DIR (started by setup(), once the step is known)
+    tracking = {} if cfg.report_to == "none" else {"log_with": cfg.report_to, "project_dir": cfg.output_dir}
+    # DDP all-reduces through buckets that, by default, are a second copy of every gradient; as
+    # views the gradients live in the buckets themselves (one copy fewer per process).
+    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
+    accelerator = Accelerator(cpu=cfg.cpu, mixed_precision=cfg.mixed_precision,
+                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                              kwargs_handlers=[ddp], **tracking)
+    sharded = accelerator.distributed_type.value
+    if sharded in ("DEEPSPEED", "FSDP"):
+        raise UserError(f"{sharded} is not supported by this trainer yet: its checkpoints, exports and "
+                        "uneven last windows assume whole weights on every process (see docs/distributed.md, "
+                        "'DeepSpeed ZeRO and FSDP'); launch with accelerate_configs/multi_gpu.yaml")
+    set_seed(cfg.seed)
+    return accelerator
+
+
+def indexes_from_main(accelerator, files: list) -> list:
+    """Row counts and seek points of the training files, read once by the main process and sent to all."""
+    from accelerate.utils import broadcast_object_list
+
+    box = [[index_file(f) for f in files] if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(box)
+    return box[0]
+
+
+def summed(accelerator, values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over processes (a host tensor; itself with one process)."""
+    if accelerator.num_processes == 1:
+        return values
+    return accelerator.reduce(values.to(accelerator.device), "sum").cpu()
+
+
+def window_counts(accelerator, window: list[dict], stream, epoch: int, max_rss_gb: float) -> dict:
+    """Target tokens and examples of one accumulation window: local, and summed over processes.
+
+    Counted on host tensors (no device sync); one small all-reduce when there are several
+    processes, which is also how every process learns whether any of them has rows left in this
+    epoch after this window, how many bad rows all have met, and whether any is near --max_rss_gb.
+    """
+    local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
+                          sum(mb["labels"].shape[0] for mb in window),
+                          stream.problems.total, int(near_limit(max_rss_gb)),
+                          int(not stream.finished_epoch(epoch))])
+    total = summed(accelerator, local)
+    source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
+    return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
+            "tokens": int(total[0]), "examples": int(total[1]), "bad_rows": int(total[2]),
+            "memory": int(total[3]) > 0, "rows_left": int(total[4]) > 0}
+
+
+def any_process(accelerator, flag: bool) -> bool:
+    """Whether ``flag`` holds on any process (the same answer on all)."""
+    return int(summed(accelerator, torch.tensor([int(flag)]))[0]) > 0

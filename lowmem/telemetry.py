@@ -1,0 +1,274 @@
+"""What a run tells: log lines, ``metrics.jsonl`` records (and accelerate's tracker with
+``--report_to``), memory probes, the consumed-examples log, the start-up summary, and the interval
+meter behind each ``train`` record's loss and rates.
+
+Log lines come from the main process (``say``) or from any process with its rank (``warn``); a
+terminal gets a tqdm bar and the lines are written through it. Only the main process writes
+``metrics.jsonl``; with ``--dump_consumed`` every process writes its own consumed log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from config import TrainConfig
+from data.sources import bad_rows_report, too_many_bad_rows
+from lowmem.memory import memory_snapshot
+from lowmem.metrics import AppendLog, MetricsLog, tracker_scalars, train_line
+from lowmem.modeling import head_is_tied
+
+
+def on_terminal() -> bool:
+    """Whether progress bars are shown (stderr is a terminal) instead of one log line per interval."""
+    return sys.stderr.isatty()
+
+
+class Telemetry:
+    """The run's log lines and records. ``state`` is the trainer's counters: records carry its step."""
+
+    def __init__(self, state):
+        self.state = state
+        self.main, self.rank, self.world = True, 0, 1  # until attach(): before setup every line is printed
+        self.accelerator = None  # the tracker behind --report_to
+        self.metrics: MetricsLog | None = None  # main process only
+        self.consumed: AppendLog | None = None  # --dump_consumed, every process
+
+    def attach(self, accelerator) -> None:
+        self.accelerator = accelerator
+        self.main, self.rank, self.world = accelerator.is_main_process, accelerator.process_index, \
+            accelerator.num_processes
+
+    def open(self, out: Path, cfg: TrainConfig) -> None:
+        """config.json and metrics.jsonl (main process), the consumed-examples log (every process)."""
+        if self.main:
+            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1), encoding="utf-8")
+            self.metrics = MetricsLog(out / "metrics.jsonl")
+        if cfg.dump_consumed:
+            self.consumed = AppendLog(out / f"consumed-rank{self.rank}.tsv")
+
+    def say(self, message: str) -> None:
+        """A line from the main process."""
+        if self.main:
+            tqdm.write(message, file=sys.stdout)
+            sys.stdout.flush()
+
+    def warn(self, message: str) -> None:
+        """A line from any process (prefixed with its rank when there are several)."""
+        prefix = f"[rank {self.rank}] " if self.world > 1 else ""
+        tqdm.write(prefix + message, file=sys.stdout)
+        sys.stdout.flush()
+
+    def record(self, event: str, **fields) -> None:
+        """One metrics.jsonl record at the current step; its numbers also go to the tracker."""
+        if self.metrics is not None:
+            self.metrics.write(event, self.state.step, **fields)
+            scalars = tracker_scalars(event, fields)  # --report_to: the numbers `plot` draws
+            if scalars:
+                self.accelerator.log(scalars, step=self.state.step)
+
+    def log_memory(self, where: str, **extra) -> None:
+        self.record("memory", where=where, **memory_snapshot(), **extra)
+
+    def log_consumed(self, examples: list, epoch: int, files: list[Path]) -> None:
+        """With --dump_consumed: one line per example of this step (epoch, rank, file, row)."""
+        if self.consumed is not None:
+            self.consumed.write("".join(f"{epoch}\t{self.rank}\t{files[e.file_index]}\t{e.row}\n" for e in examples))
+
+    def offsets(self) -> dict:
+        """Where this process's logs end: a resume cuts them back here, so they match an uninterrupted run."""
+        offsets = {}
+        if self.consumed is not None:
+            offsets["consumed"] = self.consumed.tell(sync=True)
+        if self.metrics is not None:
+            offsets["metrics"] = self.metrics.tell()
+        return offsets
+
+    def cut_back(self, offsets: dict, checkpoint_record: str | None) -> None:
+        """Drop what the logs got after a checkpoint; the checkpoint's own record is written again."""
+        if self.consumed is not None:
+            self.consumed.truncate(offsets.get("consumed", 0))
+        if self.metrics is not None and "metrics" in offsets:
+            self.metrics.truncate(offsets["metrics"])
+            if checkpoint_record:  # (checkpoints of older versions lack it)
+                self.metrics.write_line(checkpoint_record)
+
+    def close(self) -> None:
+        for log in (self.metrics, self.consumed):
+            if log is not None:
+                log.close()
+        self.metrics = self.consumed = None
+
+
+class IntervalMeter:
+    """Sums of one logging interval: the loss (kept on the device: no host sync until the log step),
+    target and all tokens, steps; and the training time of this process, evaluations and saves left
+    out (``untimed``)."""
+
+    def __init__(self):
+        self.sums: dict = {}
+        self.timed = {"seconds": 0.0, "steps": 0}  # every interval logged by this process
+
+    def start(self, device, saved: dict | None = None) -> None:
+        """Start an interval. ``saved`` (on resume) carries the loss and token sums of the steps since
+        the last log line, so the next logged loss averages the same steps as an uninterrupted run;
+        the rates (tok/s, step_s) count only steps timed in this process."""
+        saved = saved or {"loss": 0.0, "tokens": 0, "steps": 0}
+        self.sums = {**saved, "loss": torch.tensor(saved["loss"], device=device), "all_tokens": 0,
+                     "timed_steps": 0, "t0": time.time()}
+
+    def add(self, loss_sum: torch.Tensor, tokens: int, all_tokens: int) -> None:
+        """One optimizer step: its local loss sum, target tokens and source + target tokens."""
+        sums = self.sums
+        sums["loss"] += loss_sum
+        sums["tokens"] += tokens
+        sums["all_tokens"] += all_tokens
+        sums["steps"] += 1
+        sums["timed_steps"] += 1
+
+    @property
+    def steps(self) -> int:
+        return self.sums["steps"]
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Leave what runs inside (evaluation, saving) out of the interval's tok/s and step_s."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.sums["t0"] += time.time() - start
+
+    def close(self, accelerator) -> dict:
+        """The interval's loss (token mean over all processes), tokens/s and seconds per step.
+        Collective with several processes: one small all-reduce."""
+        sums = self.sums
+        counts = torch.tensor([sums["tokens"], sums["all_tokens"]], dtype=torch.float64, device=sums["loss"].device)
+        totals = torch.cat([sums["loss"].double().reshape(1), counts])
+        if accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals, "sum")
+        loss_sum, tokens, all_tokens = totals.tolist()
+        seconds = max(time.time() - sums["t0"], 1e-9)
+        self.timed["seconds"] += seconds
+        self.timed["steps"] += sums["timed_steps"]
+        return {"loss": round(loss_sum / max(tokens, 1), 5), "tokens_per_s": round(all_tokens / seconds, 1),
+                "step_s": round(seconds / max(sums["timed_steps"], 1), 4)}
+
+    def saved(self) -> dict:
+        """The interval's sums as a checkpoint keeps them (see ``start``)."""
+        return {k: float(v) if k == "loss" else v for k, v in self.sums.items() if k in ("loss", "tokens", "steps")}
+
+    def mean_step_seconds(self) -> float | None:
+        """Seconds per optimizer step of this invocation's training: data, forward, backward and
+        optimizer; evaluation, saving, setup and the encoder cache's build left out."""
+        return round(self.timed["seconds"] / self.timed["steps"], 4) if self.timed["steps"] else None
+
+
+def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: float, grad_norm, elapsed: float,
+                 total_steps: int, bar) -> None:
+    """The ``train`` record of an interval (and its log line, or the bar's numbers on a terminal).
+    Collective: every process calls it at the same step."""
+    state = telemetry.state
+    mem = memory_snapshot()
+    interval = meter.close(accelerator)
+    fields = dict(loss=interval["loss"], lr=lr, tokens_per_s=interval["tokens_per_s"], step_s=interval["step_s"],
+                  elapsed_s=round(elapsed, 2), epoch=state.epoch, examples=state.examples, tokens=state.tokens, **mem)
+    if accelerator.num_processes > 1:  # every process's own RSS: N processes should cost about N x one
+        rss = accelerator.gather(torch.tensor([mem["rss_mb"]], device=accelerator.device))
+        fields["rss_mb_per_process"] = [round(v, 1) for v in rss.tolist()]
+    if grad_norm is not None:
+        fields["grad_norm"] = round(float(grad_norm), 7)
+    telemetry.record("train", **fields)
+    if telemetry.main:
+        bar.set_postfix(loss=f"{fields['loss']:.3f}", lr=f"{lr:.1e}", tok_s=f"{fields['tokens_per_s']:.0f}",
+                        rss=f"{mem['rss_mb'] / 1024:.2f}G")
+        if not on_terminal():
+            telemetry.say(train_line(state.step, total_steps, fields["loss"], lr, fields["tokens_per_s"],
+                                     mem["rss_mb"]))
+
+
+def frozen_summary(cfg: TrainConfig, core) -> str:
+    """What --freeze keeps fixed, in the start-up line's words."""
+    freeze, tied = cfg.freeze, head_is_tied(core)
+    if cfg.lora_r:  # every base weight, an untied lm_head too
+        return "base weights frozen, LoRA adapters train" + (
+            "; encoder under no_grad, eval mode" if freeze == "encoder" else "")
+    if freeze == "none":
+        return "every weight trains"
+    parts = ["encoder (no_grad, eval mode)"] if freeze == "encoder" else []
+    parts.append("shared embedding" + (" = tied output layer" if tied else ""))
+    return "frozen " + " + ".join(parts) + ("" if tied else "; the untied lm_head trains")
+
+
+def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_epoch: int, total_steps: int,
+                    start_step: int, cache, core) -> tuple[list[str], dict]:
+    """The numbers that matter before training starts: (log lines, the ``setup`` record's fields).
+    ``parameters``: trainable, frozen and frozen_bf16 counts; ``data``: the run's ``TrainData``."""
+    world = accelerator.num_processes
+    effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
+    features = [f"mixed_precision={cfg.mixed_precision}", f"optimizer={cfg.optimizer}",
+                f"gradient_checkpointing={cfg.gradient_checkpointing}",
+                f"shuffle_buffer={cfg.shuffle_buffer_size} rows", "dynamic padding", "streamed data",
+                f"gc every {cfg.gc_every_steps} steps"]
+    if cfg.lora_r:
+        features.append(f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on decoder {cfg.lora_target_modules}")
+    if cache is not None:
+        features.append(f"encoder cache ({'RAM' if cache.in_memory else 'disk'}, {cfg.encoder_cache_dtype})")
+    features.append(frozen_summary(cfg, core))
+    if parameters["frozen_bf16"]:
+        features.append(f"{parameters['frozen_bf16']:,} frozen weights stored in bf16")
+    lines = [
+        f"device {accelerator.device} x {world} process(es) | model {cfg.init_from or cfg.model_preset} | "
+        f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,}",
+        f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
+        f"x {world}) | tokens per optimizer step <= {effective * (cfg.max_source_len + cfg.max_target_len):,}",
+        f"train rows {data.rows:,} from {len(data.files.train)} file(s) | {per_epoch} optimizer steps per epoch | "
+        f"total steps {total_steps} | start step {start_step}",
+        f"eval rows {len(data.eval_examples):,} from "
+        + (cfg.eval_file if cfg.eval_file else f"the last {data.held_out_rows:,} rows of --train_file, held out "
+           "of training (pass --eval_file to evaluate on another set)"),
+        "memory: " + ", ".join(features),
+    ]
+    if cfg.gpu_profile and accelerator.device.type == "cpu":
+        lines.append(f"--memory_profile={cfg.memory_profile} is a GPU profile but this run is on the CPU: its "
+                     "bf16 autocast saves no host memory there (it measured more); host16g is the CPU profile")
+    if cfg.warmup_steps > total_steps:
+        lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {total_steps} steps: the "
+                     f"learning rate warms up over all {total_steps} and never decays")
+    record = dict(trainable_params=parameters["trainable"], frozen_params=parameters["frozen"],
+                  frozen_bf16_params=parameters["frozen_bf16"], effective_batch=effective, train_rows=data.rows,
+                  held_out_rows=data.held_out_rows, eval_rows=len(data.eval_examples), total_steps=total_steps,
+                  world_size=world)
+    return lines, record
+
+
+def report_data_errors(telemetry: Telemetry, data) -> dict:
+    """Sum the bad rows of the first epoch over processes; log them and write a ``data_errors`` record.
+
+    Collective: called at points every process reaches together. ``data``: the run's ``TrainData``.
+    """
+    from accelerate.utils import gather_object
+
+    stream = data.stream
+    train = stream.problems.merge(gather_object([stream.problems.state_dict()]))
+    rows_read = sum(gather_object([stream.rows_read]))
+    event, line = bad_rows_report(train, rows_read, stream.total_rows, data.eval_problems, data.files.prepared)
+    telemetry.record("data_errors", **event)
+    if line:
+        telemetry.say(line)
+    return event
+
+
+def check_bad_rows(telemetry: Telemetry, data, bad_rows: int, max_fraction: float) -> None:
+    """Abort (on every process alike: ``bad_rows`` is summed over them) once more training rows are bad
+    than ``max_fraction`` (--max_bad_rows_fraction) allows for the whole corpus."""
+    total_rows = data.stream.total_rows
+    if bad_rows > max_fraction * total_rows:
+        errors = report_data_errors(telemetry, data)
+        raise too_many_bad_rows(bad_rows, total_rows, max_fraction, errors["by_reason"])

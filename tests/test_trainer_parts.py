@@ -1,0 +1,177 @@
+"""The pieces the trainer is made of, called directly (no CLI, no trainer): the data entry point and
+its objective, the interval meter and the logs, the checkpointer, evaluation and generation."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+import torch
+from conftest import synthetic_rows, write_rows
+
+from data.objectives import PairsObjective, objective_for
+from data.pipeline import build_data, check_data
+from data.readers import TOKEN_COLUMNS
+from lowmem.flags import load_config
+from lowmem.telemetry import IntervalMeter, Telemetry
+
+
+class State:  # the counters a Telemetry reads its step from
+    step = 0
+
+
+def config(tmp_path, **flags):
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(200, seed=1))
+    base = dict(train_file=str(train), output_dir=str(tmp_path / "run"), max_eval_samples=10, shuffle_buffer_size=16,
+                batch_size=2, gradient_accumulation_steps=2, max_target_len=16, dropout_rate=0.0)
+    return load_config({**base, **flags})[0]
+
+
+def accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+# ----------------------------------------------------------------------------- data entry point and objective
+def test_build_data_holds_out_the_eval_rows_and_its_replay_is_the_stream(tmp_path, tokenizer):
+    cfg = config(tmp_path)
+    objective = objective_for(cfg)
+    files = check_data(cfg, objective)
+    assert files.eval == [] and files.prepared is None and files.columns == ("prompt", "response")
+    data = build_data(cfg, files, tokenizer, objective=objective)
+    # 200 rows, 10 held out (no --eval_file): never in the training stream
+    assert (data.rows, data.held_out_rows, len(data.eval_examples)) == (190, 10, 10)
+    trained = list(data.stream.iter_epoch())
+    assert len(trained) == 190 and {e.row for e in trained} == set(range(190))
+    assert {e.row for e in data.eval_examples} == set(range(190, 200))
+    # the planner's replay reads exactly what training reads, in the same order
+    assert [(e.file_index, e.row) for e in data.fresh_stream().iter_epoch()] == [(e.file_index, e.row) for e in trained]
+    assert data.steps(cfg) == (48, 48)  # ceil(190 / (2 x 2)) windows, one epoch
+
+
+def test_each_process_gets_its_own_share_and_the_objective_makes_the_batches(tmp_path, tokenizer):
+    cfg = config(tmp_path)
+    files = check_data(cfg, objective_for(cfg))
+    shares = [build_data(cfg, files, tokenizer, rank, 2, objective=objective_for(cfg)) for rank in (0, 1)]
+    rows = [{e.row for e in d.stream.iter_epoch()} for d in shares]
+    assert rows[0].isdisjoint(rows[1]) and rows[0] | rows[1] == set(range(190))
+    batch = shares[0].collator(shares[0].eval_examples[:3])
+    assert batch["input_ids"].shape[0] == 3 and batch["labels"].shape[0] == 3
+    assert int(batch["labels"].eq(tokenizer.eos_token_id).sum()) == 3  # every target ends in EOS
+    assert PairsObjective(cfg).columns({"rows": 1}) == TOKEN_COLUMNS  # prepared shards: token ids
+
+
+# ----------------------------------------------------------------------------- interval meter and logs
+def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
+    acc = accelerator()
+    meter = IntervalMeter()
+    meter.start(acc.device)
+    meter.add(torch.tensor(6.0), 3, 10)
+    meter.add(torch.tensor(2.0), 1, 4)
+    saved = meter.saved()
+    assert saved == {"loss": 8.0, "tokens": 4, "steps": 2}
+    with meter.untimed():
+        time.sleep(0.3)
+    logged = meter.close(acc)
+    assert logged["loss"] == pytest.approx(8.0 / 4)  # sum of token losses / target tokens, not a mean of means
+    assert logged["step_s"] < 0.1  # the 0.3 s inside untimed() is not training time
+    assert meter.mean_step_seconds() == pytest.approx(logged["step_s"], abs=1e-3)
+    # a resumed interval continues the sums it was saved with
+    meter.start(acc.device, saved)
+    meter.add(torch.tensor(4.0), 4, 8)
+    assert meter.close(acc)["loss"] == pytest.approx(12.0 / 8)
+
+
+def test_logs_are_cut_back_to_a_checkpoint_and_its_record_written_again(tmp_path):
+    cfg = config(tmp_path, dump_consumed=True)
+    (tmp_path / "run").mkdir()
+    state = State()
+    telemetry = Telemetry(state)
+    telemetry.attach(accelerator())
+    telemetry.open(tmp_path / "run", cfg)
+    telemetry.record("train", loss=1.0)
+    offsets = telemetry.offsets()
+    state.step = 5
+    telemetry.record("train", loss=0.5)
+    telemetry.consumed.write("0\t0\tf\t1\n")
+    telemetry.cut_back(offsets, json.dumps({"event": "checkpoint", "step": 1}))
+    telemetry.close()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in lines] == [("train", 0), ("checkpoint", 1)]
+    assert (tmp_path / "run" / "consumed-rank0.tsv").read_text() == ""
+
+
+# ----------------------------------------------------------------------------- checkpointer
+def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path, tokenizer):
+    from lowmem.checkpointer import Checkpointer
+    from lowmem.modeling import build_model, build_optimizer, build_scheduler
+    from lowmem.run_folder import RunFolder
+
+    cfg = config(tmp_path, model_preset="tiny", optimizer="adamw")
+    objective = objective_for(cfg)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective)
+    acc, state = accelerator(), State()
+    telemetry = Telemetry(state)
+    telemetry.attach(acc)
+    (tmp_path / "run").mkdir()
+    telemetry.open(tmp_path / "run", cfg)
+
+    def parts(seed):
+        torch.manual_seed(seed)
+        model = build_model(cfg, tokenizer)
+        optimizer = build_optimizer(cfg, list(model.parameters()))
+        return model, optimizer, build_scheduler(cfg, optimizer, 10), {"tokenizer_sha1": "x"}
+
+    model, optimizer, scheduler, run_config = parts(0)
+    model(**data.collator(data.eval_examples[:2])).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    epoch_rows = data.stream.iter_epoch()
+    for _ in range(7):
+        next(epoch_rows)
+    meter = IntervalMeter()
+    meter.start(acc.device, {"loss": 3.5, "tokens": 7, "steps": 1})
+    checkpointer = Checkpointer(RunFolder(tmp_path / "run"), acc, telemetry)
+    random.seed(11)
+    folder = checkpointer.save(1, {"step": 1}, (model, optimizer, scheduler, run_config), data.stream, meter, keep=2)
+    assert checkpointer.save(1, {"step": 1}, None, data.stream, meter, keep=2) == folder  # once per step
+    expected_next = [e.row for e in data.stream.iter_epoch()][:5]
+    expected_random = random.random()
+
+    fresh = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective)
+    other = parts(1)
+    random.seed(99)
+    trainer_state, interval = Checkpointer(RunFolder(tmp_path / "run"), acc, telemetry).load(
+        folder, other, fresh.stream, cfg.learn_rate, cfg.weight_decay)
+    assert trainer_state == {"step": 1} and interval == {"loss": 3.5, "tokens": 7, "steps": 1}
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other[0].state_dict().values()))
+    assert other[1].state_dict()["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
+    assert other[2].last_epoch == scheduler.last_epoch == 1
+    assert [e.row for e in fresh.stream.iter_epoch()][:5] == expected_next
+    assert random.random() == expected_random
+    telemetry.close()
+
+
+# ----------------------------------------------------------------------------- evaluation and generation
+def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer):
+    from lowmem.evaluation import evaluate_model, generate_answers
+    from lowmem.modeling import build_model
+
+    cfg = config(tmp_path, model_preset="tiny", eval_batch_size=3, max_new_tokens=5)
+    objective = objective_for(cfg)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective)
+    torch.manual_seed(0)
+    model = build_model(cfg, tokenizer).eval()
+    acc = accelerator()
+    result = evaluate_model(model, model, tokenizer, data.collator, data.eval_examples, cfg, acc)
+    batch = data.collator(data.eval_examples)  # one batch: the token mean over all 10 rows
+    with torch.no_grad():
+        logits = model(**batch).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="mean")
+    assert result["eval_loss"] == pytest.approx(float(expected), rel=1e-4)
+    assert result["eval_examples"] == 10 and 0 <= result["bleu"] <= 100
+    answers = generate_answers(model, tokenizer, data.collator, ["the cat runs", "a dog"], cfg, acc)
+    assert len(answers) == 2 and all(len(tokenizer(a)["input_ids"]) <= 6 for a in answers)
