@@ -52,7 +52,7 @@ FREEZE_CHOICES = ("encoder", "embeddings", "none")
 REPORT_TO = ("none", "tensorboard")  # accelerate trackers we test; each is an optional package
 
 # Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
-# README, 'Memory modes, profiles and the planner' (python bench/profile_table.py).
+# docs/memory.md, 'Memory modes, profiles and the planner' (python bench/profile_table.py).
 MEMORY_PROFILES = {
     # A 16 GB host, no GPU: fp32 on the CPU, the smallest optimizer state, and the memory guard
     # checkpoints and stops before the OOM killer would.
@@ -155,7 +155,7 @@ class TrainConfig:
     mixed_precision: str = _f("no", "no or bf16 (bf16 halves activation memory where supported). fp16 is refused.")
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
 
-    # --- memory modes (see README, 'Memory modes'; `plan` predicts what each costs) ---
+    # --- memory modes (see docs/memory.md, 'Memory modes'; `plan` predicts what each costs) ---
     memory_profile: str | None = _f(None, "A named set of the flags below for a budget: "
                                           + ", ".join(MEMORY_PROFILES) + ". Explicit flags win over it.")
     gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward. True saves most "
@@ -204,10 +204,10 @@ class TrainConfig:
     # --- generate ---
     prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.")
     max_new_tokens: int = _f(64, "Longest generated answer (generate).")
-    no_repeat_ngram_size: int = _f(0, "generate: no n-gram of this size appears twice in an answer (0: off); "
-                                      "against degenerate repetition")
-    repetition_penalty: float = _f(1.0, "generate: divide the score of tokens already in the answer by this "
-                                        "(1.0: off; 1.2 is a common choice)")
+    no_repeat_ngram_size: int = _f(0, "No n-gram of this size appears twice in an answer (0: off), against "
+                                      "degenerate repetition; in generate and in the answers BLEU is computed on")
+    repetition_penalty: float = _f(1.0, "Divide the score of tokens already in the answer by this (1.0: off; 1.2 "
+                                        "is a common choice); in generate and in the answers BLEU is computed on")
 
     max_bad_rows_fraction: float = _f(0.01, "Abort when more than this fraction of the training rows are bad "
                                             "(malformed, missing or empty prompt/response); they are skipped and "

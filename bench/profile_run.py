@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = [
     ("background threads (mostly idle)", ["Thread._bootstrap", "Condition.wait (threading"]),
     ("imports", ["_find_and_load"]),
-    ("evaluation", ["LowMemTrainer.evaluate (", "evaluate_and_keep_best"]),
-    ("checkpoint and export", ["save_checkpoint", "LowMemTrainer.export", "report_memory_peak"]),
+    ("evaluation", ["LowMemTrainer.evaluate (", "evaluate_and_keep_best", "evaluate_model"]),
+    ("checkpoint and export", ["save_checkpoint", "LowMemTrainer.export", "Checkpointer.", "peak_against_plan"]),
     ("setup (model, planner, index)", ["LowMemTrainer.setup ("]),
     ("tokenization and padding", ["token_ids (data/collate", "pad (data/collate"]),
     ("reading and shuffling rows", ["iter_epoch (data/stream", "_upstream", "iter_rows"]),
@@ -34,7 +34,7 @@ PHASES = [
     ("optimizer step", ["(lowmem/optim.py"]),
     ("forward and loss", ["token_loss_sum"]),
     ("grad norm and counts", ["clip_grad_norm", "window_counts"]),
-    ("logging and gc", ["maybe_log", "maybe_gc", "free_memory", "log_memory"]),
+    ("logging and gc", ["maybe_log", "log_interval", "free_memory", "log_memory"]),
 ]
 LOOP = {"tokenization and padding", "reading and shuffling rows", "backward", "optimizer step", "forward and loss",
         "grad norm and counts", "logging and gc", "other"}

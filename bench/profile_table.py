@@ -1,4 +1,4 @@
-"""The README's memory-profile table: the planner's expected peak for every profile and preset.
+"""The memory-profile table of docs/memory.md: the planner's expected peak for every profile and preset.
 
     python bench/profile_table.py
 

@@ -71,7 +71,7 @@ class Seq2SeqCollator:
     """Turn examples into ``input_ids``, ``attention_mask`` and ``labels`` tensors.
 
     Each side is padded to the longest row of its micro-batch (not to a fixed length), rounded up to
-    a multiple of ``pad_multiple`` (see ``trainer_low_mem.shape_multiple``); label padding is -100 so
+    a multiple of ``pad_multiple`` (see ``shape_multiple`` above); label padding is -100 so
     it never counts in the loss.
     """
 

@@ -397,7 +397,7 @@ def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torc
     to a longer row, and even the number of rows (the CPU matmul kernels differ for small shapes),
     change the floating-point reductions by ~1e-7, and training amplifies that. Computed alone, the
     encoder cache (built once per row) gives the decoder the very same bits as an uncached run.
-    With micro-batches of 1-2 rows the extra encoder calls cost little (README, 'Memory modes').
+    With micro-batches of 1-2 rows the extra encoder calls cost little (docs/memory.md, 'Memory modes').
     With ``multiple`` > 1 each row runs padded to a multiple of it (still alone: the result depends
     on the row only).
     """

@@ -6,7 +6,7 @@ through its stream when it reads at most 10,000 rows, else from sampled lengths:
 ``lowmem.plan_batches``); the framework baseline is measured in this process (Python, torch,
 transformers, tokenizer). On the CPU the host figure is
 checked against measured peak RSS by ``bench/memory_modes.py``; the GPU figures are estimates
-(no GPU was available to check them, see README). The ``plan`` command's table and the modes it
+(no GPU was available to check them, see docs/memory.md). The ``plan`` command's table and the modes it
 recommends for a budget are in ``lowmem.plan_command``.
 """
 
