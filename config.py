@@ -49,6 +49,7 @@ ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 FROZEN_DTYPES = ("float32", "bfloat16")
 FREEZE_CHOICES = ("encoder", "embeddings", "none")
+OBJECTIVE_CHOICES = ("pairs", "span_corruption")
 REPORT_TO = ("none", "tensorboard")  # accelerate trackers we test; each is an optional package
 
 # Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
@@ -123,6 +124,12 @@ class TrainConfig:
                                      "(10% of them at most), held out of training.")
     prompt_column: str = _f("prompt", "Column holding the model input.")
     response_column: str = _f("response", "Column holding the target text.")
+    objective: str = _f("pairs", "What the model learns: pairs (each row a prompt -> response example) or "
+                                 "span_corruption (T5's pretraining on raw text in --text_column, .txt files too: "
+                                 "documents packed into chunks, spans of tokens replaced by sentinels).")
+    text_column: str = _f("text", "Column holding the raw text for --objective=span_corruption.")
+    noise_density: float = _f(0.15, "span_corruption: fraction of a chunk's tokens masked (T5: 0.15).")
+    mean_noise_span_length: float = _f(3.0, "span_corruption: mean length of a masked span (T5: 3).")
     max_source_len: int = _f(128, "Truncate inputs to this many tokens. Lower saves activation memory.")
     max_target_len: int = _f(128, "Truncate targets to this many tokens. Lower saves activation and logits memory.")
     shuffle_buffer_size: int = _f(1000, "Rows held for shuffling (0 = no shuffle). Lower saves host RAM.")
@@ -328,9 +335,24 @@ class TrainConfig:
         elif self.report_to != "none" and not installed(self.report_to):
             problems.append(optional_package_missing(f"--report_to={self.report_to}", self.report_to,
                                                      extra=self.report_to))
-        problems += self._memory_mode_problems()
+        problems += self._memory_mode_problems() + self._objective_problems()
         if problems:
             raise UserError("; ".join(problems))
+
+    def _objective_problems(self) -> list[str]:
+        if self.objective not in OBJECTIVE_CHOICES:
+            return [f"--objective must be one of {', '.join(OBJECTIVE_CHOICES)} (got {self.objective!r})"]
+        if self.objective == "pairs":
+            return []
+        problems = []
+        if not 0 < self.noise_density < 1:
+            problems.append(f"--noise_density must be in (0, 1) (got {self.noise_density})")
+        if self.mean_noise_span_length < 1:
+            problems.append(f"--mean_noise_span_length must be at least 1 (got {self.mean_noise_span_length})")
+        if self.encoder_cache != "off":
+            problems.append(f"--encoder_cache caches the encoder's outputs of fixed rows; --objective={self.objective} "
+                            "makes new inputs every epoch: leave --encoder_cache off")
+        return problems
 
     def _memory_mode_problems(self) -> list[str]:
         problems = []
@@ -388,6 +410,11 @@ class TrainConfig:
     def gpu_profile(self) -> bool:
         """Whether --memory_profile names one of the GPU profiles (all but the CPU's, host16g)."""
         return bool(self.memory_profile) and not MEMORY_PROFILES[self.memory_profile].get("cpu")
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        """The text columns rows are read from: the raw text, or the prompt and the response."""
+        return (self.text_column,) if self.objective != "pairs" else (self.prompt_column, self.response_column)
 
     @property
     def frozen_encoder(self) -> bool:

@@ -60,13 +60,13 @@ def mark_run_started(cfg) -> None:
     paths and SFT's model folder resolve: a typo in them should not leave a run folder behind), in a
     folder that is new, empty or a run's: the trainer's check refuses any other, saying why."""
     from data.ownership import claim_folder, is_run_folder
-    from data.sources import resolve_files  # light: pyarrow is imported only when reading
+    from data.sources import formats_for, resolve_files  # light: pyarrow is imported only when reading
 
     if cfg.is_keep_training:
         return
-    resolve_files(cfg.train_file, "--train_file", cfg.output_dir)
+    resolve_files(cfg.train_file, "--train_file", cfg.output_dir, formats_for(cfg))
     if cfg.eval_file is not None:  # None: held out of --train_file
-        resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir)
+        resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir, formats_for(cfg))
     if cfg.init_from:
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
     try:
@@ -124,7 +124,7 @@ def generate(config: str | None = None, **flags) -> None:
 def train_tokenizer(config: str | None = None, **flags) -> dict:
     """Train the sentencepiece tokenizer on a capped, streamed sample of --train_file
     (default: both shipped corpora) into --tokenizer_dir (default: data/tokenizer)."""
-    from data.sources import resolve_files
+    from data.sources import formats_for, resolve_files
     from data.tokenization import train_tokenizer as train_spm
     from data.tokenization import vocab_shortfall
 
@@ -133,8 +133,8 @@ def train_tokenizer(config: str | None = None, **flags) -> dict:
         raise UserError(f"--tokenizer_dir={cfg.tokenizer_dir} holds a tokenizer already; pass a new folder, or "
                         "remove that one first")
     spec = cfg.train_file if "train_file" in flags else ",".join(str(t) for t, _ in SHIPPED_CORPORA.values())
-    files = resolve_files(spec, "--train_file")
-    tokenizer = train_spm(files, cfg.tokenizer_dir, (cfg.prompt_column, cfg.response_column), cfg.vocab_size,
+    files = resolve_files(spec, "--train_file", formats=formats_for(cfg))
+    tokenizer = train_spm(files, cfg.tokenizer_dir, cfg.text_columns, cfg.vocab_size,
                           cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
     summary = {"tokenizer_dir": cfg.tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}
     shortfall = vocab_shortfall(tokenizer, cfg.vocab_size)
@@ -152,6 +152,25 @@ def prepare(config: str | None = None, **flags) -> dict:
     return prepare_command(cfg, Path(out_dir), tokenizer_folder(cfg))
 
 
+def preview(config: str | None = None, **flags) -> None:
+    """Print the first --num_examples (default 5) training examples as the model sees them, one JSON object per
+    line (input_ids, labels; original_ids for span corruption; --decode=True adds the texts); logs on stderr."""
+    import json
+
+    from data.preview import preview_examples
+    from data.tokenization import load_trained_tokenizer
+    from lowmem.model_source import tokenizer_folder
+
+    count = int(flags.pop("num_examples", 5))
+    decode = to_bool("decode", flags.pop("decode", False))
+    cfg, notes = load_config(flags, config)
+    for note in notes:
+        print(note, file=sys.stderr)
+    tokenizer = load_trained_tokenizer(tokenizer_folder(cfg))
+    for record in preview_examples(cfg, tokenizer, count, decode, report=lambda line: print(line, file=sys.stderr)):
+        print(json.dumps(record, ensure_ascii=False))
+
+
 def plot(config: str | None = None, **flags) -> dict:
     """PNG charts of OUTPUT_DIR/metrics.jsonl (loss, BLEU, learning rate, tokens/s, RSS) into --plot_dir
     (default: OUTPUT_DIR/plots)."""
@@ -163,7 +182,7 @@ def plot(config: str | None = None, **flags) -> dict:
 
 
 COMMANDS = {"train": train, "plan": plan, "evaluate": evaluate, "generate": generate,
-            "train_tokenizer": train_tokenizer, "prepare": prepare, "plot": plot}
+            "train_tokenizer": train_tokenizer, "prepare": prepare, "preview": preview, "plot": plot}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,7 @@ from config import TrainConfig, UserError
 from data.collate import CachedEncoderCollator, shape_multiple
 from data.objectives import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
-from data.sources import file_notes
+from data.sources import file_notes, formats_for
 from data.stream import batched
 from data.tokenization import tokenizer_for_run, tokenizer_sha1
 from lowmem import encoder_cache
@@ -164,7 +164,8 @@ class LowMemTrainer:
             self._open_encoder_cache()
         lines, record = startup_summary(cfg, self.accelerator, self.parameters, self.data, per_epoch,
                                         self.total_steps, self.state.step, self.encoder_cache, self.core)
-        for line in lines + file_notes(cfg.train_file, self.files.train, self.files.eval, bool(cfg.eval_file)):
+        for line in lines + file_notes(cfg.train_file, self.files.train, self.files.eval, bool(cfg.eval_file),
+                                       formats_for(cfg)):
             self.say(line)
         self.telemetry.record("setup", **record)
         return self
@@ -450,18 +451,17 @@ class LowMemTrainer:
                                  self.tokenizer_dir)
 
     def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.state.step, self.state_now(), self._training_parts(), self.data.stream,
-                                      self.meter, keep=self.cfg.save_total_limit)
+        parts = self.core, self.optimizer, self.scheduler, self.run_config
+        return self.checkpointer.save(self.state.step, self.state_now(), parts, self.data.stream, self.meter,
+                                      keep=self.cfg.save_total_limit)
 
     def load_checkpoint(self, folder: Path) -> None:
-        trainer_state, self.resumed_interval = self.checkpointer.load(
-            folder, self._training_parts(), self.data.stream, self.cfg.learn_rate, self.cfg.weight_decay)
+        parts = self.core, self.optimizer, self.scheduler, self.run_config
+        trainer_state, self.resumed_interval = self.checkpointer.load(folder, parts, self.data.stream,
+                                                                      self.cfg.learn_rate, self.cfg.weight_decay)
         self.state.load_state_dict(trainer_state)
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.state.epoch})")
         self.telemetry.record("resume", path=str(folder))
-
-    def _training_parts(self) -> tuple:
-        return self.core, self.optimizer, self.scheduler, self.run_config
 
     def state_now(self) -> dict:
         """The counters with the time trained so far. ``self.state.elapsed_s`` stays the time before

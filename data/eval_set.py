@@ -9,7 +9,7 @@ from pathlib import Path
 
 from config import UserError
 from data.readers import FileIndex, index_file, manifest_of
-from data.sources import DataProblems, Example, check_columns, iter_rows, resolve_files
+from data.sources import DataProblems, Example, check_columns, formats_for, iter_rows, resolve_files
 
 
 def take_examples(files: list[Path], columns: tuple[str, str], limit: int,
@@ -61,11 +61,11 @@ def eval_files_of(cfg, train_files: list[Path]) -> list[Path]:
             raise UserError("--train_file holds prepared shards (token ids), so no eval rows can be held out of "
                             "it: pass --eval_file with text rows (BLEU compares decoded answers)")
         return []
-    files = resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir)
+    files = resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir, formats_for(cfg))
     if manifest_of(files):
         raise UserError("--eval_file must be text (BLEU compares decoded answers): pass the original corpus, "
                         "not prepared shards")
-    check_columns(files, (cfg.prompt_column, cfg.response_column), "--eval_file")
+    check_columns(files, cfg.text_columns, "--eval_file")
     return files
 
 
@@ -78,7 +78,7 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
     training files (``hold_out``; the files are indexed here when ``indexes`` is None), which the
     returned indexes then leave out.
     """
-    columns = (cfg.prompt_column, cfg.response_column)
+    columns = cfg.text_columns
     if indexes is None and not eval_files:
         indexes = [index_file(f) for f in train_files]
     if indexes is not None and not sum(i.rows for i in indexes):

@@ -15,12 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import TrainConfig
+from config import TrainConfig, UserError
 from data.eval_set import eval_files_of, eval_split
 from data.prepare import check_manifest
 from data.readers import FileIndex, index_file, manifest_of
-from data.sources import DataProblems, Example, check_columns, resolve_files
+from data.sources import DataProblems, Example, check_columns, formats_for, resolve_files
 from data.stream import ExampleStream, largest_share, steps_per_epoch, total_steps
+from data.text_files import layout_note
 from data.tokenization import tokenizer_sha1
 
 
@@ -36,8 +37,11 @@ class DataFiles:
 
 def check_data(cfg: TrainConfig, objective) -> DataFiles:
     """Resolve and check the data flags; ``UserError`` names what to change."""
-    train = resolve_files(cfg.train_file, "--train_file", cfg.output_dir)
+    train = resolve_files(cfg.train_file, "--train_file", cfg.output_dir, formats_for(cfg))
     prepared = manifest_of(train)  # a corpus tokenized by `prepare`: token-id columns
+    if prepared and objective.name != "pairs":
+        raise UserError(f"--train_file holds prepared shards (prompt/response token ids); --objective={objective.name} "
+                        "reads raw text: pass the text corpus")
     columns = objective.columns(prepared)
     check_columns(train, columns, "--train_file")
     return DataFiles(train, eval_files_of(cfg, train), prepared, columns)
@@ -55,9 +59,10 @@ class TrainData:
     eval_examples: list[Example]
     held_out_rows: int  # rows of --train_file held out as the eval set (0 with --eval_file)
     eval_problems: DataProblems
-    stream: ExampleStream  # this process's share, from the start (a resume loads its position)
+    stream: ExampleStream  # this process's share from the start (the objective's: packed chunks for raw text)
     rank: int
     world: int
+    cfg: TrainConfig
 
     @property
     def rows(self) -> int:
@@ -66,16 +71,20 @@ class TrainData:
     def steps(self, cfg: TrainConfig) -> tuple[int, int]:
         """(optimizer steps per epoch, total steps). The process with the most rows sets an epoch's
         steps: the others step with it on empty windows."""
+        if self.objective.fixed_lengths and cfg.max_steps <= 0:
+            raise UserError(f"--objective={self.objective.name} needs --max_steps: an epoch's chunks are known only "
+                            "once its text is tokenized, and the learning-rate schedule is made for a number of steps")
         share = largest_share(self.indexes, self.world)
         return steps_per_epoch(share, cfg.batch_size, cfg.gradient_accumulation_steps), total_steps(cfg, share)
 
     def fresh_stream(self, rank: int | None = None) -> ExampleStream:
         """A new stream of process ``rank`` (default: this one) from the start of the run: the planner
         replays it to find the costliest micro-batch."""
-        stream = self.stream
         rank = self.rank if rank is None else rank
-        return ExampleStream(stream.files, stream.columns, stream.seed, stream.buffer_size, rank=rank,
-                             world_size=self.world, indexes=self.indexes)
+        cfg = self.cfg
+        documents = ExampleStream(self.files.train, self.files.columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank,
+                                  world_size=self.world, indexes=self.indexes)
+        return self.objective.stream(documents, self.collator.tokenizer)
 
 
 def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, rank: int = 0, world: int = 1, *, objective,
@@ -98,7 +107,10 @@ def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, rank: int = 0, wor
     for path, index in zip(files.train, indexes):
         if not index.rows:
             report(f"warning: {path} is empty")
-    stream = ExampleStream(files.train, files.columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank,
-                           world_size=world, indexes=indexes, problems=DataProblems(report=warn))
+        elif index.kind.startswith("txt"):
+            report(layout_note(path, index.kind))
+    documents = ExampleStream(files.train, files.columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank,
+                              world_size=world, indexes=indexes, problems=DataProblems(report=warn))
+    eval_examples = objective.eval_examples(eval_examples, tokenizer, cfg.max_eval_samples)
     return TrainData(files, objective, objective.collator(tokenizer, pad_multiple), indexes, eval_examples, held,
-                     eval_problems, stream, rank, world)
+                     eval_problems, objective.stream(documents, tokenizer), rank, world, cfg)

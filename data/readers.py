@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config import UserError
+from data.text_files import index_txt, txt_range
 
 SEEK_EVERY = 1 << 20  # bytes between index entries: at most this much is read and dropped per seek
 BATCH_ROWS = 256  # parquet rows decoded at once
@@ -78,7 +79,7 @@ def file_kind(path: Path) -> str:
         with open(path, "rb") as fh:
             head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
         return "json-array" if head.startswith(b"[") else "jsonl"
-    return suffix.lstrip(".")
+    return "txt" if suffix == ".txt" else suffix.lstrip(".")
 
 
 def manifest_of(files: list[Path]) -> dict | None:
@@ -106,6 +107,8 @@ def index_file(path: Path) -> FileIndex:
             return _index_csv(path)
         if kind == "json-array":
             return _index_array(path)
+        if kind == "txt":
+            return FileIndex(*index_txt(path))
         return _index_lines(path)
     except UserError:
         raise
@@ -319,6 +322,8 @@ def read_range(path: Path, index: FileIndex | None, start: int = 0, end: int | N
             yield from _csv_range(path, index, start, end)
         elif kind == "json-array":
             yield from _array_range(path, index, start, end)
+        elif kind.startswith("txt"):
+            yield from txt_range(path, index, start, end, columns[0] if columns else "text")
         else:
             yield from _jsonl_range(path, index, start, end)
     except UserError:

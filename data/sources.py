@@ -17,6 +17,12 @@ from config import UserError
 from data.readers import MANIFEST, REASONS, TOKEN_COLUMNS, FileIndex, file_kind, index_file, read_range, row_problem
 
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # file endings read by data.readers
+TEXT_FORMATS = (*FORMATS, ".txt")  # raw-text objectives also read plain text (data.text_files)
+
+
+def formats_for(cfg) -> tuple[str, ...]:
+    """The file endings a run reads: plain text too when its objective reads raw text."""
+    return FORMATS if cfg.objective == "pairs" else TEXT_FORMATS
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,8 @@ class Example:
     row: int
 
 
-def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None = None) -> list[Path]:
+def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None = None,
+                  formats: tuple[str, ...] = FORMATS) -> list[Path]:
     """Expand a file, a glob, a folder, or a comma-separated list of those, into sorted data files.
 
     A folder gives its data files at any depth (through linked folders too), leaving out hidden
@@ -46,7 +53,7 @@ def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None 
             ``output_dir`` lies inside a data folder (its own files would become training rows).
     """
     files, seen = [], set()
-    for path in _expand(spec, flag, output_dir):
+    for path in _expand(spec, flag, output_dir, formats):
         real = os.path.realpath(path)
         if real not in seen:
             seen.add(real)
@@ -54,13 +61,13 @@ def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None 
     return files
 
 
-def repeated_files(spec: str) -> list[Path]:
+def repeated_files(spec: str, formats: tuple[str, ...] = FORMATS) -> list[Path]:
     """The files ``spec`` reaches more than once (each named once), which ``resolve_files`` reads once."""
-    reached = [os.path.realpath(p) for p in _expand(spec, "--train_file")]
+    reached = [os.path.realpath(p) for p in _expand(spec, "--train_file", None, formats)]
     return [Path(p) for p in dict.fromkeys(p for p in reached if reached.count(p) > 1)]
 
 
-def _expand(spec: str, flag: str, output_dir: str | None = None) -> list[Path]:
+def _expand(spec: str, flag: str, output_dir: str | None = None, formats: tuple[str, ...] = FORMATS) -> list[Path]:
     files: list[Path] = []
     for part in [p.strip() for p in str(spec).split(",") if p.strip()]:
         path = Path(part).expanduser()
@@ -69,9 +76,9 @@ def _expand(spec: str, flag: str, output_dir: str | None = None) -> list[Path]:
                                                               Path(output_dir).resolve()]:
                 raise UserError(f"--output_dir={output_dir} is inside {flag}={part}: the run's own files "
                                 "(metrics.jsonl, ...) would be read as data; choose an --output_dir outside it")
-            found = [p for p in folder_files(path) if p.suffix.lower() in FORMATS]
+            found = [p for p in folder_files(path) if p.suffix.lower() in formats]
             if not found:
-                raise UserError(f"{flag}={part} is a folder with no {'/'.join(FORMATS)} files")
+                raise UserError(f"{flag}={part} is a folder with no {'/'.join(formats)} files")
         elif any(ch in part for ch in "*?["):
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(part), recursive=True) if Path(p).is_file())
             if not found:
@@ -81,8 +88,8 @@ def _expand(spec: str, flag: str, output_dir: str | None = None) -> list[Path]:
         else:
             raise UserError(f"{flag}={part} does not exist")
         for p in found:
-            if p.suffix.lower() not in FORMATS:
-                raise UserError(f"{flag}: {p} has an unsupported ending; use one of {', '.join(FORMATS)}")
+            if p.suffix.lower() not in formats:
+                raise UserError(f"{flag}: {p} has an unsupported ending; use one of {', '.join(formats)}")
             if not os.access(p, os.R_OK):
                 raise UserError(f"{flag}: {p} is not readable")
         files.extend(found)
@@ -105,11 +112,11 @@ def folder_files(folder: Path) -> list[Path]:
     return sorted(p for p in out if p.is_file())
 
 
-def ignored_in_folders(spec: str) -> list[Path]:
+def ignored_in_folders(spec: str, formats: tuple[str, ...] = FORMATS) -> list[Path]:
     """The visible files of ``spec``'s folders that are not data files (told to the user, not read)."""
     folders = [Path(p.strip()).expanduser() for p in str(spec).split(",") if p.strip()]
     return [p for folder in folders if folder.is_dir() for p in folder_files(folder)
-            if p.suffix.lower() not in FORMATS and p.name != MANIFEST]
+            if p.suffix.lower() not in formats and p.name != MANIFEST]
 
 
 class DataProblems:
@@ -189,7 +196,8 @@ def bad_rows_report(train: dict, rows_read: int, train_rows: int, eval_problems:
     return event, line
 
 
-def file_notes(train_spec: str, train_files: list[Path], eval_files: list[Path], eval_given: bool) -> list[str]:
+def file_notes(train_spec: str, train_files: list[Path], eval_files: list[Path], eval_given: bool,
+               formats: tuple[str, ...] = FORMATS) -> list[str]:
     """What the log says about the files: those not read, those reached twice, an eval set trained on
     (``eval_given``: the eval files are --eval_file's, not rows held out of --train_file)."""
     notes = []
@@ -197,11 +205,11 @@ def file_notes(train_spec: str, train_files: list[Path], eval_files: list[Path],
     def some(paths: list) -> str:
         return ", ".join(str(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
 
-    ignored = ignored_in_folders(train_spec)
+    ignored = ignored_in_folders(train_spec, formats)
     if ignored:
         notes.append(f"not read: {len(ignored)} file(s) in the --train_file folder(s) without a data ending "
-                     f"({'/'.join(FORMATS)}): {some(ignored)}")
-    repeated = repeated_files(train_spec)
+                     f"({'/'.join(formats)}): {some(ignored)}")
+    repeated = repeated_files(train_spec, formats)
     if repeated:
         notes.append(f"read once: {len(repeated)} file(s) that --train_file reaches more than once: {some(repeated)}")
     trained = {os.path.realpath(p) for p in train_files}
@@ -236,7 +244,7 @@ def iter_rows(path: Path, file_index: int, columns: tuple[str, str], start_row: 
                 problems.add(path, kind, row, *problem)
             yield None
             continue
-        yield Example(record[columns[0]], record[columns[1]], file_index, row)
+        yield Example(record[columns[0]], record[columns[-1]], file_index, row)  # raw text: one column
 
 
 def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample: int = 100) -> None:
@@ -258,7 +266,8 @@ def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample
         which = " and ".join(f"'{c}'" for c in missing)
         separator = next((s for s in ";\t|" if len(seen) == 1 and s in next(iter(seen))), None)
         fix = (f"it looks separated by {separator!r}, not commas: save it comma-separated" if separator and
-               files[0].suffix.lower() == ".csv" else "set --prompt_column / --response_column")
+               files[0].suffix.lower() == ".csv" else "set --prompt_column / --response_column" if len(columns) > 1
+               else "set --text_column")
         raise UserError(f"{flag}: {files[0]} has no column {which} (columns: {', '.join(seen)}); {fix}")
     text = "list" if columns == TOKEN_COLUMNS else "str"  # a prepared corpus holds token ids
     for column, types in found.items():
@@ -266,7 +275,7 @@ def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample
             kinds = ", ".join(VALUE_KINDS.get(t, t) for t in sorted(types))
             raise UserError(f"{flag}: column '{column}' of {files[0]} holds {kinds}, not text, in all of the "
                             f"{read} rows read; store it as text (strings), or point --prompt_column / "
-                            "--response_column at the text columns")
+                            "--response_column (--text_column) at the text columns")
 
 
 VALUE_KINDS = {"int": "numbers (int)", "float": "numbers (float)", "bool": "booleans", "list": "lists",

@@ -50,10 +50,9 @@ def _has_inner_blank_line(path: Path) -> bool:
     return False
 
 
-def index_txt(path: Path):
-    """The documents of a .txt file counted, with a seek point every ~MiB (``data.readers.FileIndex``)."""
-    from data.readers import FileIndex
-
+def index_txt(path: Path) -> tuple[int, list[tuple[int, int]], str]:
+    """The documents of a .txt file counted, with a seek point every ~MiB: (rows, seeks, kind), the
+    fields of ``data.readers.FileIndex``."""
     kind = PARAGRAPHS if _has_inner_blank_line(path) else LINES
     seeks, rows, next_seek = [(0, 0)], 0, SEEK_EVERY
     with open(path, "rb") as fh:
@@ -62,7 +61,7 @@ def index_txt(path: Path):
                 seeks.append((rows, offset))
                 next_seek = offset + SEEK_EVERY
             rows += 1
-    return FileIndex(rows, seeks, kind)
+    return rows, seeks, kind
 
 
 def txt_range(path: Path, index, start: int, end: int | None, column: str) -> Iterator[tuple[int, dict | str]]:

@@ -36,7 +36,7 @@ def sample_sentences(files: list[Path], columns: tuple[str, str], limit: int, pr
         for item in iter_rows(path, index, columns):
             if item is None:
                 continue
-            for text in (item.prompt, item.response):
+            for text in (item.prompt, item.response)[:len(columns)]:  # raw text: one column
                 yield text
                 taken += 1
                 bar.update()
@@ -195,7 +195,7 @@ def tokenizer_for_run(cfg, folder: Path, files, is_main: bool = True, wait=lambd
                         f"({files.prepared['tokenizer_dir']})")
     say(f"no tokenizer in {folder}: training one on {cfg.train_file}")
     if is_main:
-        train_tokenizer(files.train, folder, (cfg.prompt_column, cfg.response_column), cfg.vocab_size,
+        train_tokenizer(files.train, folder, cfg.text_columns, cfg.vocab_size,
                         cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
     wait()
     tokenizer = load_tokenizer(folder)

@@ -17,7 +17,7 @@ from config import SHIPPED_CORPORA, TrainConfig, saved_json
 from data.collate import shape_multiple
 from data.eval_set import eval_files_of, eval_split
 from data.objectives import objective_for
-from data.sources import resolve_files
+from data.sources import formats_for, resolve_files
 from data.stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer
 from lowmem.distributed import start_accelerator
@@ -86,7 +86,8 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
                                       **generation_options(cfg, cfg.max_target_len))
         tokens += int(batch["labels"].ne(-100).sum())
         predictions = tokenizer.batch_decode(generated, skip_special_tokens=True)
-        pairs.extend(zip(predictions, [e.response for e in chunk]))
+        pairs.extend(zip(predictions, [e.response if isinstance(e.response, str)  # else token ids (raw-text objectives)
+                                       else tokenizer.decode(e.response, skip_special_tokens=True) for e in chunk]))
         del batch, generated
     totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
@@ -141,7 +142,10 @@ def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
     """--init_from (default OUTPUT_DIR/best) with its own tokenizer (unless --tokenizer_dir names
     one), and the eval set: --eval_file, or the rows training on --train_file held out."""
     model_dir = Path(cfg.init_from) if cfg.init_from else Path(cfg.output_dir) / "best"
-    train_files = resolve_files(cfg.train_file, "--train_file") if cfg.eval_file is None else []
+    objective = objective_for(cfg)
+    # Without --eval_file: the rows that training on --train_file held out
+    train_files = [] if cfg.eval_file is not None else resolve_files(cfg.train_file, "--train_file",
+                                                                     formats=formats_for(cfg))
     eval_files = eval_files_of(cfg, train_files)
     model = load_model(model_dir)
     model_dir = resolve_model_dir(str(model_dir))
@@ -153,8 +157,9 @@ def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
     check_vocabulary(cfg, model, tokenizer, model_dir)
     model = accelerator.prepare(model)
     multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
-    collator = objective_for(cfg).collator(tokenizer, multiple)
-    eval_examples, _, _ = eval_split(cfg, eval_files, train_files)
+    collator = objective.collator(tokenizer, multiple)
+    eval_rows, _, _ = eval_split(cfg, eval_files, train_files)
+    eval_examples = objective.eval_examples(eval_rows, tokenizer, cfg.max_eval_samples)
     trained = (saved_json(model_dir / "training_info.json") or {}).get("kind")
     shipped_eval = cfg.eval_file == str(SHIPPED_CORPORA[cfg.kind][1]) and not cfg.prompt
     if trained in SHIPPED_CORPORA and trained != cfg.kind and shipped_eval and accelerator.is_main_process:

@@ -36,8 +36,11 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     if not src:
         return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
                 "row_bytes": 0, "rows": 0, "pairs": []}
-    s = [len(x) for x in data.collator.token_ids(src, cfg.max_source_len)]
-    t = [len(x) for x in data.collator.token_ids(tgt, cfg.max_target_len)]
+    if data.objective.fixed_lengths:  # packed chunks: every example has the same lengths
+        s, t = ([length] * len(src) for length in data.objective.fixed_lengths)
+    else:
+        s = [len(x) for x in data.collator.token_ids(src, cfg.max_source_len)]
+        t = [len(x) for x in data.collator.token_ids(tgt, cfg.max_target_len)]
     mean_row = sum(text_bytes) / len(text_bytes)
     return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
             "row_bytes": mean_row, "rows": estimated_rows(files, mean_row, columns), "pairs": list(zip(s, t))}

@@ -211,6 +211,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     """The numbers that matter before training starts: (log lines, the ``setup`` record's fields).
     ``parameters``: trainable, frozen and frozen_bf16 counts; ``data``: the run's ``TrainData``."""
     world = accelerator.num_processes
+    lengths = data.objective.fixed_lengths or (cfg.max_source_len, cfg.max_target_len)  # the longest example
     effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
     features = [f"mixed_precision={cfg.mixed_precision}", f"optimizer={cfg.optimizer}",
                 f"gradient_checkpointing={cfg.gradient_checkpointing}",
@@ -227,9 +228,12 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         f"device {accelerator.device} x {world} process(es) | model {cfg.init_from or cfg.model_preset} | "
         f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,}",
         f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
-        f"x {world}) | tokens per optimizer step <= {effective * (cfg.max_source_len + cfg.max_target_len):,}",
-        f"train rows {data.rows:,} from {len(data.files.train)} file(s) | {per_epoch} optimizer steps per epoch | "
-        f"total steps {total_steps} | start step {start_step}",
+        f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}",
+        (f"train rows {data.rows:,} from {len(data.files.train)} file(s) | {per_epoch} optimizer steps per epoch | "
+         if not data.objective.fixed_lengths else
+         f"train documents {data.rows:,} from {len(data.files.train)} file(s), packed into chunks of "
+         f"{data.objective.chunk_length} tokens: {' input / '.join(map(str, data.objective.fixed_lengths))} target "
+         f"tokens after {data.objective.name}, no padding | ") + f"total steps {total_steps} | start step {start_step}",
         f"eval rows {len(data.eval_examples):,} from "
         + (cfg.eval_file if cfg.eval_file else f"the last {data.held_out_rows:,} rows of --train_file, held out "
            "of training (pass --eval_file to evaluate on another set)"),

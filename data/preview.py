@@ -1,0 +1,35 @@
+"""``python train_low_mem.py preview``: the first training examples as the model will see them, one
+JSON object per line: ``input_ids``, ``labels`` and, for objectives that rewrite raw text,
+``original_ids`` (the chunk before corruption); with ``decode`` the texts too, sentinels shown."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from config import TrainConfig
+from data.objectives import objective_for
+from data.packing import PackedStream
+from data.pipeline import build_data, check_data
+
+
+def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = False, report=print) -> Iterator[dict]:
+    """The first ``count`` examples of the run's training stream (process 0 of 1), nothing heavy built."""
+    objective = objective_for(cfg)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=report, warn=report)
+    examples = itertools.islice(data.stream.iter_epoch(), count)
+    originals = None
+    if isinstance(data.stream, PackedStream):  # the same documents packed again, the chunks kept as they are
+        plain = data.fresh_stream()
+        plain.make_example = lambda chunk, *_: chunk
+        originals = plain.iter_epoch()
+    for example in examples:
+        input_ids, labels = (data.collator.token_ids([side], limit)[0] for side, limit in
+                             ((example.prompt, cfg.max_source_len), (example.response, cfg.max_target_len)))
+        record = {"input_ids": input_ids, "labels": labels}
+        if originals is not None:
+            record["original_ids"] = next(originals)
+        if decode:
+            record.update({f"{key}_text": tokenizer.decode(record[key]) for key in list(record)})
+        record.update(file=str(data.files.train[example.file_index]), row=example.row)
+        yield record
