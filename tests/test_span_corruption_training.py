@@ -78,7 +78,7 @@ def test_span_corruption_learns_resumes_bit_identically_and_sft_starts_from_it(t
               "--eval_steps=8", "--gradient_accumulation_steps=4", "--max_eval_samples=8", "--logging_steps=2",
               "--shuffle_buffer_size=32", "--learn_rate=1e-2"]
     straight, broken = tmp_path / "straight", tmp_path / "broken"
-    done = run_cli("train", f"--output_dir={straight}", *common)
+    done = run_cli("train", f"--output_dir={straight}", *common, timeout=1200)  # a loaded CI machine is slow
     assert done.returncode == 0, done.stderr[-3000:]
     assert "plain text, documents separated by blank lines" in done.stdout
     evals = [r["eval_loss"] for r in metrics(straight) if r["event"] == "eval"]
@@ -91,7 +91,7 @@ def test_span_corruption_learns_resumes_bit_identically_and_sft_starts_from_it(t
         time.sleep(0.05)
     child.kill()  # mid-run, a document split between chunks held by the packer
     child.wait()
-    done = run_cli("train", f"--output_dir={broken}", *common, "--is_keep_training=True")
+    done = run_cli("train", f"--output_dir={broken}", *common, "--is_keep_training=True", timeout=1200)
     assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
     a, b = (load_file(str(run / "final" / "model.safetensors")) for run in (straight, broken))
     assert all(torch.equal(a[k], b[k]) for k in a)
