@@ -2,9 +2,9 @@
 
 The data entry point (``data.pipeline.build_data``) is given one objective and asks it which columns
 to read and which collator makes its batches; the trainer, the planner's replay and evaluation take
-the collator from there, so an objective is one class here and nothing else changes around it.
-Today there is one: prompt -> response pairs (SFT, and pretraining on pairs such as the shipped
-pinyin corpus).
+the collator from there, so an objective is one class here and nothing else changes around it:
+prompt -> response pairs (SFT, and pretraining on pairs such as the shipped pinyin corpus), and T5's
+span corruption on raw text (``--objective=span_corruption``).
 """
 
 from __future__ import annotations
