@@ -8,7 +8,8 @@
 Outputs (deterministic for a given package version):
     data/pinyin/{train,eval}.jsonl      pypinyin's phrase dictionary (MIT): phrase -> tone-marked pinyin
     data/chatterbot/{train,eval}.jsonl  chatterbot-corpus (BSD-3-Clause): Chinese + English turn pairs, each
-                                        Chinese training pair written CHINESE_REPEAT times (see below)
+                                        Chinese training pair written CHINESE_REPEAT times (see below); eval
+                                        rows whose prompt is in training are left out
     data/tokenizer/                     sentencepiece tokenizer trained on both train splits (each row once)
 """
 
@@ -29,13 +30,12 @@ sys.path.insert(0, str(HERE.parent))
 EVAL_EVERY = 20  # one row in 20 goes to the held-out eval split
 # chatterbot-corpus has 514 Chinese training pairs beside 2,268 English ones. Hardly any Chinese pair
 # repeats, while the English tech-support file repeats each of its 10 pairs about 100 times. The tiny model
-# of the default job learns what it sees many times: it answers those 10 prompts word for word and Chinese
-# prompts with runs of commas. Writing each Chinese training pair 5 times (2,570 of 4,838 rows) and 600 SFT
-# steps gave Chinese sentences (data/README.md). It stays 1 until tests/conftest.py's family_models fixture,
-# which trains a 400-piece sentencepiece model on these rows, reads each distinct text once: with the
-# Chinese rows repeated it needs 580 pieces for its character coverage. The split is drawn first, so eval
-# rows are the source's draw, and the tokenizer counts each drawn row once.
-CHINESE_REPEAT = 1
+# of the default job learns what it sees many times: with each pair written once it answered those 10
+# prompts word for word and Chinese prompts with runs of commas. Each Chinese training pair is written 5
+# times (2,570 of 4,838 rows); with 600 SFT steps the default job then answers Chinese prompts in Chinese
+# (data/README.md). The split is drawn first, so eval rows are the source's draw, and the tokenizer counts
+# each drawn row once.
+CHINESE_REPEAT = 5
 HAN = re.compile(r"[\u3400-\u9fff]")
 
 
@@ -74,6 +74,18 @@ def split(rows: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
     return [r for i, r in enumerate(rows) if i % EVAL_EVERY], [r for i, r in enumerate(rows) if not i % EVAL_EVERY]
 
 
+def unseen(eval_rows: list[dict], train: list[dict]) -> list[dict]:
+    """The eval rows whose prompt no training row has, each prompt once: the source repeats many
+    conversations, and an eval row copied from training would make the eval loss and BLEU flatter
+    than on prompts the model has not seen."""
+    seen, out = {r["prompt"] for r in train}, []
+    for row in eval_rows:
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            out.append(row)
+    return out
+
+
 def repeat_chinese(train: list[dict], times: int, seed: int) -> list[dict]:
     """``train`` with each Chinese row ``times`` times, shuffled again so the copies spread through the file."""
     if times == 1:
@@ -95,12 +107,14 @@ def main(out: Path = HERE, no_tokenizer: bool = False) -> None:
     write_rows(pinyin_train, out / "pinyin" / "train.jsonl")
     write_rows(pinyin_eval, out / "pinyin" / "eval.jsonl")
     print("pinyin (train, eval):", (len(pinyin_train), len(pinyin_eval)))
-    chat_train, chat_eval = split(chatterbot_pairs(), seed=2)
+    chat_train, chat_drawn = split(chatterbot_pairs(), seed=2)
+    chat_eval = unseen(chat_drawn, chat_train)
     chat_written = repeat_chinese(chat_train, CHINESE_REPEAT, seed=3)
     write_rows(chat_written, out / "chatterbot" / "train.jsonl")
     write_rows(chat_eval, out / "chatterbot" / "eval.jsonl")
     chinese = sum(map(is_chinese, chat_train))
-    print(f"chatterbot (train, eval): ({len(chat_written)}, {len(chat_eval)}); train pairs {len(chat_train)}: "
+    print(f"chatterbot (train, eval): ({len(chat_written)}, {len(chat_eval)} of the {len(chat_drawn)} drawn: the rest "
+          f"repeat a training prompt); train pairs {len(chat_train)}: "
           f"{chinese} Chinese (written {CHINESE_REPEAT} times), {len(chat_train) - chinese} English")
     if not no_tokenizer:
         from config import TrainConfig

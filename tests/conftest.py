@@ -99,6 +99,7 @@ def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     texts = [r[c] for r in read_jsonl(SHIPPED_CORPORA["sft"][0]) for c in ("prompt", "response")]
     texts += [r[c] for r in synthetic_rows(500) for c in ("prompt", "response")]
+    texts = list(dict.fromkeys(texts))  # each distinct text once: the shipped corpus repeats its Chinese pairs
     spiece = train_spiece(root / "spiece.model", texts)
     return {family: write_family_model(root / family, family, spiece) for family in FAMILIES}
 
