@@ -118,7 +118,9 @@ class TrainConfig:
     seed: int = _f(42, "Seed for model init, shuffling and dropout.")
 
     # --- data ---
-    train_file: str | None = _f(None, "Training file, glob or folder (jsonl/json/parquet/csv). Default: shipped.")
+    train_file: str | None = _f(None, "Training file, glob or folder (jsonl/json/parquet/csv), or a Hugging Face "
+                                      "dataset: a save_to_disk folder or a hub id (streamed). Default: shipped.")
+    dataset_config: str | None = _f(None, "Configuration of a hub dataset --train_file (allenai/c4: en).")
     eval_file: str | None = _f(None, "Eval file, glob or folder. Default: the shipped eval split with the shipped "
                                      "training data; with your own --train_file, its last --max_eval_samples rows "
                                      "(10% of them at most), held out of training.")
@@ -326,6 +328,8 @@ class TrainConfig:
         if self.num_workers != 0:
             problems.append("--num_workers must be 0: the data position (and shuffle buffer) is saved from the "
                             "trainer process for exact resume; tokenization is batched in that process")
+        if self.dataset_config is not None and not self.dataset_config.strip():
+            problems.append("--dataset_config is empty: name a configuration of the dataset, or leave it out")
         if self.prompt_column == self.response_column:
             problems.append("--prompt_column and --response_column must differ")
         if self.resume_from and not self.is_keep_training:

@@ -133,7 +133,7 @@ def train_tokenizer(config: str | None = None, **flags) -> dict:
         raise UserError(f"--tokenizer_dir={cfg.tokenizer_dir} holds a tokenizer already; pass a new folder, or "
                         "remove that one first")
     spec = cfg.train_file if "train_file" in flags else ",".join(str(t) for t, _ in SHIPPED_CORPORA.values())
-    files = resolve_files(spec, "--train_file", formats=formats_for(cfg))
+    files = resolve_files(spec, "--train_file", formats=formats_for(cfg), dataset_config=cfg.dataset_config)
     tokenizer = train_spm(files, cfg.tokenizer_dir, cfg.text_columns, cfg.vocab_size,
                           cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
     summary = {"tokenizer_dir": cfg.tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}

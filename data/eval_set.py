@@ -1,6 +1,7 @@
 """The eval set: the first ``--max_eval_samples`` usable rows of ``--eval_file``, or, given only
 ``--train_file``, its last rows held out of training (never trained on, the same rows in every run
-and in ``evaluate`` / ``generate``)."""
+and in ``evaluate`` / ``generate``). A Hugging Face dataset (``data.hf_datasets``) gives its
+``validation`` (else ``test``) split, or else its first rows, held out (``dataset_eval_split``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from config import UserError
+from data.hf_datasets import EVAL_SPLITS, DatasetRef, dataset_of, eval_split_name, row_count, with_split
 from data.readers import FileIndex, index_file, manifest_of
 from data.sources import DataProblems, Example, check_columns, formats_for, iter_rows, resolve_files
 
@@ -61,7 +63,8 @@ def eval_files_of(cfg, train_files: list[Path]) -> list[Path]:
             raise UserError("--train_file holds prepared shards (token ids), so no eval rows can be held out of "
                             "it: pass --eval_file with text rows (BLEU compares decoded answers)")
         return []
-    files = resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir, formats_for(cfg))
+    files = resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir, formats_for(cfg), cfg.dataset_config)
+    files = [with_split(f, (*EVAL_SPLITS, "train")) if isinstance(f, DatasetRef) else f for f in files]
     if manifest_of(files):
         raise UserError("--eval_file must be text (BLEU compares decoded answers): pass the original corpus, "
                         "not prepared shards")
@@ -79,6 +82,8 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
     returned indexes then leave out.
     """
     columns = cfg.text_columns
+    if dataset_of(train_files) is not None:
+        return dataset_eval_split(cfg, eval_files, dataset_of(train_files), problems)
     if indexes is None and not eval_files:
         indexes = [index_file(f) for f in train_files]
     if indexes is not None and not sum(i.rows for i in indexes):
@@ -98,3 +103,42 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
         raise UserError(f"--train_file={cfg.train_file} has too few rows to hold out an eval set "
                         f"({HOLD_OUT_AT_MOST:.0%} of its rows at most): pass --eval_file")
     return examples, indexes, held
+
+
+def dataset_eval_split(cfg, eval_files: list[Path], source: DatasetRef,
+                       problems: DataProblems | None = None) -> tuple[list[Example], list[FileIndex], int]:
+    """``eval_split`` for a dataset ``--train_file``: the first ``--max_eval_samples`` usable rows of
+    ``eval_files`` when given, else of the dataset's ``validation`` (else ``test``) split, else of its
+    training split, whose first ``min(--max_eval_samples, 10 % of its rows)`` rows (``--max_eval_samples``
+    when its row count is unknown) are then held out: training starts after them. The returned index
+    holds the training rows (0 when the dataset does not say how many)."""
+    rows = row_count(source)
+    held, split = 0, eval_split_name(source)
+    if not eval_files and split is None:
+        held = cfg.max_eval_samples if rows is None else min(cfg.max_eval_samples, int(rows * HOLD_OUT_AT_MOST))
+    index = FileIndex(0 if rows is None else rows - held, kind="dataset")
+    if eval_files or split is not None:
+        examples = take_examples(eval_files or [with_split(source, (split,))], cfg.text_columns,
+                                 cfg.max_eval_samples, problems)
+        if not examples:
+            raise UserError(f"{cfg.eval_file or f'the {split} split of --train_file={cfg.train_file}'} holds no "
+                            "usable rows; pass --eval_file")
+        return examples, [index], 0
+    examples = [e for e in iter_rows(source, 0, cfg.text_columns, 0, held, None, problems) if e is not None]
+    if not examples:
+        raise UserError(f"--train_file={cfg.train_file}: the {held} row(s) it would hold out for evaluation (its "
+                        f"first, {HOLD_OUT_AT_MOST:.0%} of its rows at most) are none or all bad; pass --eval_file")
+    return examples, [index], held
+
+
+def eval_source(cfg, train_files: list, held: int) -> str:
+    """Where the eval set comes from, for the log."""
+    source = dataset_of(train_files)
+    if cfg.eval_file:
+        return cfg.eval_file
+    if source is None:
+        return (f"the last {held:,} rows of --train_file, held out of training (pass --eval_file to evaluate on "
+                "another set)")
+    if held:
+        return f"the first {held:,} rows of --train_file, held out of training (the dataset has no validation split)"
+    return f"the '{eval_split_name(source)}' split of --train_file"

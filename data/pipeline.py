@@ -5,7 +5,9 @@
 
 ``check_data`` resolves ``--train_file`` / ``--eval_file`` and checks their columns; ``build_data``
 indexes the training files (or takes the indexes the main process read), splits off the eval set,
-and opens this process's stream and the objective's collator. The trainer and the planner both take
+and opens this process's stream and the objective's collator. A Hugging Face dataset as
+``--train_file`` (``data.hf_datasets``) is the run's one "file", read by a ``DatasetStream`` (the
+interface of ``ExampleStream``) instead. The trainer and the planner both take
 their data from here: the planner replays ``TrainData.fresh_stream()`` instead of rebuilding the
 pipeline.
 """
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import TrainConfig, UserError
-from data.eval_set import eval_files_of, eval_split
+from data.dataset_stream import DatasetStream
+from data.eval_set import eval_files_of, eval_source, eval_split
+from data.hf_datasets import DatasetRef, dataset_of, describe, has_rows
 from data.prepare import check_manifest
 from data.readers import FileIndex, index_file, manifest_of
 from data.sources import DataProblems, Example, check_columns, formats_for, resolve_files
@@ -34,10 +38,20 @@ class DataFiles:
     prepared: dict | None  # the manifest when ``train`` are the shards of a prepared corpus
     columns: tuple[str, str]  # what the training stream reads (token-id columns for prepared shards)
 
+    @property
+    def dataset(self) -> DatasetRef | None:
+        """The Hugging Face dataset ``train`` names (its one entry), or None for files."""
+        return dataset_of(self.train)
+
 
 def check_data(cfg: TrainConfig, objective) -> DataFiles:
     """Resolve and check the data flags; ``UserError`` names what to change."""
-    train = resolve_files(cfg.train_file, "--train_file", cfg.output_dir, formats_for(cfg))
+    train = resolve_files(cfg.train_file, "--train_file", cfg.output_dir, formats_for(cfg), cfg.dataset_config)
+    if dataset_of(train) is not None:
+        _check_dataset(cfg, dataset_of(train))
+    elif cfg.dataset_config is not None:
+        raise UserError(f"--dataset_config={cfg.dataset_config} names a configuration of a hub dataset, but "
+                        f"--train_file={cfg.train_file} is files; leave --dataset_config out")
     prepared = manifest_of(train)  # a corpus tokenized by `prepare`: token-id columns
     if prepared and objective.name != "pairs":
         raise UserError(f"--train_file holds prepared shards (prompt/response token ids); --objective={objective.name} "
@@ -45,6 +59,15 @@ def check_data(cfg: TrainConfig, objective) -> DataFiles:
     columns = objective.columns(prepared)
     check_columns(train, columns, "--train_file")
     return DataFiles(train, eval_files_of(cfg, train), prepared, columns)
+
+
+def _check_dataset(cfg: TrainConfig, source: DatasetRef) -> None:
+    """What a dataset --train_file needs that files do not (checked before anything heavy is built)."""
+    if cfg.encoder_cache != "off":
+        raise UserError(f"--encoder_cache reads rows of files by position; --train_file={cfg.train_file} is a "
+                        "dataset: leave --encoder_cache off")
+    if not has_rows(source):
+        raise UserError(f"--train_file={cfg.train_file} is empty ({describe(source)} has no rows)")
 
 
 @dataclass
@@ -63,14 +86,32 @@ class TrainData:
     rank: int
     world: int
     cfg: TrainConfig
+    epoch_rows_known: bool = True  # False: a dataset that cannot say how many rows a process reads per epoch
 
     @property
     def rows(self) -> int:
+        """Training rows (0 for a dataset that does not say how many it has)."""
         return sum(i.rows for i in self.indexes)
+
+    @property
+    def source(self) -> str:
+        """What the training rows come from, for the log: the files, or the dataset."""
+        if self.files.dataset is None:
+            return f"{len(self.files.train)} file(s)"
+        return describe(self.files.dataset) + ("" if self.epoch_rows_known else " (its row count unknown)")
+
+    @property
+    def eval_source(self) -> str:
+        """Where the eval set comes from, for the log."""
+        return eval_source(self.cfg, self.files.train, self.held_out_rows)
 
     def steps(self, cfg: TrainConfig) -> tuple[int, int]:
         """(optimizer steps per epoch, total steps). The process with the most rows sets an epoch's
         steps: the others step with it on empty windows."""
+        if not self.epoch_rows_known and cfg.max_steps <= 0:
+            raise UserError(f"--train_file={cfg.train_file}: {self.source} does not say how many rows each of the "
+                            f"{self.world} process(es) reads, so an epoch's steps are unknown: set --max_steps (the "
+                            "learning-rate schedule is made for a number of steps)")
         if self.objective.fixed_lengths and cfg.max_steps <= 0:
             raise UserError(f"--objective={self.objective.name} needs --max_steps: an epoch's chunks are known only "
                             "once its text is tokenized, and the learning-rate schedule is made for a number of steps")
@@ -82,8 +123,7 @@ class TrainData:
         replays it to find the costliest micro-batch."""
         rank = self.rank if rank is None else rank
         cfg = self.cfg
-        documents = ExampleStream(self.files.train, self.files.columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank,
-                                  world_size=self.world, indexes=self.indexes)
+        documents = _documents(cfg, self.files, self.indexes, rank, self.world, self.held_out_rows)
         return self.objective.stream(documents, self.collator.tokenizer)
 
 
@@ -105,12 +145,33 @@ def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, rank: int = 0, wor
     if indexes is None:  # an --eval_file run indexes its training files here
         indexes = [index_file(f) for f in files.train]
     for path, index in zip(files.train, indexes):
-        if not index.rows:
+        if not index.rows and files.dataset is None:
             report(f"warning: {path} is empty")
         elif index.kind.startswith("txt"):
             report(layout_note(path, index.kind))
-    documents = ExampleStream(files.train, files.columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank,
-                              world_size=world, indexes=indexes, problems=DataProblems(report=warn))
+    documents = _documents(cfg, files, indexes, rank, world, held, DataProblems(report=warn))
+    if isinstance(documents, DatasetStream):
+        report(_dataset_note(cfg, documents))
     eval_examples = objective.eval_examples(eval_examples, tokenizer, cfg.max_eval_samples)
     return TrainData(files, objective, objective.collator(tokenizer, pad_multiple), indexes, eval_examples, held,
-                     eval_problems, objective.stream(documents, tokenizer), rank, world, cfg)
+                     eval_problems, objective.stream(documents, tokenizer), rank, world, cfg,
+                     not isinstance(documents, DatasetStream) or documents.share_rows is not None)
+
+
+def _documents(cfg: TrainConfig, files: DataFiles, indexes: list[FileIndex], rank: int, world: int, held: int,
+               problems: DataProblems | None = None):
+    """Process ``rank``'s stream of training rows: of the files, or of the dataset (its first ``held`` rows,
+    the eval set, left out)."""
+    if files.dataset is not None:
+        return DatasetStream(files.dataset, files.columns, cfg.seed, cfg.shuffle_buffer_size, rank, world, held,
+                             problems)
+    return ExampleStream(files.train, files.columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank, world_size=world,
+                         indexes=indexes, problems=problems)
+
+
+def _dataset_note(cfg: TrainConfig, documents: DatasetStream) -> str:
+    """The log line on how a dataset is read."""
+    split = {"shards": f"whole shards per process, of {documents.world_size}",
+             "examples": f"one row in {documents.world_size} per process"}[documents.share_of.strategy]
+    return (f"training rows from {describe(documents.source)}, streamed through datasets.IterableDataset"
+            + (f" ({split})" if documents.world_size > 1 else "") + f", shuffle buffer {cfg.shuffle_buffer_size}")

@@ -34,7 +34,7 @@ def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     from data.tokenization import load_trained_tokenizer, tokenizer_sha1
 
     check_prepared_dir(out_dir)  # before any work
-    files = resolve_files(cfg.train_file, "--train_file")
+    files = resolve_files(cfg.train_file, "--train_file", dataset_config=cfg.dataset_config)
     if manifest_of(files):
         raise UserError(f"--train_file={cfg.train_file} is prepared already; train from it directly")
     columns = (cfg.prompt_column, cfg.response_column)
@@ -142,5 +142,5 @@ def _write_shards(files: list[Path], columns: tuple[str, str], collator, folder:
         raise too_many_bad_rows(problems.total, rows + problems.total, max_bad_fraction, problems.by_reason, "rows")
     return {"rows": rows, "tokens": tokens, "shards": shards, "max_source_len": collator.max_source_len,
             "max_target_len": collator.max_target_len, "columns": list(columns),
-            "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
+            "sources": [{"path": str(f), "bytes": f.stat().st_size if isinstance(f, Path) else None} for f in files],
             "bad_rows": problems.total, "bad_rows_by_reason": dict(problems.by_reason)}

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config import UserError
+from data.hf_datasets import DatasetRef, read_rows, row_count
 from data.text_files import index_txt, txt_range
 
 SEEK_EVERY = 1 << 20  # bytes between index entries: at most this much is read and dropped per seek
@@ -73,7 +74,9 @@ class FileIndex:
 
 
 def file_kind(path: Path) -> str:
-    """jsonl, parquet, csv or json-array (a .json file whose first character is '[')."""
+    """jsonl, parquet, csv or json-array (a .json file whose first character is '['); dataset for a dataset."""
+    if isinstance(path, DatasetRef):
+        return "dataset"
     suffix = path.suffix.lower()
     if suffix == ".json":
         with open(path, "rb") as fh:
@@ -84,6 +87,8 @@ def file_kind(path: Path) -> str:
 
 def manifest_of(files: list[Path]) -> dict | None:
     """The manifest when ``files`` are the shards of one prepared folder, else None."""
+    if any(isinstance(f, DatasetRef) for f in files):
+        return None
     folders = {f.parent for f in files}
     if len(folders) != 1 or not (next(iter(folders)) / MANIFEST).is_file():
         return None
@@ -91,7 +96,10 @@ def manifest_of(files: list[Path]) -> dict | None:
 
 
 def index_file(path: Path) -> FileIndex:
-    """Count the rows of one file and record seek points; streams the file once, never holds it."""
+    """Count the rows of one file and record seek points; streams the file once, never holds it.
+    A dataset (``DatasetRef``) is counted from its metadata (0 when that has no count)."""
+    if isinstance(path, DatasetRef):
+        return FileIndex(row_count(path) or 0, kind="dataset")
     kind = file_kind(path)
     try:
         if kind == "parquet":
@@ -310,6 +318,9 @@ def read_range(path: Path, index: FileIndex | None, start: int = 0, end: int | N
     (row, reason key) for a bad row. Reading from the first row needs no index (``index=None``):
     no pass over the file is made first. ``columns``: parquet decodes only these (the records of
     other formats hold every field)."""
+    if isinstance(path, DatasetRef):  # a dataset reads any range itself (data.hf_datasets)
+        yield from read_rows(path, start, end, columns)
+        return
     if index is None and start:
         raise ValueError("reading from a row other than the first needs the file's index")
     if end is not None and start >= end:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import UserError
+from data.hf_datasets import DatasetRef, dataset_of, dataset_ref
 from data.readers import MANIFEST, REASONS, TOKEN_COLUMNS, FileIndex, file_kind, index_file, read_range, row_problem
 
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # file endings read by data.readers
@@ -39,8 +40,11 @@ class Example:
 
 
 def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None = None,
-                  formats: tuple[str, ...] = FORMATS) -> list[Path]:
+                  formats: tuple[str, ...] = FORMATS, dataset_config: str | None = None) -> list[Path]:
     """Expand a file, a glob, a folder, or a comma-separated list of those, into sorted data files.
+
+    A Hugging Face dataset (a save_to_disk folder, a hub id, a local copy of a hub dataset repository:
+    ``data.hf_datasets``) is one ``DatasetRef`` instead, read with ``dataset_config``; it must be named alone.
 
     A folder gives its data files at any depth (through linked folders too), leaving out hidden
     files and folders (``.ipynb_checkpoints``, ``.git``) as a glob's ``*`` does. A file reached
@@ -52,6 +56,9 @@ def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None 
         UserError: when nothing matches, a matched file has an unsupported ending, or the run's
             ``output_dir`` lies inside a data folder (its own files would become training rows).
     """
+    source = _dataset(spec, flag, output_dir, dataset_config)
+    if source is not None:
+        return [source]
     files, seen = [], set()
     for path in _expand(spec, flag, output_dir, formats):
         real = os.path.realpath(path)
@@ -61,8 +68,25 @@ def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None 
     return files
 
 
+def _dataset(spec: str, flag: str, output_dir: str | None, config: str | None) -> DatasetRef | None:
+    """The dataset ``spec`` names, if it names one (alone)."""
+    parts = [p.strip() for p in str(spec).split(",") if p.strip()]
+    found = [ref for ref in (dataset_ref(p, flag, config) for p in parts) if ref is not None]
+    if not found:
+        return None
+    if len(parts) > 1:
+        raise UserError(f"{flag}={spec}: {found[0].spec} is a dataset; name it alone, not in a list of files")
+    folder = Path(found[0].spec).expanduser()
+    if output_dir is not None and folder.is_dir() and folder.resolve() in [*Path(output_dir).resolve().parents,
+                                                                          Path(output_dir).resolve()]:
+        raise UserError(f"--output_dir={output_dir} is inside {flag}={spec}: choose an --output_dir outside it")
+    return found[0]
+
+
 def repeated_files(spec: str, formats: tuple[str, ...] = FORMATS) -> list[Path]:
     """The files ``spec`` reaches more than once (each named once), which ``resolve_files`` reads once."""
+    if _dataset(spec, "--train_file", None, None) is not None:
+        return []
     reached = [os.path.realpath(p) for p in _expand(spec, "--train_file", None, formats)]
     return [Path(p) for p in dict.fromkeys(p for p in reached if reached.count(p) > 1)]
 
@@ -114,6 +138,8 @@ def folder_files(folder: Path) -> list[Path]:
 
 def ignored_in_folders(spec: str, formats: tuple[str, ...] = FORMATS) -> list[Path]:
     """The visible files of ``spec``'s folders that are not data files (told to the user, not read)."""
+    if _dataset(spec, "--train_file", None, None) is not None:
+        return []
     folders = [Path(p.strip()).expanduser() for p in str(spec).split(",") if p.strip()]
     return [p for folder in folders if folder.is_dir() for p in folder_files(folder)
             if p.suffix.lower() not in formats and p.name != MANIFEST]
@@ -201,6 +227,8 @@ def file_notes(train_spec: str, train_files: list[Path], eval_files: list[Path],
     """What the log says about the files: those not read, those reached twice, an eval set trained on
     (``eval_given``: the eval files are --eval_file's, not rows held out of --train_file)."""
     notes = []
+    if dataset_of(train_files) is not None:
+        return notes  # one dataset: no files left out or reached twice
 
     def some(paths: list) -> str:
         return ", ".join(str(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
@@ -213,7 +241,7 @@ def file_notes(train_spec: str, train_files: list[Path], eval_files: list[Path],
     if repeated:
         notes.append(f"read once: {len(repeated)} file(s) that --train_file reaches more than once: {some(repeated)}")
     trained = {os.path.realpath(p) for p in train_files}
-    shared = [p for p in eval_files if os.path.realpath(p) in trained] if eval_given else []
+    shared = [p for p in eval_files if isinstance(p, Path) and os.path.realpath(p) in trained] if eval_given else []
     if shared:
         notes.append(f"--eval_file shares {len(shared)} file(s) with --train_file ({some(shared)}): the eval "
                      "loss and BLEU measure rows the model trains on")

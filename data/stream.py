@@ -68,7 +68,7 @@ class ExampleStream:
                 and a row of this epoch's file order) would point elsewhere, repeating some rows
                 and never reaching others.
         """
-        changed = self._data_changes(state["files"], state.get("rows"))
+        changed = self._data_changes(state.get("files", []), state.get("rows"))  # none: a dataset's position
         if changed:
             raise UserError(f"the training data changed since the checkpoint ({changed}), so its position would "
                             "repeat some rows and skip others; restore the files to resume, or start a new run "

@@ -145,7 +145,8 @@ def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
     objective = objective_for(cfg)
     # Without --eval_file: the rows that training on --train_file held out
     train_files = [] if cfg.eval_file is not None else resolve_files(cfg.train_file, "--train_file",
-                                                                     formats=formats_for(cfg))
+                                                                     formats=formats_for(cfg),
+                                                                     dataset_config=cfg.dataset_config)
     eval_files = eval_files_of(cfg, train_files)
     model = load_model(model_dir)
     model_dir = resolve_model_dir(str(model_dir))

@@ -62,10 +62,14 @@ def estimated_rows(files: list[Path], mean_row_bytes: float, columns: tuple[str,
     """Rows in ``files`` without reading them: parquet footers hold the count (their bytes are
     compressed); text files are estimated from their size, the sampled rows' mean text size and
     what each row adds around its text (JSON keys and quotes, CSV separators)."""
-    from data.readers import file_kind
+    from data.hf_datasets import DatasetRef
+    from data.readers import file_kind, index_file
 
     rows = 0
     for path in files:
+        if isinstance(path, DatasetRef):  # a dataset's metadata holds its count (0 when it does not)
+            rows += index_file(path).rows
+            continue
         kind = file_kind(Path(path))
         if kind == "parquet":
             import pyarrow.parquet as pq

@@ -229,14 +229,13 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,}",
         f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
         f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}",
-        (f"train rows {data.rows:,} from {len(data.files.train)} file(s) | {per_epoch} optimizer steps per epoch | "
+        (f"train rows {data.rows:,} from {data.source} | {per_epoch} optimizer steps per epoch | "
          if not data.objective.fixed_lengths else
-         f"train documents {data.rows:,} from {len(data.files.train)} file(s), packed into chunks of "
+         f"train documents {data.rows:,} from {data.source}, packed into chunks of "
          f"{data.objective.chunk_length} tokens: {' input / '.join(map(str, data.objective.fixed_lengths))} target "
          f"tokens after {data.objective.name}, no padding | ") + f"total steps {total_steps} | start step {start_step}",
         f"eval rows {len(data.eval_examples):,} from "
-        + (cfg.eval_file if cfg.eval_file else f"the last {data.held_out_rows:,} rows of --train_file, held out "
-           "of training (pass --eval_file to evaluate on another set)"),
+        + data.eval_source,
         "memory: " + ", ".join(features),
     ]
     if cfg.gpu_profile and accelerator.device.type == "cpu":
