@@ -49,7 +49,7 @@ ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 FROZEN_DTYPES = ("float32", "bfloat16")
 FREEZE_CHOICES = ("encoder", "embeddings", "none")
-OBJECTIVE_CHOICES = ("pairs", "span_corruption")
+OBJECTIVE_CHOICES = ("pairs", "span_corruption", "prefix_lm")
 REPORT_TO = ("none", "tensorboard")  # accelerate trackers we test; each is an optional package
 
 # Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
@@ -126,10 +126,11 @@ class TrainConfig:
                                      "(10% of them at most), held out of training.")
     prompt_column: str = _f("prompt", "Column holding the model input.")
     response_column: str = _f("response", "Column holding the target text.")
-    objective: str = _f("pairs", "What the model learns: pairs (each row a prompt -> response example) or "
+    objective: str = _f("pairs", "What the model learns: pairs (each row a prompt -> response example), "
                                  "span_corruption (T5's pretraining on raw text in --text_column, .txt files too: "
-                                 "documents packed into chunks, spans of tokens replaced by sentinels).")
-    text_column: str = _f("text", "Column holding the raw text for --objective=span_corruption.")
+                                 "documents packed into chunks, spans of tokens replaced by sentinels) or prefix_lm "
+                                 "(the same chunks split at a random point: prefix -> rest).")
+    text_column: str = _f("text", "Column holding the raw text for --objective=span_corruption / prefix_lm.")
     noise_density: float = _f(0.15, "span_corruption: fraction of a chunk's tokens masked (T5: 0.15).")
     mean_noise_span_length: float = _f(3.0, "span_corruption: mean length of a masked span (T5: 3).")
     max_source_len: int = _f(128, "Truncate inputs to this many tokens. Lower saves activation memory.")
@@ -349,9 +350,9 @@ class TrainConfig:
         if self.objective == "pairs":
             return []
         problems = []
-        if not 0 < self.noise_density < 1:
+        if self.objective == "span_corruption" and not 0 < self.noise_density < 1:
             problems.append(f"--noise_density must be in (0, 1) (got {self.noise_density})")
-        if self.mean_noise_span_length < 1:
+        if self.objective == "span_corruption" and self.mean_noise_span_length < 1:
             problems.append(f"--mean_noise_span_length must be at least 1 (got {self.mean_noise_span_length})")
         if self.encoder_cache != "off":
             problems.append(f"--encoder_cache caches the encoder's outputs of fixed rows; --objective={self.objective} "

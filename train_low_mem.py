@@ -43,8 +43,8 @@ def train(config: str | None = None, **flags) -> dict:
     try:
         result = trainer.setup().train()
         return result if trainer.main else None  # one summary, not one per process
-    except StoppedBySignal:
-        return None  # checkpoint written and the resume command printed: a clean exit
+    except StoppedBySignal as stop:  # checkpoint written and the resume command printed
+        sys.exit(stop.exit_code)
     except StoppedForMemory as stop:
         print_error(str(stop))
         sys.exit(EXIT_MEMORY_GUARD)

@@ -313,7 +313,7 @@ class LowMemTrainer:
         self.state.step += 1
         self.state.tokens += counts["tokens"]
         self.state.examples += counts["examples"]
-        self.meter.add(loss_sum, counts["local_tokens"], counts["local_all_tokens"])
+        self.meter.add(loss_sum, counts["local_tokens"], counts["local_all_tokens"], counts["local_padded_tokens"])
         self.bar.update()
         return True
 
@@ -380,7 +380,7 @@ class LowMemTrainer:
         folder = self._stop()
         self.say(f"stopped at step {self.state.step}; checkpoint {folder}. Continue with the same command "
                  "plus --is_keep_training=True")
-        raise StoppedBySignal(self.state.step)
+        raise StoppedBySignal(self.state.step, self.signals.exit_code())
 
     def stop_for_memory(self) -> None:
         folder, rss = self._stop(), process_rss_bytes() / 2**30

@@ -37,7 +37,8 @@ class PackedStream:
         documents: this process's ``ExampleStream`` of raw-text rows (``prompt`` holds the text).
         tokenizer: the run's tokenizer (no special tokens added: EOS is appended per document here).
         chunk_length: tokens per chunk.
-        make_example: (chunk token ids, epoch, position in the epoch, the document it ends in) -> Example.
+        make_example: (chunk token ids, epoch, position in the epoch, the (file index, row) of each document
+            the chunk holds tokens of, in order) -> Example.
     """
 
     def __init__(self, documents, tokenizer, chunk_length: int, make_example: Callable[..., Example]):
@@ -48,6 +49,8 @@ class PackedStream:
         self.carry: list[int] = []  # tokens read but not in a chunk yet (fewer than chunk_length)
         self.pending = ""  # the text of the current document not tokenized yet
         self.pending_source: tuple[int, int] = (0, 0)  # its (file index, row)
+        # [file index, row, where its tokens start in carry] of each document with tokens in carry
+        self.carry_sources: list[list[int]] = []
         self.position = 0  # chunks made by this process in epoch ``position_epoch``
         self.position_epoch = 0
 
@@ -97,19 +100,31 @@ class PackedStream:
             while len(self.carry) >= self.chunk_length:
                 chunk = self.carry[:self.chunk_length]
                 del self.carry[:self.chunk_length]
-                example = self.make_example(chunk, epoch, self.position, self.pending_source)
+                example = self.make_example(chunk, epoch, self.position, self._take_sources())
                 self.position += 1
                 yield example
             if not self.pending:
                 return
             piece = next(text_slices(self.pending))
             self.pending = self.pending[len(piece):]
+            if not self.carry_sources or self.carry_sources[-1][:2] != list(self.pending_source):
+                self.carry_sources.append([*self.pending_source, len(self.carry)])
             self.carry.extend(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
             if not self.pending:
                 self.carry.append(self.tokenizer.eos_token_id)  # the document ends here
 
+    def _take_sources(self) -> list[tuple[int, int]]:
+        """The documents of the chunk just cut from carry; those with tokens left stay, their starts moved."""
+        cut = self.chunk_length
+        taken = [(f, row) for f, row, start in self.carry_sources if start < cut]
+        ends = [start for _, _, start in self.carry_sources[1:]] + [cut + len(self.carry)]
+        self.carry_sources = [[f, row, max(start - cut, 0)]
+                              for (f, row, start), end in zip(self.carry_sources, ends) if end > cut]
+        return taken
+
     def state_dict(self) -> dict:
         return {"documents": self.documents.state_dict(), "carry": list(self.carry), "pending": self.pending,
+                "carry_sources": [list(s) for s in self.carry_sources],
                 "pending_source": list(self.pending_source), "position": self.position,
                 "position_epoch": self.position_epoch}
 
@@ -118,3 +133,4 @@ class PackedStream:
         self.carry, self.pending = list(state["carry"]), state["pending"]
         self.pending_source, self.position = tuple(state["pending_source"]), state["position"]
         self.position_epoch = state["position_epoch"]
+        self.carry_sources = [list(s) for s in state.get("carry_sources", [])]

@@ -14,6 +14,8 @@ pipeline.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +23,15 @@ from config import TrainConfig, UserError
 from data.dataset_stream import DatasetStream
 from data.eval_set import eval_files_of, eval_source, eval_split
 from data.hf_datasets import DatasetRef, dataset_of, describe, has_rows
+from data.packing import text_slices
 from data.prepare import check_manifest
 from data.readers import FileIndex, index_file, manifest_of
 from data.sources import DataProblems, Example, check_columns, formats_for, resolve_files
-from data.stream import ExampleStream, largest_share, steps_per_epoch, total_steps
+from data.stream import ExampleStream, largest_share, share_range, steps_per_epoch, total_steps
 from data.text_files import layout_note
 from data.tokenization import tokenizer_sha1
+
+SAMPLE_DOCUMENTS = 512  # documents tokenized to count (small corpora) or estimate an epoch's packed chunks
 
 
 @dataclass
@@ -106,17 +111,46 @@ class TrainData:
         return eval_source(self.cfg, self.files.train, self.held_out_rows)
 
     def steps(self, cfg: TrainConfig) -> tuple[int, int]:
-        """(optimizer steps per epoch, total steps). The process with the most rows sets an epoch's
-        steps: the others step with it on empty windows."""
+        """(optimizer steps per epoch, total steps). The process with the most rows (or packed chunks)
+        sets an epoch's steps: the others step with it on empty windows."""
         if not self.epoch_rows_known and cfg.max_steps <= 0:
             raise UserError(f"--train_file={cfg.train_file}: {self.source} does not say how many rows each of the "
                             f"{self.world} process(es) reads, so an epoch's steps are unknown: set --max_steps (the "
                             "learning-rate schedule is made for a number of steps)")
-        if self.objective.fixed_lengths and cfg.max_steps <= 0:
-            raise UserError(f"--objective={self.objective.name} needs --max_steps: an epoch's chunks are known only "
-                            "once its text is tokenized, and the learning-rate schedule is made for a number of steps")
-        share = largest_share(self.indexes, self.world)
-        return steps_per_epoch(share, cfg.batch_size, cfg.gradient_accumulation_steps), total_steps(cfg, share)
+        batch, accumulation = cfg.batch_size, cfg.gradient_accumulation_steps
+        if not getattr(self.objective, "chunk_length", None):
+            share = largest_share(self.indexes, self.world)
+            return steps_per_epoch(share, batch, accumulation), total_steps(cfg, share)
+        # Packed text: the tokens left at an epoch's end (fewer than a chunk) start the next epoch's first
+        # chunk, so epoch k of a process with T tokens per epoch holds floor(kT/L) - floor((k-1)T/L) chunks.
+        tokens, length = self.epoch_tokens[0], self.objective.chunk_length
+        chunks = [max(int(k * t // length) - int((k - 1) * t // length) for t in tokens)
+                  for k in range(1, cfg.epochs + 1)]
+        per_epoch = steps_per_epoch(max(int(t // length) for t in tokens), batch, accumulation)
+        planned = sum(steps_per_epoch(n, batch, accumulation) for n in chunks)
+        return per_epoch, cfg.max_steps if cfg.max_steps > 0 else planned
+
+    @functools.cached_property
+    def epoch_tokens(self) -> tuple[list[float], str]:
+        """(tokens each process packs in an epoch, EOS included; how that is known) for an objective packing
+        raw text. Counted when the first ``SAMPLE_DOCUMENTS`` documents are the whole corpus, else estimated
+        from their tokens per row: a document's tokens are known only once its text is tokenized, and the
+        learning-rate schedule is made for a number of steps."""
+        documents = _documents(self.cfg, self.files, self.indexes, 0, 1, self.held_out_rows)  # the whole corpus
+        counts = {}  # (file index, row) -> the document's tokens and its EOS
+        for document in itertools.islice(documents.iter_epoch(), SAMPLE_DOCUMENTS):
+            pieces = text_slices(document.prompt)  # a long document a slice at a time, as the packer reads it
+            counts[document.file_index, document.row] = 1 + sum(
+                len(self.collator.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces)
+        world = self.world
+        if documents.finished_epoch(0) and self.files.dataset is None:
+            return [sum(n for (f, row), n in counts.items()
+                        if share_range(self.indexes[f].rows, rank, world)[0] <= row
+                        < share_range(self.indexes[f].rows, rank, world)[1]) for rank in range(world)], "counted"
+        sampled = documents.rows_read - len(documents.buffer)  # bad rows count too; the row read ahead does not
+        per_row = sum(counts.values()) / max(sampled, 1)
+        share = largest_share(self.indexes, world) if self.files.dataset is None else -(-self.rows // world)
+        return [per_row * share] * world, f"estimated from the first {sampled:,} documents"
 
     def fresh_stream(self, rank: int | None = None) -> ExampleStream:
         """A new stream of process ``rank`` (default: this one) from the start of the run: the planner

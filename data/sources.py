@@ -30,13 +30,19 @@ def formats_for(cfg) -> tuple[str, ...]:
 class Example:
     """One prompt/response pair and where it came from (file index in the run's file list, row).
 
-    Text, or token ids when the corpus was prepared (``python train_low_mem.py prepare``).
+    Text, or token ids when the corpus was prepared (``python train_low_mem.py prepare``). A chunk
+    packed from raw text names the document it starts in, and in ``also`` the others it holds.
     """
 
     prompt: str | list[int]
     response: str | list[int]
     file_index: int
     row: int
+    also: tuple[tuple[int, int], ...] = ()  # (file index, row) of further documents in a packed chunk
+
+    def sources(self) -> list[tuple[int, int]]:
+        """(file index, row) of every row this example was made from."""
+        return [(self.file_index, self.row), *self.also]
 
 
 def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None = None,

@@ -71,7 +71,9 @@ def window_counts(accelerator, window: list[dict], stream, epoch: int, max_rss_g
                           int(not stream.finished_epoch(epoch))])
     total = summed(accelerator, local)
     source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
+    padded = sum(mb["labels"].numel() + mb["attention_mask"].numel() for mb in window)  # pads included
     return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
+            "local_padded_tokens": padded,
             "tokens": int(total[0]), "examples": int(total[1]), "bad_rows": int(total[2]),
             "memory": int(total[3]) > 0, "rows_left": int(total[4]) > 0}
 

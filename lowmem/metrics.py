@@ -64,10 +64,11 @@ def read_metrics(path: Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def train_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, rss_mb: float) -> str:
+def train_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, padding_pct: float,
+               rss_mb: float) -> str:
     """The fixed-order training log line."""
     return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | tok/s {tokens_per_s:,.0f} | "
-            f"rss {rss_mb / 1024:.2f} GiB")
+            f"pad {padding_pct:.1f}% | rss {rss_mb / 1024:.2f} GiB")
 
 
 def tracker_scalars(event: str, fields: dict) -> dict:

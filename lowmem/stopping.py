@@ -10,7 +10,13 @@ from lowmem.distributed import any_process
 
 
 class StoppedBySignal(Exception):
-    """Raised after the checkpoint written on SIGTERM / SIGINT; the CLI exits cleanly."""
+    """Raised after the checkpoint written on SIGTERM / SIGINT. The CLI exits with ``exit_code``, the
+    shell's 128 + signal number (130 for Ctrl-C, 143 for SIGTERM): the run did not finish, so
+    ``train && train --is_finetune=True`` stops there and a job scheduler sees an interrupted job."""
+
+    def __init__(self, step: int, exit_code: int):
+        super().__init__(step)
+        self.step, self.exit_code = step, exit_code
 
 
 class SignalWatch:
@@ -31,6 +37,10 @@ class SignalWatch:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, request_stop)
+
+    def exit_code(self) -> int:
+        """128 + the signal's number (another process's signal, not this one's, counts as SIGTERM)."""
+        return 128 + signal.Signals[self.received or "SIGTERM"].value
 
     def requested(self, accelerator) -> bool:
         """Whether any process got a signal (the same answer on all: one small all-reduce)."""

@@ -77,9 +77,11 @@ class Telemetry:
         self.record("memory", where=where, **memory_snapshot(), **extra)
 
     def log_consumed(self, examples: list, epoch: int, files: list[Path]) -> None:
-        """With --dump_consumed: one line per example of this step (epoch, rank, file, row)."""
+        """With --dump_consumed: one line per row each example of this step was made from (epoch, rank,
+        file, row); a packed chunk names every document it holds part of."""
         if self.consumed is not None:
-            self.consumed.write("".join(f"{epoch}\t{self.rank}\t{files[e.file_index]}\t{e.row}\n" for e in examples))
+            self.consumed.write("".join(f"{epoch}\t{self.rank}\t{files[f]}\t{row}\n"
+                                        for e in examples for f, row in e.sources()))
 
     def offsets(self) -> dict:
         """Where this process's logs end: a resume cuts them back here, so they match an uninterrupted run."""
@@ -121,14 +123,16 @@ class IntervalMeter:
         the rates (tok/s, step_s) count only steps timed in this process."""
         saved = saved or {"loss": 0.0, "tokens": 0, "steps": 0}
         self.sums = {**saved, "loss": torch.tensor(saved["loss"], device=device), "all_tokens": 0,
-                     "timed_steps": 0, "t0": time.time()}
+                     "padded_tokens": 0, "timed_steps": 0, "t0": time.time()}
 
-    def add(self, loss_sum: torch.Tensor, tokens: int, all_tokens: int) -> None:
-        """One optimizer step: its local loss sum, target tokens and source + target tokens."""
+    def add(self, loss_sum: torch.Tensor, tokens: int, all_tokens: int, padded_tokens: int) -> None:
+        """One optimizer step: its local loss sum, target tokens, source + target tokens, and the
+        source + target positions of its micro-batches (padding included)."""
         sums = self.sums
         sums["loss"] += loss_sum
         sums["tokens"] += tokens
         sums["all_tokens"] += all_tokens
+        sums["padded_tokens"] += padded_tokens
         sums["steps"] += 1
         sums["timed_steps"] += 1
 
@@ -146,19 +150,22 @@ class IntervalMeter:
             self.sums["t0"] += time.time() - start
 
     def close(self, accelerator) -> dict:
-        """The interval's loss (token mean over all processes), tokens/s and seconds per step.
-        Collective with several processes: one small all-reduce."""
+        """The interval's loss (token mean over all processes), tokens/s, seconds per step and the share
+        of the micro-batches' positions that are padding. Collective with several processes: one small
+        all-reduce."""
         sums = self.sums
-        counts = torch.tensor([sums["tokens"], sums["all_tokens"]], dtype=torch.float64, device=sums["loss"].device)
+        counts = torch.tensor([sums["tokens"], sums["all_tokens"], sums["padded_tokens"]], dtype=torch.float64,
+                              device=sums["loss"].device)
         totals = torch.cat([sums["loss"].double().reshape(1), counts])
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, "sum")
-        loss_sum, tokens, all_tokens = totals.tolist()
+        loss_sum, tokens, all_tokens, padded = totals.tolist()
         seconds = max(time.time() - sums["t0"], 1e-9)
         self.timed["seconds"] += seconds
         self.timed["steps"] += sums["timed_steps"]
         return {"loss": round(loss_sum / max(tokens, 1), 5), "tokens_per_s": round(all_tokens / seconds, 1),
-                "step_s": round(seconds / max(sums["timed_steps"], 1), 4)}
+                "step_s": round(seconds / max(sums["timed_steps"], 1), 4),
+                "padding_pct": round(100 * (1 - all_tokens / padded), 1) if padded else 0.0}
 
     def saved(self) -> dict:
         """The interval's sums as a checkpoint keeps them (see ``start``)."""
@@ -178,6 +185,7 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
     mem = memory_snapshot()
     interval = meter.close(accelerator)
     fields = dict(loss=interval["loss"], lr=lr, tokens_per_s=interval["tokens_per_s"], step_s=interval["step_s"],
+                  padding_pct=interval["padding_pct"],
                   elapsed_s=round(elapsed, 2), epoch=state.epoch, examples=state.examples, tokens=state.tokens, **mem)
     if accelerator.num_processes > 1:  # every process's own RSS: N processes should cost about N x one
         rss = accelerator.gather(torch.tensor([mem["rss_mb"]], device=accelerator.device))
@@ -190,7 +198,7 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
                         rss=f"{mem['rss_mb'] / 1024:.2f}G")
         if not on_terminal():
             telemetry.say(train_line(state.step, total_steps, fields["loss"], lr, fields["tokens_per_s"],
-                                     mem["rss_mb"]))
+                                     fields["padding_pct"], mem["rss_mb"]))
 
 
 def frozen_summary(cfg: TrainConfig, core) -> str:
@@ -211,7 +219,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     """The numbers that matter before training starts: (log lines, the ``setup`` record's fields).
     ``parameters``: trainable, frozen and frozen_bf16 counts; ``data``: the run's ``TrainData``."""
     world = accelerator.num_processes
-    lengths = data.objective.fixed_lengths or (cfg.max_source_len, cfg.max_target_len)  # the longest example
+    lengths = getattr(data.objective, "longest", None) or (cfg.max_source_len, cfg.max_target_len)  # the longest
     effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
     features = [f"mixed_precision={cfg.mixed_precision}", f"optimizer={cfg.optimizer}",
                 f"gradient_checkpointing={cfg.gradient_checkpointing}",
@@ -230,11 +238,12 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
         f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}",
         (f"train rows {data.rows:,} from {data.source} | {per_epoch} optimizer steps per epoch | "
-         if not data.objective.fixed_lengths else
+         if not getattr(data.objective, "chunk_length", 0) else
          f"train documents {data.rows:,} from {data.source}, packed into chunks of "
-         f"{data.objective.chunk_length} tokens: {' input / '.join(map(str, data.objective.fixed_lengths))} target "
-         f"tokens after {data.objective.name}, no padding | ") + f"total steps {total_steps} | start step {start_step}",
-        f"eval rows {len(data.eval_examples):,} from "
+         f"{data.objective.chunk_length} tokens: {data.objective.describe()} | "
+         + ("" if cfg.max_steps > 0 else f"{per_epoch} optimizer steps per epoch (tokens {data.epoch_tokens[1]}) | "))
+        + f"total steps {total_steps} | start step {start_step}",
+        f"eval {'chunks' if getattr(data.objective, 'chunk_length', 0) else 'rows'} {len(data.eval_examples):,} from "
         + data.eval_source,
         "memory: " + ", ".join(features),
     ]

@@ -195,3 +195,25 @@ def test_a_mistake_met_by_every_process_is_printed_once(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if "error: --train_file" in line]
     assert len(lines) == 1 and lines[0].startswith("error: --train_file") and "--prompt_column" in lines[0], \
         proc.stderr[-3000:]
+
+
+def test_two_processes_pack_disjoint_documents_for_span_corruption(tmp_path):
+    # Raw text on 2 processes, 2 epochs without --max_steps: each process packs its own documents (a
+    # contiguous share of the file), the steps are counted from the corpus's tokens, and every step trains.
+    from test_span_corruption_training import write_corpus
+
+    txt, _ = write_corpus(tmp_path, 120)
+    out = tmp_path / "run"
+    proc = accelerate_launch("--objective=span_corruption", f"--train_file={txt}", f"--output_dir={out}", "--epochs=2",
+                             "--gradient_accumulation_steps=2", "--max_eval_samples=4", "--logging_steps=1",
+                             "--eval_steps=1000", "--save_steps=1000", "--dump_consumed=True", port=29541)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = metrics(out)
+    train_records = [r for r in records if r["event"] == "train"]
+    setup = next(r for r in records if r["event"] == "setup")
+    assert setup["total_steps"] == train_records[-1]["step"] and train_records[-1]["epoch"] == 2
+    lines = [ln.split("\t") for rank in (0, 1) for ln in (out / f"consumed-rank{rank}.tsv").read_text().splitlines()]
+    documents = [{int(row) for _, r, _, row in lines if r == rank} for rank in ("0", "1")]
+    held_out = 120 - len(documents[0] | documents[1])  # the last rows of the file are the eval documents
+    assert not documents[0] & documents[1] and documents[0] | documents[1] == set(range(120 - held_out))
+    assert 0 < held_out <= 4

@@ -16,6 +16,8 @@ from test_resume import launch
 
 from config import SHIPPED_TOKENIZER_DIR
 from data import span_corruption
+from data.objectives import objective_for
+from data.pipeline import build_data, check_data
 from data.preview import preview_examples
 from data.tokenization import load_tokenizer
 from lowmem.flags import load_config
@@ -63,6 +65,77 @@ def test_preview_gives_the_t5_recipe_for_txt_and_jsonl_alike(tmp_path):
     assert len({tuple(r["labels"]) for r in previews[0]}) == len(previews[0])  # distinct masks
 
 
+def test_prefix_lm_splits_each_chunk_at_a_random_point_and_trains(tmp_path):
+    txt, jsonl = write_corpus(tmp_path, 200)
+    tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
+    cfg, _ = load_config({"objective": "prefix_lm", "train_file": str(txt), "max_source_len": 32,
+                          "max_target_len": 12, "max_eval_samples": 4})
+    records = list(preview_examples(cfg, tokenizer, 300, report=lambda _: None))
+    eos = tokenizer.eos_token_id
+    splits = []
+    for record in records:
+        inputs, labels = record["input_ids"], record["labels"]
+        assert inputs[-1] == labels[-1] == eos and inputs[:-1] + labels[:-1] == record["original_ids"]
+        assert len(record["original_ids"]) == 32 and len(inputs) <= 32 and 2 <= len(labels) <= 12
+        splits.append(len(inputs) - 1)
+    assert min(splits) == 32 - 11 and max(splits) == 31  # every split point drawn: 21..31
+    assert abs(np.mean(splits) - 26) < 0.5  # uniform over them
+    done = run_cli("train", "--objective=prefix_lm", f"--train_file={jsonl}", "--text_column=body", "--max_steps=4",
+                   "--max_source_len=32", "--max_target_len=12", "--max_eval_samples=4",
+                   f"--output_dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "split at a random point into 22..32 input and 2..12 target tokens (prefix_lm)" in done.stdout
+    assert [r["step"] for r in metrics(tmp_path / "run") if r["event"] == "eval"] == [0, 4]
+
+
+def test_each_chunk_names_every_document_it_holds_tokens_of(tmp_path):
+    txt, _ = write_corpus(tmp_path, 60)
+    tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
+    cfg, _ = load_config({"objective": "span_corruption", "train_file": str(txt), "shuffle_buffer_size": 0,
+                          "eval_file": str(txt), "max_eval_samples": 1})
+    objective = objective_for(cfg)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
+    chunks = list(data.stream.iter_epoch())
+    lengths = [len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1 for d in documents(60)]  # + EOS
+    raw = span_corruption.corrupted_lengths(128)[0]
+    starts = np.cumsum([0, *lengths])
+    for k, chunk in enumerate(chunks):
+        holding = [row for row in range(60) if starts[row] < (k + 1) * raw and starts[row + 1] > k * raw]
+        assert chunk.sources() == [(0, row) for row in holding]
+    assert len(chunks) == starts[-1] // raw and any(len(c.sources()) > 2 for c in chunks)
+
+
+@pytest.mark.parametrize("documents_in_corpus", [300, 3000])  # counted (all sampled), estimated (512 of 3,000)
+def test_an_epoch_of_packed_chunks_is_counted_or_estimated_without_max_steps(tmp_path, documents_in_corpus):
+    txt, _ = write_corpus(tmp_path, documents_in_corpus)
+    tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
+    cfg, _ = load_config({"objective": "span_corruption", "train_file": str(txt), "batch_size": 2,
+                          "gradient_accumulation_steps": 4, "epochs": 2, "max_eval_samples": 1})
+    objective = objective_for(cfg)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
+    stream = data.fresh_stream()
+    chunks, second = (sum(1 for _ in stream.iter_epoch()) for _epoch in range(2))
+    per_epoch, total = data.steps(cfg)
+    tokens, how = data.epoch_tokens
+    estimated = tokens[0] / span_corruption.corrupted_lengths(128)[0]
+    if documents_in_corpus < 512:  # the second epoch starts with the first's leftover tokens: it may hold one more
+        assert how == "counted" and int(estimated) == chunks and per_epoch == -(-chunks // 8)
+        assert total == -(-chunks // 8) + -(-second // 8) and second == int(2 * estimated) - chunks
+    else:
+        assert how.startswith("estimated from the first 512") and abs(estimated / chunks - 1) < 0.1
+
+
+def test_eval_documents_shorter_than_a_chunk_are_one_error_line(tmp_path):
+    # The held-out documents would make no eval chunk, and an eval loss over nothing would read 0.
+    train, evals = tmp_path / "train.txt", tmp_path / "eval.txt"
+    train.write_text("\n\n".join(documents(100)) + "\n", encoding="utf-8")
+    evals.write_text("a short document.\n\nand another one.\n", encoding="utf-8")
+    done = run_cli("train", "--objective=span_corruption", f"--train_file={train}", f"--eval_file={evals}",
+                   "--max_steps=2", f"--output_dir={tmp_path / 'run'}")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: the 2 eval document(s)")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_targets_longer_than_max_target_len_are_one_error_line(tmp_path):
     txt, _ = write_corpus(tmp_path, 20)
     done = run_cli("train", "--objective=span_corruption", f"--train_file={txt}", "--max_target_len=20",
@@ -76,7 +149,7 @@ def test_span_corruption_learns_resumes_bit_identically_and_sft_starts_from_it(t
     txt, _ = write_corpus(tmp_path)
     common = ["--objective=span_corruption", f"--train_file={txt}", "--max_steps=16", "--save_steps=4",
               "--eval_steps=8", "--gradient_accumulation_steps=4", "--max_eval_samples=8", "--logging_steps=2",
-              "--shuffle_buffer_size=32", "--learn_rate=1e-2"]
+              "--shuffle_buffer_size=32", "--learn_rate=1e-2", "--dump_consumed=True"]
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     done = run_cli("train", f"--output_dir={straight}", *common, timeout=1200)  # a loaded CI machine is slow
     assert done.returncode == 0, done.stderr[-3000:]
@@ -97,6 +170,15 @@ def test_span_corruption_learns_resumes_bit_identically_and_sft_starts_from_it(t
     assert all(torch.equal(a[k], b[k]) for k in a)
     losses = [{r["step"]: r["loss"] for r in metrics(run) if r["event"] == "train"} for run in (straight, broken)]
     assert losses[0] == losses[1]
+    consumed = [(run / "consumed-rank0.tsv").read_text() for run in (straight, broken)]
+    assert consumed[0] == consumed[1] and len(consumed[0].splitlines()) > 16 * 4 * 2  # chunks of several documents
+
+    # the fill-ins: T5's targets start with the first sentinel, which the model has learned to emit first
+    prompt = "The <extra_id_0> walks in <extra_id_1> park"
+    filled = run_cli("generate", f"--init_from={straight / 'best'}", f"--prompt={prompt}", "--max_new_tokens=12")
+    assert filled.returncode == 0, filled.stderr[-3000:]
+    answer = filled.stdout.strip().splitlines()[-1].split("  ->  ")[1]
+    assert answer.startswith("<extra_id_0>"), filled.stdout
 
     sft = run_cli("train", "--is_finetune=True", f"--init_from={straight / 'best'}", "--max_steps=2",
                   f"--output_dir={tmp_path / 'sft'}", "--max_eval_samples=4", cwd=REPO)

@@ -69,8 +69,8 @@ def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
     acc = accelerator()
     meter = IntervalMeter()
     meter.start(acc.device)
-    meter.add(torch.tensor(6.0), 3, 10)
-    meter.add(torch.tensor(2.0), 1, 4)
+    meter.add(torch.tensor(6.0), 3, 10, 16)
+    meter.add(torch.tensor(2.0), 1, 4, 4)
     saved = meter.saved()
     assert saved == {"loss": 8.0, "tokens": 4, "steps": 2}
     with meter.untimed():
@@ -78,10 +78,11 @@ def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
     logged = meter.close(acc)
     assert logged["loss"] == pytest.approx(8.0 / 4)  # sum of token losses / target tokens, not a mean of means
     assert logged["step_s"] < 0.1  # the 0.3 s inside untimed() is not training time
+    assert logged["padding_pct"] == pytest.approx(100 * 6 / 20, abs=0.05)  # 14 tokens in 20 positions
     assert meter.mean_step_seconds() == pytest.approx(logged["step_s"], abs=1e-3)
     # a resumed interval continues the sums it was saved with
     meter.start(acc.device, saved)
-    meter.add(torch.tensor(4.0), 4, 8)
+    meter.add(torch.tensor(4.0), 4, 8, 8)
     assert meter.close(acc)["loss"] == pytest.approx(12.0 / 8)
 
 
