@@ -26,6 +26,8 @@ class PairsObjective:
 
     name = "pairs"
     fixed_lengths = None  # (source, target) tokens of every example, when they are fixed
+    longest = None  # (source, target) tokens of the longest example, when the objective bounds them
+    chunk_length = 0  # tokens per packed chunk (0: rows are examples, nothing is packed)
 
     def __init__(self, cfg: TrainConfig):
         self.text_columns = (cfg.prompt_column, cfg.response_column)

@@ -118,7 +118,7 @@ class TrainData:
                             f"{self.world} process(es) reads, so an epoch's steps are unknown: set --max_steps (the "
                             "learning-rate schedule is made for a number of steps)")
         batch, accumulation = cfg.batch_size, cfg.gradient_accumulation_steps
-        if not getattr(self.objective, "chunk_length", None):
+        if not self.objective.chunk_length:
             share = largest_share(self.indexes, self.world)
             return steps_per_epoch(share, batch, accumulation), total_steps(cfg, share)
         # Packed text: the tokens left at an epoch's end (fewer than a chunk) start the next epoch's first

@@ -36,7 +36,7 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     if not src:
         return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
                 "row_bytes": 0, "rows": 0, "pairs": []}
-    if getattr(data.objective, "chunk_length", 0):  # packed chunks: planned at their longest (span corruption's
+    if data.objective.chunk_length:  # packed chunks: planned at their longest (span corruption's
         s, t = ([length] * len(src) for length in data.objective.longest)  # lengths are all the same)
     else:
         s = [len(x) for x in data.collator.token_ids(src, cfg.max_source_len)]

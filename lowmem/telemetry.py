@@ -219,7 +219,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     """The numbers that matter before training starts: (log lines, the ``setup`` record's fields).
     ``parameters``: trainable, frozen and frozen_bf16 counts; ``data``: the run's ``TrainData``."""
     world = accelerator.num_processes
-    lengths = getattr(data.objective, "longest", None) or (cfg.max_source_len, cfg.max_target_len)  # the longest
+    lengths = data.objective.longest or (cfg.max_source_len, cfg.max_target_len)  # the longest example
     effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
     features = [f"mixed_precision={cfg.mixed_precision}", f"optimizer={cfg.optimizer}",
                 f"gradient_checkpointing={cfg.gradient_checkpointing}",
@@ -238,12 +238,12 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
         f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}",
         (f"train rows {data.rows:,} from {data.source} | {per_epoch} optimizer steps per epoch | "
-         if not getattr(data.objective, "chunk_length", 0) else
+         if not data.objective.chunk_length else
          f"train documents {data.rows:,} from {data.source}, packed into chunks of "
          f"{data.objective.chunk_length} tokens: {data.objective.describe()} | "
          + ("" if cfg.max_steps > 0 else f"{per_epoch} optimizer steps per epoch (tokens {data.epoch_tokens[1]}) | "))
         + f"total steps {total_steps} | start step {start_step}",
-        f"eval {'chunks' if getattr(data.objective, 'chunk_length', 0) else 'rows'} {len(data.eval_examples):,} from "
+        f"eval {'chunks' if data.objective.chunk_length else 'rows'} {len(data.eval_examples):,} from "
         + data.eval_source,
         "memory: " + ", ".join(features),
     ]
