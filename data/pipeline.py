@@ -112,7 +112,8 @@ class TrainData:
 
     def steps(self, cfg: TrainConfig) -> tuple[int, int]:
         """(optimizer steps per epoch, total steps). The process with the most rows (or packed chunks)
-        sets an epoch's steps: the others step with it on empty windows."""
+        sets an epoch's steps: the others step with it on empty windows. Packed text with --max_steps:
+        (0, max_steps), the epoch's chunks not counted."""
         if not self.epoch_rows_known and cfg.max_steps <= 0:
             raise UserError(f"--train_file={cfg.train_file}: {self.source} does not say how many rows each of the "
                             f"{self.world} process(es) reads, so an epoch's steps are unknown: set --max_steps (the "
@@ -121,6 +122,8 @@ class TrainData:
         if not self.objective.chunk_length:
             share = largest_share(self.indexes, self.world)
             return steps_per_epoch(share, batch, accumulation), total_steps(cfg, share)
+        if cfg.max_steps > 0:  # no epoch count needed: the sample of documents is not tokenized (the log omits it)
+            return 0, cfg.max_steps
         # Packed text: the tokens left at an epoch's end (fewer than a chunk) start the next epoch's first
         # chunk, so epoch k of a process with T tokens per epoch holds floor(kT/L) - floor((k-1)T/L) chunks.
         tokens, length = self.epoch_tokens[0], self.objective.chunk_length
