@@ -20,6 +20,7 @@ from config import UserError
 from data.hf_datasets import DatasetRef, process_share, row_count, split_name
 from data.readers import row_problem
 from data.sources import DataProblems, Example
+from data.stream import through_buffer
 
 UNKNOWN_ROWS_FLOOR = 1000  # --max_bad_rows_fraction of an unknown row count: of the rows read, at least this many
 
@@ -155,16 +156,5 @@ class DatasetStream:
         remains, so a checkpoint can be taken between any two examples.
         """
         epoch = self.epoch
-        capacity = max(self.buffer_size, 1)  # without shuffling one row is still held: the end is then known
-        for example in self._upstream():
-            if len(self.buffer) < capacity:
-                self.buffer.append(example)
-                continue
-            slot = self.rng.randrange(capacity) if self.buffer_size else 0
-            out, self.buffer[slot] = self.buffer[slot], example
-            yield out
-        while self.buffer:  # drain at the end of the epoch
-            slot = self.rng.randrange(len(self.buffer)) if self.buffer_size else 0
-            self.buffer[slot], self.buffer[-1] = self.buffer[-1], self.buffer[slot]
-            yield self.buffer.pop()
+        yield from through_buffer(self._upstream(), self.buffer, self.rng, self.buffer_size)
         self.close_epoch(epoch)

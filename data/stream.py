@@ -150,21 +150,31 @@ class ExampleStream:
         Whenever an example has been handed out, ``state_dict()`` describes exactly the stream that
         remains, so a checkpoint can be taken between any two examples.
         """
-        # Without shuffling one row is still held: reading up to the next usable row (past any bad
-        # ones) before handing one out is how the epoch's end is known with its last usable row.
-        capacity = max(self.buffer_size, 1)
-        for example in self._upstream():
-            if len(self.buffer) < capacity:
-                self.buffer.append(example)
-                continue
-            slot = self.rng.randrange(capacity) if self.buffer_size else 0
-            out, self.buffer[slot] = self.buffer[slot], example
-            yield out
-        while self.buffer:  # drain at the end of the epoch
-            slot = self.rng.randrange(len(self.buffer)) if self.buffer_size else 0
-            self.buffer[slot], self.buffer[-1] = self.buffer[-1], self.buffer[slot]
-            yield self.buffer.pop()
+        yield from through_buffer(self._upstream(), self.buffer, self.rng, self.buffer_size)
         self.epoch, self.file_pos, self.row_pos = self.epoch + 1, 0, 0
+
+
+def through_buffer(upstream: Iterator[Example], buffer: list[Example], rng: random.Random,
+                   buffer_size: int) -> Iterator[Example]:
+    """``upstream``'s examples through a shuffle buffer of ``buffer_size`` rows, then the buffer drained.
+
+    ``buffer`` and ``rng`` are the stream's own (its state holds them), changed in place before each
+    example is handed out. Without shuffling (0) one row is still held: reading up to the next usable
+    row (past any bad ones) before handing one out is how the epoch's end is known with its last
+    usable row.
+    """
+    capacity = max(buffer_size, 1)
+    for example in upstream:
+        if len(buffer) < capacity:
+            buffer.append(example)
+            continue
+        slot = rng.randrange(capacity) if buffer_size else 0
+        out, buffer[slot] = buffer[slot], example
+        yield out
+    while buffer:  # drain at the end of the epoch
+        slot = rng.randrange(len(buffer)) if buffer_size else 0
+        buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
+        yield buffer.pop()
 
 
 def steps_per_epoch(rows: int, batch_size: int, accumulation: int) -> int:
