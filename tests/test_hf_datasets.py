@@ -9,15 +9,13 @@ from __future__ import annotations
 import io
 import json
 import random
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import metrics, run_cli, synthetic_rows
-from safetensors.torch import load_file
-from test_resume import launch
+from test_resume import assert_same_training, kill_at_first_checkpoint_and_resume
 
 from config import UserError
 from data.dataset_stream import DatasetStream
@@ -205,23 +203,11 @@ def test_killed_run_on_a_saved_dataset_resumes_bit_identically(tmp_path, objecti
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     done = run_cli("train", f"--output_dir={straight}", *common, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
-    child = launch([f"--output_dir={broken}", *common], tmp_path / "killed.log")
-    started = time.time()
-    while not (broken / "checkpoints" / "latest").is_file():
-        assert child.poll() is None and time.time() < started + 900, (tmp_path / "killed.log").read_text()[-2000:]
-        time.sleep(0.05)
-    child.kill()  # SIGKILL: mid-epoch, rows in the shuffle buffer, the dataset mid-shard
-    child.wait()
-    done = run_cli("train", f"--output_dir={broken}", *common, "--is_keep_training=True", timeout=1200)
-    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
-    a, b = (load_file(str(run / "final" / "model.safetensors")) for run in (straight, broken))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    losses = [{r["step"]: r["loss"] for r in metrics(run) if r["event"] == "train"} for run in (straight, broken)]
-    assert losses[0] == losses[1]
-    consumed = [(run / "consumed-rank0.tsv").read_text() for run in (straight, broken)]
-    assert consumed[0] == consumed[1]
+    # SIGKILL: mid-epoch, rows in the shuffle buffer, the dataset mid-shard
+    kill_at_first_checkpoint_and_resume(broken, common, tmp_path / "killed.log", wait_s=900)
+    consumed = assert_same_training(straight, broken)
     if objective == "pairs":  # each training row once per epoch, never a held-out one
-        lines = [line.split("\t") for line in consumed[0].splitlines()]
+        lines = [line.split("\t") for line in consumed.splitlines()]
         for epoch in ("0", "1"):
             assert sorted(int(row) for e, _, _, row in lines if e == epoch) == list(range(3, 30))  # 3 held out
 

@@ -31,6 +31,31 @@ def launch(args: list[str], log: Path) -> subprocess.Popen:
                                 stdout=fh, stderr=subprocess.STDOUT, text=True)
 
 
+def kill_at_first_checkpoint_and_resume(run: Path, args: list[str], log: Path, wait_s: float) -> None:
+    """Train into ``run``, SIGKILL the process once its first checkpoint is written, then continue it
+    with --is_keep_training=True (which must resume from that checkpoint)."""
+    child = launch([f"--output_dir={run}", *args], log)
+    started = time.time()
+    while not (run / "checkpoints" / "latest").is_file():
+        assert child.poll() is None and time.time() < started + wait_s, log.read_text()[-2000:]
+        time.sleep(0.05)
+    child.kill()
+    child.wait()
+    done = run_cli("train", f"--output_dir={run}", *args, "--is_keep_training=True", timeout=1200)
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
+
+
+def assert_same_training(straight: Path, broken: Path) -> str:
+    """The two runs' final weights, logged losses and consumed logs are identical; returns the consumed log."""
+    a, b = (load_file(str(run / "final" / "model.safetensors")) for run in (straight, broken))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    losses = [{r["step"]: r["loss"] for r in metrics(run) if r["event"] == "train"} for run in (straight, broken)]
+    assert losses[0] == losses[1]
+    consumed = [(run / "consumed-rank0.tsv").read_text() for run in (straight, broken)]
+    assert consumed[0] == consumed[1]
+    return consumed[0]
+
+
 def train_losses(run: Path) -> dict[int, float]:
     records = [r for r in metrics(run) if r["event"] == "train"]
     steps = [r["step"] for r in records]

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import numpy as np
 import pytest
-import torch
 from conftest import REPO, metrics, run_cli
-from safetensors.torch import load_file
-from test_resume import launch
+from test_resume import assert_same_training, kill_at_first_checkpoint_and_resume
 
 from config import SHIPPED_TOKENIZER_DIR
 from data import span_corruption
@@ -157,28 +154,16 @@ def test_span_corruption_learns_resumes_bit_identically_and_sft_starts_from_it(t
     evals = [r["eval_loss"] for r in metrics(straight) if r["event"] == "eval"]
     assert evals[-1] <= 0.75 * evals[0]
 
-    child = launch([f"--output_dir={broken}", *common], tmp_path / "killed.log")
-    started = time.time()
-    while not (broken / "checkpoints" / "latest").is_file():
-        assert child.poll() is None and time.time() < started + 600, (tmp_path / "killed.log").read_text()[-2000:]
-        time.sleep(0.05)
-    child.kill()  # mid-run, a document split between chunks held by the packer
-    child.wait()
-    done = run_cli("train", f"--output_dir={broken}", *common, "--is_keep_training=True", timeout=1200)
-    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
-    a, b = (load_file(str(run / "final" / "model.safetensors")) for run in (straight, broken))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    losses = [{r["step"]: r["loss"] for r in metrics(run) if r["event"] == "train"} for run in (straight, broken)]
-    assert losses[0] == losses[1]
-    consumed = [(run / "consumed-rank0.tsv").read_text() for run in (straight, broken)]
-    assert consumed[0] == consumed[1] and len(consumed[0].splitlines()) > 16 * 4 * 2  # chunks of several documents
+    # SIGKILL mid-run, a document split between chunks held by the packer
+    kill_at_first_checkpoint_and_resume(broken, common, tmp_path / "killed.log", wait_s=600)
+    consumed = assert_same_training(straight, broken)
+    assert len(consumed.splitlines()) > 16 * 4 * 2  # chunks of several documents
 
-    # the fill-ins: T5's targets start with the first sentinel, which the model has learned to emit first
+    # generate answers a prompt holding sentinels (16 tiny steps do not teach the fill-ins themselves)
     prompt = "The <extra_id_0> walks in <extra_id_1> park"
     filled = run_cli("generate", f"--init_from={straight / 'best'}", f"--prompt={prompt}", "--max_new_tokens=12")
     assert filled.returncode == 0, filled.stderr[-3000:]
-    answer = filled.stdout.strip().splitlines()[-1].split("  ->  ")[1]
-    assert answer.startswith("<extra_id_0>"), filled.stdout
+    assert filled.stdout.strip().splitlines()[-1].startswith(f"{prompt}  ->  ")
 
     sft = run_cli("train", "--is_finetune=True", f"--init_from={straight / 'best'}", "--max_steps=2",
                   f"--output_dir={tmp_path / 'sft'}", "--max_eval_samples=4", cwd=REPO)
