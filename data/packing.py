@@ -19,15 +19,22 @@ from data.sources import Example
 SLICE_CHARS = 16_384  # a document's text is tokenized this much at a time (cut at whitespace where there is some)
 
 
+def slice_end(text: str, start: int, size: int = SLICE_CHARS) -> int:
+    """Where the slice of ``text`` beginning at ``start`` ends: at most ``size`` characters on, just after
+    the last whitespace before that when there is some (so words are not split), else at the end."""
+    if len(text) - start <= size:
+        return len(text)
+    cut = max(text.rfind(" ", start, start + size), text.rfind("\n", start, start + size)) + 1
+    return cut if cut > start else start + size
+
+
 def text_slices(text: str, size: int = SLICE_CHARS) -> Iterator[str]:
-    """``text`` in consecutive pieces of at most ``size`` characters, each cut after whitespace when
-    the piece has any (so words are not split), whose concatenation is ``text``."""
-    while len(text) > size:
-        cut = max(text.rfind(" ", 0, size), text.rfind("\n", 0, size)) + 1 or size
-        yield text[:cut]
-        text = text[cut:]
-    if text:
-        yield text
+    """``text`` in the consecutive slices ``slice_end`` cuts, whose concatenation is ``text``."""
+    start = 0
+    while start < len(text):
+        end = slice_end(text, start, size)
+        yield text[start:end]
+        start = end
 
 
 class PackedStream:
@@ -47,7 +54,8 @@ class PackedStream:
         self.chunk_length = chunk_length
         self.make_example = make_example
         self.carry: list[int] = []  # tokens read but not in a chunk yet (fewer than chunk_length)
-        self.pending = ""  # the text of the current document not tokenized yet
+        self.pending = ""  # the text of the current document ("" once it is all tokenized)
+        self.pending_at = 0  # how much of it is tokenized (an offset: re-slicing the rest would be quadratic)
         self.pending_source: tuple[int, int] = (0, 0)  # its (file index, row)
         # [file index, row, where its tokens start in carry] of each document with tokens in carry
         self.carry_sources: list[list[int]] = []
@@ -91,7 +99,8 @@ class PackedStream:
             self.position, self.position_epoch = 0, epoch
         yield from self._drain(epoch)
         for document in self.documents.iter_epoch():
-            self.pending, self.pending_source = document.prompt, (document.file_index, document.row)
+            self.pending, self.pending_at = document.prompt, 0
+            self.pending_source = (document.file_index, document.row)
             yield from self._drain(epoch)
 
     def _drain(self, epoch: int) -> Iterator[Example]:
@@ -105,13 +114,14 @@ class PackedStream:
                 yield example
             if not self.pending:
                 return
-            piece = next(text_slices(self.pending))
-            self.pending = self.pending[len(piece):]
+            end = slice_end(self.pending, self.pending_at)
+            piece, self.pending_at = self.pending[self.pending_at:end], end
             if not self.carry_sources or self.carry_sources[-1][:2] != list(self.pending_source):
                 self.carry_sources.append([*self.pending_source, len(self.carry)])
             self.carry.extend(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
-            if not self.pending:
+            if end == len(self.pending):
                 self.carry.append(self.tokenizer.eos_token_id)  # the document ends here
+                self.pending, self.pending_at = "", 0
 
     def _take_sources(self) -> list[tuple[int, int]]:
         """The documents of the chunk just cut from carry; those with tokens left stay, their starts moved."""
@@ -123,14 +133,15 @@ class PackedStream:
         return taken
 
     def state_dict(self) -> dict:
-        return {"documents": self.documents.state_dict(), "carry": list(self.carry), "pending": self.pending,
+        return {"documents": self.documents.state_dict(), "carry": list(self.carry),
+                "pending": self.pending[self.pending_at:],  # only the text not tokenized yet
                 "carry_sources": [list(s) for s in self.carry_sources],
                 "pending_source": list(self.pending_source), "position": self.position,
                 "position_epoch": self.position_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         self.documents.load_state_dict(state["documents"])
-        self.carry, self.pending = list(state["carry"]), state["pending"]
+        self.carry, self.pending, self.pending_at = list(state["carry"]), state["pending"], 0
         self.pending_source, self.position = tuple(state["pending_source"]), state["position"]
         self.position_epoch = state["position_epoch"]
         self.carry_sources = [list(s) for s in state.get("carry_sources", [])]

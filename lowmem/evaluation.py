@@ -101,18 +101,23 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
 @torch.no_grad()
 def generate_answers(core, tokenizer, collator, prompts: list[str], cfg: TrainConfig, accelerator,
                      multiple: int = 1) -> list[str]:
-    """Answers to ``prompts``, in batches of ``--eval_batch_size``. Sentinels (``<extra_id_0>``, ...) stay
-    in the text: a model pretrained by span corruption answers a prompt with sentinels by the fill-ins
-    that follow each one; padding, EOS and the other special tokens are left out."""
+    """Answers to ``prompts``, in batches of ``--eval_batch_size``, as ``answer_text`` writes them."""
     core.eval()
-    dropped = {tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.unk_token_id} - {None}
     answers = []
     for chunk in batched(prompts, cfg.eval_batch_size):
         batch = batch_to_device(collator.encode(chunk, cfg.max_source_len), accelerator.device, multiple)
         with accelerator.autocast():
             out = core.generate(**batch, **generation_options(cfg, cfg.max_new_tokens))
-        answers.extend(tokenizer.decode([t for t in ids if t not in dropped]).strip() for ids in out.tolist())
+        answers.extend(answer_text(tokenizer, ids) for ids in out.tolist())
     return answers
+
+
+def answer_text(tokenizer, ids: list[int]) -> str:
+    """The text of generated ``ids``. Sentinels (``<extra_id_0>``, ...) stay in it: a model pretrained by
+    span corruption answers a prompt with sentinels by the fill-ins that follow each one (decoding with
+    ``skip_special_tokens`` would drop them); padding, EOS, BOS and UNK are left out."""
+    dropped = {tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.unk_token_id}
+    return tokenizer.decode([t for t in ids if t not in dropped]).strip()
 
 
 @dataclass

@@ -270,3 +270,16 @@ def test_a_tokenizer_without_sentinels_is_a_user_error():
 
     with pytest.raises(UserError, match="repeat"):
         sentinel_ids(SameIdForAll(), 3)
+
+
+def test_answer_text_keeps_sentinels_and_drops_padding_and_eos(tokenizer):
+    from lowmem.evaluation import answer_text
+
+    s0, s1 = sentinel_ids(tokenizer, 2)
+    cat, park = (tokenizer("cute dog", add_special_tokens=False)["input_ids"],
+                 tokenizer("the", add_special_tokens=False)["input_ids"])
+    ids = [tokenizer.pad_token_id, s0, *cat, s1, *park, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    text = answer_text(tokenizer, ids)
+    assert text.startswith("<extra_id_0>") and text.index("<extra_id_0>") < text.index("<extra_id_1>")
+    assert "cute dog" in text and text.rstrip().endswith("the")
+    assert "</s>" not in text and "<pad>" not in text

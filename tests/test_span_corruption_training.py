@@ -102,6 +102,42 @@ def test_each_chunk_names_every_document_it_holds_tokens_of(tmp_path):
     assert len(chunks) == starts[-1] // raw and any(len(c.sources()) > 2 for c in chunks)
 
 
+def test_a_long_document_is_packed_a_slice_at_a_time_and_resumes_mid_document(tmp_path):
+    from data.packing import SLICE_CHARS, text_slices
+
+    docs = [" ".join(documents(400, seed=1)), *documents(5, seed=2), "x" * (2 * SLICE_CHARS + 5)]  # ~140 KB; no spaces
+    jsonl = tmp_path / "long.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
+    cfg, _ = load_config({"objective": "span_corruption", "train_file": str(jsonl), "shuffle_buffer_size": 0,
+                          "eval_file": str(jsonl), "max_eval_samples": 1})
+    objective = objective_for(cfg)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
+
+    def plain():
+        stream = data.fresh_stream()
+        stream.make_example = lambda chunk, *_: chunk
+        return stream
+
+    for doc in docs:
+        assert "".join(text_slices(doc)) == doc and max(map(len, text_slices(doc))) <= SLICE_CHARS
+    assert all(s.endswith(" ") for s in list(text_slices(docs[0]))[:-1])  # cut after whitespace, words whole
+    expected = [t for doc in docs for t in
+                [*(i for s in text_slices(doc) for i in tokenizer(s, add_special_tokens=False)["input_ids"]),
+                 tokenizer.eos_token_id]]
+    chunks = list(plain().iter_epoch())
+    assert sum(chunks, []) == expected[:len(chunks) * len(chunks[0])]
+
+    stopped = plain()
+    epoch = stopped.iter_epoch()
+    head = [next(epoch) for _ in range(7)]  # stopped inside the first (long) document
+    state = stopped.state_dict()
+    assert 0 < len(state["pending"]) < len(docs[0])  # the untokenized rest of it, not the whole text
+    resumed = plain()
+    resumed.load_state_dict(state)
+    assert head + list(resumed.iter_epoch()) == chunks
+
+
 @pytest.mark.parametrize("documents_in_corpus", [300, 3000])  # counted (all sampled), estimated (512 of 3,000)
 def test_an_epoch_of_packed_chunks_is_counted_or_estimated_without_max_steps(tmp_path, documents_in_corpus):
     txt, _ = write_corpus(tmp_path, documents_in_corpus)
