@@ -33,7 +33,7 @@ from data.stream import batched
 from data.tokenization import tokenizer_for_run, tokenizer_sha1
 from lowmem import encoder_cache
 from lowmem.checkpointer import Checkpointer
-from lowmem.distributed import indexes_from_main, start_accelerator, window_counts
+from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
 from lowmem.evaluation import evaluate_model, is_better
 from lowmem.memory import free_memory, freeze_long_lived, process_rss_bytes, thaw_long_lived
 from lowmem.model_source import check_vocabulary, tokenizer_folder
@@ -49,7 +49,8 @@ from lowmem.modeling import (
 )
 from lowmem.run_folder import RunFolder
 from lowmem.run_memory import guard_stop, peak_against_plan, plan_run
-from lowmem.stopping import SignalWatch, StoppedBySignal
+from lowmem.sharding import full_value, padded_window, shard_model, weights_finite
+from lowmem.stopping import SignalWatch, StoppedBySignal, count_nonfinite_step
 from lowmem.telemetry import (
     IntervalMeter,
     Telemetry,
@@ -100,6 +101,7 @@ class LowMemTrainer:
         # Built by setup(), in this order:
         self.files: DataFiles | None = None  # resolved and checked before anything heavy
         self.accelerator = None
+        self.sharding: dict | None = None  # FSDP settings when an FSDP launch config shards the model
         self.shape_multiple = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU)
         self.checkpointer: Checkpointer | None = None
         self.tokenizer = tokenizer
@@ -131,7 +133,7 @@ class LowMemTrainer:
         self.files = check_data(cfg, objective)
         if self.model is None:
             check_init_from(cfg)
-        self.accelerator = start_accelerator(cfg)
+        self.accelerator, self.sharding = start_accelerator(cfg)
         self.telemetry.attach(self.accelerator)
         self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
         self.start_time = time.time()
@@ -178,7 +180,8 @@ class LowMemTrainer:
         if self.main:
             self.folder.remove(old_files)
         self.accelerator.wait_for_everyone()
-        self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry)
+        self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry,
+                                         sharded=self.sharding is not None)
         return resume_dir
 
     def _build_model(self) -> None:
@@ -192,6 +195,8 @@ class LowMemTrainer:
         self.run_config = {**cfg.to_dict(), "tokenizer_size": len(self.tokenizer),  # fingerprinted once
                            "tokenizer_sha1": tokenizer_sha1(self.tokenizer), "held_out_rows": self.data.held_out_rows}
         self.model, self.parameters = ready_to_train(self.model, cfg)
+        if self.sharding is not None:  # before the optimizer: sharding replaces the parameters
+            self.model = shard_model(self.model, self.sharding, self.accelerator.device)
         self.telemetry.log_memory("model_built")
 
     def _build_optimizer(self) -> None:
@@ -200,8 +205,7 @@ class LowMemTrainer:
         self.optimizer = build_optimizer(self.cfg, params)
         self.scheduler = build_scheduler(self.cfg, self.optimizer, self.total_steps)
         # The scheduler is not prepared: accelerate's wrapper would step it once per process per call.
-        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        self.core = self.accelerator.unwrap_model(self.model)
+        self.model, self.optimizer, self.core = prepare_for_training(self.accelerator, self.model, self.optimizer)
         self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
         self.telemetry.log_memory("prepared")
 
@@ -298,10 +302,13 @@ class LowMemTrainer:
         Returns:
             False when the step was skipped because the loss or gradient was not finite.
         """
+        if self.sharding is not None:
+            window = padded_window(window, self.train_collator.empty, self.accelerator.num_processes)
         loss_sum = self.accumulate_gradients(window, counts["tokens"])
         # The norm of the all-reduced gradient (clip at infinity = measure only) is the same on every
         # process, so all of them take the same decision; a NaN loss anywhere makes it NaN.
-        self.grad_norm = self.accelerator.clip_grad_norm_(self.trainable_params, self.cfg.max_grad_norm or math.inf)
+        self.grad_norm = full_value(self.accelerator.clip_grad_norm_(self.trainable_params,
+                                                                     self.cfg.max_grad_norm or math.inf))
         if not math.isfinite(float(self.grad_norm)):  # one host sync per optimizer step
             self.skip_nonfinite_step()
             return False
@@ -334,8 +341,10 @@ class LowMemTrainer:
         accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
         loss_sum = torch.zeros((), device=accelerator.device)
         pin = self.cfg.pin_memory and accelerator.device.type == "cuda"
-        for micro in window:
+        for k, micro in enumerate(window):
             batch = batch_to_device(micro, accelerator.device, self.shape_multiple, pin)
+            if self.sharding is not None:  # accelerate's no_sync is DDP's: reduce-scatter once, at the window's end
+                self.model.set_requires_gradient_sync(k == len(window) - 1)
             with accelerator.accumulate(self.model):
                 with accelerator.autocast():
                     loss = token_loss_sum(self.model, self.core, batch, frozen_encoder=self.cfg.frozen_encoder,
@@ -348,17 +357,7 @@ class LowMemTrainer:
     def skip_nonfinite_step(self) -> None:
         """Drop this window's gradient without stepping; abort after --max_nonfinite_steps in a row."""
         self.optimizer.zero_grad(set_to_none=True)
-        state = self.state
-        state.nonfinite_steps += 1
-        state.nonfinite_in_a_row += 1
-        self.say(f"step {state.step + 1}: non-finite loss or gradient, optimizer step skipped "
-                 f"({state.nonfinite_in_a_row} in a row, {state.nonfinite_steps} in total)")
-        self.telemetry.record("nonfinite_step", skipped_total=state.nonfinite_steps, in_a_row=state.nonfinite_in_a_row)
-        if state.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
-            raise UserError(f"{state.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
-                            f"gradient (--max_nonfinite_steps={self.cfg.max_nonfinite_steps}); lower "
-                            "--learn_rate, keep --max_grad_norm on, or use --mixed_precision=no (best/ never "
-                            "holds non-finite weights)")
+        count_nonfinite_step(self.state, self.cfg.max_nonfinite_steps, self.say, self.telemetry.record)
 
     # ------------------------------------------------------------------ hooks between steps
     def maybe_log(self, force: bool = False) -> None:
@@ -434,7 +433,7 @@ class LowMemTrainer:
         result = self.evaluate()
         metric = result[self.cfg.metric_for_best]
         improved = is_better(metric, self.state.best_metric, self.cfg.metric_for_best)
-        if improved and not all(bool(torch.isfinite(p).all()) for p in self.core.parameters()):
+        if improved and not weights_finite(self.core):
             improved = False  # never export non-finite weights as best
             self.say("the weights hold non-finite values: not saved as best")
         if improved:

@@ -46,17 +46,30 @@ def write_text_atomic(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
+def staging_path(final: Path) -> Path:
+    """The folder ``final`` is written in before it is renamed into place."""
+    return Path(final).with_name(f".tmp-{Path(final).name}")
+
+
+def new_staging(final: Path) -> Path:
+    """An empty staging folder for ``final`` (what a stopped write left there removed: it is ours)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_path(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
 @contextmanager
-def atomic_folder(final: Path):
+def atomic_folder(final: Path, staged: bool = False):
     """Yield a temporary folder; on success make it ``final`` in one rename (replacing an old one).
+    ``staged``: other processes have written their parts into ``new_staging(final)`` already.
 
     On an exception the temporary folder is removed and ``final`` is left as it was.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".tmp-{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = staging_path(final) if staged else new_staging(final)
     try:
         yield tmp
         files = {}

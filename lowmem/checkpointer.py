@@ -17,13 +17,15 @@ from lowmem.metrics import MetricsLog
 from lowmem.modeling import export_state_dict, weights_in_float32
 from lowmem.optim import resume_schedule
 from lowmem.run_folder import RunFolder
+from lowmem.sharding import full_state_dict, local_state
 
 
 class Checkpointer:
     """Checkpoints and exports of one run. Collective: every process calls ``save`` and ``export``."""
 
-    def __init__(self, folder: RunFolder, accelerator, telemetry):
+    def __init__(self, folder: RunFolder, accelerator, telemetry, sharded: bool = False):
         self.folder = folder
+        self.sharded = sharded  # FSDP: each process writes and reads its own shard; exports gather the weights
         self.accelerator = accelerator
         self.telemetry = telemetry
         self.saved_step: int | None = None  # the step of the newest checkpoint written or resumed from
@@ -47,14 +49,25 @@ class Checkpointer:
                 "interval": meter.saved(),
                 "checkpoint_record": record if self.telemetry.metrics is not None else None}
         process_states = gather_object([mine])  # small: RNG + data position per rank
+        model, optimizer, scheduler, run_config = training
+        if self.sharded:
+            self._write_shard(folder, model, optimizer)
         if self.accelerator.is_main_process:
-            model, optimizer, scheduler, run_config = training
             self.folder.write_checkpoint(step, model, optimizer, scheduler, trainer_state, run_config,
-                                         process_states, keep=keep)
+                                         process_states, keep=keep, staged=self.sharded)
             self.telemetry.metrics.write_line(record)
         self.accelerator.wait_for_everyone()
         self.saved_step = step
         return folder
+
+    def _write_shard(self, folder: Path, model, optimizer) -> None:
+        """This process's weight and optimizer shards, into the staging folder the main process then
+        completes and renames into place (``RunFolder.write_checkpoint``)."""
+        if self.accelerator.is_main_process:
+            checkpoint.new_staging(folder)
+        self.accelerator.wait_for_everyone()
+        self.folder.write_shard(folder, self.accelerator.process_index, *local_state(model, optimizer))
+        self.accelerator.wait_for_everyone()
 
     def load(self, folder: Path, training, stream, learn_rate: float, weight_decay: float) -> tuple[dict, dict]:
         """Restore weights, optimizer, scheduler, RNG and this process's data position; cut the logs
@@ -67,7 +80,7 @@ class Checkpointer:
         model, optimizer, scheduler, run_config = training
         trainer_state, process_state = self.folder.read_checkpoint(
             folder, model, optimizer, scheduler, run_config, self.accelerator.process_index,
-            self.accelerator.num_processes, self.telemetry.say)
+            self.accelerator.num_processes, self.telemetry.say, sharded=self.sharded)
         resume_schedule(optimizer, scheduler, learn_rate, weight_decay)
         self.saved_step = trainer_state["step"]
         stream.load_state_dict(process_state["data"])
@@ -78,7 +91,12 @@ class Checkpointer:
     def export(self, folder: Path, core, tokenizer, info: dict, tokenizer_source: Path | None) -> None:
         """``core`` as a plain transformers folder (float32, LoRA merged), written by the main process."""
         self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
+        if self.sharded:  # the whole weights gathered on the main process's host (every process takes part)
+            whole = full_state_dict(core)
+            if self.accelerator.is_main_process:
+                self.folder.export(folder, core, tokenizer, info, state_dict=whole, tokenizer_source=tokenizer_source)
+            del whole
+        elif self.accelerator.is_main_process:
             # One dtype and no adapters: on the CPU bf16-stored weights turn float32 in place; from a
             # GPU every tensor is copied to the host as float32 (nothing new on the GPU).
             on_gpu = self.accelerator.device.type == "cuda"

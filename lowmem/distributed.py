@@ -10,13 +10,20 @@ import torch
 from config import TrainConfig, UserError
 from data.readers import index_file
 from lowmem.run_memory import near_limit
+from lowmem.sharding import check_shardable, fsdp_settings, is_sharded, requested_engine
 
 
 def start_accelerator(cfg: TrainConfig):
-    """The run's ``Accelerator``: device, mixed precision, DDP settings, tracker; seeds every RNG.
+    """The run's ``Accelerator``: device, mixed precision, DDP settings, tracker; seeds every RNG. With
+    an FSDP launch config, also the FSDP settings the trainer shards the model with (``lowmem.sharding``:
+    accelerate itself runs as plain data parallelism then), else None.
+
+    Returns:
+        (accelerator, FSDP settings or None)
 
     Raises:
-        UserError: bf16 on a GPU without it; a sharded engine (DeepSpeed, FSDP) this trainer does not run.
+        UserError: bf16 on a GPU without it; DeepSpeed, which this trainer does not run yet; options
+        that sharding does not support.
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
@@ -25,6 +32,13 @@ def start_accelerator(cfg: TrainConfig):
             and not torch.cuda.is_bf16_supported():
         raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=no")
     # --report_to: accelerate's tracker, its files under OUTPUT_DIR (started by setup(), once the step is known)
+    engine = requested_engine()
+    if engine == "deepspeed":
+        raise UserError("DeepSpeed is not supported by this trainer yet; shard with FSDP instead: accelerate "
+                        "launch --config_file accelerate_configs/fsdp.yaml (fsdp_cpu.yaml on CPU processes)")
+    sharding = fsdp_settings() if engine == "fsdp" else None  # read before accelerate starts (it takes it out)
+    if sharding is not None:
+        check_shardable(cfg)
     tracking = {} if cfg.report_to == "none" else {"log_with": cfg.report_to, "project_dir": cfg.output_dir}
     # DDP all-reduces through buckets that, by default, are a second copy of every gradient; as
     # views the gradients live in the buckets themselves (one copy fewer per process).
@@ -32,13 +46,17 @@ def start_accelerator(cfg: TrainConfig):
     accelerator = Accelerator(cpu=cfg.cpu, mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               kwargs_handlers=[ddp], **tracking)
-    sharded = accelerator.distributed_type.value
-    if sharded in ("DEEPSPEED", "FSDP"):
-        raise UserError(f"{sharded} is not supported by this trainer yet: its checkpoints, exports and "
-                        "uneven last windows assume whole weights on every process (see docs/distributed.md, "
-                        "'DeepSpeed ZeRO and FSDP'); launch with accelerate_configs/multi_gpu.yaml")
     set_seed(cfg.seed)
-    return accelerator
+    return accelerator, sharding
+
+
+def prepare_for_training(accelerator, model, optimizer):
+    """(model, optimizer, the plain model inside) as accelerate prepares them: DDP-wrapped with several
+    processes; a model FSDP has sharded already is left as it is (accelerate would wrap it for DDP too)."""
+    if is_sharded(model):
+        return model, accelerator.prepare(optimizer), model
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, accelerator.unwrap_model(model)
 
 
 def indexes_from_main(accelerator, files: list) -> list:

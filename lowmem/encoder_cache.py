@@ -243,12 +243,14 @@ def encoder_on(core, device):
     """The encoder on ``device`` for what runs inside (evaluation: the eval set is not in the cache),
     back where it was after (off the GPU when the cache took it off)."""
     home = core.encoder.final_layer_norm.weight.device
-    if home != device:
+    # compared by type: an accelerator on CPU processes says cpu:0 where the weights say cpu, and a
+    # move of weights FSDP has sharded would put new parameters in place of the ones the optimizer steps
+    if home.type != torch.device(device).type:
         move_encoder(core, device)
     try:
         yield
     finally:
-        if home != device:
+        if home.type != torch.device(device).type:
             move_encoder(core, home)
 
 

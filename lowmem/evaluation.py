@@ -23,6 +23,7 @@ from data.tokenization import has_tokenizer, load_tokenizer
 from lowmem.distributed import start_accelerator
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
 from lowmem.modeling import batch_to_device, generation_cache, load_model, token_loss_sum
+from lowmem.sharding import equal_count, is_sharded, whole_root
 from lowmem.telemetry import on_terminal
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
@@ -78,12 +79,19 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
     model.eval()
     loss_sum, tokens, pairs = 0.0, 0, []
     mine = examples[accelerator.process_index::accelerator.num_processes]
-    for chunk in tqdm(list(batched(mine, cfg.eval_batch_size)), desc="eval", leave=False, disable=not progress):
+    chunks = list(batched(mine, cfg.eval_batch_size))
+    sharded = is_sharded(core)
+    if sharded:  # every forward is a collective: each process runs as many batches, the extra ones discarded
+        chunks += [examples[:1]] * (equal_count(len(chunks), accelerator.num_processes) - len(chunks))
+    for k, chunk in enumerate(tqdm(chunks, desc="eval", leave=False, disable=not progress)):
         batch = batch_to_device(collator(chunk), accelerator.device, multiple)
-        with accelerator.autocast():
-            loss_sum += float(token_loss_sum(model, core, batch, multiple=multiple))
+        with accelerator.autocast(), whole_root(core):
+            loss = float(token_loss_sum(model, core, batch, multiple=multiple))
             generated = core.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                      **generation_options(cfg, cfg.max_target_len))
+                                      synced_gpus=sharded, **generation_options(cfg, cfg.max_target_len))
+        if k * cfg.eval_batch_size >= len(mine):  # padding
+            continue
+        loss_sum += loss
         tokens += int(batch["labels"].ne(-100).sum())
         predictions = tokenizer.batch_decode(generated, skip_special_tokens=True)
         pairs.extend(zip(predictions, [e.response if isinstance(e.response, str)  # else token ids (raw-text objectives)
@@ -158,7 +166,7 @@ def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
     eval_files = eval_files_of(cfg, train_files)
     model = load_model(model_dir)
     model_dir = resolve_model_dir(str(model_dir))
-    accelerator = start_accelerator(cfg)
+    accelerator, _ = start_accelerator(cfg)  # evaluate / generate keep whole weights on every process
     # The model's own tokenizer unless --tokenizer_dir names one (without --init_from it holds the
     # shipped default, which OUTPUT_DIR/best's own wins over).
     own = has_tokenizer(model_dir) and not (cfg.init_from and cfg.tokenizer_dir)

@@ -375,6 +375,8 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multi
     if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
         encoded = batch["encoder_hidden_states"]
     elif frozen_encoder:
+        if hasattr(model, "unshard"):  # FSDP: the shared embedding (the root's) whole, the encoder runs outside
+            model.unshard()            # the root's forward; the forward below reshards it as usual
         encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple)
     else:
         encoded = None

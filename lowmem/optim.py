@@ -18,6 +18,8 @@ from functools import partial
 
 import torch
 
+from lowmem.sharding import plain, shard_group
+
 
 class Adafactor(torch.optim.Optimizer):
     """Adafactor (Shazeer & Stern, 2018) with the configured learning rate applied as given.
@@ -25,6 +27,11 @@ class Adafactor(torch.optim.Optimizer):
     transformers' ``Adafactor(relative_step=False, scale_parameter=False, warmup_init=False)``: factored
     second moments for matrices (a row and a column vector), full ones for vectors, update clipping at
     RMS ``clip_threshold``, optional first moment (``beta1``) and decoupled weight decay.
+
+    Shard-aware: a weight sharded along its first dimension (FSDP2's ``fully_shard``) keeps its local
+    rows' statistics, and the statistics that span the rows (a matrix's column means and mean row
+    statistic, every update's RMS) are summed over the processes, so each process applies its rows of
+    the very update the whole tensor would get (up to float summation order).
     """
 
     def __init__(self, params, lr: float, eps=(1e-30, 1e-3), clip_threshold: float = 1.0, decay_rate: float = -0.8,
@@ -47,6 +54,9 @@ class Adafactor(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
+        shards = shard_group(p)  # the processes p's rows are spread over, or None
+        if shards is not None:
+            return self._update_shard(p, group, shards)
         grad = p.grad.float() if p.grad.dtype in (torch.float16, torch.bfloat16) else p.grad
         state, shape = self.state[p], grad.shape
         factored, first_moment = len(shape) >= 2, group["beta1"] is not None
@@ -84,6 +94,58 @@ class Adafactor(torch.optim.Optimizer):
         weights.sub_(update)
         if p.dtype in (torch.float16, torch.bfloat16):
             p.copy_(weights)
+
+    def _update_shard(self, p, group: dict, shards) -> None:
+        """``_update`` on this process's rows of ``p`` (sharded along its first dimension over ``shards``)."""
+        import torch.distributed as dist
+
+        def summed(tensor):  # over the processes
+            dist.all_reduce(tensor, group=shards)
+            return tensor
+
+        local = plain(p)
+        grad = plain(p.grad)
+        grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+        state, shape = self.state[p], p.shape  # the whole tensor's shape; grad's first dimension is local
+        factored, first_moment = len(shape) >= 2, group["beta1"] is not None
+        rows_span = len(shape) == 2  # a matrix's column statistic and mean row statistic span the sharded rows
+        if not state:
+            state["step"] = 0
+            if first_moment:
+                state["exp_avg"] = torch.zeros_like(grad)
+            if factored:
+                state["exp_avg_sq_row"] = torch.zeros(grad.shape[:-1]).to(grad)
+                state["exp_avg_sq_col"] = torch.zeros(grad.shape[:-2] + grad.shape[-1:]).to(grad)
+            else:
+                state["exp_avg_sq"] = torch.zeros_like(grad)
+        weights = local.float() if local.dtype in (torch.float16, torch.bfloat16) else local
+        state["step"] += 1
+        lr = group["lr"]
+        beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
+        update = torch.square(grad).add_(group["eps"][0])
+        if factored:
+            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
+            column_mean = update.sum(dim=-2)
+            column_mean = (summed(column_mean) if rows_span else column_mean).div_(shape[-2])
+            col.mul_(beta2t).add_(column_mean, alpha=(1.0 - beta2t))
+            row_mean = summed(row.sum(dim=-1, keepdim=True)).div_(shape[0]) if rows_span \
+                else row.mean(dim=-1, keepdim=True)
+            r_factor = (row / row_mean).rsqrt_().unsqueeze(-1)
+            torch.mul(r_factor, col.unsqueeze(-2).rsqrt(), out=update).mul_(grad)
+        else:
+            state["exp_avg_sq"].mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
+            torch.rsqrt(state["exp_avg_sq"], out=update).mul_(grad)
+        rms = summed(update.square().sum()).sqrt_() / (p.numel() ** 0.5)
+        update.div_((rms / group["clip_threshold"]).clamp_(min=1.0))
+        update.mul_(lr)
+        if first_moment:
+            update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=(1 - group["beta1"]))
+        if group["weight_decay"] != 0:
+            weights.add_(weights, alpha=(-group["weight_decay"] * lr))
+        weights.sub_(update)
+        if local.dtype in (torch.float16, torch.bfloat16):
+            local.copy_(weights)
 
 
 def _warmup(step: int, warmup: int) -> float:

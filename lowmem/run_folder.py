@@ -23,8 +23,11 @@ from data.ownership import check_folder, claim_folder, is_run_folder
 from lowmem import checkpoint
 from lowmem.metrics import read_metrics
 from lowmem.model_source import resolve_model_dir
+from lowmem.sharding import load_local_state
 
 LOCK_FILE = ".lock"
+SHARD_WEIGHTS = "model-shard{rank:05d}.safetensors"  # sharded (FSDP) checkpoints: one pair per process
+SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 
 
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
@@ -168,14 +171,16 @@ class RunFolder:
         return self.checkpoints / f"{checkpoint.PREFIX}{step:06d}"
 
     def write_checkpoint(self, step: int, model, optimizer, scheduler, trainer_state: dict, run_config: dict,
-                         process_states: list[dict], keep: int) -> Path:
-        """Everything the run depends on, written atomically; then ``latest`` moves to it."""
+                         process_states: list[dict], keep: int, staged: bool = False) -> Path:
+        """Everything the run depends on, written atomically; then ``latest`` moves to it. ``staged``:
+        the processes wrote their weight and optimizer shards into the staging folder already."""
         from safetensors.torch import save_model
 
         folder = self.checkpoint_path(step)
-        with checkpoint.atomic_folder(folder) as tmp:
-            save_model(model, str(tmp / "model.safetensors"))
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        with checkpoint.atomic_folder(folder, staged=staged) as tmp:
+            if not staged:
+                save_model(model, str(tmp / "model.safetensors"))
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
             (tmp / "run_config.json").write_text(json.dumps(run_config, indent=1))
@@ -186,8 +191,17 @@ class RunFolder:
         return folder
 
     @staticmethod
+    def write_shard(folder: Path, rank: int, weights: dict, optimizer_state: dict) -> None:
+        """Process ``rank``'s shards of a sharded checkpoint, into its staging folder."""
+        from safetensors.torch import save_file
+
+        staging = checkpoint.staging_path(folder)
+        save_file(weights, str(staging / SHARD_WEIGHTS.format(rank=rank)))
+        torch.save(optimizer_state, staging / SHARD_OPTIMIZER.format(rank=rank))
+
+    @staticmethod
     def read_checkpoint(folder: Path, model, optimizer, scheduler, run_config: dict, rank: int, world: int,
-                        say=print) -> tuple[dict, dict]:
+                        say=print, sharded: bool = False) -> tuple[dict, dict]:
         """Load weights, optimizer and scheduler of ``folder`` in place.
 
         Returns:
@@ -202,10 +216,21 @@ class RunFolder:
                             f"number (this run has {world})")
         # Tensors and plain values only, all read before anything is restored: a checkpoint from
         # elsewhere holding other objects is refused whole, and none of its code runs.
+        written_sharded = (folder / SHARD_WEIGHTS.format(rank=0)).is_file()
+        if written_sharded != sharded:
+            raise UserError(f"checkpoint {folder} was written {'with' if written_sharded else 'without'} FSDP; resume "
+                            "with the launch config the run began with")
+        weights, optimizer_file = ((SHARD_WEIGHTS.format(rank=rank), SHARD_OPTIMIZER.format(rank=rank)) if sharded
+                                   else ("model.safetensors", "optimizer.pt"))
         optimizer_state, scheduler_state, process_state = (
-            checkpoint.load_state(folder / name) for name in ("optimizer.pt", "scheduler.pt", f"process_{rank}.pt"))
-        load_model(model, str(folder / "model.safetensors"))
-        optimizer.load_state_dict(optimizer_state)
+            checkpoint.load_state(folder / name) for name in (optimizer_file, "scheduler.pt", f"process_{rank}.pt"))
+        if sharded:
+            from safetensors.torch import load_file
+
+            load_local_state(model, optimizer, load_file(str(folder / weights)), optimizer_state)
+        else:
+            load_model(model, str(folder / weights))
+            optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(scheduler_state)
         trainer_state = json.loads((folder / "trainer_state.json").read_text())
         return trainer_state, process_state

@@ -1,11 +1,13 @@
 """Stopping a run cleanly on SIGTERM / SIGINT: the current optimizer step finishes, a checkpoint is
-written, and the command exits; a second signal stops at once. (The memory guard, which stops the
-same way when RSS nears ``--max_rss_gb``, is in ``lowmem.run_memory``.)"""
+written, and the command exits; a second signal stops at once. Also the count of skipped non-finite
+steps, which stops a run after too many in a row. (The memory guard, which stops the same way when RSS
+nears ``--max_rss_gb``, is in ``lowmem.run_memory``.)"""
 
 from __future__ import annotations
 
 import signal
 
+from config import UserError
 from lowmem.distributed import any_process
 
 
@@ -45,3 +47,18 @@ class SignalWatch:
     def requested(self, accelerator) -> bool:
         """Whether any process got a signal (the same answer on all: one small all-reduce)."""
         return any_process(accelerator, self.received is not None)
+
+
+def count_nonfinite_step(state, max_in_a_row: int, say=print, record=None) -> None:
+    """Count an optimizer step skipped for a non-finite loss or gradient in ``state`` (the trainer's
+    counters); raise ``UserError`` after ``max_in_a_row`` (--max_nonfinite_steps) in a row."""
+    state.nonfinite_steps += 1
+    state.nonfinite_in_a_row += 1
+    say(f"step {state.step + 1}: non-finite loss or gradient, optimizer step skipped "
+        f"({state.nonfinite_in_a_row} in a row, {state.nonfinite_steps} in total)")
+    if record is not None:
+        record("nonfinite_step", skipped_total=state.nonfinite_steps, in_a_row=state.nonfinite_in_a_row)
+    if state.nonfinite_in_a_row >= max_in_a_row:
+        raise UserError(f"{state.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
+                        f"gradient (--max_nonfinite_steps={max_in_a_row}); lower --learn_rate, keep "
+                        "--max_grad_norm on, or use --mixed_precision=no (best/ never holds non-finite weights)")

@@ -162,7 +162,7 @@ def test_shipped_accelerate_configs_load_and_the_cpu_one_starts_two_processes(tm
     from accelerate.commands.config.config_args import ClusterConfig
 
     kinds = {path.stem: ClusterConfig.from_yaml_file(str(path)).distributed_type.value for path in CONFIGS}
-    assert kinds == {"cpu_2proc": "MULTI_GPU", "multi_gpu": "MULTI_GPU", "fsdp": "FSDP",
+    assert kinds == {"cpu_2proc": "MULTI_GPU", "multi_gpu": "MULTI_GPU", "fsdp": "FSDP", "fsdp_cpu": "FSDP",
                      **{f"deepspeed_zero{z}{o}": "DEEPSPEED" for z in (2, 3) for o in ("", "_offload")}}
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(20, seed=1))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(3, seed=2))
@@ -177,10 +177,9 @@ def test_shipped_accelerate_configs_load_and_the_cpu_one_starts_two_processes(tm
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["deepspeed_zero2", "fsdp"])
-def test_sharded_configs_stop_with_a_clear_message(tmp_path, name):
+def test_deepspeed_configs_stop_with_a_clear_message(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(REPO / "accelerate_configs" / f"{name}.yaml"), "--num_processes", "1",
+                           str(REPO / "accelerate_configs" / "deepspeed_zero2.yaml"), "--num_processes", "1",
                            str(REPO / "train_low_mem.py"), "train", f"--output_dir={tmp_path / 'run'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "is not supported by this trainer yet" in proc.stderr
