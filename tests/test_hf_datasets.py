@@ -219,7 +219,7 @@ def test_two_processes_read_disjoint_shares_of_a_saved_dataset(tmp_path):
     out = tmp_path / "run"
     done = accelerate_launch(f"--train_file={save_pairs(tmp_path / 'd', n=41)}", f"--output_dir={out}", "--epochs=1",
                              "--gradient_accumulation_steps=2", "--eval_steps=0", "--save_steps=0",
-                             "--dump_consumed=True", *SMALL)
+                             "--dump_consumed=True", *SMALL, port=29551)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split("\t") for rank in (0, 1)
              for line in (out / f"consumed-rank{rank}.tsv").read_text().splitlines()]

@@ -44,7 +44,8 @@ def test_two_processes_share_each_epoch_exactly_once(tmp_path):
     out = tmp_path / "run"
     proc = accelerate_launch(f"--train_file={folder}", f"--eval_file={evals}", f"--output_dir={out}", "--epochs=2",
                              "--gradient_accumulation_steps=2", "--eval_steps=6", "--save_steps=6", "--logging_steps=1",
-                             "--warmup_steps=2", "--max_source_len=32", "--max_target_len=32", "--dump_consumed=True")
+                             "--warmup_steps=2", "--max_source_len=32", "--max_target_len=32", "--dump_consumed=True",
+                             port=29518)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = metrics(out)
     train_records = [r for r in records if r["event"] == "train"]
@@ -76,7 +77,7 @@ def test_two_processes_give_the_gradient_of_one_big_batch_and_sft_runs(tmp_path)
     common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=1", "--shuffle_buffer_size=0",
               "--dropout_rate=0", "--warmup_steps=0", "--lr_scheduler=constant", "--eval_steps=0",
               "--max_source_len=32", "--max_target_len=32"]
-    two = accelerate_launch(*common, f"--output_dir={tmp_path / 'two'}", "--gradient_accumulation_steps=16")
+    two = accelerate_launch(*common, f"--output_dir={tmp_path / 'two'}", "--gradient_accumulation_steps=16", port=29519)
     assert two.returncode == 0, two.stderr[-3000:]
     one = run_cli("train", *common, f"--output_dir={tmp_path / 'one'}", "--gradient_accumulation_steps=32")
     assert one.returncode == 0, one.stderr[-3000:]
@@ -108,7 +109,7 @@ def test_two_processes_give_the_gradient_of_one_big_batch_and_sft_runs(tmp_path)
     proc = accelerate_launch(f"--train_file={train}", f"--eval_file={evals}", "--is_finetune=True",
                              f"--init_from={tmp_path / 'two' / 'final'}", f"--output_dir={sft}", "--max_steps=3",
                              "--gradient_accumulation_steps=4", "--eval_steps=0", "--max_source_len=32",
-                             "--max_target_len=32")
+                             "--max_target_len=32", port=29520)
     assert proc.returncode == 0, proc.stderr[-3000:]
     before, after = load_file(str(tmp_path / "two" / "final" / "model.safetensors")), load_file(
         str(sft / "final" / "model.safetensors"))
@@ -205,7 +206,7 @@ def test_two_processes_pack_disjoint_documents_for_span_corruption(tmp_path):
     out = tmp_path / "run"
     proc = accelerate_launch("--objective=span_corruption", f"--train_file={txt}", f"--output_dir={out}", "--epochs=2",
                              "--gradient_accumulation_steps=2", "--max_eval_samples=4", "--logging_steps=1",
-                             "--eval_steps=1000", "--save_steps=1000", "--dump_consumed=True", port=29541)
+                             "--eval_steps=1000", "--save_steps=1000", "--dump_consumed=True", port=29544)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = metrics(out)
     train_records = [r for r in records if r["event"] == "train"]

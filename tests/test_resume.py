@@ -101,7 +101,14 @@ def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
             stopped = int(re.search(r"stopped at step (\d+);", logs[attempt + 1].read_text()).group(1))
             assert stopped <= done + 1  # the step under way finishes, and no other starts
             continue
-        time.sleep(rng.uniform(7, 12))
+        # Killed at a random moment once this attempt has written a checkpoint of its own (a fixed delay
+        # killed slow starts, on a busy machine, before they had saved anything)
+        latest = broken / "checkpoints" / "latest"
+        before = latest.read_text() if latest.is_file() else None
+        while (latest.read_text() if latest.is_file() else None) == before and child.poll() is None:
+            assert time.time() < started + 600, logs[attempt + 1].read_text()[-2000:]
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, 3))
         child.kill()
         child.wait()
         if attempt == 3:  # damage the newest checkpoint: resume must fall back to the one before
