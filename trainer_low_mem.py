@@ -197,6 +197,7 @@ class LowMemTrainer:
         self.model, self.parameters = ready_to_train(self.model, cfg)
         if self.sharding is not None:  # before the optimizer: sharding replaces the parameters
             self.model = shard_model(self.model, self.sharding, self.accelerator.device)
+            free_memory()  # the whole weights each process built go back to the OS
         self.telemetry.log_memory("model_built")
 
     def _build_optimizer(self) -> None:
