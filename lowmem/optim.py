@@ -40,10 +40,6 @@ class Adafactor(torch.optim.Optimizer):
                         weight_decay=weight_decay, scale_parameter=False, relative_step=False, warmup_init=False)
         super().__init__(params, defaults)
 
-    @staticmethod
-    def _rms(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.norm(2) / (tensor.numel() ** 0.5)
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
@@ -54,11 +50,10 @@ class Adafactor(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
-        shards = shard_group(p)  # the processes p's rows are spread over, or None
-        if shards is not None:
-            return self._update_shard(p, group, shards)
-        grad = p.grad.float() if p.grad.dtype in (torch.float16, torch.bfloat16) else p.grad
-        state, shape = self.state[p], grad.shape
+        means = _Means(p)  # the statistics that span a sharded weight's processes
+        local, grad = plain(p), plain(p.grad)
+        grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+        state, shape = self.state[p], grad.shape  # this process's rows of a sharded weight
         factored, first_moment = len(shape) >= 2, group["beta1"] is not None
         if not state:
             state["step"] = 0
@@ -69,7 +64,7 @@ class Adafactor(torch.optim.Optimizer):
                 state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:]).to(grad)
             else:
                 state["exp_avg_sq"] = torch.zeros_like(grad)
-        weights = p.float() if p.dtype in (torch.float16, torch.bfloat16) else p
+        weights = local.float() if local.dtype in (torch.float16, torch.bfloat16) else local
         state["step"] += 1
         lr = group["lr"]
         beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
@@ -79,65 +74,13 @@ class Adafactor(torch.optim.Optimizer):
         if factored:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
-            col.mul_(beta2t).add_(update.mean(dim=-2), alpha=(1.0 - beta2t))
-            r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+            col.mul_(beta2t).add_(means.columns(update), alpha=(1.0 - beta2t))
+            r_factor = (row / means.rows(row)).rsqrt_().unsqueeze(-1)
             torch.mul(r_factor, col.unsqueeze(-2).rsqrt(), out=update).mul_(grad)
         else:
             state["exp_avg_sq"].mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
             torch.rsqrt(state["exp_avg_sq"], out=update).mul_(grad)
-        update.div_((self._rms(update) / group["clip_threshold"]).clamp_(min=1.0))
-        update.mul_(lr)
-        if first_moment:
-            update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=(1 - group["beta1"]))
-        if group["weight_decay"] != 0:
-            weights.add_(weights, alpha=(-group["weight_decay"] * lr))
-        weights.sub_(update)
-        if p.dtype in (torch.float16, torch.bfloat16):
-            p.copy_(weights)
-
-    def _update_shard(self, p, group: dict, shards) -> None:
-        """``_update`` on this process's rows of ``p`` (sharded along its first dimension over ``shards``)."""
-        import torch.distributed as dist
-
-        def summed(tensor):  # over the processes
-            dist.all_reduce(tensor, group=shards)
-            return tensor
-
-        local = plain(p)
-        grad = plain(p.grad)
-        grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
-        state, shape = self.state[p], p.shape  # the whole tensor's shape; grad's first dimension is local
-        factored, first_moment = len(shape) >= 2, group["beta1"] is not None
-        rows_span = len(shape) == 2  # a matrix's column statistic and mean row statistic span the sharded rows
-        if not state:
-            state["step"] = 0
-            if first_moment:
-                state["exp_avg"] = torch.zeros_like(grad)
-            if factored:
-                state["exp_avg_sq_row"] = torch.zeros(grad.shape[:-1]).to(grad)
-                state["exp_avg_sq_col"] = torch.zeros(grad.shape[:-2] + grad.shape[-1:]).to(grad)
-            else:
-                state["exp_avg_sq"] = torch.zeros_like(grad)
-        weights = local.float() if local.dtype in (torch.float16, torch.bfloat16) else local
-        state["step"] += 1
-        lr = group["lr"]
-        beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
-        update = torch.square(grad).add_(group["eps"][0])
-        if factored:
-            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
-            column_mean = update.sum(dim=-2)
-            column_mean = (summed(column_mean) if rows_span else column_mean).div_(shape[-2])
-            col.mul_(beta2t).add_(column_mean, alpha=(1.0 - beta2t))
-            row_mean = summed(row.sum(dim=-1, keepdim=True)).div_(shape[0]) if rows_span \
-                else row.mean(dim=-1, keepdim=True)
-            r_factor = (row / row_mean).rsqrt_().unsqueeze(-1)
-            torch.mul(r_factor, col.unsqueeze(-2).rsqrt(), out=update).mul_(grad)
-        else:
-            state["exp_avg_sq"].mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
-            torch.rsqrt(state["exp_avg_sq"], out=update).mul_(grad)
-        rms = summed(update.square().sum()).sqrt_() / (p.numel() ** 0.5)
-        update.div_((rms / group["clip_threshold"]).clamp_(min=1.0))
+        update.div_((means.rms(update) / group["clip_threshold"]).clamp_(min=1.0))
         update.mul_(lr)
         if first_moment:
             update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=(1 - group["beta1"]))
@@ -146,6 +89,39 @@ class Adafactor(torch.optim.Optimizer):
         weights.sub_(update)
         if local.dtype in (torch.float16, torch.bfloat16):
             local.copy_(weights)
+
+
+class _Means:
+    """Adafactor's means over a weight's rows, and its update's RMS, for a whole weight (transformers'
+    operations exactly) or for this process's rows of one sharded along its first dimension (local sums
+    added up over the processes, divided by the whole weight's sizes)."""
+
+    def __init__(self, p: torch.Tensor):
+        self.shards = shard_group(p)  # the processes p's rows are spread over, or None
+        self.shape, self.numel = p.shape, p.numel()
+        # a matrix's column statistic and mean row statistic span its rows (the sharded dimension)
+        self.spans = self.shards is not None and len(self.shape) == 2
+
+    def _summed(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, group=self.shards)
+        return tensor
+
+    def columns(self, update: torch.Tensor) -> torch.Tensor:
+        if not self.spans:
+            return update.mean(dim=-2)
+        return self._summed(update.sum(dim=-2)).div_(self.shape[-2])
+
+    def rows(self, row: torch.Tensor) -> torch.Tensor:
+        if not self.spans:
+            return row.mean(dim=-1, keepdim=True)
+        return self._summed(row.sum(dim=-1, keepdim=True)).div_(self.shape[0])
+
+    def rms(self, update: torch.Tensor) -> torch.Tensor:
+        if self.shards is None:
+            return update.norm(2) / (update.numel() ** 0.5)
+        return self._summed(update.square().sum()).sqrt_() / (self.numel ** 0.5)
 
 
 def _warmup(step: int, warmup: int) -> float:
