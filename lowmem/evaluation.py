@@ -23,7 +23,7 @@ from data.tokenization import has_tokenizer, load_tokenizer
 from lowmem.distributed import start_accelerator
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
 from lowmem.modeling import batch_to_device, generation_cache, load_model, token_loss_sum
-from lowmem.sharding import equal_count, is_sharded, whole_root
+from lowmem.sharding import is_sharded, padded_window, whole_root
 from lowmem.telemetry import on_terminal
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
@@ -82,7 +82,7 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
     chunks = list(batched(mine, cfg.eval_batch_size))
     sharded = is_sharded(core)
     if sharded:  # every forward is a collective: each process runs as many batches, the extra ones discarded
-        chunks += [examples[:1]] * (equal_count(len(chunks), accelerator.num_processes) - len(chunks))
+        chunks = padded_window(chunks, lambda: examples[:1], accelerator.num_processes)
     for k, chunk in enumerate(tqdm(chunks, desc="eval", leave=False, disable=not progress)):
         batch = batch_to_device(collator(chunk), accelerator.device, multiple)
         with accelerator.autocast(), whole_root(core):

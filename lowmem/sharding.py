@@ -151,8 +151,9 @@ def weights_finite(model) -> bool:
 
 
 def padded_window(window: list, empty, world: int) -> list:
-    """``window`` padded with ``empty()`` micro-batches (no target token: zero gradient) to the longest
-    window of any process: under sharding every forward is a collective."""
+    """``window`` padded with ``empty()`` items (micro-batches with no target token: zero gradient; eval
+    batches whose results are discarded) to the longest of any process: under sharding every forward is
+    a collective."""
     return window + [empty() for _ in range(equal_count(len(window), world) - len(window))]
 
 
