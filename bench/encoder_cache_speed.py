@@ -69,6 +69,7 @@ def corpora(folder: Path, extra: list[str], turns: list[int]) -> dict[str, list[
 
 def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", precision: str = "no",
             seed: int = 0) -> dict:
+    from config import SHIPPED_TOKENIZER_DIR
     from data.collate import Seq2SeqCollator, shape_multiple
     from data.sources import Example
     from data.tokenization import load_tokenizer
@@ -83,7 +84,7 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
     )
 
     cfg = load_config({"model_preset": preset, "is_finetune": True})[0]
-    tokenizer = load_tokenizer(cfg.tokenizer_dir)
+    tokenizer = load_tokenizer(cfg.tokenizer_dir or SHIPPED_TOKENIZER_DIR)
     torch.manual_seed(seed)
     model = build_model(cfg, tokenizer).to(device)
     freeze_parts(model, "encoder")

@@ -16,7 +16,7 @@ python3 -c "import torch, transformers, accelerate; print(torch.__version__, tra
   2>&1 | tee -a "$OUT/log"
 
 log "GPU-marked tests"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests 2>&1 | tail -5 | tee -a "$OUT/log"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests 2>&1 | tail -30 | tee -a "$OUT/log"
 
 log "default job on the GPU: pretrain 30 steps, SFT 30 steps with LoRA and adamw8bit, generate"
 timeout 180 python3 train_low_mem.py train --max_steps=30 --gradient_accumulation_steps=4 --eval_steps=30 \
