@@ -31,21 +31,20 @@ from data.pipeline import DataFiles, TrainData, build_data, check_data
 from data.sources import file_notes, formats_for
 from data.stream import batched
 from data.tokenization import tokenizer_for_run, tokenizer_sha1
-from lowmem import encoder_cache
+from lowmem import deepspeed_engine, encoder_cache
+from lowmem.accumulation import window_backward
 from lowmem.checkpointer import Checkpointer
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
 from lowmem.evaluation import evaluate_model, is_better
 from lowmem.memory import free_memory, freeze_long_lived, process_rss_bytes, thaw_long_lived
 from lowmem.model_source import check_vocabulary, tokenizer_folder
 from lowmem.modeling import (
-    batch_to_device,
     build_model,
     build_optimizer,
     build_scheduler,
     check_init_from,
     load_model,
     ready_to_train,
-    token_loss_sum,
 )
 from lowmem.run_folder import RunFolder
 from lowmem.run_memory import guard_stop, peak_against_plan, plan_run
@@ -101,7 +100,7 @@ class LowMemTrainer:
         # Built by setup(), in this order:
         self.files: DataFiles | None = None  # resolved and checked before anything heavy
         self.accelerator = None
-        self.sharding: dict | None = None  # FSDP settings when an FSDP launch config shards the model
+        self.sharding: dict | None = None  # {"engine": "fsdp" or "deepspeed", ...} under a sharded launch config
         self.shape_multiple = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU)
         self.checkpointer: Checkpointer | None = None
         self.tokenizer = tokenizer
@@ -120,6 +119,11 @@ class LowMemTrainer:
         self.resumed_interval: dict | None = None  # the interval sums a checkpoint carried
         self.bar = None  # the progress bar (a terminal) or None
         self.grad_norm = self.step_lr = None  # of the last optimizer step, for its log record
+
+    @property
+    def engine(self) -> str | None:
+        """The sharded engine: "fsdp", "deepspeed", or None (one process, or plain data parallelism)."""
+        return self.sharding and self.sharding["engine"]
 
     @property
     def main(self) -> bool:
@@ -181,7 +185,7 @@ class LowMemTrainer:
             self.folder.remove(old_files)
         self.accelerator.wait_for_everyone()
         self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry,
-                                         sharded=self.sharding is not None)
+                                         engine=self.sharding and self.sharding["engine"])
         return resume_dir
 
     def _build_model(self) -> None:
@@ -195,7 +199,7 @@ class LowMemTrainer:
         self.run_config = {**cfg.to_dict(), "tokenizer_size": len(self.tokenizer),  # fingerprinted once
                            "tokenizer_sha1": tokenizer_sha1(self.tokenizer), "held_out_rows": self.data.held_out_rows}
         self.model, self.parameters = ready_to_train(self.model, cfg)
-        if self.sharding is not None:  # before the optimizer: sharding replaces the parameters
+        if self.engine == "fsdp":  # before the optimizer: sharding replaces the parameters
             self.model = shard_model(self.model, self.sharding, self.accelerator.device)
             free_memory()  # the whole weights each process built go back to the OS
         self.telemetry.log_memory("model_built")
@@ -303,19 +307,23 @@ class LowMemTrainer:
         Returns:
             False when the step was skipped because the loss or gradient was not finite.
         """
-        if self.sharding is not None:
+        if self.engine is not None:  # every forward is a collective: as many on every process
             window = padded_window(window, self.train_collator.empty, self.accelerator.num_processes)
         loss_sum = self.accumulate_gradients(window, counts["tokens"])
-        # The norm of the all-reduced gradient (clip at infinity = measure only) is the same on every
-        # process, so all of them take the same decision; a NaN loss anywhere makes it NaN.
-        self.grad_norm = full_value(self.accelerator.clip_grad_norm_(self.trainable_params,
-                                                                     self.cfg.max_grad_norm or math.inf))
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (logged with it)
+        if self.engine == "deepspeed":  # DeepSpeed clips, skips a non-finite step and zeroes the gradients itself
+            self.grad_norm = deepspeed_engine.step(self.model)
+        else:
+            # The norm of the all-reduced gradient (clip at infinity = measure only) is the same on every
+            # process, so all of them take the same decision; a NaN loss anywhere makes it NaN.
+            self.grad_norm = full_value(self.accelerator.clip_grad_norm_(self.trainable_params,
+                                                                         self.cfg.max_grad_norm or math.inf))
         if not math.isfinite(float(self.grad_norm)):  # one host sync per optimizer step
             self.skip_nonfinite_step()
             return False
         self.state.nonfinite_in_a_row = 0
-        self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (logged with it)
-        self.optimizer.step()
+        if self.engine != "deepspeed":
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
@@ -332,28 +340,11 @@ class LowMemTrainer:
         Returns:
             The local sum of token losses (a device tensor).
         """
-        accelerator = self.accelerator
         if total_tokens is None:
-            total_tokens = window_counts(accelerator, window, self.data.stream, self.state.epoch, 0)["tokens"]
-        # accelerator.backward divides by gradient_accumulation_steps and DDP averages over processes;
-        # this scale turns that into sum(token losses) / global tokens.
-        scale = len(window) * accelerator.num_processes / max(total_tokens, 1)
-        accelerator.gradient_accumulation_steps = len(window)
-        accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
-        loss_sum = torch.zeros((), device=accelerator.device)
-        pin = self.cfg.pin_memory and accelerator.device.type == "cuda"
-        for k, micro in enumerate(window):
-            batch = batch_to_device(micro, accelerator.device, self.shape_multiple, pin)
-            if self.sharding is not None:  # accelerate's no_sync is DDP's: reduce-scatter once, at the window's end
-                self.model.set_requires_gradient_sync(k == len(window) - 1)
-            with accelerator.accumulate(self.model):
-                with accelerator.autocast():
-                    loss = token_loss_sum(self.model, self.core, batch, frozen_encoder=self.cfg.frozen_encoder,
-                                          multiple=self.shape_multiple)
-                accelerator.backward(loss * scale)  # all-reduce only on the window's last micro-batch
-            loss_sum += loss.detach()
-            del batch, loss  # free this micro-batch's activations before the next one
-        return loss_sum
+            total_tokens = window_counts(self.accelerator, window, self.data.stream, self.state.epoch, 0)["tokens"]
+        pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"
+        return window_backward(self.model, self.core, window, total_tokens, self.accelerator, self.engine,
+                               self.cfg.frozen_encoder, self.shape_multiple, pin)
 
     def skip_nonfinite_step(self) -> None:
         """Drop this window's gradient without stepping; abort after --max_nonfinite_steps in a row."""
@@ -450,13 +441,17 @@ class LowMemTrainer:
         self.checkpointer.export(folder, self.core, self.tokenizer, {"kind": self.cfg.kind, **self.state_now()},
                                  self.tokenizer_dir)
 
+    def _checkpointed(self) -> tuple:
+        """What a checkpoint holds: (model, optimizer, scheduler, run_config); DeepSpeed saves through its engine."""
+        return self.model if self.engine == "deepspeed" else self.core, self.optimizer, self.scheduler, self.run_config
+
     def save_checkpoint(self) -> Path:
-        parts = self.core, self.optimizer, self.scheduler, self.run_config
+        parts = self._checkpointed()
         return self.checkpointer.save(self.state.step, self.state_now(), parts, self.data.stream, self.meter,
                                       keep=self.cfg.save_total_limit)
 
     def load_checkpoint(self, folder: Path) -> None:
-        parts = self.core, self.optimizer, self.scheduler, self.run_config
+        parts = self._checkpointed()
         trainer_state, self.resumed_interval = self.checkpointer.load(folder, parts, self.data.stream,
                                                                       self.cfg.learn_rate, self.cfg.weight_decay)
         self.state.load_state_dict(trainer_state)

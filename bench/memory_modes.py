@@ -12,8 +12,10 @@ first, relative to the plain configuration of the same model and data. The flan-
 rows fine-tune models of those releases' shapes (SHAPES: gated-gelu, untied lm_head, mT5's 250,112-row
 embedding), built here from their configs with random weights and the shipped tokenizer (never
 downloaded; the embedding has more rows than the tokenizer, as Google's do). Rows marked "2 processes"
-run under ``accelerate launch`` on two CPU processes over gloo (predicted and measured: per process,
-rank 0; their step is twice the batch, so their time is not compared).
+run under ``accelerate launch`` on two CPU processes over gloo, with DDP (cpu_2proc.yaml), FSDP
+(fsdp_cpu.yaml) or DeepSpeed ZeRO-3 (deepspeed_zero3_cpu.yaml; pip install '.[deepspeed]'); predicted
+and measured are per process (rank 0); their step is twice the batch, so their time is compared only
+with the DDP row of the same optimizer.
 Target: every predicted / measured ratio within 0.85-1.15.
 """
 
@@ -65,6 +67,13 @@ CONFIGS = [
                                                       "--gradient_checkpointing=True", "--learn_rate=1e-3"], None),
     ("small, 2 processes", "small", "long", [], None),
     ("small SFT, 2 processes", "small", "sft", [], None),
+    # sharded engines on 2 CPU processes: step time relative to the DDP row of the same optimizer
+    ("small, 2 processes FSDP", "small", "long", [], "small, 2 processes"),
+    ("small adamw, 2 processes", "small", "long", ["--optimizer=adamw", "--learn_rate=1e-3"], None),
+    ("small adamw, 2 processes FSDP", "small", "long", ["--optimizer=adamw", "--learn_rate=1e-3"],
+     "small adamw, 2 processes"),
+    ("small adamw, 2 processes ZeRO-3", "small", "long", ["--optimizer=adamw", "--learn_rate=1e-3"],
+     "small adamw, 2 processes"),
     ("flan-t5-small SFT", "flan-t5-small", "sft", [], None),
     ("flan-t5-small full fine-tune", "flan-t5-small", "sft", ["--freeze=none"], "flan-t5-small SFT"),
     ("flan-t5-small LoRA q,v,wi,wo", "flan-t5-small", "sft", ["--lora_r=8", "--lora_target_modules=q,v,wi,wo",
@@ -159,13 +168,24 @@ def docstrings(folder: Path) -> Path:
     return folder / "docs.parquet"
 
 
-def run(args: list[str], two_processes: bool = False) -> None:
+# the launch config of each kind of 2-process row (by the end of its name): DDP, FSDP or DeepSpeed ZeRO-3
+LAUNCH_CONFIGS = {"2 processes": "cpu_2proc", "2 processes FSDP": "fsdp_cpu",
+                  "2 processes ZeRO-3": "deepspeed_zero3_cpu"}
+
+
+def launch_config(name: str) -> str | None:
+    return next((config for ending, config in sorted(LAUNCH_CONFIGS.items(), key=lambda kv: -len(kv[0]))
+                 if name.endswith(ending)), None)
+
+
+def run(args: list[str], config: str | None = None) -> None:
     command, env = [sys.executable, str(REPO / "train_low_mem.py"), "train", *args], None
-    if two_processes:  # two gloo ranks on the CPU, with the shipped accelerate config
+    if config:  # two ranks on the CPU over gloo, with a shipped accelerate config
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(REPO / "accelerate_configs/cpu_2proc.yaml"), "--main_process_port", "29533", *command[1:],
-                   "--cpu=True"]
-        env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
+                   str(REPO / f"accelerate_configs/{config}.yaml"), "--main_process_port", "29533", *command[1:]]
+        if config != "deepspeed_zero3_cpu":  # accelerate's CPU flag would turn DeepSpeed off
+            command.append("--cpu=True")
+            env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"failed: {' '.join(args)}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
@@ -208,11 +228,12 @@ def main() -> None:
                     run([*data, f"--output_dir={inits[preset]}", "--max_steps=1", "--gradient_accumulation_steps=1",
                          "--eval_steps=0", "--max_eval_samples=2"])
                 data = ["--is_finetune=True", f"--init_from={inits[preset]}/final", f"--train_file={corpora[kind]}"]
-            two_processes = "2 processes" in name
-            run([*data, *STEPS, *flags, f"--output_dir={out}"], two_processes)
+            config = launch_config(name)
+            run([*data, *STEPS, *flags, f"--output_dir={out}"], config)
             result = results[name] = measure(out)
             rel = result["step_s"] / results[baseline]["step_s"] if baseline in results else 1.0
-            shown = "-" if two_processes else f"{rel:.2f}"
+            # a 2-process step is twice the batch: timed only against another 2-process row
+            shown = "-" if config and not (baseline and launch_config(baseline)) else f"{rel:.2f}"
             print(f"{name:<28}{result['predicted']:>14,.0f}{result['measured']:>14,.0f}{result['ratio']:>7.2f}"
                   f"{result['step_s']:>8.2f}{shown:>10}", flush=True)
         ratios = [r["ratio"] for r in results.values()]

@@ -134,8 +134,9 @@ OLD_NUMPY_STATE = [(_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),
                    type(np.dtype(np.uint32))]
 
 
-def load_state(path: Path):
-    """The tensors and plain values (dicts, lists, tuples, numbers, strings) of a checkpoint file.
+def load_state(path: Path, allowed: list | None = None):
+    """The tensors and plain values (dicts, lists, tuples, numbers, strings) of a checkpoint file, and
+    instances of the ``allowed`` classes (records of plain values another library writes).
 
     torch's ``weights_only`` unpickler builds nothing else: an object of any other type (a pickled
     callable, ``os.system`` in ``__reduce__``) would run its code as it is unpickled, so a file
@@ -148,7 +149,7 @@ def load_state(path: Path):
     import re
 
     try:
-        with torch.serialization.safe_globals(OLD_NUMPY_STATE):
+        with torch.serialization.safe_globals(OLD_NUMPY_STATE + list(allowed or [])):
             return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>", str(err))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from lowmem import checkpoint
+from lowmem import checkpoint, deepspeed_engine
 from lowmem.memory import free_memory
 from lowmem.metrics import MetricsLog
 from lowmem.modeling import export_state_dict, weights_in_float32
@@ -23,9 +23,10 @@ from lowmem.sharding import full_state_dict, local_state
 class Checkpointer:
     """Checkpoints and exports of one run. Collective: every process calls ``save`` and ``export``."""
 
-    def __init__(self, folder: RunFolder, accelerator, telemetry, sharded: bool = False):
+    def __init__(self, folder: RunFolder, accelerator, telemetry, engine: str | None = None):
         self.folder = folder
-        self.sharded = sharded  # FSDP: each process writes and reads its own shard; exports gather the weights
+        # "fsdp" or "deepspeed": each process writes and reads its own shard; exports gather the weights
+        self.engine = engine
         self.accelerator = accelerator
         self.telemetry = telemetry
         self.saved_step: int | None = None  # the step of the newest checkpoint written or resumed from
@@ -34,7 +35,8 @@ class Checkpointer:
         """Write the checkpoint of ``step`` (once: a stop right after a save step, or the end of a run
         resumed from its final checkpoint, finds it written and its record logged already).
 
-        ``training``: (model, optimizer, scheduler, run_config) as the run holds them.
+        ``training``: (model, optimizer, scheduler, run_config) as the run holds them (the model: the
+        DeepSpeed engine under DeepSpeed, else the plain model).
         """
         from accelerate.utils import gather_object
 
@@ -50,11 +52,11 @@ class Checkpointer:
                 "checkpoint_record": record if self.telemetry.metrics is not None else None}
         process_states = gather_object([mine])  # small: RNG + data position per rank
         model, optimizer, scheduler, run_config = training
-        if self.sharded:
+        if self.engine is not None:
             self._write_shard(folder, model, optimizer)
         if self.accelerator.is_main_process:
             self.folder.write_checkpoint(step, model, optimizer, scheduler, trainer_state, run_config,
-                                         process_states, keep=keep, staged=self.sharded)
+                                         process_states, keep=keep, staged=self.engine is not None)
             self.telemetry.metrics.write_line(record)
         self.accelerator.wait_for_everyone()
         self.saved_step = step
@@ -66,7 +68,10 @@ class Checkpointer:
         if self.accelerator.is_main_process:
             checkpoint.new_staging(folder)
         self.accelerator.wait_for_everyone()
-        self.folder.write_shard(folder, self.accelerator.process_index, *local_state(model, optimizer))
+        if self.engine == "deepspeed":
+            deepspeed_engine.save(model, checkpoint.staging_path(folder))
+        else:
+            self.folder.write_shard(folder, self.accelerator.process_index, *local_state(model, optimizer))
         self.accelerator.wait_for_everyone()
 
     def load(self, folder: Path, training, stream, learn_rate: float, weight_decay: float) -> tuple[dict, dict]:
@@ -80,7 +85,7 @@ class Checkpointer:
         model, optimizer, scheduler, run_config = training
         trainer_state, process_state = self.folder.read_checkpoint(
             folder, model, optimizer, scheduler, run_config, self.accelerator.process_index,
-            self.accelerator.num_processes, self.telemetry.say, sharded=self.sharded)
+            self.accelerator.num_processes, self.telemetry.say, engine=self.engine)
         resume_schedule(optimizer, scheduler, learn_rate, weight_decay)
         self.saved_step = trainer_state["step"]
         stream.load_state_dict(process_state["data"])
@@ -91,8 +96,9 @@ class Checkpointer:
     def export(self, folder: Path, core, tokenizer, info: dict, tokenizer_source: Path | None) -> None:
         """``core`` as a plain transformers folder (float32, LoRA merged), written by the main process."""
         self.accelerator.wait_for_everyone()
-        if self.sharded:  # the whole weights gathered on the main process's host (every process takes part)
-            whole = full_state_dict(core)
+        if self.engine is not None:  # the whole weights gathered on the main process's host (every process takes part)
+            whole = (deepspeed_engine.full_state_dict(core, self.accelerator.is_main_process)
+                     if self.engine == "deepspeed" else full_state_dict(core))
             if self.accelerator.is_main_process:
                 self.folder.export(folder, core, tokenizer, info, state_dict=whole, tokenizer_source=tokenizer_source)
             del whole

@@ -9,21 +9,23 @@ import torch
 
 from config import TrainConfig, UserError
 from data.readers import index_file
+from lowmem import deepspeed_engine
 from lowmem.run_memory import near_limit
 from lowmem.sharding import check_shardable, fsdp_settings, is_sharded, requested_engine
 
 
 def start_accelerator(cfg: TrainConfig):
     """The run's ``Accelerator``: device, mixed precision, DDP settings, tracker; seeds every RNG. With
-    an FSDP launch config, also the FSDP settings the trainer shards the model with (``lowmem.sharding``:
-    accelerate itself runs as plain data parallelism then), else None.
+    a sharded launch config, also how the model is sharded: ``{"engine": "fsdp", ...}`` (the trainer
+    shards the model itself, ``lowmem.sharding``: accelerate runs as plain data parallelism then) or
+    ``{"engine": "deepspeed", "stage": N}`` (accelerate starts DeepSpeed, ``lowmem.deepspeed_engine``);
+    None for plain data parallelism.
 
     Returns:
-        (accelerator, FSDP settings or None)
+        (accelerator, sharding or None)
 
     Raises:
-        UserError: bf16 on a GPU without it; DeepSpeed, which this trainer does not run yet; options
-        that sharding does not support.
+        UserError: bf16 on a GPU without it; options the sharded engine does not run with.
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
@@ -33,26 +35,32 @@ def start_accelerator(cfg: TrainConfig):
         raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=no")
     # --report_to: accelerate's tracker, its files under OUTPUT_DIR (started by setup(), once the step is known)
     engine = requested_engine()
+    # FSDP's settings are read before accelerate starts (they are taken out of its environment)
+    sharding = {"engine": "fsdp", **fsdp_settings()} if engine == "fsdp" else None
+    if engine is not None:
+        check_shardable(cfg, engine)
     if engine == "deepspeed":
-        raise UserError("DeepSpeed is not supported by this trainer yet; shard with FSDP instead: accelerate "
-                        "launch --config_file accelerate_configs/fsdp.yaml (fsdp_cpu.yaml on CPU processes)")
-    sharding = fsdp_settings() if engine == "fsdp" else None  # read before accelerate starts (it takes it out)
-    if sharding is not None:
-        check_shardable(cfg)
+        deepspeed_engine.check_deepspeed(cfg)
     tracking = {} if cfg.report_to == "none" else {"log_with": cfg.report_to, "project_dir": cfg.output_dir}
     # DDP all-reduces through buckets that, by default, are a second copy of every gradient; as
     # views the gradients live in the buckets themselves (one copy fewer per process).
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
-    accelerator = Accelerator(cpu=cfg.cpu, mixed_precision=cfg.mixed_precision,
+    # Under DeepSpeed, accelerate's CPU flag would mean MULTI_CPU (plain data parallelism): DeepSpeed
+    # finds the device itself, and CPU processes talk over gloo
+    handlers = [ddp] + (deepspeed_engine.process_group_kwargs() if engine == "deepspeed" else [])
+    accelerator = Accelerator(cpu=cfg.cpu and engine != "deepspeed", mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              kwargs_handlers=[ddp], **tracking)
+                              kwargs_handlers=handlers, **tracking)
+    if engine == "deepspeed":
+        sharding = deepspeed_engine.configure(accelerator, cfg)
     set_seed(cfg.seed)
     return accelerator, sharding
 
 
 def prepare_for_training(accelerator, model, optimizer):
     """(model, optimizer, the plain model inside) as accelerate prepares them: DDP-wrapped with several
-    processes; a model FSDP has sharded already is left as it is (accelerate would wrap it for DDP too)."""
+    processes, or a DeepSpeed engine; a model FSDP has sharded already is left as it is (accelerate would
+    wrap it for DDP too)."""
     if is_sharded(model):
         return model, accelerator.prepare(optimizer), model
     model, optimizer = accelerator.prepare(model, optimizer)

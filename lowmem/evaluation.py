@@ -23,7 +23,7 @@ from data.tokenization import has_tokenizer, load_tokenizer
 from lowmem.distributed import start_accelerator
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
 from lowmem.modeling import batch_to_device, generation_cache, load_model, token_loss_sum
-from lowmem.sharding import is_sharded, padded_window, whole_root
+from lowmem.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
 from lowmem.telemetry import on_terminal
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
@@ -80,7 +80,7 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
     loss_sum, tokens, pairs = 0.0, 0, []
     mine = examples[accelerator.process_index::accelerator.num_processes]
     chunks = list(batched(mine, cfg.eval_batch_size))
-    sharded = is_sharded(core)
+    sharded = is_sharded(core) or runs_deepspeed(accelerator)
     if sharded:  # every forward is a collective: each process runs as many batches, the extra ones discarded
         chunks = padded_window(chunks, lambda: examples[:1], accelerator.num_processes)
     for k, chunk in enumerate(tqdm(chunks, desc="eval", leave=False, disable=not progress)):

@@ -20,7 +20,7 @@ import torch
 
 from config import STARTED_MARKER, TrainConfig, UserError, saved_json
 from data.ownership import check_folder, claim_folder, is_run_folder
-from lowmem import checkpoint
+from lowmem import checkpoint, deepspeed_engine
 from lowmem.metrics import read_metrics
 from lowmem.model_source import resolve_model_dir
 from lowmem.sharding import load_local_state
@@ -201,7 +201,7 @@ class RunFolder:
 
     @staticmethod
     def read_checkpoint(folder: Path, model, optimizer, scheduler, run_config: dict, rank: int, world: int,
-                        say=print, sharded: bool = False) -> tuple[dict, dict]:
+                        say=print, engine: str | None = None) -> tuple[dict, dict]:
         """Load weights, optimizer and scheduler of ``folder`` in place.
 
         Returns:
@@ -216,20 +216,25 @@ class RunFolder:
                             f"number (this run has {world})")
         # Tensors and plain values only, all read before anything is restored: a checkpoint from
         # elsewhere holding other objects is refused whole, and none of its code runs.
-        written_sharded = (folder / SHARD_WEIGHTS.format(rank=0)).is_file()
-        if written_sharded != sharded:
-            raise UserError(f"checkpoint {folder} was written {'with' if written_sharded else 'without'} FSDP; resume "
-                            "with the launch config the run began with")
-        weights, optimizer_file = ((SHARD_WEIGHTS.format(rank=rank), SHARD_OPTIMIZER.format(rank=rank)) if sharded
-                                   else ("model.safetensors", "optimizer.pt"))
-        optimizer_state, scheduler_state, process_state = (
-            checkpoint.load_state(folder / name) for name in (optimizer_file, "scheduler.pt", f"process_{rank}.pt"))
-        if sharded:
+        written = ("fsdp" if (folder / SHARD_WEIGHTS.format(rank=0)).is_file()
+                   else "deepspeed" if deepspeed_engine.written_with(folder) else None)
+        if written != engine:
+            names = {"fsdp": "FSDP", "deepspeed": "DeepSpeed", None: "neither FSDP nor DeepSpeed"}
+            raise UserError(f"checkpoint {folder} was written with {names[written]} and this run uses "
+                            f"{names[engine]}; resume with the launch config the run began with")
+        scheduler_state, process_state = (checkpoint.load_state(folder / name)
+                                          for name in ("scheduler.pt", f"process_{rank}.pt"))
+        if engine == "deepspeed":  # DeepSpeed's files (each process its partition): weights and optimizer
+            deepspeed_engine.load(model, folder)
+        elif engine == "fsdp":
             from safetensors.torch import load_file
 
-            load_local_state(model, optimizer, load_file(str(folder / weights)), optimizer_state)
+            optimizer_state = checkpoint.load_state(folder / SHARD_OPTIMIZER.format(rank=rank))
+            load_local_state(model, optimizer, load_file(str(folder / SHARD_WEIGHTS.format(rank=rank))),
+                             optimizer_state)
         else:
-            load_model(model, str(folder / weights))
+            optimizer_state = checkpoint.load_state(folder / "optimizer.pt")
+            load_model(model, str(folder / "model.safetensors"))
             optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(scheduler_state)
         trainer_state = json.loads((folder / "trainer_state.json").read_text())

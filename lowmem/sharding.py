@@ -44,16 +44,17 @@ def fsdp_settings() -> dict:
             "version": os.environ.get("FSDP_VERSION", "2")}
 
 
-def check_shardable(cfg) -> None:
-    """Refuse, in one line each, the options sharding does not run with."""
+def check_shardable(cfg, engine: str) -> None:
+    """Refuse, in one line each, the options sharding (``engine``: fsdp or deepspeed) does not run with."""
     from config import UserError
 
     refused = {"--lora_r": cfg.lora_r > 0, "--encoder_cache": cfg.encoder_cache != "off",
                "--frozen_dtype=bfloat16": cfg.frozen_dtype == "bfloat16"}
+    name = {"fsdp": "FSDP", "deepspeed": "DeepSpeed"}[engine]
     for flag, on in refused.items():
         if on:
-            raise UserError(f"{flag} is not supported with FSDP: leave it out, or launch without the FSDP config "
-                            "(accelerate_configs/multi_gpu.yaml, cpu_2proc.yaml)")
+            raise UserError(f"{flag} is not supported with {name}: leave it out, or launch without the {name} "
+                            "config (accelerate_configs/multi_gpu.yaml, cpu_2proc.yaml)")
 
 
 def shard_model(model, settings: dict, device: torch.device):
@@ -87,6 +88,11 @@ def is_sharded(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def runs_deepspeed(accelerator) -> bool:
+    """Whether accelerate runs a DeepSpeed engine (ZeRO: forwards and backwards are collectives too)."""
+    return accelerator.distributed_type == "DEEPSPEED"
 
 
 def plain(tensor):

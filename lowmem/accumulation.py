@@ -1,0 +1,53 @@
+"""One accumulation window's backward, the same gradient whatever runs it: one process, DDP, FSDP or
+DeepSpeed, and however the window is split into micro-batches.
+
+The gradient is that of (sum of token losses) / (target tokens of the whole window on all processes).
+Each way of training reduces the gradients over processes once per window where it can: DDP and
+FSDP skip the reduction until the window's last micro-batch; ZeRO reduces in every backward (it has
+no ``no_sync``), which sums to the same gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from lowmem import deepspeed_engine
+from lowmem.modeling import batch_to_device, token_loss_sum
+
+
+def window_backward(model, core, window: list[dict], total_tokens: int, accelerator, engine: str | None,
+                    frozen_encoder: bool, multiple: int, pin: bool) -> torch.Tensor:
+    """Backward over ``window`` (collated micro-batches), gradients left in place for the optimizer step.
+
+    Args:
+        model: the model as prepared (DDP-wrapped, FSDP-sharded or a DeepSpeed engine); core: the plain one.
+        total_tokens: target tokens of the window on all processes.
+        engine: "fsdp", "deepspeed" or None.
+
+    Returns:
+        The local sum of token losses (a device tensor).
+    """
+    # accelerator.backward divides by gradient_accumulation_steps (DeepSpeed's backward, as driven here,
+    # does not), and DDP and ZeRO average over processes: this scale makes it sum(token losses) / tokens.
+    divided = 1 if engine == "deepspeed" else len(window)
+    scale = divided * accelerator.num_processes / max(total_tokens, 1)
+    accelerator.gradient_accumulation_steps = len(window)
+    accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for k, micro in enumerate(window):
+        last = k == len(window) - 1
+        batch = batch_to_device(micro, accelerator.device, multiple, pin)
+        if engine == "fsdp":  # accelerate's no_sync is DDP's: reduce-scatter once, at the window's end
+            model.set_requires_gradient_sync(last)
+        with contextlib.nullcontext() if engine == "deepspeed" else accelerator.accumulate(model):
+            with accelerator.autocast():
+                loss = token_loss_sum(model, core, batch, frozen_encoder=frozen_encoder, multiple=multiple)
+            if engine == "deepspeed":
+                deepspeed_engine.backward(model, loss * scale, last=last)
+            else:
+                accelerator.backward(loss * scale)  # all-reduce only on the window's last micro-batch
+        loss_sum += loss.detach()
+        del batch, loss  # free this micro-batch's activations before the next one
+    return loss_sum

@@ -1,0 +1,142 @@
+"""DeepSpeed ZeRO (stages 2 and 3), started by accelerate from the launch config and driven by the trainer.
+
+accelerate builds the engine (``accelerator.prepare``) from the config's ``deepspeed_config``; this
+module fills in what the trainer decides (micro-batch, accumulation, clipping) and drives the engine
+itself: accelerate's ``backward`` would step the optimizer inside the last micro-batch's backward and
+divide the loss by the accumulation count, where the trainer normalises a window by its target tokens
+(``accumulate_gradients``). Per window: one ``engine.backward`` per micro-batch, the last one marked as
+the window's boundary, then one ``engine.step``, which clips at ``--max_grad_norm`` (0 = off), skips a
+step whose gradient norm is not finite, steps AdamW and zeroes the gradients.
+
+ZeRO reduces (reduce-scatters) each micro-batch's gradients in its backward: there is no
+``no_sync`` under stages 2 and 3, so a window costs one reduce per micro-batch, not one per window.
+
+Checkpoints are DeepSpeed's own (``engine.save_checkpoint``: each process writes its partition) inside
+the trainer's atomic checkpoint folder; before DeepSpeed reads them, every file is read once with
+torch's ``weights_only`` unpickler allowing DeepSpeed's three plain record classes, so a file holding
+any other object is refused before any of it is built.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from config import TrainConfig, UserError
+
+CHECKPOINT_TAG = "deepspeed"  # the sub-folder of a checkpoint that holds DeepSpeed's files
+CPU_ENV = "ACCELERATE_USE_CPU"
+
+
+def check_deepspeed(cfg: TrainConfig) -> None:
+    """Refuse, in one line, what does not run under DeepSpeed here."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise UserError("the launch config asks for DeepSpeed, which is not installed: pip install '.[deepspeed]' "
+                        "(or launch with accelerate_configs/fsdp.yaml, fsdp_cpu.yaml on CPU processes)") from None
+    if cfg.optimizer != "adamw":
+        raise UserError(f"--optimizer={cfg.optimizer} is not supported with DeepSpeed (ZeRO hands the optimizer flat "
+                        "slices of the weights: Adafactor would lose its factored row and column statistics); use "
+                        "--optimizer=adamw, or shard with FSDP (accelerate_configs/fsdp.yaml), where Adafactor is "
+                        "shard-aware")
+    if torch.cuda.is_available():
+        if cfg.cpu or os.environ.get(CPU_ENV, "false").lower() == "true":
+            raise UserError("--cpu=True with a DeepSpeed launch config: DeepSpeed trains on the GPUs it finds; leave "
+                            "--cpu out, or launch with accelerate_configs/cpu_2proc.yaml")
+    else:  # DeepSpeed runs on the CPU by itself; accelerate's CPU flag would start plain data parallelism instead
+        os.environ.pop(CPU_ENV, None)
+
+
+def process_group_kwargs() -> list:
+    """accelerate's process-group settings for DeepSpeed: gloo on CPU processes (no oneCCL needed)."""
+    if torch.cuda.is_available():
+        return []
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return [InitProcessGroupKwargs(backend="gloo")]
+
+
+def configure(accelerator, cfg: TrainConfig) -> dict:
+    """Fill the launch config's DeepSpeed settings the trainer owns; returns the run's sharding record."""
+    settings = accelerator.state.deepspeed_plugin.deepspeed_config
+    settings.update(train_micro_batch_size_per_gpu=cfg.batch_size,
+                    gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                    train_batch_size=cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes,
+                    # set here, not in the launch config: accelerate drops a configured 0.0 (DeepSpeed's
+                    # default then clips at 1.0); 0 turns DeepSpeed's clipping off
+                    gradient_clipping=float(cfg.max_grad_norm))
+    # torch's AdamW, as DDP and FSDP runs use (with optimizer offload too: DeepSpeed would insist on its own)
+    settings.setdefault("zero_allow_untested_optimizer", True)
+    settings.setdefault("zero_force_ds_cpu_optimizer", False)
+    return {"engine": "deepspeed", "stage": int(settings["zero_optimization"]["stage"])}
+
+
+def backward(engine, loss: torch.Tensor, last: bool) -> None:
+    """One micro-batch's backward; ``last`` marks the window's end (where the optimizer steps next).
+    The loss is used as given: not divided by the accumulation count."""
+    engine.set_gradient_accumulation_boundary(last)
+    engine.backward(loss, scale_wrt_gas=False)
+
+
+def step(engine) -> float:
+    """The window's optimizer step; returns the gradient norm before clipping, not finite when DeepSpeed
+    skipped the step for it (the gradients are zeroed either way)."""
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return math.inf if norm is None else float(norm)
+
+
+def full_state_dict(core, is_main: bool) -> dict:
+    """The whole float32 weights on the host of the main process (empty elsewhere), each tied tensor
+    once; every process calls it. Trained weights come from DeepSpeed's float32 master copy (the module's
+    own are bfloat16 under bf16), frozen ones are gathered as they are."""
+    from deepspeed import zero
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    whole = {}
+    for name, param in core.named_parameters():  # each tied tensor once, under its first name
+        value = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if value is None:
+            with zero.GatheredParameters([param]):
+                value = param.data.detach().float()
+        if is_main:
+            whole[name] = value.to("cpu", copy=True)
+    for name, buffer in core.named_buffers():
+        if is_main:
+            whole[name] = buffer.detach().to("cpu", copy=True)
+    return whole
+
+
+def save(engine, staging: Path) -> None:
+    """Every process writes its partition into ``staging`` (DeepSpeed's format, under CHECKPOINT_TAG)."""
+    engine.save_checkpoint(str(staging), tag=CHECKPOINT_TAG, save_latest=False)
+
+
+def written_with(folder: Path) -> bool:
+    return (Path(folder) / CHECKPOINT_TAG).is_dir()
+
+
+def load(engine, folder: Path) -> None:
+    """Restore weights and optimizer state from ``folder`` in place (the same number of processes)."""
+    from lowmem.checkpoint import load_state
+
+    for path in sorted((Path(folder) / CHECKPOINT_TAG).glob("*.pt")):
+        load_state(path, allowed=_record_classes())  # refuses a file holding any other object
+    loaded, _ = engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                       load_lr_scheduler_states=False)
+    if loaded is None:
+        raise UserError(f"checkpoint {folder}: DeepSpeed found no state to load in {CHECKPOINT_TAG}/")
+
+
+def _record_classes() -> list:
+    """The classes DeepSpeed's optimizer checkpoints hold besides tensors and plain values: records of
+    numbers (stage, loss scale, where a weight's slice lies), which build no code when read."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, fragment_address]
