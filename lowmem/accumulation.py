@@ -2,9 +2,10 @@
 DeepSpeed, and however the window is split into micro-batches.
 
 The gradient is that of (sum of token losses) / (target tokens of the whole window on all processes).
-Each way of training reduces the gradients over processes once per window where it can: DDP and
-FSDP skip the reduction until the window's last micro-batch; ZeRO reduces in every backward (it has
-no ``no_sync``), which sums to the same gradient.
+DDP all-reduces once per window (no sync until the window's last micro-batch): its processes hold whole
+gradients anyway. The sharded engines reduce-scatter in every backward instead, which sums to the same
+gradient: ZeRO has no ``no_sync``, and FSDP without sync would accumulate whole (unsharded) gradients
+on every process over the window, the memory sharding is there to save (a third of AdamW's model state).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
     for k, micro in enumerate(window):
         last = k == len(window) - 1
         batch = batch_to_device(micro, accelerator.device, multiple, pin)
-        if engine == "fsdp":  # accelerate's no_sync is DDP's: reduce-scatter once, at the window's end
-            model.set_requires_gradient_sync(last)
         with contextlib.nullcontext() if engine == "deepspeed" else accelerator.accumulate(model):
             with accelerator.autocast():
                 loss = token_loss_sum(model, core, batch, frozen_encoder=frozen_encoder, multiple=multiple)

