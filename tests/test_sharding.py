@@ -175,6 +175,18 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_resumes_exactly_and
     assert model.lm_head.weight is model.shared.weight
     exported = weights(zero3)
     assert max(float((p - exported[n]).abs().max()) for n, p in model.state_dict().items() if n in exported) == 0
+    # SFT from the DDP run (ZeRO-3 loads it straight into partitions): encoder and embedding unchanged
+    sft = tmp_path / "sft"
+    trained("deepspeed_zero3_cpu", [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=3", "--eval_steps=0",
+                                    "--save_steps=0", "--optimizer=adamw", "--is_finetune=True",
+                                    f"--init_from={ddp / 'final'}", f"--output_dir={sft}"], 29637)
+    setup, whole = (next(r for r in metrics(run) if r["event"] == "setup") for run in (sft, ddp))
+    assert setup["trainable_params"] > 0 and setup["trainable_params"] + setup["frozen_params"] == \
+        whole["trainable_params"]  # counted from the partitions' whole sizes
+    tuned = weights(sft)
+    frozen = [k for k in reference if k.startswith("encoder.") or k == "shared.weight"]
+    assert all(torch.equal(tuned[k], reference[k]) for k in frozen)
+    assert any(not torch.equal(tuned[k], reference[k]) for k in reference if k.startswith("decoder."))
     # SIGKILL after the first checkpoint and resume: the uninterrupted run's weights, each row once
     killed_and_resumed("deepspeed_zero3_cpu", common, broken, (29634, 29635))
     assert all(torch.equal(exported[k], v) for k, v in weights(broken).items())
