@@ -159,8 +159,8 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_resumes_exactly_and
     losses = [[r["loss"] for r in train_records(run)] for run in (ddp, zero3)]
     assert losses[1] == pytest.approx(losses[0], abs=1e-3) and norms[2] == pytest.approx(norms[0], rel=1e-3)
     assert max_difference(weights(zero3), reference) <= 8 * 3e-3  # at most the learning rate per step
-    evals = [[r["eval_loss"] for r in metrics(run) if r["event"] == "eval"] for run in (ddp, zero3)]
-    assert len(evals[0]) == 3 and evals[1] == pytest.approx(evals[0], abs=1e-3)
+    eval_losses = [[r["eval_loss"] for r in metrics(run) if r["event"] == "eval"] for run in (ddp, zero3)]
+    assert len(eval_losses[0]) == 3 and eval_losses[1] == pytest.approx(eval_losses[0], abs=1e-3)
     # DeepSpeed's partitions, one optimizer file per process, inside the atomic checkpoint folder
     checkpoint = zero3 / "checkpoints" / "step_000004"
     parts = sorted(p.name for p in (checkpoint / "deepspeed").iterdir())
