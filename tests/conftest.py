@@ -16,6 +16,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the test helpers (t5_family)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# One compute thread in each pytest worker and in every run it starts (children inherit the variable;
+# accelerate and torchrun keep a value that is set). Two workers on two cores, each run asking torch
+# for a thread per core, oversubscribe the cores: OpenMP's waiting threads then spin against each
+# other and a tiny model's step took ~20x longer (9.0 s instead of 0.42 s, measured on the 2-core VM).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from config import SHIPPED_CORPORA, SHIPPED_TOKENIZER_DIR  # noqa: E402
 

@@ -31,7 +31,8 @@ def test_pretrain_sft_resume_and_export(tmp_path):
     pre, sft = tmp_path / "runs" / "pre", tmp_path / "runs" / "sft"
 
     proc = run_cli("train", f"--train_file={pre_train}", f"--eval_file={pre_eval}", f"--output_dir={pre}",
-                   "--max_steps=40", "--learn_rate=3e-3", "--eval_steps=20", "--save_steps=20", *SMALL)
+                   "--max_steps=40", "--learn_rate=3e-3", "--eval_steps=20", "--save_steps=20",
+                   "--gradient_accumulation_steps=8", *SMALL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = metrics(pre)
     train = [r for r in records if r["event"] == "train"]
@@ -61,7 +62,7 @@ def test_pretrain_sft_resume_and_export(tmp_path):
 
     proc = run_cli("train", "--is_finetune=True", f"--init_from={pre / 'best'}", f"--train_file={sft_train}",
                    f"--eval_file={sft_eval}", f"--output_dir={sft}", "--max_steps=20", "--eval_steps=10",
-                   "--save_steps=10", "--learn_rate=3e-3", *SMALL)
+                   "--save_steps=10", "--learn_rate=3e-3", "--gradient_accumulation_steps=4", *SMALL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "frozen encoder" in proc.stdout
     before, after = weights(pre / "best"), weights(sft / "final")
@@ -74,7 +75,8 @@ def test_pretrain_sft_resume_and_export(tmp_path):
 
     proc = run_cli("train", "--is_finetune=True", f"--init_from={pre / 'best'}", f"--train_file={sft_train}",
                    f"--eval_file={sft_eval}", f"--output_dir={sft}", "--max_steps=30", "--eval_steps=10",
-                   "--save_steps=10", "--learn_rate=3e-3", "--is_keep_training=True", *SMALL)
+                   "--save_steps=10", "--learn_rate=3e-3", "--gradient_accumulation_steps=4", "--is_keep_training=True",
+                   *SMALL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_000020" in proc.stdout
     steps = [r["step"] for r in metrics(sft) if r["event"] == "train"]
@@ -130,7 +132,8 @@ def test_peak_rss_does_not_grow_with_corpus_size(tmp_path):
     for name, corpus in (("small", small), ("large", large)):
         out = tmp_path / name
         proc = run_cli("train", f"--train_file={corpus}", f"--eval_file={evals}", f"--output_dir={out}",
-                       "--max_steps=30", "--eval_steps=0", "--save_steps=0", "--shuffle_buffer_size=1000", *SMALL)
+                       "--max_steps=30", "--eval_steps=0", "--save_steps=0", "--shuffle_buffer_size=1000",
+                       "--gradient_accumulation_steps=4", *SMALL)  # 30 steps of 8 rows
         assert proc.returncode == 0, proc.stderr[-3000:]
         peaks[name] = [r for r in metrics(out) if r["event"] == "memory" and r["where"] == "end"][-1]["peak_rss_mb"]
     assert large.stat().st_size > 50 * small.stat().st_size * 0.99
