@@ -39,10 +39,11 @@ def check_deepspeed(cfg: TrainConfig) -> None:
         raise UserError("the launch config asks for DeepSpeed, which is not installed: pip install '.[deepspeed]' "
                         "(or launch with accelerate_configs/fsdp.yaml, fsdp_cpu.yaml on CPU processes)") from None
     if cfg.optimizer != "adamw":
+        why = (": Adafactor would lose its factored row and column statistics" if cfg.optimizer == "adafactor"
+               else "")
         raise UserError(f"--optimizer={cfg.optimizer} is not supported with DeepSpeed (ZeRO hands the optimizer flat "
-                        "slices of the weights: Adafactor would lose its factored row and column statistics); use "
-                        "--optimizer=adamw, or shard with FSDP (accelerate_configs/fsdp.yaml), where Adafactor is "
-                        "shard-aware")
+                        f"slices of the weights{why}); use --optimizer=adamw, or shard with FSDP "
+                        "(accelerate_configs/fsdp.yaml), where Adafactor is shard-aware")
     if torch.cuda.is_available():
         if cfg.cpu or os.environ.get(CPU_ENV, "false").lower() == "true":
             raise UserError("--cpu=True with a DeepSpeed launch config: DeepSpeed trains on the GPUs it finds; leave "
