@@ -12,7 +12,7 @@ from data.readers import index_file
 from lowmem import deepspeed_engine
 from lowmem.memory import map_large_blocks
 from lowmem.run_memory import near_limit
-from lowmem.sharding import check_shardable, fsdp_settings, is_sharded, requested_engine
+from lowmem.sharding import check_shardable, fsdp_settings, is_sharded, requested_engine, runs_deepspeed
 
 
 def start_accelerator(cfg: TrainConfig):
@@ -65,7 +65,7 @@ def prepare_for_training(accelerator, model, optimizer):
     wrap it for DDP too)."""
     if is_sharded(model):
         return model, accelerator.prepare(optimizer), model
-    if accelerator.distributed_type == "DEEPSPEED":
+    if runs_deepspeed(accelerator):
         deepspeed_engine.size_buckets(accelerator, model.config.d_model)
     model, optimizer = accelerator.prepare(model, optimizer)
     return model, optimizer, accelerator.unwrap_model(model)
