@@ -164,6 +164,7 @@ def test_shipped_accelerate_configs_load_and_the_cpu_one_starts_two_processes(tm
 
     kinds = {path.stem: ClusterConfig.from_yaml_file(str(path)).distributed_type.value for path in CONFIGS}
     assert kinds == {"cpu_2proc": "MULTI_GPU", "multi_gpu": "MULTI_GPU", "fsdp": "FSDP", "fsdp_cpu": "FSDP",
+                     "deepspeed_zero3_cpu": "DEEPSPEED",
                      **{f"deepspeed_zero{z}{o}": "DEEPSPEED" for z in (2, 3) for o in ("", "_offload")}}
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(20, seed=1))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(3, seed=2))
