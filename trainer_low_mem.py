@@ -185,7 +185,7 @@ class LowMemTrainer:
             self.folder.remove(old_files)
         self.accelerator.wait_for_everyone()
         self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry,
-                                         engine=self.sharding and self.sharding["engine"])
+                                         engine=self.engine)
         return resume_dir
 
     def _build_model(self) -> None:

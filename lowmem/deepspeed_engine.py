@@ -73,7 +73,7 @@ def configure(accelerator, cfg: TrainConfig) -> dict:
     # torch's AdamW, as DDP and FSDP runs use (with optimizer offload too: DeepSpeed would insist on its own)
     settings.setdefault("zero_allow_untested_optimizer", True)
     settings.setdefault("zero_force_ds_cpu_optimizer", False)
-    return {"engine": "deepspeed", "stage": int(settings["zero_optimization"]["stage"])}
+    return {"engine": "deepspeed"}
 
 
 def size_buckets(accelerator, d_model: int) -> None:

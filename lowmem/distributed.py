@@ -19,7 +19,7 @@ def start_accelerator(cfg: TrainConfig):
     """The run's ``Accelerator``: device, mixed precision, DDP settings, tracker; seeds every RNG. With
     a sharded launch config, also how the model is sharded: ``{"engine": "fsdp", ...}`` (the trainer
     shards the model itself, ``lowmem.sharding``: accelerate runs as plain data parallelism then) or
-    ``{"engine": "deepspeed", "stage": N}`` (accelerate starts DeepSpeed, ``lowmem.deepspeed_engine``);
+    ``{"engine": "deepspeed"}`` (accelerate starts DeepSpeed, ``lowmem.deepspeed_engine``);
     None for plain data parallelism.
 
     Returns:
