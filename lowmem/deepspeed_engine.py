@@ -38,12 +38,9 @@ def check_deepspeed(cfg: TrainConfig) -> None:
     except ImportError:
         raise UserError("the launch config asks for DeepSpeed, which is not installed: pip install '.[deepspeed]' "
                         "(or launch with accelerate_configs/fsdp.yaml, fsdp_cpu.yaml on CPU processes)") from None
-    if cfg.optimizer != "adamw":
-        why = (": Adafactor would lose its factored row and column statistics" if cfg.optimizer == "adafactor"
-               else "")
+    if cfg.optimizer not in ("adamw", "adafactor"):
         raise UserError(f"--optimizer={cfg.optimizer} is not supported with DeepSpeed (ZeRO hands the optimizer flat "
-                        f"slices of the weights{why}); use --optimizer=adamw, or shard with FSDP "
-                        "(accelerate_configs/fsdp.yaml), where Adafactor is shard-aware")
+                        "slices of the weights); use --optimizer=adamw or adafactor")
     if torch.cuda.is_available():
         if cfg.cpu or os.environ.get(CPU_ENV, "false").lower() == "true":
             raise UserError("--cpu=True with a DeepSpeed launch config: DeepSpeed trains on the GPUs it finds; leave "
@@ -93,6 +90,58 @@ def size_buckets(accelerator, d_model: int) -> None:
                        ("stage3_max_live_parameters", 2 * block), ("stage3_max_reuse_distance", 2 * block)):
         if zero.get(key, "auto") == "auto":
             zero[key] = value
+
+
+def describe_partitions(engine) -> None:
+    """Tell Adafactor which slices of which weights each flat float32 partition holds (it needs whole
+    weights' statistics, ``lowmem.adafactor_slices``), from DeepSpeed's own records of the partitioning:
+    under ZeRO-3 every weight is split on its own into equal parts, the last padded; under ZeRO-1 and 2
+    a group's weights are concatenated, then split."""
+    from lowmem.optim import Adafactor
+
+    zero = engine.optimizer
+    adafactor = getattr(zero, "optimizer", None)
+    if not isinstance(adafactor, Adafactor):
+        return
+    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        for flat, weights, group in zip(zero.fp32_partitioned_groups_flat, zero.fp16_groups,
+                                        zero.sub_group_process_groups):
+            adafactor.describe(flat, _zero3_layout(weights, group))
+    else:
+        for i, flat in enumerate(zero.single_partition_of_fp32_groups):
+            adafactor.describe(flat, _zero2_layout(zero, i))
+
+
+def _zero3_layout(weights: list, group):
+    import torch.distributed as dist
+
+    from lowmem.adafactor_slices import Layout, Slice
+
+    rank, slices, offset = dist.get_rank(group=group), [], 0
+    for weight in weights:
+        size = weight.partition_numel()
+        start = rank * size
+        slices.append(Slice(tuple(weight.ds_shape), start, max(0, min(size, weight.ds_numel - start)), offset))
+        offset += size
+    return Layout(tuple(slices), group)
+
+
+def _zero2_layout(zero, i: int):
+    import torch.distributed as dist
+
+    from lowmem.adafactor_slices import Layout, Slice
+
+    group = zero.real_dp_process_group[i]
+    partition = zero.parallel_partitioned_bit16_groups[i][dist.get_rank(group=group)]
+    begin = partition.storage_offset() - zero.bit16_groups_flat[i].storage_offset()
+    end, slices = begin + partition.numel(), []
+    # the weights' shapes as DeepSpeed recorded them (their storage may be swapped out for a while)
+    for weight, at in zip(zero.round_robin_bit16_meta[i], zero.round_robin_bit16_offsets[i]):
+        low, high = max(at, begin), min(at + weight.numel(), end)
+        held = high > low
+        slices.append(Slice(tuple(weight.shape), low - at if held else 0, high - low if held else 0,
+                            low - begin if held else 0))
+    return Layout(tuple(slices), group)
 
 
 def backward(engine, loss: torch.Tensor, last: bool) -> None:

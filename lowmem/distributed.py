@@ -68,6 +68,8 @@ def prepare_for_training(accelerator, model, optimizer):
     if runs_deepspeed(accelerator):
         deepspeed_engine.size_buckets(accelerator, model.config.d_model)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if runs_deepspeed(accelerator):
+        deepspeed_engine.describe_partitions(model)
     return model, optimizer, accelerator.unwrap_model(model)
 
 

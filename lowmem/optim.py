@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 
+from lowmem.adafactor_slices import Layout, update_flat
 from lowmem.sharding import plain, shard_group
 
 
@@ -31,7 +32,9 @@ class Adafactor(torch.optim.Optimizer):
     Shard-aware: a weight sharded along its first dimension (FSDP2's ``fully_shard``) keeps its local
     rows' statistics, and the statistics that span the rows (a matrix's column means and mean row
     statistic, every update's RMS) are summed over the processes, so each process applies its rows of
-    the very update the whole tensor would get (up to float summation order).
+    the very update the whole tensor would get (up to float summation order). A flat DeepSpeed ZeRO
+    partition holding slices of many weights carries its layout, and steps the same way
+    (``lowmem.adafactor_slices``).
     """
 
     def __init__(self, params, lr: float, eps=(1e-30, 1e-3), clip_threshold: float = 1.0, decay_rate: float = -0.8,
@@ -39,6 +42,13 @@ class Adafactor(torch.optim.Optimizer):
         defaults = dict(lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
                         weight_decay=weight_decay, scale_parameter=False, relative_step=False, warmup_init=False)
         super().__init__(params, defaults)
+        # DeepSpeed's flat partitions and the slices of weights each holds (``describe``); kept here, not
+        # on the tensors, which checkpoints would pickle with their attributes
+        self.layouts: dict[torch.Tensor, Layout] = {}
+
+    def describe(self, flat: torch.Tensor, layout: Layout) -> None:
+        """``flat`` holds the slices of whole weights ``layout`` lists: step them as those weights."""
+        self.layouts[flat] = layout
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -50,6 +60,9 @@ class Adafactor(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
+        layout = self.layouts.get(p)
+        if layout is not None:  # a DeepSpeed ZeRO partition: slices of many weights
+            return update_flat(p, group, self.state[p], layout)
         means = _Means(p)  # the statistics that span a sharded weight's processes
         local, grad = plain(p), plain(p.grad)
         grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
