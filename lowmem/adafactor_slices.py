@@ -72,13 +72,13 @@ class _Block:
     """A slice of a factored weight widened to whole rows: rows ``first`` .. ``first + n_rows - 1`` of
     the weight's stacked (rows, columns) view, the slice starting ``skip`` elements in."""
 
-    def __init__(self, piece: Slice):
+    def __init__(self, piece: Slice, device: torch.device):
         columns = piece.shape[-1]
         self.first = piece.start // columns
         last = (piece.start + piece.count - 1) // columns
         self.n_rows, self.columns, self.skip = last - self.first + 1, columns, piece.start - self.first * columns
         # the matrix (leading index) each of these rows belongs to, for the column statistics
-        self.matrix = torch.arange(self.first, last + 1) // (piece.rows // piece.matrices)
+        self.matrix = torch.arange(self.first, last + 1, device=device) // (piece.rows // piece.matrices)
 
     def widen(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (the slice's elements) in a zero (n_rows, columns) block."""
@@ -91,8 +91,14 @@ class _Block:
 
 
 def _summed(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``tensor`` summed over ``group`` in place; through the GPU where the backend reduces CUDA tensors
+    only (NCCL) and the partition is on the host (an optimizer offload config)."""
     import torch.distributed as dist
 
+    if tensor.device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
+        on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, group=group)
+        return tensor.copy_(on_device)
     dist.all_reduce(tensor, group=group)
     return tensor
 
@@ -114,7 +120,7 @@ def update_flat(p: torch.Tensor, group: dict, state: dict, layout: Layout) -> No
     state["step"] += 1
     beta2t, eps = 1.0 - math.pow(state["step"], group["decay_rate"]), group["eps"][0]
     factored = [(i, piece) for i, piece in enumerate(slices) if piece.factored]
-    blocks = {i: _Block(piece) for i, piece in factored if piece.count}
+    blocks = {i: _Block(piece, grad.device) for i, piece in factored if piece.count}
 
     # 1. every matrix's row and column sums of grad^2 + eps over the elements held here, then over all
     sums = grad.new_zeros(n_rows + n_columns)
