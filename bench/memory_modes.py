@@ -69,6 +69,7 @@ CONFIGS = [
     ("small SFT, 2 processes", "small", "sft", [], None),
     # sharded engines on 2 CPU processes: step time relative to the DDP row of the same optimizer
     ("small, 2 processes FSDP", "small", "long", [], "small, 2 processes"),
+    ("small, 2 processes ZeRO-3", "small", "long", [], "small, 2 processes"),
     ("small adamw, 2 processes", "small", "long", ["--optimizer=adamw", "--learn_rate=1e-3"], None),
     ("small adamw, 2 processes FSDP", "small", "long", ["--optimizer=adamw", "--learn_rate=1e-3"],
      "small adamw, 2 processes"),

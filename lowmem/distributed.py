@@ -69,6 +69,7 @@ def prepare_for_training(accelerator, model, optimizer):
         deepspeed_engine.size_buckets(accelerator, model.config.d_model)
     model, optimizer = accelerator.prepare(model, optimizer)
     if runs_deepspeed(accelerator):
+        deepspeed_engine.share_master_weights(model)
         deepspeed_engine.describe_partitions(model)
     return model, optimizer, accelerator.unwrap_model(model)
 
