@@ -78,8 +78,9 @@ def mark_run_started(cfg) -> None:
 def plan(config: str | None = None, **flags) -> None:
     """Predicted peak memory by component (--json: one JSON object); --budget_gb=X --device=cpu|gpu
     recommends the fastest modes that fit (exit code 1 when nothing does); --num_processes=N
-    [--num_machines=M] plans N processes."""
+    [--num_machines=M] plans N processes, --sharding=fsdp|zero2|zero3 one process of a sharded run."""
     from lowmem.plan_command import plan_command
+    from lowmem.sharding import planned_sharding, requested_engine
 
     as_json = to_bool("json", flags.pop("json", False))
     budget_gb, device = flags.pop("budget_gb", None), flags.pop("device", None)
@@ -87,12 +88,13 @@ def plan(config: str | None = None, **flags) -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     num_processes = flags.pop("num_processes", world)
     num_machines = flags.pop("num_machines", world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    sharding = flags.pop("sharding", planned_sharding(requested_engine()))
     cfg, notes = load_config(flags, config)
     if int(os.environ.get("RANK", 0)) != 0:
         return
     for note in notes:
         print(note, file=sys.stderr)
-    result = plan_command(cfg, as_json, budget_gb, device, num_processes, num_machines)
+    result = plan_command(cfg, as_json, budget_gb, device, num_processes, num_machines, sharding)
     if budget_gb is not None and result["recommendation"] is None:
         sys.exit(1)  # scripts can test it: `plan --budget_gb=X ... && train ...`
 

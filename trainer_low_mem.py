@@ -48,7 +48,7 @@ from lowmem.modeling import (
 )
 from lowmem.run_folder import RunFolder
 from lowmem.run_memory import guard_stop, peak_against_plan, plan_run
-from lowmem.sharding import full_value, padded_window, shard_model, weights_finite
+from lowmem.sharding import full_value, padded_window, planned_sharding, shard_model, weights_finite
 from lowmem.stopping import SignalWatch, StoppedBySignal, count_nonfinite_step
 from lowmem.telemetry import (
     IntervalMeter,
@@ -153,7 +153,7 @@ class LowMemTrainer:
                                indexes=indexes_from_main(self.accelerator, self.files.train), report=self.say,
                                warn=self.warn)
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
-                                    resuming=resume_dir is not None)  # before the model exists
+                                    resume_dir is not None, planned_sharding(self.engine))  # before the model exists
         self._build_model()
         per_epoch, self.total_steps = self.data.steps(cfg)
         self._build_optimizer()

@@ -17,6 +17,7 @@ from dataclasses import replace
 from config import MODEL_PRESETS, TrainConfig, UserError, installed
 from data.stream import total_steps
 from lowmem import planner
+from lowmem.plan_sharding import SHARDINGS
 from lowmem.tensor_bytes import frozen_parts
 
 RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: peaks measured up to ~8 % over plan
@@ -58,7 +59,7 @@ def run_time(cfg: TrainConfig, device: str, reads: float) -> float:
 
 def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, lengths: dict,
               framework_mb: float, world: int = 1, per_machine: int = 1,
-              import_mb: dict[str, float] | None = None) -> dict | None:
+              import_mb: dict[str, float] | None = None, sharding: str | None = None) -> dict | None:
     """The fastest combination of modes whose predicted peak fits ``budget_gb`` GiB less
     RECOMMEND_HEADROOM (None: nothing fits): one GPU's memory, or on the CPU the host RAM of
     ``per_machine`` processes together. ``import_mb`` adds to ``framework_mb`` (taken without
@@ -86,7 +87,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
                         gradient_accumulation_steps=accumulation, encoder_cache=cache, frozen_dtype=frozen_dtype,
                         cpu=device == "cpu")
         baseline = framework_mb + (import_mb or {}).get(opt, 0.0)
-        plan = planner.predict(trial, vocab_size, lengths, baseline, device, world)
+        plan = planner.predict(trial, vocab_size, lengths, baseline, device, world, sharding)
         peak = plan["gpu_peak_mb"] if device == "gpu" else per_machine * plan["host_peak_mb"]
         if peak > budget_gb * 1024 * (1 - RECOMMEND_HEADROOM):
             continue
@@ -127,12 +128,13 @@ def format_table(plan: dict) -> str:
 
 
 def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, device: str | None,
-                 num_processes: int = 1, num_machines: int = 1) -> dict:
+                 num_processes: int = 1, num_machines: int = 1, sharding: str | None = None) -> dict:
     """What ``python train_low_mem.py plan`` prints: the table (or JSON) and, with a budget, the flags.
 
     With ``num_processes`` N over ``num_machines`` M, each process reads 1/N of the data and a machine
     hosts N/M processes: the host total is theirs together (the budget of ``--device=cpu`` is the
-    machine's RAM; that of ``--device=gpu`` one GPU's memory).
+    machine's RAM; that of ``--device=gpu`` one GPU's memory). ``sharding`` (fsdp, zero2, zero3): the
+    processes shard the model (``lowmem.plan_sharding``).
     """
     import torch
 
@@ -141,7 +143,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
 
     chosen = device is None
     device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-    check_plan_flags(device, budget_gb, num_processes, num_machines)
+    check_plan_flags(device, budget_gb, num_processes, num_machines, sharding)
     if chosen and device == "cpu" and cfg.gpu_profile:
         print(f"note: --memory_profile={cfg.memory_profile} is a GPU profile and this plan is for the CPU (no GPU "
               "here, or --cpu=True); add --device=gpu to plan one GPU's memory", file=sys.stderr)
@@ -155,13 +157,13 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
         import_mb["adamw8bit"] = max(0.0, planner.framework_mb(replace(cfg, optimizer="adamw8bit")) - core)
     baseline = core + import_mb.get(cfg.optimizer, 0.0)
-    result = planner.predict(cfg, len(tokenizer), lengths, baseline, device, num_processes)
+    result = planner.predict(cfg, len(tokenizer), lengths, baseline, device, num_processes, sharding)
     result.update(num_processes=num_processes, processes_per_machine=per_machine,
                   host_total_mb=round(per_machine * result["host_peak_mb"], 1))
     if budget_gb is not None:
         result["budget_gb"] = budget_gb
         result["recommendation"] = recommend(cfg, budget_gb, device, len(tokenizer), lengths, core,
-                                             num_processes, per_machine, import_mb)
+                                             num_processes, per_machine, import_mb, sharding)
     if as_json:
         print(json.dumps(result))
     else:
@@ -169,8 +171,11 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     return result
 
 
-def check_plan_flags(device: str, budget_gb, num_processes, num_machines) -> None:
+def check_plan_flags(device: str, budget_gb, num_processes, num_machines, sharding=None) -> None:
     """``plan``'s own flags, each problem one line saying what to pass."""
+    if sharding is not None and sharding not in SHARDINGS:
+        raise UserError(f"--sharding must be one of {', '.join(SHARDINGS)} (got {sharding!r}), or left out for "
+                        "plain data parallelism")
     if device not in ("cpu", "gpu"):
         raise UserError(f"--device must be cpu or gpu (got {device!r})")
     if budget_gb is not None and (not isinstance(budget_gb, (int, float)) or isinstance(budget_gb, bool)

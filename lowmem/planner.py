@@ -18,7 +18,9 @@ from dataclasses import dataclass, replace
 
 from config import TrainConfig
 from data.stream import total_steps
+from lowmem.memory import SHARDED_MMAP_THRESHOLD
 from lowmem.plan_batches import micro_batch_lengths, run_lengths
+from lowmem.plan_sharding import sharded_sizes
 from lowmem.tensor_bytes import (
     activation_bytes,
     batch_cost,
@@ -159,6 +161,7 @@ class StepSizes:
     head_parts: dict  # bytes of the shared embedding and an untied lm_head as held (large vocabularies)
     unread: int  # bytes of a mapped frozen embedding's rows past the tokenizer: never read while training
     half: int  # frozen elements stored in bf16 (--frozen_dtype=bfloat16)
+    gathered: float  # of the weights, those a sharded process gathers from the others for the step
     encoder_elements: int  # the encoder stack's weights (offloaded from the GPU with the encoder cache)
     encoder_matrices: int  # of which matrices (the ones --frozen_dtype stores in bf16)
     weights: float
@@ -226,14 +229,14 @@ def encoder_cache_in_ram(cfg: TrainConfig, dims: dict, lengths: dict, world: int
 
 
 def heap_churn(cfg: TrainConfig, dims: dict, train_shapes: list, runner_up: tuple[int, ...], device: str,
-               world: int) -> tuple[float, bool]:
+               world: int, mmap_threshold: int = MMAP_THRESHOLD) -> tuple[float, bool]:
     """(bytes carved from the CPU heap at every step, whether each step's gradients are made anew).
 
     The tensors of each step that outlive no step: gradients (set to None at every optimizer step),
     activations, logits and the optimizer's temporaries; those above the mmap threshold (a large
     vocabulary's embedding gradient and its update) go back to the system when freed.
     """
-    on_heap = [x for x in train_shapes if 4 * numel(x) <= MMAP_THRESHOLD]
+    on_heap = [x for x in train_shapes if 4 * numel(x) < mmap_threshold]
     churn = 4 * sum(numel(x) for x in on_heap) + optimizer_bytes(cfg, on_heap)[1]
     fresh_gradients = world == 1 and cfg.gradient_accumulation_steps == 1 and not cfg.lora_r
     if fresh_gradients:
@@ -244,10 +247,11 @@ def heap_churn(cfg: TrainConfig, dims: dict, train_shapes: list, runner_up: tupl
 
 
 def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, world: int,
-               first_step: bool = False) -> StepSizes:
+               first_step: bool = False, sharding: str | None = None) -> StepSizes:
     """Weights, gradients, optimizer state, the costliest micro-batch's activations, caches, buffers,
     saves and evaluation of a run, in bytes. ``first_step``: ``lengths`` holds a fresh run's first
-    step only (a run of one step is one too)."""
+    step only (a run of one step is one too). ``sharding`` ("fsdp", "zero2", "zero3"): one process of a
+    sharded run (``lowmem.plan_sharding``)."""
     dims = model_dims(cfg, vocab_size)
     shapes = parameter_shapes(dims)
     n_params = part_elements(shapes, *shapes)
@@ -273,13 +277,21 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
     # allocated between steps. Between all-reduces (no_sync micro-steps) autograd accumulates into
     # fresh tensors beside them: one more copy of the gradients whenever accumulation > 1.
     ddp_copy = grads if world > 1 and cfg.gradient_accumulation_steps > 1 else 0
-    churn, fresh_gradients = heap_churn(cfg, dims, train_shapes, runner_up, device, world)
+    churn, fresh_gradients = heap_churn(cfg, dims, train_shapes, runner_up, device, world,
+                                        SHARDED_MMAP_THRESHOLD if sharding else MMAP_THRESHOLD)
+    gathered = 0.0
+    if sharding:  # no DDP buckets; a share of the rest, and what is gathered for the step
+        sized = sharded_sizes(sharding, world, dims, shapes, weights, grads, opt_state, opt_temp)
+        weights, gathered, grads, opt_state, opt_temp = (sized.weights, sized.gathered, sized.gradients,
+                                                         sized.optimizer, sized.optimizer_temp)
+        ddp_copy = 0
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
     freed_at_save = act["activations"] + act["logits"] + opt_temp + ddp_copy + (grads if world == 1 else 0)
     first_step = first_step or (steps == 1 and not cfg.is_keep_training)
     peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world, first_step)
     return StepSizes(
         dims=dims, n_params=n_params, n_train=n_train, head_parts=head_parts, unread=unread, half=half,
+        gathered=gathered,
         encoder_elements=part_elements(shapes, "encoder"),
         encoder_matrices=matrix_elements(shapes["encoder"]),
         weights=weights, optimizer=opt_state,
@@ -291,7 +303,8 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         freed_at_save=freed_at_save,
         # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
         # safetensors that is not zero-copy (recent ones write straight from the tensors' memory).
-        serialize=4 * n_params if device == "gpu" or not zero_copy_save() else 0,
+        # A sharded export gathers the whole model on the main process.
+        serialize=4 * n_params if device == "gpu" or sharding or not zero_copy_save() else 0,
         # Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored ones
         # (one tensor at a time). They are large, so mmapped fresh rather than carved from the heap the
         # allocator kept; they only reuse the share of the last step's memory that went back to the OS.
@@ -332,7 +345,8 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
         if s.first_step:  # the state, made at that step, is carved from those freed blocks
             at_step -= s.optimizer
         slack = max(slack, at_step - sum(v for k, v in s.alive.items() if k != "optimizer"))
-    host = {"framework": framework_mb * MB, "weights": s.weights - s.unread, "gradients": s.alive["gradients"],
+    host = {"framework": framework_mb * MB, "weights": s.weights - s.unread - s.gathered,
+            **({"gathered_weights": s.gathered} if s.gathered else {}), "gradients": s.alive["gradients"],
             "optimizer": s.alive["optimizer"], "bf16_weight_copies": s.cast_cache, **s.alive,
             "allocator_slack": slack, "caches": s.cache, "data_buffers": s.buffers}
     # a save reads the whole model, the embedding's unread rows too
@@ -350,7 +364,7 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
 
 
 def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str = "cpu",
-            world: int = 1) -> dict:
+            world: int = 1, sharding: str | None = None) -> dict:
     """Peak memory by component for host RAM and GPU memory (MiB), plus their totals.
 
     When the run's batches are known (replayed) and it starts fresh, its first step and the later ones
@@ -361,16 +375,18 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     windows = lengths.get("windows")
     if windows and len(windows) > 1 and not cfg.is_keep_training:
         key = "gpu_peak_mb" if device == "gpu" else "host_peak_mb"
-        return max((one_plan(cfg, vocab_size, {**lengths, "windows": windows[:1]}, framework_mb, device, world, True),
-                    one_plan(cfg, vocab_size, {**lengths, "windows": windows[1:]}, framework_mb, device, world)),
+        return max((one_plan(cfg, vocab_size, {**lengths, "windows": windows[:1]}, framework_mb, device, world, True,
+                             sharding),
+                    one_plan(cfg, vocab_size, {**lengths, "windows": windows[1:]}, framework_mb, device, world,
+                             sharding=sharding)),
                    key=lambda plan: plan[key])
-    return one_plan(cfg, vocab_size, lengths, framework_mb, device, world)
+    return one_plan(cfg, vocab_size, lengths, framework_mb, device, world, sharding=sharding)
 
 
 def one_plan(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str, world: int,
-             first_step: bool = False) -> dict:
+             first_step: bool = False, sharding: str | None = None) -> dict:
     """``predict`` for the batches of ``lengths`` (``first_step``: those of a fresh run's first step)."""
-    s = step_sizes(cfg, vocab_size, lengths, device, world, first_step)
+    s = step_sizes(cfg, vocab_size, lengths, device, world, first_step, sharding)
     gpu, host = gpu_components(cfg, s, framework_mb) if device == "gpu" else ({}, host_components(cfg, s, framework_mb))
     host_mb = {k: round(v / MB, 1) for k, v in host.items()}
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}
@@ -380,7 +396,7 @@ def one_plan(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: flo
     return {"device": device, "parameters": s.n_params + (s.n_train if cfg.lora_r else 0),
             "trainable_parameters": s.n_train, "embedding_shape": [s.dims["vocab_size"], s.dims["d_model"]],
             "embedding_rows_read": s.dims["vocab_size"] - s.unread // (4 * s.dims["d_model"]),
-            "lm_head": "tied" if s.dims["tied"] else "untied", "model_parts_mb": parts_mb,
+            "lm_head": "tied" if s.dims["tied"] else "untied", "model_parts_mb": parts_mb, "sharding": sharding,
             "max_source_tokens": peak[0], "max_target_tokens": peak[1],
             "peak_batch_target_tokens": peak[2] if len(peak) > 2 else cfg.batch_size * peak[1],
             "training_peak_at": s.peak_at,

@@ -35,6 +35,15 @@ def requested_engine() -> str | None:
     return None
 
 
+def planned_sharding(engine: str | None) -> str | None:
+    """The planner's name for a launch's sharding (``lowmem.plan_sharding``): "fsdp", "zero2" or "zero3"
+    (the ZeRO stage accelerate's launcher passes on), None for plain data parallelism."""
+    if engine == "deepspeed":
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # accelerate's own default
+        return "zero3" if stage == "3" else "zero2"  # stage 1 splits less: planned as 2, a little low
+    return engine
+
+
 def fsdp_settings() -> dict:
     """The FSDP options of the launch config that apply to ``fully_shard``, taken out of the
     environment so that accelerate does not start its own FSDP (see the module's docstring)."""

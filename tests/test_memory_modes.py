@@ -508,9 +508,22 @@ def test_plan_for_several_processes():
     table = run_cli("plan", "--model_preset=small", "--num_processes=2")
     assert table.returncode == 0 and "host total, 2 processes" in table.stdout, table.stdout
     for flags, message in ((["--num_processes=3", "--num_machines=2"], "must be a multiple of --num_machines=2"),
-                           (["--num_processes=0"], "--num_processes must be a positive whole number")):
+                           (["--num_processes=0"], "--num_processes must be a positive whole number"),
+                           (["--sharding=zero4"], "--sharding must be one of fsdp, zero2, zero3")):
         done = run_cli("plan", *flags)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    # Sharded over 4 processes: a quarter of the weights, gradients and optimizer state each, beside what is
+    # gathered for the step (two blocks, the shared embedding); ZeRO-2 keeps the weights whole
+    flags = ("--gradient_accumulation_steps=4", "--num_processes=4", "--optimizer=adamw")
+    ddp, fsdp, zero2 = plan(*flags), plan(*flags, "--sharding=fsdp"), plan(*flags, "--sharding=zero2")
+    assert fsdp["sharding"] == "fsdp" and fsdp["host_mb"]["ddp_gradient_copy"] == 0
+    assert fsdp["host_mb"]["weights"] == pytest.approx(ddp["host_mb"]["weights"] / 4, abs=0.2)
+    assert fsdp["host_mb"]["optimizer"] == pytest.approx(ddp["host_mb"]["optimizer"] / 4, abs=0.2)
+    assert 20 < fsdp["host_mb"]["gathered_weights"] < ddp["host_mb"]["weights"] / 2
+    assert fsdp["host_mb"]["gradients"] < ddp["host_mb"]["gradients"] / 2
+    assert zero2["host_mb"]["weights"] == pytest.approx(1.25 * ddp["host_mb"]["weights"], abs=0.2)
+    assert "gathered_weights" not in zero2["host_mb"] and fsdp["host_peak_mb"] < zero2["host_peak_mb"] < \
+        ddp["host_peak_mb"]
 
 
 def test_plan_counts_the_extras_a_run_imports(pretrained):
