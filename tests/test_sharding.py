@@ -204,12 +204,15 @@ def test_deepspeed_adafactor_steps_whole_weights_like_ddp_and_resumes_exactly(tm
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(3, seed=10))
     common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--save_steps=4", "--eval_steps=0",
               "--optimizer=adafactor"]
-    ddp, zero3, broken = (tmp_path / name for name in ("ddp", "zero3", "broken"))
+    ddp, zero2, zero3, broken = (tmp_path / name for name in ("ddp", "zero2", "zero3", "broken"))
     trained("cpu_2proc", [*common, f"--output_dir={ddp}"], 29638)
     trained("deepspeed_zero3_cpu", [*common, f"--output_dir={zero3}"], 29639)
+    trained("deepspeed_zero3_cpu", [*common, f"--output_dir={zero2}"], 29642, launcher=("--zero_stage", "2"))
     # Adafactor's row and column statistics and update RMS over whole weights, summed from the partitions'
-    # slices (a slice stepped as a vector of its own is ~1e-2 off after one step)
+    # slices (a slice stepped as a vector of its own is ~1e-2 off after one step); ZeRO-2 splits a group's
+    # concatenated weights, ZeRO-3 each weight on its own
     assert max_difference(weights(zero3), weights(ddp)) <= 8 * 1e-5
+    assert max_difference(weights(zero2), weights(ddp)) <= 8 * 1e-5
     # the statistics are checkpointed and restored with DeepSpeed's partitions
     killed_and_resumed("deepspeed_zero3_cpu", common, broken, (29640, 29641))
     straight = weights(zero3)
