@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True)
 class Slice:
     """The elements of one weight a flat partition holds: the weight's ``shape``, the first element held

@@ -36,8 +36,8 @@ def block_elements(dims: dict) -> int:
     return 2 * attention + (3 if dims["gated"] else 2) * f * d + d
 
 
-def sharded_sizes(sharding: str, world: int, dims: dict, shapes: dict, weights: float, gradients: float, optimizer: float,
-                  optimizer_temp: float) -> ShardedSizes:
+def sharded_sizes(sharding: str, world: int, dims: dict, shapes: dict, weights: float, gradients: float,
+                  optimizer: float, optimizer_temp: float) -> ShardedSizes:
     """The sharded terms of one process of ``world``, from the whole-model ones."""
     block = 4 * block_elements(dims)
     if sharding == "zero2":  # weights whole; DeepSpeed steps a float32 copy of this process's partition
