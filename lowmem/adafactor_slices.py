@@ -91,9 +91,10 @@ class _Block:
         return block.reshape(-1)[self.skip:self.skip + count]
 
 
-def _summed(tensor: torch.Tensor, group) -> torch.Tensor:
-    """``tensor`` summed over ``group`` in place; through the GPU where the backend reduces CUDA tensors
-    only (NCCL) and the partition is on the host (an optimizer offload config)."""
+def summed(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``tensor`` summed over ``group`` in place (Adafactor's statistics of a sharded weight); through the
+    GPU where the backend reduces CUDA tensors only (NCCL) and the shard is on the host (an offload
+    config)."""
     import torch.distributed as dist
 
     if tensor.device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
@@ -132,7 +133,7 @@ def update_flat(p: torch.Tensor, group: dict, state: dict, layout: Layout) -> No
         row_sums[row_at + block.first:row_at + block.first + block.n_rows] += squared.sum(dim=-1)
         columns = column_sums[column_at:column_at + piece.matrices * piece.shape[-1]]
         columns.view(piece.matrices, -1).index_add_(0, block.matrix, squared)
-    _summed(sums, layout.group)
+    summed(sums, layout.group)
 
     # 2. the moving averages (whole row and column vectors: the same on every process) and the update
     update = torch.zeros_like(grad)
@@ -159,19 +160,25 @@ def update_flat(p: torch.Tensor, group: dict, state: dict, layout: Layout) -> No
             r_factor = r_factor[block.first:block.first + block.n_rows].unsqueeze(-1)
             torch.mul(block.narrow(r_factor * columns.rsqrt()[block.matrix], piece.count), g, out=u)
             squares[i] = u.square().sum()
-    _summed(squares, layout.group)
+    summed(squares, layout.group)
 
     # 3. each weight's update clipped at its whole RMS, then the elementwise rest of Adafactor
     for i, piece in enumerate(slices):
         rms = squares[i].sqrt() / (piece.numel ** 0.5)
         _held(update, piece).div_((rms / group["clip_threshold"]).clamp_(min=1.0))
+    apply_update(p, update, state, group)
+
+
+def apply_update(weights: torch.Tensor, update: torch.Tensor, state: dict, group: dict) -> None:
+    """The elementwise end of an Adafactor step, whole weights or slices alike: the learning rate, the
+    first moment (``beta1``), decoupled weight decay, then the update subtracted from ``weights``."""
     lr = group["lr"]
     update.mul_(lr)
-    if first_moment:
+    if group["beta1"] is not None:
         update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=(1 - group["beta1"]))
     if group["weight_decay"] != 0:
-        p.add_(p, alpha=(-group["weight_decay"] * lr))
-    p.sub_(update)
+        weights.add_(weights, alpha=(-group["weight_decay"] * lr))
+    weights.sub_(update)
 
 
 def _held(flat: torch.Tensor, piece: Slice) -> torch.Tensor:

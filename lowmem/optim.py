@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from lowmem.adafactor_slices import Layout, update_flat
+from lowmem.adafactor_slices import Layout, apply_update, summed, update_flat
 from lowmem.sharding import plain, shard_group
 
 
@@ -79,7 +79,6 @@ class Adafactor(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(grad)
         weights = local.float() if local.dtype in (torch.float16, torch.bfloat16) else local
         state["step"] += 1
-        lr = group["lr"]
         beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
         # one full-size temporary per parameter, reused in place (each new one would be a fresh block
         # of a size the heap may not have free: the base model's first step grew RSS by ~600 MiB)
@@ -94,12 +93,7 @@ class Adafactor(torch.optim.Optimizer):
             state["exp_avg_sq"].mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
             torch.rsqrt(state["exp_avg_sq"], out=update).mul_(grad)
         update.div_((means.rms(update) / group["clip_threshold"]).clamp_(min=1.0))
-        update.mul_(lr)
-        if first_moment:
-            update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=(1 - group["beta1"]))
-        if group["weight_decay"] != 0:
-            weights.add_(weights, alpha=(-group["weight_decay"] * lr))
-        weights.sub_(update)
+        apply_update(weights, update, state, group)
         if local.dtype in (torch.float16, torch.bfloat16):
             local.copy_(weights)
 
@@ -116,10 +110,7 @@ class _Means:
         self.spans = self.shards is not None and len(self.shape) == 2
 
     def _summed(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, group=self.shards)
-        return tensor
+        return summed(tensor, self.shards)
 
     def columns(self, update: torch.Tensor) -> torch.Tensor:
         if not self.spans:
