@@ -47,6 +47,10 @@ class Slice:
     def rows(self) -> int:  # rows of all its matrices, stacked
         return self.numel // self.shape[-1]
 
+    @property
+    def columns(self) -> int:  # columns of all its matrices, side by side (its column statistics)
+        return self.matrices * self.shape[-1]
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -63,7 +67,7 @@ class Layout:
         for piece in self.slices:
             where.append((rows, columns, vector))
             if piece.factored:
-                rows, columns = rows + piece.rows, columns + piece.matrices * piece.shape[-1]
+                rows, columns = rows + piece.rows, columns + piece.columns
             else:
                 vector += piece.count
         return where + [(rows, columns, vector)]  # and the sizes
@@ -131,7 +135,7 @@ def update_flat(p: torch.Tensor, group: dict, state: dict, layout: Layout) -> No
         piece, (row_at, column_at, _) = slices[i], where[i]
         squared = block.widen(_held(grad, piece).square().add_(eps))
         row_sums[row_at + block.first:row_at + block.first + block.n_rows] += squared.sum(dim=-1)
-        columns = column_sums[column_at:column_at + piece.matrices * piece.shape[-1]]
+        columns = column_sums[column_at:column_at + piece.columns]
         columns.view(piece.matrices, -1).index_add_(0, block.matrix, squared)
     summed(sums, layout.group)
 
@@ -148,7 +152,7 @@ def update_flat(p: torch.Tensor, group: dict, state: dict, layout: Layout) -> No
             squares[i] = u.square().sum()
             continue
         rows = state["exp_avg_sq_row"][row_at:row_at + piece.rows].view(piece.matrices, -1)
-        columns = state["exp_avg_sq_col"][column_at:column_at + piece.matrices * piece.shape[-1]]
+        columns = state["exp_avg_sq_col"][column_at:column_at + piece.columns]
         columns = columns.view(piece.matrices, -1)
         rows.mul_(beta2t).add_(row_sums[row_at:row_at + piece.rows].view_as(rows) / piece.shape[-1],
                                alpha=(1.0 - beta2t))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowmem.tensor_bytes import numel
+from lowmem.tensor_bytes import part_elements
 
 SHARDINGS = ("fsdp", "zero2", "zero3")  # as `plan --sharding` and the trainer name them
 
@@ -43,7 +43,7 @@ def sharded_sizes(sharding: str, world: int, dims: dict, shapes: dict, weights: 
     if sharding == "zero2":  # weights whole; DeepSpeed steps a float32 copy of this process's partition
         return ShardedSizes(weights + weights / world, 0.0, gradients / world + block, optimizer / world,
                             3 * block)
-    embedding = 4 * sum(numel(shape) for _, shape in shapes["shared"])
+    embedding = 4 * part_elements(shapes, "shared")
     gathered = 2 * block + embedding * (1 - 1 / world)
     # FSDP steps each weight's shard (the largest one's temporaries); DeepSpeed one sub-group of a block's
     # size at a time (its flat copy of the sub-group's gradients, and the optimizer's temporaries)
