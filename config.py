@@ -29,9 +29,13 @@ SHIPPED_CORPORA = {
 
 STARTED_MARKER = ".started"  # left in an output folder as soon as a run begins there
 
-# The low-memory caps, kept in one place. A request above a cap is lowered with a log line (a training
-# batch then becomes more accumulation steps of micro-batches within the cap: the same batch per step).
+# The reference's caps, kept by --memory_profile=host16g (a 16 GB host with nothing to spare): a request
+# above a cap is lowered with a log line (a training batch then becomes more accumulation steps of
+# micro-batches within the cap: the same batch per step). Elsewhere --batch_size and --eval_batch_size
+# are budgets the planner checks (lowmem.batch_budget).
 LOW_MEMORY_CAPS = {"batch_size": 2, "eval_batch_size": 4}
+CAPPED_PROFILES = ("host16g",)
+AUTO = "auto"  # --batch_size / --eval_batch_size: the largest that fits the memory budget
 
 MODEL_PRESETS = {
     # d_model, d_ff, heads, d_kv, encoder layers, decoder layers. Smaller saves memory.
@@ -59,18 +63,19 @@ MEMORY_PROFILES = {
     # checkpoints and stops before the OOM killer would.
     "host16g": dict(cpu=True, mixed_precision="no", optimizer="adafactor", gradient_checkpointing=False,
                     batch_size=2, gradient_accumulation_steps=16, max_rss_gb=14.0),
-    # Consumer GPUs: bf16 autocast everywhere; checkpointing and a micro-batch of 1 where memory is tightest.
+    # Consumer GPUs: bf16 autocast everywhere, checkpointing where memory is tightest, and the largest
+    # micro-batches the GPU holds for an effective batch of 32 (accumulation follows).
     "gpu8g": dict(mixed_precision="bf16", optimizer="adafactor", gradient_checkpointing=True,
-                  batch_size=1, gradient_accumulation_steps=32),
+                  batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
     "gpu12g": dict(mixed_precision="bf16", optimizer="adafactor", gradient_checkpointing=True,
-                   batch_size=2, gradient_accumulation_steps=16),
+                   batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
     "gpu16g": dict(mixed_precision="bf16", optimizer="adafactor", gradient_checkpointing=False,
-                   batch_size=2, gradient_accumulation_steps=16),
+                   batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
     # Enough memory for full AdamW state: the fastest settings.
     "gpu24g": dict(mixed_precision="bf16", optimizer="adamw", gradient_checkpointing=False,
-                   batch_size=2, gradient_accumulation_steps=16),
+                   batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
     "gpu80g": dict(mixed_precision="bf16", optimizer="adamw", gradient_checkpointing=False,
-                   batch_size=2, gradient_accumulation_steps=16, eval_batch_size=4),
+                   batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
 }
 
 
@@ -146,10 +151,19 @@ class TrainConfig:
     dropout_rate: float = _f(0.1, "Dropout inside the T5 blocks.")
 
     # --- batch and optimisation ---
-    batch_size: int = _f(2, "Training micro-batch per process (capped at 2; more becomes accumulation). Lower saves "
-                               "activation memory.")
-    eval_batch_size: int = _f(4, "Eval and generation batch (capped at 4). Lower saves memory.")
+    batch_size: int | str = _f(2, "Training micro-batch per process, used as asked when the planner predicts it "
+                                  "fits the memory budget (--max_rss_gb, else the available RAM or the GPU's "
+                                  "memory), else lowered (more accumulation: the same batch per step). auto: the "
+                                  "largest that fits. Larger is faster on short rows; lower saves activation memory.")
+    eval_batch_size: int | str = _f(4, "Eval and generation batch, under the same budget (auto too). Larger is "
+                                       "faster; lower saves memory.")
     gradient_accumulation_steps: int = _f(16, "Micro-batches per optimizer step. Higher: same batch, less memory.")
+    effective_batch_size: int = _f(0, "Examples per optimizer step over all processes (0: --batch_size x "
+                                      "--gradient_accumulation_steps x processes); accumulation follows the "
+                                      "micro-batch, so the maths stays the same whatever --batch_size runs.")
+    max_tokens_per_batch: int = _f(0, "Form micro-batches by padded tokens (source + target) instead of rows, up to "
+                                      "this many each (0: off; a longer row goes alone), inside each optimizer "
+                                      "step's rows: short rows many together, long ones few.")
     epochs: int = _f(1, "Passes over the training data.")
     max_steps: int = _f(-1, "Stop after this many optimizer steps (-1 = run all --epochs).")
     learn_rate: float = _f(3e-3, "Peak learning rate (Adafactor, applied as given).")
@@ -260,20 +274,28 @@ class TrainConfig:
             unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
         if self.init_from:
             unused.append(("model_preset", "with --init_from (that model's shape is trained)"))
+        if self.effective_batch_size:
+            unused.append(("gradient_accumulation_steps", "with --effective_batch_size (accumulation follows the "
+                                                          "micro-batch)"))
         if self.is_keep_training:
             unused.append(("overwrite_output_dir", "with --is_keep_training=True (the run is continued)"))
         return unused
 
     def apply_caps(self) -> list[str]:
-        """Lower values above the low-memory caps; return one message per change.
+        """Under a capped profile (host16g), lower values above the low-memory caps (``auto`` becomes
+        the cap); return one message per change. Other runs are sized by ``lowmem.batch_budget``.
 
         A training batch above its cap keeps its size as micro-batches times accumulation: the
         largest micro-batch within the cap that divides it, and that many times the accumulation
         steps, so the gradient (and the learning rate tuned for it) is the one asked for.
         """
         notes = []
+        if self.memory_profile not in CAPPED_PROFILES:
+            return notes
         cap = LOW_MEMORY_CAPS["batch_size"]
-        if self.batch_size > cap:
+        if self.batch_size == AUTO:
+            self.batch_size = cap
+        if isinstance(self.batch_size, int) and self.batch_size > cap:
             micro = next(m for m in range(cap, 0, -1) if self.batch_size % m == 0)
             times = self.batch_size // micro
             notes.append(f"--batch_size={self.batch_size} is above the low-memory cap of {cap}: training "
@@ -283,7 +305,9 @@ class TrainConfig:
                          "optimizer step")
             self.batch_size, self.gradient_accumulation_steps = micro, self.gradient_accumulation_steps * times
         cap = LOW_MEMORY_CAPS["eval_batch_size"]
-        if self.eval_batch_size > cap:
+        if self.eval_batch_size == AUTO:
+            self.eval_batch_size = cap
+        if isinstance(self.eval_batch_size, int) and self.eval_batch_size > cap:
             notes.append(f"--eval_batch_size={self.eval_batch_size} is above the low-memory cap; using {cap}")
             self.eval_batch_size = cap
         return notes
@@ -293,14 +317,19 @@ class TrainConfig:
         problems = [f"--{f.name} must be a finite number (got {getattr(self, f.name)})"
                     for f in dataclasses.fields(self)
                     if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
-        positive = ["batch_size", "eval_batch_size", "gradient_accumulation_steps", "max_source_len",
+        for name in ("batch_size", "eval_batch_size"):
+            value = getattr(self, name)
+            if value != AUTO and (not isinstance(value, int) or value < 1):
+                problems.append(f"--{name} must be at least 1 or auto (got {value!r})")
+        positive = ["gradient_accumulation_steps", "max_source_len",
                     "max_target_len", "epochs", "max_eval_samples", "logging_steps", "save_total_limit",
                     "gc_every_steps", "num_beams", "max_new_tokens", "vocab_size", "tokenizer_max_sentences",
                     "max_nonfinite_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1 (got {getattr(self, name)})")
-        for name in ["shuffle_buffer_size", "eval_steps", "save_steps", "warmup_steps", "weight_decay",
+        for name in ["effective_batch_size", "max_tokens_per_batch", "shuffle_buffer_size", "eval_steps",
+                     "save_steps", "warmup_steps", "weight_decay",
                      "max_grad_norm", "max_rss_gb", "no_repeat_ngram_size"]:
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must not be negative (got {getattr(self, name)})")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from data.stream import batched
 from data.tokenization import tokenizer_for_run, tokenizer_sha1
 from lowmem import deepspeed_engine, encoder_cache
 from lowmem.accumulation import window_backward
+from lowmem.batch_budget import batch_request, size_run
 from lowmem.checkpointer import Checkpointer
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
 from lowmem.evaluation import evaluate_model, is_better
@@ -107,6 +108,7 @@ class LowMemTrainer:
         self.tokenizer_dir: Path | None = None  # the folder the tokenizer was loaded from (its files go into exports)
         self.data: TrainData | None = None
         self.memory_plan: dict = {}
+        self.batch_request: dict = {}  # the batch flags as asked for (the config holds the sizes used)
         self.model = model  # prepared by accelerate (DDP-wrapped with several processes)
         self.core = None  # the unwrapped model: generation, checkpoints, exports
         self.run_config: dict = {}  # the options and the tokenizer's fingerprint, checked on resume
@@ -152,6 +154,7 @@ class LowMemTrainer:
                                self.accelerator.num_processes, objective=objective, pad_multiple=self.shape_multiple,
                                indexes=indexes_from_main(self.accelerator, self.files.train), report=self.say,
                                warn=self.warn)
+        cfg = self._size_batches(resume_dir)
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
                                     resume_dir is not None, planned_sharding(self.engine))  # before the model exists
         self._build_model()
@@ -176,6 +179,19 @@ class LowMemTrainer:
         self.telemetry.record("setup", **record)
         return self
 
+    def _size_batches(self, resume_dir: Path | None) -> TrainConfig:
+        """The micro-batch, accumulation and eval batch this run uses (``lowmem.batch_budget``): the
+        config from here on holds them; the request is kept in the run config for a resume."""
+        self.batch_request = batch_request(self.cfg)
+        sizes = size_run(self.cfg, self.data, self.accelerator, len(self.tokenizer), planned_sharding(self.engine),
+                         resume_dir)
+        for note in sizes.notes:
+            self.say(note)
+        self.cfg = replace(self.cfg, **sizes.flags())
+        if self.engine == "deepspeed":
+            deepspeed_engine.set_batch_sizes(self.accelerator, sizes.micro, sizes.accumulation)
+        return self.cfg
+
     def _claim_run_folder(self) -> Path | None:
         """Check --output_dir (every process looks before the main one removes a stopped run's files);
         returns the checkpoint to resume from, if any."""
@@ -196,7 +212,8 @@ class LowMemTrainer:
             self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.init_from
                           else build_model(cfg, self.tokenizer))
         check_vocabulary(cfg, self.model, self.tokenizer)
-        self.run_config = {**cfg.to_dict(), "tokenizer_size": len(self.tokenizer),  # fingerprinted once
+        self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request,
+                           "tokenizer_size": len(self.tokenizer),  # fingerprinted once
                            "tokenizer_sha1": tokenizer_sha1(self.tokenizer), "held_out_rows": self.data.held_out_rows}
         self.model, self.parameters = ready_to_train(self.model, cfg)
         if self.engine == "fsdp":  # before the optimizer: sharding replaces the parameters
@@ -247,7 +264,8 @@ class LowMemTrainer:
             while True:
                 epoch = stream.epoch  # before drawing: the last window of an epoch moves it on
                 examples = next(windows, [])
-                window = self.train_collator.window(examples, self.cfg.batch_size) if examples else []
+                window = (self.train_collator.window(examples, self.cfg.batch_size, self.cfg.max_tokens_per_batch)
+                          if examples else [])
                 counts = window_counts(self.accelerator, window, stream, state.epoch, self.cfg.max_rss_gb)
                 check_bad_rows(self.telemetry, self.data, counts["bad_rows"], self.cfg.max_bad_rows_fraction)
                 if not counts["examples"]:  # only bad rows were left

@@ -4,13 +4,16 @@
 
 Pretraining with the shipped tokenizer, every batch at --max_source_len=128 --max_target_len=128
 (the longest the defaults allow), the framework baseline measured in this process. host16g is
-planned on the CPU (host RAM), the gpu* profiles on a GPU (GPU memory, plus the host RAM beside it).
-Relative step time is the planner's ranking model, not a measurement.
+planned on the CPU (host RAM), the gpu* profiles on a GPU (GPU memory, plus the host RAM beside it)
+at the micro-batch their ``auto`` picks for a GPU of the profile's size (``lowmem.batch_budget.choose``,
+an effective batch of 32; shown as micro x accumulation). Relative step time is the planner's ranking
+model, not a measurement.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -18,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import MEMORY_PROFILES, MODEL_PRESETS, SHIPPED_TOKENIZER_DIR  # noqa: E402
 from data.tokenization import load_tokenizer  # noqa: E402
 from lowmem import plan_command, planner  # noqa: E402
+from lowmem.batch_budget import choose  # noqa: E402
 from lowmem.flags import load_config  # noqa: E402
 
 
@@ -34,11 +38,23 @@ def main() -> None:
         for preset in MODEL_PRESETS:
             cfg, _ = load_config({"memory_profile": name, "model_preset": preset, "max_source_len": 128,
                                   "max_target_len": 128})
+            if cfg.batch_size == "auto":  # the profile's GPU: gpu8g has 8 GiB
+                gib = float(name.removeprefix("gpu").removesuffix("g"))
+
+                def peak_mb(micro, accumulation, eval_batch, cfg=cfg):
+                    trial = replace(cfg, batch_size=micro, gradient_accumulation_steps=accumulation,
+                                    eval_batch_size=eval_batch)
+                    return planner.predict(trial, vocab, lengths, baseline, device)["gpu_peak_mb"]
+
+                sizes = choose(cfg, peak_mb, gib * 1024, f"{gib:g} GiB", 1, 100)
+                cfg = replace(cfg, **sizes.flags())
             plan = planner.predict(cfg, vocab, lengths, baseline, device)
+            sizes = f" ({cfg.batch_size} x {cfg.gradient_accumulation_steps})"
             if device == "cpu":
-                cells.append(f"{plan['host_peak_mb'] / 1024:.1f} GB host")
+                cells.append(f"{plan['host_peak_mb'] / 1024:.1f} GB host{sizes}")
             else:
-                cells.append(f"{plan['gpu_peak_mb'] / 1024:.1f} GB GPU (+{plan['host_peak_mb'] / 1024:.1f} host)")
+                cells.append(f"{plan['gpu_peak_mb'] / 1024:.1f} GB GPU (+{plan['host_peak_mb'] / 1024:.1f} host)"
+                             f"{sizes}")
         shown = ", ".join(f"`{k}={v}`" for k, v in flags.items())
         print(f"| `{name}` | {shown} | {' | '.join(cells)} | {plan_command.relative_time(cfg, device):.2f} |")
 

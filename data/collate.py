@@ -56,14 +56,36 @@ def pad(rows: list[list[int]], value: int, multiple: int = 1) -> tuple[torch.Ten
     return ids, mask
 
 
-def by_length(lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Row positions grouped into micro-batches of similar length (stable: ties keep stream order).
+def micro_batches(sources: list[int], targets: list[int], batch_size: int, max_tokens: int = 0,
+                  multiple: int = 1) -> list[list[int]]:
+    """Row positions of one accumulation window grouped into micro-batches of similar length (stable:
+    ties keep stream order): ``batch_size`` rows each, or with ``max_tokens`` as many rows as keep
+    the padded tokens (rows x (longest source + longest target), rounded as the collator pads) within
+    it (a longer row alone).
 
     Within one accumulation window the gradient is a sum over its rows, so how they are split into
     micro-batches does not change it; pairing similar lengths only removes padding (with micro-batch
     2 and rows of mixed length, a third or more of the padded tokens). Sorting never crosses a
     window, so the stream position at each optimizer step, and with it resume, is unchanged.
     """
+    order = sorted(range(len(sources)), key=lambda i: sources[i] + targets[i])
+    if not max_tokens:
+        return list(batched(order, batch_size))
+    groups, group, longest = [], [], (0, 0)
+    for i in order:
+        grown = (max(longest[0], sources[i]), max(longest[1], targets[i]))
+        padded = (len(group) + 1) * (round_up(grown[0], multiple) + round_up(grown[1], multiple))
+        if group and padded > max_tokens:
+            groups.append(group)
+            group, grown = [], (sources[i], targets[i])
+        group.append(i)
+        longest = grown
+    return groups + [group] if group else groups
+
+
+def by_source_length(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Evaluation batches: row positions in batches of similar source length (stable), so padding
+    and the batch's generation, which runs until its last row ends, are spent on similar rows."""
     return list(batched(sorted(range(len(lengths)), key=lengths.__getitem__), batch_size))
 
 
@@ -107,13 +129,19 @@ class Seq2SeqCollator:
         """One micro-batch, rows in the given order."""
         return self.window(examples, len(examples), group=False)[0]
 
-    def window(self, examples: list[Example], batch_size: int, group: bool = True) -> list[dict]:
-        """The micro-batches of one accumulation window (rows of similar length together)."""
+    def grouped(self, sources: list[int], targets: list[int], batch_size: int, max_tokens: int,
+                group: bool) -> list[list[int]]:
+        if not group:
+            return [list(range(len(sources)))]
+        return micro_batches(sources, targets, batch_size, max_tokens, self.pad_multiple)
+
+    def window(self, examples: list[Example], batch_size: int, max_tokens: int = 0, group: bool = True) -> list[dict]:
+        """The micro-batches of one accumulation window (rows of similar length together; see
+        ``micro_batches``)."""
         sources = self.token_ids([e.prompt for e in examples], self.max_source_len)
         targets = self.targets(examples)
-        lengths = [len(s) + len(t) for s, t in zip(sources, targets)] if group else [0] * len(examples)
         out = []
-        for rows in by_length(lengths, batch_size):
+        for rows in self.grouped([len(s) for s in sources], [len(t) for t in targets], batch_size, max_tokens, group):
             ids, mask = pad([sources[i] for i in rows], self.tokenizer.pad_token_id, self.pad_multiple)
             out.append({"input_ids": ids, "attention_mask": mask, "labels": self.labels([targets[i] for i in rows])})
         return out
@@ -135,14 +163,13 @@ class CachedEncoderCollator:
     def __call__(self, examples: list[Example]) -> dict[str, torch.Tensor]:
         return self.window(examples, len(examples), group=False)[0]
 
-    def window(self, examples: list[Example], batch_size: int, group: bool = True) -> list[dict]:
+    def window(self, examples: list[Example], batch_size: int, max_tokens: int = 0, group: bool = True) -> list[dict]:
         """Like ``Seq2SeqCollator.window``, grouped by the same lengths (the cached source length is
         the tokenized one), so cached and uncached runs form identical micro-batches."""
         targets = self.collator.targets(examples)
-        lengths = [self.cache.entry(e.file_index, e.row)[1] + len(t) for e, t in zip(examples, targets)] \
-            if group else [0] * len(examples)
+        sources = [self.cache.entry(e.file_index, e.row)[1] for e in examples]
         out = []
-        for rows in by_length(lengths, batch_size):
+        for rows in self.collator.grouped(sources, [len(t) for t in targets], batch_size, max_tokens, group):
             hidden, mask = self.cache.hidden_states([examples[i] for i in rows], self.collator.pad_multiple)
             out.append({"encoder_hidden_states": hidden, "attention_mask": mask,
                         "labels": self.collator.labels([targets[i] for i in rows])})

@@ -61,16 +61,21 @@ def process_group_kwargs() -> list:
 def configure(accelerator, cfg: TrainConfig) -> dict:
     """Fill the launch config's DeepSpeed settings the trainer owns; returns the run's sharding record."""
     settings = accelerator.state.deepspeed_plugin.deepspeed_config
-    settings.update(train_micro_batch_size_per_gpu=cfg.batch_size,
-                    gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                    train_batch_size=cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes,
-                    # set here, not in the launch config: accelerate drops a configured 0.0 (DeepSpeed's
+    settings.update(# set here, not in the launch config: accelerate drops a configured 0.0 (DeepSpeed's
                     # default then clips at 1.0); 0 turns DeepSpeed's clipping off
                     gradient_clipping=float(cfg.max_grad_norm))
     # torch's AdamW, as DDP and FSDP runs use (with optimizer offload too: DeepSpeed would insist on its own)
     settings.setdefault("zero_allow_untested_optimizer", True)
     settings.setdefault("zero_force_ds_cpu_optimizer", False)
     return {"engine": "deepspeed"}
+
+
+def set_batch_sizes(accelerator, micro: int, accumulation: int) -> None:
+    """The micro-batch and accumulation the run uses (chosen by ``lowmem.batch_budget`` once the data is
+    read), in DeepSpeed's settings before the engine is built: its bookkeeping checks them."""
+    accelerator.state.deepspeed_plugin.deepspeed_config.update(
+        train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
+        train_batch_size=micro * accumulation * accelerator.num_processes)
 
 
 def size_buckets(accelerator, d_model: int) -> None:

@@ -111,6 +111,14 @@ def window_counts(accelerator, window: list[dict], stream, epoch: int, max_rss_g
             "memory": int(total[3]) > 0, "rows_left": int(total[4]) > 0}
 
 
+def smallest(accelerator, values: list[int]) -> list[int]:
+    """Each of ``values``' smallest over processes (the same answer on all)."""
+    if accelerator.num_processes == 1:
+        return values
+    gathered = accelerator.gather(torch.tensor([values], device=accelerator.device)).cpu()
+    return [int(v) for v in gathered.min(dim=0).values]
+
+
 def any_process(accelerator, flag: bool) -> bool:
     """Whether ``flag`` holds on any process (the same answer on all)."""
     return int(summed(accelerator, torch.tensor([int(flag)]))[0]) > 0

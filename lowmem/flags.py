@@ -13,7 +13,7 @@ import difflib
 import typing
 from pathlib import Path
 
-from config import MEMORY_PROFILES, TrainConfig, UserError
+from config import AUTO, MEMORY_PROFILES, TrainConfig, UserError
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
@@ -47,13 +47,16 @@ def _convert(name: str, value):
         raise UserError(f"--{name} needs a value")
     if base is bool:
         return to_bool(name, value)
+    if str in typing.get_args(hint) and isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO  # --batch_size=auto, --eval_batch_size=auto
     if base is int:
+        expects = "an integer or auto" if str in typing.get_args(hint) else "an integer"
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise UserError(f"--{name} expects an integer (got {value!r})")
+            raise UserError(f"--{name} expects {expects} (got {value!r})")
         try:
             return int(value)
         except (TypeError, ValueError):
-            raise UserError(f"--{name} expects an integer (got {value!r})") from None
+            raise UserError(f"--{name} expects {expects} (got {value!r})") from None
     if base is float:
         if isinstance(value, bool):
             raise UserError(f"--{name} expects a number (got {value!r})")
@@ -103,6 +106,8 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
     profile = converted.get("memory_profile")
     if profile in MEMORY_PROFILES:  # an unknown name is reported by validate()
         for name, value in MEMORY_PROFILES[profile].items():
+            if name == "effective_batch_size" and "gradient_accumulation_steps" in converted:
+                continue  # the accumulation given explicitly sets the effective batch
             if name in converted and converted[name] != value:
                 notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
                              f"wins over the profile's {value!r}")

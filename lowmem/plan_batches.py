@@ -83,73 +83,84 @@ def estimated_rows(files: list[Path], mean_row_bytes: float, columns: tuple[str,
 
 def replay_windows(cfg: TrainConfig, data) -> list[list[tuple[int, int]]] | None:
     """The (source, target) token lengths of every accumulation window this process will train on,
-    from the start of the run, or None when the run reads more than ``REPLAY_ROWS`` rows.
+    from the start of the run, or None when the run reads more than ``REPLAY_ROWS`` rows."""
+    window_rows = cfg.batch_size * cfg.gradient_accumulation_steps
+    epochs = replay_epochs(cfg, data, window_rows)
+    return None if epochs is None else windows_of(epochs, window_rows, cfg.max_steps)
+
+
+def replay_epochs(cfg: TrainConfig, data, window_rows: int) -> list[list[tuple[int, int]]] | None:
+    """The (source, target) token lengths of the rows this process reads in each epoch, in stream
+    order, for windows of up to ``window_rows`` rows; None when that is more than ``REPLAY_ROWS`` rows.
 
     The training stream is deterministic (seeded file order and shuffle buffer, this process's share
     of each file), so the planner replays a fresh copy of it (``TrainData.fresh_stream``) instead of
     guessing: the costliest micro-batch is then known exactly. Only lengths are kept.
     """
-    from data.stream import batched
-
     share = math.ceil(data.rows / data.world)
     steps = cfg.max_steps if cfg.max_steps > 0 else math.inf
     epochs = cfg.epochs if cfg.max_steps <= 0 else math.inf
-    window_rows = cfg.batch_size * cfg.gradient_accumulation_steps
     if min(steps * window_rows, epochs * share) > REPLAY_ROWS:
         return None
     stream, collator = data.fresh_stream(), data.collator
-    windows, pending = [], []  # pending: windows read but not tokenized yet (one tokenizer call per ~1k rows)
-
-    def tokenize_pending() -> None:
-        rows = [e for window in pending for e in window]
-        if not rows:  # a corpus with no usable row: the trainer says so after planning
-            return
-        pairs = zip(collator.token_ids([e.prompt for e in rows], cfg.max_source_len), collator.targets(rows))
-        for window in pending:
-            windows.append([(len(s), len(t)) for s, t in itertools.islice(pairs, len(window))])
-        pending.clear()
-
-    read = 0  # windows read so far
-    while read < steps and stream.epoch < epochs:
-        before = read
-        for window in batched(stream.iter_epoch(), window_rows):
-            pending.append(window)
-            read += 1
-            if len(pending) * window_rows >= 1024:
-                tokenize_pending()
-            if read >= steps:
-                break
-        if read == before:  # an epoch without a usable row: the trainer stops there too
+    out, windows_left = [], steps
+    while windows_left > 0 and stream.epoch < epochs:
+        take = None if windows_left == math.inf else windows_left * window_rows
+        rows = list(itertools.islice(stream.iter_epoch(), take))
+        if not rows:  # an epoch without a usable row: the trainer stops there too
             break
-    tokenize_pending()
-    return windows
-
-
-def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int) -> list[tuple[int, int, int]]:
-    """(longest source, longest target, target tokens) of each micro-batch, grouped as the trainer's
-    collator does (the LM head runs at the target tokens only: see ``logits_only_at``)."""
-    from data.collate import by_length
-
-    out = []
-    for window in windows:
-        for rows in by_length([s + t for s, t in window], batch_size):
-            out.append((max(window[i][0] for i in rows), max(window[i][1] for i in rows),
-                        sum(window[i][1] for i in rows)))
+        sources = collator.token_ids([e.prompt for e in rows], cfg.max_source_len)
+        out.append([(len(s), len(t)) for s, t in zip(sources, collator.targets(rows))])
+        windows_left -= math.ceil(len(rows) / window_rows)  # an epoch's last window may be short
     return out
 
 
-def eval_batch_lengths(cfg: TrainConfig, data) -> list[tuple[int, int, int, int]]:
-    """(rows, longest source, longest target, target tokens) of each evaluation batch this process runs:
-    every world-th of the eval examples (``take_examples``' first ``--max_eval_samples`` rows), in
-    batches of ``--eval_batch_size``, as ``lowmem.inference.evaluate`` takes them."""
+def windows_of(epochs: list[list[tuple[int, int]]], window_rows: int, max_steps: int = -1) -> list:
+    """The accumulation windows of ``window_rows`` rows the trainer cuts the replayed epochs into (an
+    epoch's last one short), the first ``max_steps`` of them when that is positive."""
     from data.stream import batched
 
+    windows = [list(w) for rows in epochs for w in batched(rows, window_rows)]
+    return windows[:max_steps] if max_steps > 0 else windows
+
+
+def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int, max_tokens: int = 0,
+                        multiple: int = 1) -> list[tuple[int, int, int, int]]:
+    """(longest source, longest target, target tokens, rows) of each micro-batch, grouped as the
+    trainer's collator does (the LM head runs at the target tokens only: see ``logits_only_at``)."""
+    from data.collate import micro_batches
+
+    out = []
+    for window in windows:
+        for rows in micro_batches([s for s, _ in window], [t for _, t in window], batch_size, max_tokens, multiple):
+            out.append((max(window[i][0] for i in rows), max(window[i][1] for i in rows),
+                        sum(window[i][1] for i in rows), len(rows)))
+    return out
+
+
+def eval_pairs(cfg: TrainConfig, data) -> list[tuple[int, int]]:
+    """(source, target) token lengths of the evaluation rows this process runs: every world-th of the
+    eval examples (``take_examples``' first ``--max_eval_samples`` rows)."""
     mine = data.eval_examples[data.rank::data.world]
     if not mine:
         return []
     collator = data.collator
-    pairs = zip(collator.token_ids([e.prompt for e in mine], cfg.max_source_len), collator.targets(mine))
+    return [(len(s), len(t)) for s, t in zip(collator.token_ids([e.prompt for e in mine], cfg.max_source_len),
+                                              collator.targets(mine))]
+
+
+def eval_batches(pairs: list[tuple[int, int]], batch_size: int) -> list[tuple[int, int, int, int]]:
+    """(rows, longest source, longest target, target tokens) of each evaluation batch, grouped as
+    ``lowmem.evaluation.evaluate_model`` groups them (``data.collate.by_source_length``)."""
+    from data.collate import by_source_length
+
     out = []
-    for batch in batched([(len(s), len(t)) for s, t in pairs], cfg.eval_batch_size):
+    for rows in by_source_length([s for s, _ in pairs], batch_size):
+        batch = [pairs[i] for i in rows]
         out.append((len(batch), max(s for s, _ in batch), max(t for _, t in batch), sum(t for _, t in batch)))
     return out
+
+
+def eval_batch_lengths(cfg: TrainConfig, data) -> list[tuple[int, int, int, int]]:
+    """``eval_batches`` of this process's evaluation rows in batches of ``--eval_batch_size``."""
+    return eval_batches(eval_pairs(cfg, data), cfg.eval_batch_size)

@@ -17,6 +17,7 @@ from dataclasses import replace
 from config import MODEL_PRESETS, TrainConfig, UserError, installed
 from data.stream import total_steps
 from lowmem import planner
+from lowmem.plan_batches import run_lengths
 from lowmem.plan_sharding import SHARDINGS
 from lowmem.tensor_bytes import frozen_parts
 
@@ -149,7 +150,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
               "here, or --cpu=True); add --device=gpu to plan one GPU's memory", file=sys.stderr)
     per_machine = num_processes // num_machines
     tokenizer = load_trained_tokenizer(tokenizer_folder(cfg))
-    lengths = planner.plan_lengths(cfg, tokenizer, num_processes)
+    data = planner.plan_data(cfg, tokenizer, num_processes)
     # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
     # then what importing it adds, so every optimizer the search tries gets its own baseline.
     core = planner.framework_mb(replace(cfg, optimizer="adafactor"))
@@ -157,6 +158,9 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
         import_mb["adamw8bit"] = max(0.0, planner.framework_mb(replace(cfg, optimizer="adamw8bit")) - core)
     baseline = core + import_mb.get(cfg.optimizer, 0.0)
+    cfg = sized(cfg, data, len(tokenizer), baseline, device, num_processes, per_machine, sharding, budget_gb)
+    lengths = run_lengths(cfg, data)
+    lengths["train_rows"] = data.rows  # counted ("rows" is estimated from a sample)
     result = planner.predict(cfg, len(tokenizer), lengths, baseline, device, num_processes, sharding)
     result.update(num_processes=num_processes, processes_per_machine=per_machine,
                   host_total_mb=round(per_machine * result["host_peak_mb"], 1))
@@ -169,6 +173,30 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     else:
         print_plan(cfg, result)
     return result
+
+
+def sized(cfg: TrainConfig, data, vocab_size: int, baseline_mb: float, device: str, num_processes: int,
+          per_machine: int, sharding: str | None, budget_gb: float | None) -> TrainConfig:
+    """``cfg`` with the batch sizes the trainer would use (``lowmem.batch_budget``): checked against
+    --budget_gb (a machine's RAM, shared by its processes, or one GPU's memory) when given, else as
+    the trainer checks them here. Its notes go to stderr."""
+    import torch
+
+    from config import AUTO
+    from lowmem.batch_budget import size_batches
+
+    budget_mb = None
+    if budget_gb is not None:
+        budget_mb = budget_gb * 1024 / (per_machine if device == "cpu" else 1)
+    elif device == "gpu" and not torch.cuda.is_available():
+        if AUTO in (cfg.batch_size, cfg.eval_batch_size):
+            raise UserError("--batch_size=auto / --eval_batch_size=auto on --device=gpu without a GPU here: pass "
+                            "--budget_gb=GPU_MEMORY_GB to size them")
+        budget_mb = math.inf
+    sizes = size_batches(cfg, data, vocab_size, baseline_mb, device, num_processes, sharding, budget_mb=budget_mb)
+    for note in sizes.notes:
+        print(note, file=sys.stderr)
+    return replace(cfg, **sizes.flags())
 
 
 def check_plan_flags(device: str, budget_gb, num_processes, num_machines, sharding=None) -> None:

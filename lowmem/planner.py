@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from config import TrainConfig
 from data.stream import total_steps
 from lowmem.memory import SHARDED_MMAP_THRESHOLD
-from lowmem.plan_batches import micro_batch_lengths, run_lengths
+from lowmem.plan_batches import micro_batch_lengths
 from lowmem.plan_sharding import sharded_sizes
 from lowmem.tensor_bytes import (
     activation_bytes,
@@ -119,7 +119,8 @@ def runner_up_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str) 
     The heap the allocator keeps from earlier micro-batches sits beside the costliest one at the
     peak: it was shaped by the other batches. A long batch met once leaves less than a run of them.
     """
-    batches = micro_batch_lengths(lengths["windows"], cfg.batch_size) if lengths.get("windows") else []
+    batches = micro_batch_lengths(lengths["windows"], cfg.batch_size, cfg.max_tokens_per_batch,
+                                  padding_multiple(cfg, device)) if lengths.get("windows") else []
     if len(batches) < 2:
         return None
     return sorted(batches, key=batch_cost(cfg, dims, device))[-2]
@@ -138,17 +139,27 @@ def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
     """
     cost = batch_cost(cfg, dims, device)
     if lengths.get("windows"):
-        return max(micro_batch_lengths(lengths["windows"], cfg.batch_size), key=cost)
+        return max(micro_batch_lengths(lengths["windows"], cfg.batch_size, cfg.max_tokens_per_batch,
+                                       padding_multiple(cfg, device)), key=cost)
     pairs = lengths["pairs"]
     share = lengths["rows"] / world  # the rows each process reads per epoch
     read = share * cfg.epochs
     if cfg.max_steps > 0:
         read = min(read, cfg.max_steps * cfg.batch_size * cfg.gradient_accumulation_steps)
     if not pairs or read >= share:
-        return lengths["max_source"], lengths["max_target"]
+        return token_budget_rows(cfg, (lengths["max_source"], lengths["max_target"]))
     ranked = sorted(pairs, key=cost)
     rank = math.ceil(len(ranked) * 0.5 ** (1 / max(read, 1)))
-    return ranked[min(max(rank, 1), len(ranked)) - 1]
+    return token_budget_rows(cfg, ranked[min(max(rank, 1), len(ranked)) - 1])
+
+
+def token_budget_rows(cfg: TrainConfig, batch: tuple[int, int]) -> tuple[int, ...]:
+    """With --max_tokens_per_batch, the micro-batch of rows at these lengths the budget lets in (as many
+    as fit, within one window); without, the lengths as given (--batch_size rows)."""
+    if not cfg.max_tokens_per_batch:
+        return tuple(batch)
+    rows = max(1, min(cfg.batch_size * cfg.gradient_accumulation_steps, cfg.max_tokens_per_batch // max(sum(batch), 1)))
+    return batch[0], batch[1], rows * batch[1], rows
 
 
 @dataclass
@@ -204,14 +215,20 @@ def unread_embedding_bytes(cfg: TrainConfig, dims: dict, vocab_size: int, device
 def padded_peak_batches(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
                         world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The lengths of the costliest micro-batch and of the runner-up, padded as the trainer pads them."""
-    from data.collate import round_up, shape_multiple
+    from data.collate import round_up
 
     peak = peak_batch_lengths(cfg, dims, lengths, device, world)
     runner_up = runner_up_lengths(cfg, dims, lengths, device) or peak
-    multiple = shape_multiple(cfg.mixed_precision, device == "cpu")
-    if multiple > 1:  # padded as the trainer pads
-        peak, runner_up = (tuple(round_up(n, multiple) for n in batch) for batch in (peak, runner_up))
+    multiple = padding_multiple(cfg, device)
+    if multiple > 1:  # the lengths padded as the trainer pads them (not the token and row counts)
+        peak, runner_up = ((*(round_up(n, multiple) for n in batch[:2]), *batch[2:]) for batch in (peak, runner_up))
     return peak, runner_up
+
+
+def padding_multiple(cfg: TrainConfig, device: str) -> int:
+    from data.collate import shape_multiple
+
+    return shape_multiple(cfg.mixed_precision, device == "cpu")
 
 
 def encoder_cache_in_ram(cfg: TrainConfig, dims: dict, lengths: dict, world: int) -> float:
@@ -399,6 +416,7 @@ def one_plan(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: flo
             "lm_head": "tied" if s.dims["tied"] else "untied", "model_parts_mb": parts_mb, "sharding": sharding,
             "max_source_tokens": peak[0], "max_target_tokens": peak[1],
             "peak_batch_target_tokens": peak[2] if len(peak) > 2 else cfg.batch_size * peak[1],
+            "peak_batch_rows": peak[3] if len(peak) > 3 else cfg.batch_size,
             "training_peak_at": s.peak_at,
             "host_mb": host_mb, "gpu_mb": gpu_mb, "host_peak_mb": round(sum(host_mb.values()), 1),
             "gpu_peak_mb": round(sum(gpu_mb.values()), 1)}
@@ -440,17 +458,14 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
     return psutil.Process().memory_info().rss / MB
 
 
-def plan_lengths(cfg: TrainConfig, tokenizer, num_processes: int) -> dict:
-    """The lengths the ``plan`` command predicts from: those of the run's first process, from the data
-    entry point the trainer reads through, and ``train_rows``, the training rows counted."""
+def plan_data(cfg: TrainConfig, tokenizer, num_processes: int):
+    """The ``data.pipeline.TrainData`` of the run's first process, from the data entry point the trainer
+    reads through (the ``plan`` command predicts from its lengths: ``run_lengths``)."""
     from data.objectives import objective_for
     from data.pipeline import build_data, check_data
 
     objective = objective_for(cfg)
     # As the trainer: without --eval_file the eval set is the training files' last rows, never trained on.
     # Notes go to stderr: `plan --json` prints one JSON object on stdout.
-    data = build_data(cfg, check_data(cfg, objective), tokenizer, 0, num_processes, objective=objective,
+    return build_data(cfg, check_data(cfg, objective), tokenizer, 0, num_processes, objective=objective,
                       report=lambda line: print(line, file=sys.stderr), warn=lambda line: print(line, file=sys.stderr))
-    lengths = run_lengths(cfg, data)
-    lengths["train_rows"] = data.rows  # counted ("rows" is estimated from a sample)
-    return lengths

@@ -8,6 +8,7 @@ from pathlib import Path
 from config import TrainConfig
 from lowmem import planner
 from lowmem.memory import memory_snapshot, process_rss_bytes
+from lowmem.plan_batches import run_lengths
 
 MEMORY_GUARD_AT = 0.9  # stop once RSS reaches this fraction of --max_rss_gb: the next step may need more
 
@@ -24,7 +25,7 @@ def plan_run(cfg: TrainConfig, data, device: str, resuming: bool, sharding: str 
     replays this process's stream to find its costliest micro-batch; a resumed one, which starts
     mid-stream, is planned from the sampled lengths. ``sharding``: ``lowmem.sharding.planned_sharding``.
     """
-    lengths = planner.run_lengths(cfg, data, replay=not resuming)
+    lengths = run_lengths(cfg, data, replay=not resuming)
     return planner.predict(cfg, len(data.collator.tokenizer), lengths, planner.framework_mb(cfg), device, data.world,
                            sharding)
 

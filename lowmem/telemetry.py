@@ -236,7 +236,9 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         f"device {accelerator.device} x {world} process(es) | model {cfg.init_from or cfg.model_preset} | "
         f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,}",
         f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
-        f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}",
+        f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}"
+        + (f" | micro-batches of up to {cfg.max_tokens_per_batch:,} padded tokens" if cfg.max_tokens_per_batch else "")
+        + f" | eval batch {cfg.eval_batch_size}",
         (f"train rows {data.rows:,} from {data.source} | {per_epoch} optimizer steps per epoch | "
          if not data.objective.chunk_length else
          f"train documents {data.rows:,} from {data.source}, packed into chunks of "
@@ -254,7 +256,10 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {total_steps} steps: the "
                      f"learning rate warms up over all {total_steps} and never decays")
     record = dict(trainable_params=parameters["trainable"], frozen_params=parameters["frozen"],
-                  frozen_bf16_params=parameters["frozen_bf16"], effective_batch=effective, train_rows=data.rows,
+                  frozen_bf16_params=parameters["frozen_bf16"], effective_batch=effective,
+                  micro_batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                  max_tokens_per_batch=cfg.max_tokens_per_batch, eval_batch_size=cfg.eval_batch_size,
+                  train_rows=data.rows,
                   held_out_rows=data.held_out_rows, eval_rows=len(data.eval_examples), total_steps=total_steps,
                   world_size=world)
     return lines, record

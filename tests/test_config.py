@@ -24,20 +24,25 @@ def test_wrong_types_and_unknown_flags_are_all_reported_at_once():
     with pytest.raises(UserError) as err:
         load_config({"batch_size": "two", "learnrate": 0.1, "is_finetune": "maybe"})
     message = str(err.value)
-    assert "--batch_size expects an integer" in message
+    assert "--batch_size expects an integer or auto" in message
     assert "unknown flag --learnrate; did you mean --learn_rate" in message
     assert "--is_finetune expects True or False" in message
 
 
-def test_caps_lower_requests_and_say_so():
-    cfg, notes = load_config({"batch_size": 16, "eval_batch_size": 64, "gradient_accumulation_steps": 3})
+def test_host16g_caps_lower_requests_and_say_so():
+    # Elsewhere a request is a budget the planner checks at setup (tests/test_batch_budget.py).
+    assert load_config({"batch_size": 16, "eval_batch_size": "auto"})[0].batch_size == 16
+    cfg, notes = load_config({"batch_size": 16, "eval_batch_size": 64, "gradient_accumulation_steps": 3,
+                              "memory_profile": "host16g"})
     assert cfg.batch_size == LOW_MEMORY_CAPS["batch_size"] == 2
     assert cfg.eval_batch_size == LOW_MEMORY_CAPS["eval_batch_size"] == 4
     assert any("--batch_size=16" in n for n in notes) and any("--eval_batch_size=64" in n for n in notes)
     # The batch per optimizer step stays the one asked for: 16 x 3 = 2 x 24.
-    assert cfg.gradient_accumulation_steps == 24 and "batch of 48 examples" in notes[0]
-    for batch, accumulation, micro in [(5, 2, 1), (6, 1, 2), (2, 4, 2), (1, 4, 1)]:
-        cfg, _ = load_config({"batch_size": batch, "gradient_accumulation_steps": accumulation})
+    assert cfg.gradient_accumulation_steps == 24 and any("batch of 48 examples" in n for n in notes)
+    for batch, accumulation, micro in [(5, 2, 1), (6, 1, 2), (2, 4, 2), (1, 4, 1), ("auto", 4, 2)]:
+        cfg, _ = load_config({"batch_size": batch, "gradient_accumulation_steps": accumulation,
+                              "memory_profile": "host16g"})
+        batch = micro if batch == "auto" else batch
         assert (cfg.batch_size, cfg.batch_size * cfg.gradient_accumulation_steps) == (micro, batch * accumulation)
 
 

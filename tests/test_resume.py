@@ -69,8 +69,8 @@ def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
     train2 = write_rows(tmp_path / "b.parquet", synthetic_rows(211, seed=8))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=6))
     common = [f"--train_file={train},{train2}", f"--eval_file={evals}", "--epochs=2", "--save_steps=3",
-              "--eval_steps=10", "--shuffle_buffer_size=64", "--gradient_accumulation_steps=16",
-              "--dump_consumed=True", *SMALL]
+              "--eval_steps=10", "--shuffle_buffer_size=64", "--batch_size=16", "--gradient_accumulation_steps=2",
+              "--dump_consumed=True", *SMALL]  # micro-batches of 16: resume is exact at any split too
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     proc = run_cli("train", f"--output_dir={straight}", *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -94,7 +94,7 @@ def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
             while not any(r["event"] == "train" and r["time"] > started + 1 for r in _safe_metrics(broken)):
                 assert child.poll() is None and time.time() < started + 300, logs[attempt + 1].read_text()[-2000:]
                 time.sleep(0.05)
-            done = len((broken / "consumed-rank0.tsv").read_text().splitlines()) // 32  # steps of 2 x 16 rows
+            done = len((broken / "consumed-rank0.tsv").read_text().splitlines()) // 32  # steps of 16 x 2 rows
             child.send_signal(signal.SIGTERM)
             assert child.wait(timeout=120) == 128 + signal.SIGTERM, logs[attempt + 1].read_text()[-2000:]
             assert "plus --is_keep_training=True" in logs[attempt + 1].read_text()

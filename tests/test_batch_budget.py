@@ -1,0 +1,131 @@
+"""Micro-batches sized to the memory budget (lowmem.batch_budget): the same maths at any split, auto
+within --max_rss_gb, requests lowered with one line, token budgets, evaluation independent of its batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import metrics, run_cli, synthetic_rows, write_rows
+
+from config import SHIPPED_CORPORA
+from data.collate import micro_batches
+from data.eval_set import take_examples
+from lowmem import planner
+from lowmem.batch_budget import size_batches
+from lowmem.flags import load_config
+from test_training_math import COLS, grads, make_trainer
+
+
+def weights(trainer) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in trainer.core.parameters()])
+
+
+def test_micro_16_x_2_trains_the_weights_of_2_x_16(tmp_path, tokenizer):
+    runs = {}
+    for micro, accumulation in ((2, 16), (16, 2)):
+        trainer = make_trainer(tmp_path / f"{micro}", tokenizer, batch_size=micro,
+                               gradient_accumulation_steps=accumulation, max_steps=5, warmup_steps=0)
+        try:
+            trainer.train()
+            setup = next(r for r in metrics(trainer.out) if r["event"] == "setup")
+            assert (setup["micro_batch_size"], setup["gradient_accumulation_steps"]) == (micro, accumulation)
+            runs[micro] = weights(trainer)
+        finally:
+            trainer.close()
+    starter = make_trainer(tmp_path / "start", tokenizer)
+    start = weights(starter)
+    starter.close()
+    moved = (runs[2] - start).abs().max().item()
+    assert moved > 1e-3  # the steps changed the weights
+    assert (runs[16] - runs[2]).abs().max().item() <= 1e-5
+
+
+def test_token_budget_groups_short_rows_together_and_keeps_the_gradient(tmp_path, tokenizer):
+    rng = random.Random(0)
+    sources = [rng.choice([3, 5, 60, 120]) for _ in range(40)]
+    targets = [rng.randint(1, 30) for _ in range(40)]
+    groups = micro_batches(sources, targets, 2, max_tokens=250, multiple=16)
+    assert sorted(i for g in groups for i in g) == list(range(40))  # every row once
+    for g in groups:
+        padded = len(g) * (-(-max(sources[i] for i in g) // 16) * 16 + -(-max(targets[i] for i in g) // 16) * 16)
+        assert padded <= 250 or len(g) == 1
+    sizes = [len(g) for g in groups]
+    assert max(sizes) >= 5 and min(sizes) == 1  # short rows many together, a long one alone
+
+    trainer = make_trainer(tmp_path, tokenizer)
+    examples = take_examples(trainer.files.train, COLS, 32)
+    trainer.accumulate_gradients(trainer.data.collator.window(examples, 2))
+    by_rows = grads(trainer)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    window = trainer.data.collator.window(examples, 2, max_tokens=120)
+    assert len(window) < 16  # fewer, larger micro-batches than 16 of 2 rows
+    trainer.accumulate_gradients(window)
+    by_tokens = grads(trainer)
+    assert ((by_tokens - by_rows).norm() / by_rows.norm()).item() <= 1e-5
+    trainer.close()
+
+
+def test_a_request_that_would_not_fit_is_lowered_with_one_line_and_auto_fills_the_budget(tokenizer):
+    cfg, _ = load_config({"batch_size": 16, "gradient_accumulation_steps": 2, "max_eval_samples": 32})
+    data = planner.plan_data(cfg, tokenizer, 1)
+    baseline = 400.0
+
+    def sized(budget_mb, **flags):
+        trial, _ = load_config({"max_eval_samples": 32, **flags})
+        return size_batches(trial, data, len(tokenizer), baseline, "cpu", 1, budget_mb=budget_mb)
+
+    roomy = sized(1e6, batch_size=16, gradient_accumulation_steps=2)
+    assert (roomy.micro, roomy.accumulation, roomy.notes) == (16, 2, [])
+    # A budget between the plans of micro-batches 4 and 8: lowered to 4 x 8 (the same 32 rows per step).
+    at = {m: sized(1e6, batch_size=m, gradient_accumulation_steps=32 // m).predicted_mb for m in (4, 8)}
+    assert at[4] < at[8]
+    lowered = sized((at[4] + at[8]) / 2, batch_size=16, gradient_accumulation_steps=2)
+    assert (lowered.micro, lowered.accumulation) == (4, 8)
+    assert len(lowered.notes) == 1 and "--batch_size=16" in lowered.notes[0] and "above the budget" in lowered.notes[0]
+    # auto: the largest size that fits with the margin, rows per step kept with --effective_batch_size.
+    auto = sized(1.15 * at[8] + 1, batch_size="auto", effective_batch_size=32)
+    assert (auto.micro, auto.accumulation, auto.predicted_mb) == (8, 4, at[8])
+    roomy_auto = sized(1e6, batch_size="auto", effective_batch_size=32, eval_batch_size="auto")
+    assert (roomy_auto.micro, roomy_auto.accumulation, roomy_auto.eval_batch) == (32, 1, 32)
+    with pytest.raises(Exception, match="not a multiple of --batch_size=16"):
+        sized(1e6, batch_size=16, effective_batch_size=40)
+
+
+def test_eval_loss_and_bleu_do_not_depend_on_the_eval_batch(tmp_path, tokenizer):
+    trainer = make_trainer(tmp_path, tokenizer, max_eval_samples=16, max_target_len=16, max_steps=3)
+    try:
+        trainer.train()
+        results = {}
+        for size in (1, 5, 16):
+            trainer.cfg.eval_batch_size = size
+            results[size] = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert results[1]["eval_examples"] == results[16]["eval_examples"] == 16
+    for size in (5, 16):
+        assert results[size]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-5)
+        assert results[size]["bleu"] == pytest.approx(results[1]["bleu"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_auto_stays_within_max_rss_gb_and_a_resume_keeps_its_sizes(tmp_path):
+    train, evals = SHIPPED_CORPORA["pretrain"]
+    run = tmp_path / "run"
+    common = [f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={run}", "--batch_size=auto",
+              "--eval_batch_size=auto", "--max_rss_gb=1.1", "--eval_steps=0", "--save_steps=0",
+              "--max_eval_samples=64"]
+    proc = run_cli("train", *common, "--max_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = metrics(run)
+    setup = next(r for r in records if r["event"] == "setup")
+    assert 2 < setup["micro_batch_size"] < 256  # above the old cap, below auto's limit: the budget decided
+    assert setup["eval_batch_size"] > 4 and "auto: micro-batch" in proc.stdout
+    peak = next(r for r in records if r["event"] == "memory_peak")
+    assert peak["measured_host_peak_mb"] < 1.1 * 1024
+    proc = run_cli("train", *common, "--max_steps=3", "--is_keep_training=True")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "as the run began" in proc.stdout
+    resumed = [r for r in metrics(run) if r["event"] == "setup"][-1]
+    assert resumed["micro_batch_size"] == setup["micro_batch_size"]
