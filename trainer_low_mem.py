@@ -154,7 +154,9 @@ class LowMemTrainer:
                                self.accelerator.num_processes, objective=objective, pad_multiple=self.shape_multiple,
                                indexes=indexes_from_main(self.accelerator, self.files.train), report=self.say,
                                warn=self.warn)
-        cfg = self._size_batches(resume_dir)
+        self.batch_request = batch_request(cfg)  # the sizes used, from here on in the config (lowmem.batch_budget)
+        cfg = self.cfg = replace(cfg, **size_run(cfg, self.data, self.accelerator, len(self.tokenizer),
+                                                 planned_sharding(self.engine), resume_dir, self.say).flags())
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
                                     resume_dir is not None, planned_sharding(self.engine))  # before the model exists
         self._build_model()
@@ -178,19 +180,6 @@ class LowMemTrainer:
             self.say(line)
         self.telemetry.record("setup", **record)
         return self
-
-    def _size_batches(self, resume_dir: Path | None) -> TrainConfig:
-        """The micro-batch, accumulation and eval batch this run uses (``lowmem.batch_budget``): the
-        config from here on holds them; the request is kept in the run config for a resume."""
-        self.batch_request = batch_request(self.cfg)
-        sizes = size_run(self.cfg, self.data, self.accelerator, len(self.tokenizer), planned_sharding(self.engine),
-                         resume_dir)
-        for note in sizes.notes:
-            self.say(note)
-        self.cfg = replace(self.cfg, **sizes.flags())
-        if self.engine == "deepspeed":
-            deepspeed_engine.set_batch_sizes(self.accelerator, sizes.micro, sizes.accumulation)
-        return self.cfg
 
     def _claim_run_folder(self) -> Path | None:
         """Check --output_dir (every process looks before the main one removes a stopped run's files);
@@ -249,7 +238,7 @@ class LowMemTrainer:
     # ------------------------------------------------------------------ train
     def train(self) -> dict:
         """Run optimizer steps until ``max_steps`` or the last epoch; evaluate and export at the end."""
-        state, stream = self.state, self.data.stream
+        state, stream, cfg = self.state, self.data.stream, self.cfg
         self.signals.install()
         self._set_train_mode()
         self.bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
@@ -264,7 +253,7 @@ class LowMemTrainer:
             while True:
                 epoch = stream.epoch  # before drawing: the last window of an epoch moves it on
                 examples = next(windows, [])
-                window = (self.train_collator.window(examples, self.cfg.batch_size, self.cfg.max_tokens_per_batch)
+                window = (self.train_collator.window(examples, cfg.batch_size, cfg.max_tokens_per_batch)
                           if examples else [])
                 counts = window_counts(self.accelerator, window, stream, state.epoch, self.cfg.max_rss_gb)
                 check_bad_rows(self.telemetry, self.data, counts["bad_rows"], self.cfg.max_bad_rows_fraction)
@@ -386,19 +375,17 @@ class LowMemTrainer:
             self.save_checkpoint()
 
     def stop_for_signal(self) -> None:
-        folder = self._stop()
+        self.bar.close()
+        folder = self.save_checkpoint()
         self.say(f"stopped at step {self.state.step}; checkpoint {folder}. Continue with the same command "
                  "plus --is_keep_training=True")
         raise StoppedBySignal(self.state.step, self.signals.exit_code())
 
     def stop_for_memory(self) -> None:
-        folder, rss = self._stop(), process_rss_bytes() / 2**30
+        self.bar.close()
+        folder, rss = self.save_checkpoint(), process_rss_bytes() / 2**30
         self.telemetry.record("memory_guard", rss_gb=rss, max_rss_gb=self.cfg.max_rss_gb)
         raise guard_stop(rss, self.cfg.max_rss_gb, self.state.step, folder)
-
-    def _stop(self) -> Path:
-        self.bar.close()
-        return self.save_checkpoint()
 
     def finish(self) -> dict:
         """Final log, evaluation, checkpoint and ``final/`` export."""

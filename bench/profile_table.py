@@ -41,7 +41,7 @@ def main() -> None:
             if cfg.batch_size == "auto":  # the profile's GPU: gpu8g has 8 GiB
                 gib = float(name.removeprefix("gpu").removesuffix("g"))
 
-                def peak_mb(micro, accumulation, eval_batch, cfg=cfg):
+                def peak_mb(micro, accumulation, eval_batch, cfg=cfg, device=device):
                     trial = replace(cfg, batch_size=micro, gradient_accumulation_steps=accumulation,
                                     eval_batch_size=eval_batch)
                     return planner.predict(trial, vocab, lengths, baseline, device)["gpu_peak_mb"]

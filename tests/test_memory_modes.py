@@ -623,7 +623,8 @@ def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer):
         # the first step (no optimizer state yet) and the later ones are planned apart: the plan is
         # the costliest micro-batch of one or the other
         candidates = [max(planner.micro_batch_lengths(part, 2), key=cost) for part in (windows[:1], windows[1:])]
-        planned = (plan["max_source_tokens"], plan["max_target_tokens"], plan["peak_batch_target_tokens"])
+        planned = (plan["max_source_tokens"], plan["max_target_tokens"], plan["peak_batch_target_tokens"],
+                   plan["peak_batch_rows"])
         assert planned in candidates, (planned, candidates)
         assert planned[2] < 2 * planned[1]  # logits at real targets only
 
