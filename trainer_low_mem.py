@@ -155,10 +155,11 @@ class LowMemTrainer:
                                indexes=indexes_from_main(self.accelerator, self.files.train), report=self.say,
                                warn=self.warn)
         self.batch_request = batch_request(cfg)  # the sizes used, from here on in the config (lowmem.batch_budget)
-        cfg = self.cfg = replace(cfg, **size_run(cfg, self.data, self.accelerator, len(self.tokenizer),
-                                                 planned_sharding(self.engine), resume_dir, self.say).flags())
+        sizes = size_run(cfg, self.data, self.accelerator, len(self.tokenizer), planned_sharding(self.engine),
+                         resume_dir, self.say)
+        cfg = self.cfg = replace(cfg, **sizes.flags())  # planned before the model exists:
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
-                                    resume_dir is not None, planned_sharding(self.engine))  # before the model exists
+                                    resume_dir is not None, planned_sharding(self.engine), sizes.lengths)
         self._build_model()
         per_epoch, self.total_steps = self.data.steps(cfg)
         self._build_optimizer()

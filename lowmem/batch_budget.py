@@ -16,6 +16,7 @@ same check runs.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -41,6 +42,7 @@ class BatchSizes:
     budget: str  # what the budget is, in words
     predicted_mb: float  # the plan's peak at these sizes
     notes: list[str] = field(default_factory=list)
+    lengths: dict | None = None  # what the plan at these sizes read (plan_batches.run_lengths'), when known
 
     def flags(self) -> dict:
         return {"batch_size": self.micro, "gradient_accumulation_steps": self.accumulation,
@@ -180,6 +182,8 @@ def size_batches(cfg: TrainConfig, data, vocab_size: int, framework_mb: float, d
     from lowmem.plan_batches import eval_batches, eval_pairs, replay_epochs, sample_lengths, windows_of
 
     check_request(cfg)
+    if budget_mb == math.inf and AUTO not in (cfg.batch_size, cfg.eval_batch_size):  # nothing to check
+        return choose(cfg, lambda *sizes: 0.0, math.inf, "none", world, 1)
     rows = window_rows(cfg, world)
     widest = rows or AUTO_LIMIT * cfg.gradient_accumulation_steps
     base = {**sample_lengths(cfg, data)}
@@ -208,7 +212,10 @@ def size_batches(cfg: TrainConfig, data, vocab_size: int, framework_mb: float, d
             cache[(micro, accumulation, eval_batch)] = plan[key]
         return cache[(micro, accumulation, eval_batch)]
 
-    return choose(cfg, peak_mb, budget_mb, budget, world, len(pairs))
+    sizes = choose(cfg, peak_mb, budget_mb, budget, world, len(pairs))
+    if epochs is not None or resuming:  # as run_lengths reads them for these sizes: the trainer's plan reuses them
+        sizes.lengths = lengths_for(sizes.micro, sizes.accumulation, sizes.eval_batch)
+    return sizes
 
 
 def reused(saved: dict | None, cfg: TrainConfig) -> BatchSizes | None:
@@ -259,6 +266,8 @@ def agreed_sizes(cfg: TrainConfig, data, accelerator, vocab_size: int, sharding:
     sizes = size_batches(cfg, data, vocab_size, planner.framework_mb(cfg), device, accelerator.num_processes,
                          sharding, resuming=resume_dir is not None)
     micro, eval_batch = smallest(accelerator, [sizes.micro, sizes.eval_batch])
+    if (micro, eval_batch) != (sizes.micro, sizes.eval_batch):
+        sizes.lengths = None  # planned for other sizes
     if micro != sizes.micro:  # another process's share needs a smaller one (a divisor of the same rows)
         rows = window_rows(cfg, accelerator.num_processes)
         sizes.accumulation = rows // micro if rows else cfg.gradient_accumulation_steps

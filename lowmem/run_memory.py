@@ -17,15 +17,17 @@ class StoppedForMemory(Exception):
     """Raised after the checkpoint written when the memory guard (--max_rss_gb) trips; exit code 3."""
 
 
-def plan_run(cfg: TrainConfig, data, device: str, resuming: bool, sharding: str | None = None) -> dict:
+def plan_run(cfg: TrainConfig, data, device: str, resuming: bool, sharding: str | None = None,
+             lengths: dict | None = None) -> dict:
     """The planner's prediction for this process of the run (``python train_low_mem.py plan`` prints
     the same), from the run's ``data.pipeline.TrainData``.
 
     Made before the model exists (the framework baseline is measured here). A run from the start
     replays this process's stream to find its costliest micro-batch; a resumed one, which starts
-    mid-stream, is planned from the sampled lengths. ``sharding``: ``lowmem.sharding.planned_sharding``.
+    mid-stream, is planned from the sampled lengths. ``sharding``: ``lowmem.sharding.planned_sharding``;
+    ``lengths``: those already read for these sizes (``lowmem.batch_budget``).
     """
-    lengths = run_lengths(cfg, data, replay=not resuming)
+    lengths = lengths or run_lengths(cfg, data, replay=not resuming)
     return planner.predict(cfg, len(data.collator.tokenizer), lengths, planner.framework_mb(cfg), device, data.world,
                            sharding)
 

@@ -113,9 +113,10 @@ def test_eval_loss_and_bleu_do_not_depend_on_the_eval_batch(tmp_path, tokenizer)
 def test_auto_stays_within_max_rss_gb_and_a_resume_keeps_its_sizes(tmp_path):
     train, evals = SHIPPED_CORPORA["pretrain"]
     run = tmp_path / "run"
+    # no accumulation: a step is one micro-batch of the size auto picks (the effective batch follows it)
     common = [f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={run}", "--batch_size=auto",
-              "--eval_batch_size=auto", "--max_rss_gb=0.75", "--eval_steps=0", "--save_steps=0",
-              "--max_eval_samples=64"]
+              "--eval_batch_size=auto", "--max_rss_gb=0.75", "--gradient_accumulation_steps=1", "--eval_steps=0",
+              "--save_steps=0", "--max_eval_samples=64"]
     proc = run_cli("train", *common, "--max_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = metrics(run)
