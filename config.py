@@ -79,6 +79,11 @@ MEMORY_PROFILES = {
 }
 
 
+def gpu_profile_gib(name: str) -> float:
+    """The GPU memory a GPU profile is named for (gpu8g: 8 GiB)."""
+    return float(name.removeprefix("gpu").removesuffix("g"))
+
+
 class UserError(Exception):
     """A mistake the user can fix; the CLI prints it as one line and exits with code 2."""
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import MEMORY_PROFILES, MODEL_PRESETS, SHIPPED_TOKENIZER_DIR  # noqa: E402
+from config import MEMORY_PROFILES, MODEL_PRESETS, SHIPPED_TOKENIZER_DIR, gpu_profile_gib  # noqa: E402
 from data.tokenization import load_tokenizer  # noqa: E402
 from lowmem import plan_command, planner  # noqa: E402
 from lowmem.batch_budget import choose  # noqa: E402
@@ -39,7 +39,7 @@ def main() -> None:
             cfg, _ = load_config({"memory_profile": name, "model_preset": preset, "max_source_len": 128,
                                   "max_target_len": 128})
             if cfg.batch_size == "auto":  # the profile's GPU: gpu8g has 8 GiB
-                gib = float(name.removeprefix("gpu").removesuffix("g"))
+                gib = gpu_profile_gib(name)
 
                 def peak_mb(micro, accumulation, eval_batch, cfg=cfg, device=device):
                     trial = replace(cfg, batch_size=micro, gradient_accumulation_steps=accumulation,

@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 
-from config import AUTO, TrainConfig, UserError
+from config import AUTO, TrainConfig, UserError, gpu_profile_gib
 from lowmem.run_memory import MEMORY_GUARD_AT
 
 MB = 2**20
@@ -61,7 +61,7 @@ def memory_budget(cfg: TrainConfig, device: str, local_processes: int = 1) -> tu
 
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / MB
         if cfg.gpu_profile:  # a profile names its GPU's size (gpu8g: 8 GiB)
-            named = float(cfg.memory_profile.removeprefix("gpu").removesuffix("g")) * 1024
+            named = gpu_profile_gib(cfg.memory_profile) * 1024
             if named < total:
                 return named, f"--memory_profile={cfg.memory_profile}'s {named / 1024:g} GiB"
         return total, f"the GPU's {total / 1024:.1f} GiB"
@@ -186,7 +186,7 @@ def size_batches(cfg: TrainConfig, data, vocab_size: int, framework_mb: float, d
         return choose(cfg, lambda *sizes: 0.0, math.inf, "none", world, 1)
     rows = window_rows(cfg, world)
     widest = rows or AUTO_LIMIT * cfg.gradient_accumulation_steps
-    base = {**sample_lengths(cfg, data)}
+    base = sample_lengths(cfg, data)
     epochs = None if resuming else replay_epochs(cfg, data, widest)
     pairs = eval_pairs(cfg, data)
     key = "gpu_peak_mb" if device == "gpu" else "host_peak_mb"
@@ -281,15 +281,12 @@ def saved_model_eval_size(cfg: TrainConfig, model_dir, collator, examples: list,
     largest batch whose evaluation (``tensor_bytes.evaluation_bytes``) fits beside what is held now."""
     import psutil
 
-    from lowmem.plan_batches import eval_batches
+    from lowmem.plan_batches import eval_batches, length_pairs
     from lowmem.planner import CUDA_CONTEXT_MB
     from lowmem.tensor_bytes import evaluation_bytes, model_dims
 
     dims = model_dims(replace(cfg, init_from=str(model_dir)), 0)
-    pairs = []
-    if examples:
-        sources = collator.token_ids([e.prompt for e in examples], cfg.max_source_len)
-        pairs = [(len(s), len(t)) for s, t in zip(sources, collator.targets(examples))]
+    pairs = length_pairs(collator, examples, cfg.max_source_len)
     budget_mb, _ = memory_budget(cfg, device)
     if device == "gpu":
         import torch

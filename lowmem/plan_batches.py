@@ -141,12 +141,15 @@ def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int, m
 def eval_pairs(cfg: TrainConfig, data) -> list[tuple[int, int]]:
     """(source, target) token lengths of the evaluation rows this process runs: every world-th of the
     eval examples (``take_examples``' first ``--max_eval_samples`` rows)."""
-    mine = data.eval_examples[data.rank::data.world]
-    if not mine:
+    return length_pairs(data.collator, data.eval_examples[data.rank::data.world], cfg.max_source_len)
+
+
+def length_pairs(collator, examples: list, max_source_len: int) -> list[tuple[int, int]]:
+    """(source, target) token lengths of ``examples`` as ``collator`` cuts them."""
+    if not examples:
         return []
-    collator = data.collator
-    return [(len(s), len(t)) for s, t in zip(collator.token_ids([e.prompt for e in mine], cfg.max_source_len),
-                                              collator.targets(mine))]
+    return [(len(s), len(t)) for s, t in zip(collator.token_ids([e.prompt for e in examples], max_source_len),
+                                             collator.targets(examples))]
 
 
 def eval_batches(pairs: list[tuple[int, int]], batch_size: int) -> list[tuple[int, int, int, int]]:
