@@ -51,7 +51,8 @@ OPTIMIZERS = ("adafactor", "adamw", "adamw8bit")
 LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo", "wi_0", "wi_1")
 ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
-FROZEN_DTYPES = ("float32", "bfloat16")
+FROZEN_DTYPES = ("float32", "bfloat16", "int8", "float8")
+QUANTIZED_DTYPES = ("int8", "float8")  # optimum-quanto weights (lowmem.quantize)
 FREEZE_CHOICES = ("encoder", "embeddings", "none")
 OBJECTIVE_CHOICES = ("pairs", "span_corruption", "prefix_lm")
 REPORT_TO = ("none", "tensorboard")  # accelerate trackers we test; each is an optional package
@@ -210,7 +211,12 @@ class TrainConfig:
                                              "disk and RAM).")
     frozen_dtype: str = _f("float32", "SFT: storage of the frozen weight matrices (shared embedding and encoder; with "
                                       "LoRA the base decoder too). bfloat16 (needs --mixed_precision=bf16) halves "
-                                      "their memory; exports are float32.")
+                                      "their memory; int8 or float8 (pip install '.[quant]') store the frozen linear "
+                                      "layers in 8 bits, a quarter (embeddings, norms and wo stay as loaded); exports "
+                                      "are float32.")
+    quantize_wo: bool = _f(False, "With --frozen_dtype=int8|float8: quantize the feed-forward output layers (wo) "
+                                  "too. Saves memory; T5's wo loses accuracy in 8 bits, so it stays as loaded by "
+                                  "default.")
 
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")
@@ -440,6 +446,11 @@ class TrainConfig:
             problems.append("--frozen_dtype=bfloat16 needs frozen weights (--is_finetune=True, --freeze=encoder or "
                             "embeddings, or --lora_r) and --mixed_precision=bf16 (bf16 weights are only used inside "
                             "bf16 autocast)")
+        elif self.frozen_dtype in QUANTIZED_DTYPES and self.freeze != "encoder" and not self.lora_r:
+            problems.append(f"--frozen_dtype={self.frozen_dtype} quantizes frozen linear layers and this run has none: "
+                            "use it with --is_finetune=True and --freeze=encoder, or with --lora_r")
+        if self.quantize_wo and self.frozen_dtype not in QUANTIZED_DTYPES:
+            problems.append("--quantize_wo=True needs --frozen_dtype=int8 or float8")
         if self.encoder_cache_dtype not in CACHE_DTYPES:
             problems.append(f"--encoder_cache_dtype must be one of {', '.join(CACHE_DTYPES)} "
                             f"(got {self.encoder_cache_dtype!r})")

@@ -112,7 +112,7 @@ class LowMemTrainer:
         self.model = model  # prepared by accelerate (DDP-wrapped with several processes)
         self.core = None  # the unwrapped model: generation, checkpoints, exports
         self.run_config: dict = {}  # the options and the tokenizer's fingerprint, checked on resume
-        self.parameters = {"trainable": 0, "frozen": 0, "frozen_bf16": 0}
+        self.parameters = {"trainable": 0, "frozen": 0, "frozen_bf16": 0, "frozen_8bit": 0}
         self.total_steps = 0
         self.optimizer = self.scheduler = None
         self.trainable_params: list = []

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from config import UserError
+from config import QUANTIZED_DTYPES, UserError
 from data.ownership import MARKERS, claim_folder, remove_ours
 from data.readers import file_kind
 from data.sources import iter_rows, row_place
@@ -63,9 +63,8 @@ def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, f
     digest = hashlib.sha1()
     for name, tensor in sorted(encoder.state_dict().items()):
         digest.update(name.encode())
-        flat = tensor.detach().cpu().contiguous()
-        flat = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).reshape(-1)
-        digest.update(memoryview(flat.numpy()).cast("B"))  # no copy of the weights
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy())  # the bytes, of any dtype (bf16, float8), without a copy
     stats = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in ((f, os.stat(f)) for f in files)]
     digest.update(json.dumps([tokenizer_sha1, max_source_len, dtype, stats, list(columns), world, compute,
                               LAYOUT, rows]).encode())
@@ -266,7 +265,10 @@ def open_for_training(cfg, core, data, tokenizer_sha1: str, accelerator, multipl
     shares = [data.stream.share(i) for i in range(len(files))]
     device = accelerator.device
     # How the encoder runs counts too: bf16 autocast (and its padding) or not, on which device.
-    compute = f"{cfg.mixed_precision}/{device.type}/{multiple}"
+    # 8-bit frozen weights (--frozen_dtype=int8|float8): the cache holds the quantized encoder's outputs
+    # (its state dict, hashed below, holds the 8-bit bytes and scales; the dtype is named as well).
+    compute = f"{cfg.mixed_precision}/{device.type}/{multiple}" + (
+        f"/{cfg.frozen_dtype}" if cfg.frozen_dtype in QUANTIZED_DTYPES else "")
     key = fingerprint(core.encoder, tokenizer_sha1, cfg.max_source_len, cfg.encoder_cache_dtype, files, columns, world,
                       compute, [i.rows for i in data.indexes])  # held-out eval rows are not trained on
     rows = sum(end - start for start, end in shares)
@@ -282,7 +284,8 @@ def open_for_training(cfg, core, data, tokenizer_sha1: str, accelerator, multipl
         return hidden, batch["attention_mask"]
 
     def build_into(folder: Path) -> None:
-        say(f"encoder cache: encoding {rows:,} rows into {folder}")
+        say(f"encoder cache: encoding {rows:,} rows into {folder}"
+            + (f" with the {cfg.frozen_dtype} encoder (--frozen_dtype)" if cfg.frozen_dtype in QUANTIZED_DTYPES else ""))
         if reads <= rows:
             say(f"encoder cache: this run reads {reads:,} of those rows, none twice; encoding costs what "
                 "the encoder would take in its steps, so the cache saves time only in runs that read rows "

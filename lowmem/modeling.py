@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -251,9 +252,16 @@ def export_state_dict(model, to_host: bool = False) -> dict | None:
     (a model on a GPU) every tensor is copied to host memory as float32 here, one at a time, so an
     export allocates nothing on the GPU beyond one layer's merged matrix; on the CPU, bf16-stored weights
     are turned float32 in place first (:func:`weights_in_float32`). Tied tensors stay shared.
+
+    8-bit weights (``--frozen_dtype=int8|float8``) come back dequantized, as ``lowmem.quantize.Later``
+    entries that ``save_in_shards`` makes one shard at a time (merged ones too).
     """
+    from lowmem.quantize import Later, is_quantized, plain_weight
+
     lora = has_lora(model)
-    if not lora and not to_host:
+    quantized = {name: module for name, module in model.named_modules()
+                 if is_quantized(getattr(module, "weight", None))}
+    if not lora and not to_host and not quantized:
         return None
     plain = {}
     if lora:
@@ -261,15 +269,19 @@ def export_state_dict(model, to_host: bool = False) -> dict | None:
 
         for name, module in model.named_modules():
             if isinstance(module, LoraLayer):
-                with torch.no_grad():
-                    weight = module.get_base_layer().weight
-                    merged = weight.to(torch.float32, copy=True)
-                    for a in module.active_adapters:
-                        merged.addmm_(module.lora_B[a].weight.float(), module.lora_A[a].weight.float(),
-                                      alpha=module.scaling[a])
-                    plain[f"{name}.weight"] = merged.cpu() if to_host else merged.to(weight.dtype)
+                base = module.get_base_layer().weight
+                plain[f"{name}.weight"] = (Later(base.numel(), functools.partial(merged_weight, module, to_host))
+                                           if is_quantized(base) else merged_weight(module, to_host))
+    skipped = {f"{name}.{entry}" for name in quantized for entry in QUANTO_STATE}
+    for name, module in quantized.items():
+        key = f"{name}.weight".replace(".base_layer.", ".")
+        if key not in plain:
+            plain[key] = Later(module.weight.numel(), functools.partial(
+                plain_weight, module.weight, torch.float32, "cpu" if to_host else None))
     copies = {}  # storage -> its host copy
     for key, tensor in model.state_dict().items():
+        if key in skipped:
+            continue
         key = key.replace(".base_layer.", ".")
         if "lora_" in key or key in plain:
             continue
@@ -280,6 +292,22 @@ def export_state_dict(model, to_host: bool = False) -> dict | None:
     return plain
 
 
+# The state dict entries of an optimum-quanto layer (its 8-bit weight and scales, activation scales unused)
+QUANTO_STATE = ("weight._data", "weight._scale", "input_scale", "output_scale")
+
+
+@torch.no_grad()
+def merged_weight(module, to_host: bool) -> torch.Tensor:
+    """A LoRA layer's base weight with its adapters merged in: one float32 allocation, then ``addmm_``."""
+    from lowmem.quantize import is_quantized, plain_weight
+
+    weight = module.get_base_layer().weight
+    merged = plain_weight(weight) if is_quantized(weight) else weight.to(torch.float32, copy=True)
+    for a in module.active_adapters:
+        merged.addmm_(module.lora_B[a].weight.float(), module.lora_A[a].weight.float(), alpha=module.scaling[a])
+    return merged.cpu() if to_host else merged.to(weight.dtype)
+
+
 @contextlib.contextmanager
 def weights_in_float32(model):
     """While inside, weights stored in bf16 (``--frozen_dtype``) are float32 again, so an export
@@ -288,7 +316,10 @@ def weights_in_float32(model):
     One tensor at a time: the peak is what float32 storage would have cost all along. Back to bf16
     on exit, exactly (every bf16 value is a float32 value), so training goes on bit for bit.
     """
-    halves = [p for p in model.parameters() if p.dtype == torch.bfloat16]  # tied tensors listed once
+    from lowmem.quantize import is_quantized
+
+    # tied tensors are listed once; 8-bit weights (with bf16 scales) are dequantized by the export itself
+    halves = [p for p in model.parameters() if p.dtype == torch.bfloat16 and not is_quantized(p)]
     for param in halves:
         param.data = param.data.float()
     try:
@@ -316,13 +347,21 @@ def check_init_from(cfg: TrainConfig) -> None:
 
 
 def ready_to_train(model, cfg: TrainConfig):
-    """Freeze what --freeze names, apply the memory modes (LoRA, gradient checkpointing, bf16 frozen
-    weights). Returns the model and its trainable, frozen and bf16-stored frozen parameter counts."""
+    """Freeze what --freeze names, apply the memory modes (LoRA, gradient checkpointing, bf16 or 8-bit
+    frozen weights). Returns the model and its trainable, frozen, bf16-stored and 8-bit frozen
+    parameter counts."""
+    from config import QUANTIZED_DTYPES
+
     freeze_parts(model, cfg.freeze)
     model = apply_memory_modes(model, cfg)
     trainable, frozen = count_parameters(model)
     frozen_bf16 = store_frozen_in_bf16(model) if cfg.frozen_dtype == "bfloat16" else 0
-    return model, {"trainable": trainable, "frozen": frozen, "frozen_bf16": frozen_bf16}
+    frozen_8bit = 0
+    if cfg.frozen_dtype in QUANTIZED_DTYPES:
+        from lowmem.quantize import quantize_frozen
+
+        frozen_8bit = quantize_frozen(model, cfg)
+    return model, {"trainable": trainable, "frozen": frozen, "frozen_bf16": frozen_bf16, "frozen_8bit": frozen_8bit}
 
 
 def target_index(labels: torch.Tensor, multiple: int = 1) -> torch.Tensor:

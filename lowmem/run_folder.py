@@ -33,7 +33,7 @@ SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
 # The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
 SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1", "optimizer", "lora_r",
-                  "lora_target_modules")
+                  "lora_target_modules", "frozen_dtype", "quantize_wo")
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 
 
@@ -246,13 +246,19 @@ class RunFolder:
                tokenizer_source: Path | None = None) -> None:
         """A plain transformers model folder: safetensors weights, config, generation config, tokenizer.
 
-        ``state_dict`` replaces the model's own weights (LoRA: the merged plain weights). The source
+        ``state_dict`` replaces the model's own weights (LoRA: the merged plain weights; 8-bit ones:
+        dequantized, written in shards). The source
         tokenizer's own files (``spiece.model``) are kept beside the saved tokenizer.
         """
         from lowmem.model_source import copy_tokenizer_files
 
+        from lowmem.quantize import Later, save_in_shards
+
         with checkpoint.atomic_folder(folder) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+            if state_dict is not None and any(isinstance(v, Later) for v in state_dict.values()):
+                save_in_shards(tmp, model, state_dict)  # 8-bit weights dequantized a shard at a time
+            else:
+                model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
             mark_head_tying(tmp / "config.json", model)
             tokenizer.save_pretrained(tmp)
             if tokenizer_source is not None:

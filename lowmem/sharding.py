@@ -58,7 +58,7 @@ def check_shardable(cfg, engine: str) -> None:
     from config import UserError
 
     refused = {"--lora_r": cfg.lora_r > 0, "--encoder_cache": cfg.encoder_cache != "off",
-               "--frozen_dtype=bfloat16": cfg.frozen_dtype == "bfloat16"}
+               f"--frozen_dtype={cfg.frozen_dtype}": cfg.frozen_dtype != "float32"}
     name = {"fsdp": "FSDP", "deepspeed": "DeepSpeed"}[engine]
     for flag, on in refused.items():
         if on:

@@ -217,7 +217,7 @@ def frozen_summary(cfg: TrainConfig, core) -> str:
 def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_epoch: int, total_steps: int,
                     start_step: int, cache, core) -> tuple[list[str], dict]:
     """The numbers that matter before training starts: (log lines, the ``setup`` record's fields).
-    ``parameters``: trainable, frozen and frozen_bf16 counts; ``data``: the run's ``TrainData``."""
+    ``parameters``: trainable, frozen, frozen_bf16 and frozen_8bit counts; ``data``: the run's ``TrainData``."""
     world = accelerator.num_processes
     lengths = data.objective.longest or (cfg.max_source_len, cfg.max_target_len)  # the longest example
     effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
@@ -232,6 +232,9 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     features.append(frozen_summary(cfg, core))
     if parameters["frozen_bf16"]:
         features.append(f"{parameters['frozen_bf16']:,} frozen weights stored in bf16")
+    if parameters["frozen_8bit"]:
+        features.append(f"{parameters['frozen_8bit']:,} frozen weights stored in {cfg.frozen_dtype} (optimum-quanto"
+                        f"{', wo included' if cfg.quantize_wo else '; wo, embeddings and norms as loaded'})")
     lines = [
         f"device {accelerator.device} x {world} process(es) | model {cfg.init_from or cfg.model_preset} | "
         f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,}",
@@ -256,7 +259,8 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {total_steps} steps: the "
                      f"learning rate warms up over all {total_steps} and never decays")
     record = dict(trainable_params=parameters["trainable"], frozen_params=parameters["frozen"],
-                  frozen_bf16_params=parameters["frozen_bf16"], effective_batch=effective,
+                  frozen_bf16_params=parameters["frozen_bf16"], frozen_8bit_params=parameters["frozen_8bit"],
+                  effective_batch=effective,
                   micro_batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                   max_tokens_per_batch=cfg.max_tokens_per_batch, eval_batch_size=cfg.eval_batch_size,
                   train_rows=data.rows,

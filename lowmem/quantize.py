@@ -1,0 +1,154 @@
+"""Frozen linear layers in 8 bits (``--frozen_dtype=int8|float8``) with optimum-quanto, and back to
+plain float weights for exports.
+
+The pattern of the low-VRAM recipes: ``quantize`` then ``freeze`` one T5 block at a time, so at most
+one block's linear layers exist in full precision beside their 8-bit copies while quantizing. Only
+frozen ``nn.Linear`` weights are quantized (one scale per output row, in the weight's dtype); what stays as
+loaded, and why:
+
+- ``wo``, the feed-forward output layer: T5's activations there are large and lose accuracy in
+  8 bits (transformers keeps it in float32 for the same reason: ``_keep_in_fp32_modules``), unless
+  ``--quantize_wo=True``;
+- the embeddings (the shared one, the relative position tables): quanto has no quantized lookup;
+- an untied ``lm_head``: frozen only under LoRA, and kept in full precision as transformers'
+  quantizers keep it;
+- layer norms and anything trainable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from config import TrainConfig, UserError, optional_package_missing
+
+QTYPES = {"int8": "qint8", "float8": "qfloat8"}  # --frozen_dtype -> optimum.quanto's weight type
+
+
+def import_quanto(cfg: TrainConfig):
+    """optimum.quanto, or one line saying how to install it."""
+    try:
+        import optimum.quanto as quanto
+    except ImportError:
+        raise UserError(optional_package_missing(f"--frozen_dtype={cfg.frozen_dtype}", "optimum-quanto",
+                                                 extra="quant")) from None
+    return quanto
+
+
+def is_quantized(tensor) -> bool:
+    """Whether ``tensor`` is an optimum-quanto weight (its bytes in ``_data``, its scales in ``_scale``)."""
+    return hasattr(tensor, "_data") and hasattr(tensor, "_scale") and hasattr(tensor, "dequantize")
+
+
+def quantizable_layers(block, quantize_wo: bool) -> list[str]:
+    """Names (inside ``block``) of the frozen linear layers to quantize: not trainable, not LoRA's
+    adapters (trainable), not ``wo`` unless asked."""
+    return [name for name, module in block.named_modules()
+            if isinstance(module, torch.nn.Linear) and not is_quantized(module.weight)
+            and not module.weight.requires_grad and (quantize_wo or "wo" not in name.split("."))]
+
+
+def quantize_frozen(model, cfg: TrainConfig) -> int:
+    """Store the frozen linear layers of every T5 block in ``--frozen_dtype`` (8 bits), block by block.
+    Returns the number of weight elements quantized.
+
+    Runs after freezing and LoRA (peft's ``base_layer`` of an adapted layer is one of the frozen
+    layers). Quantizing is deterministic: a resume rebuilds the very same bytes, and a checkpoint
+    holds them too (``weight._data`` / ``weight._scale`` entries of the state dict).
+    """
+    quanto = import_quanto(cfg)
+    qtype = getattr(quanto, QTYPES[cfg.frozen_dtype])
+    # The scales take the weights' dtype: bf16 in bf16 runs, so that the quantized layers compute and
+    # pass gradients back in bf16 like the rest under autocast (with float32 scales, quanto's backward
+    # multiplies a bf16 gradient by float32 weights and fails, and so does its CPU int8 kernel forward).
+    compute = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    quantized = 0
+    for stack in (model.encoder, model.decoder):
+        for block in stack.block:
+            names = quantizable_layers(block, cfg.quantize_wo)
+            if not names:
+                continue
+            for name in names:
+                block.get_submodule(name).to(compute)
+            quanto.quantize(block, weights=qtype, include=names)
+            quanto.freeze(block)  # the 8-bit weights replace the float ones here: one block at a time
+            for name in names:
+                layer = block.get_submodule(name)
+                keep_frozen(layer)
+                # quanto makes its weights trainable again when it loads them (a resume)
+                layer.register_load_state_dict_post_hook(lambda module, _incompatible: keep_frozen(module))
+                quantized += layer.weight.numel()
+    # from_pretrained maps the checkpoint file: while any tensor is a view of it, every page the
+    # quantization read stays resident. Own copies of the rest let the mapping go (as for bf16).
+    for param in model.parameters():
+        if not is_quantized(param):
+            param.data = param.data.clone()
+    return quantized
+
+
+def keep_frozen(layer) -> None:
+    """No gradients for a quantized layer's weights (quanto makes them trainable)."""
+    for param in layer.parameters():
+        param.requires_grad_(False)
+
+
+def quantized_elements(model) -> int:
+    """Weight elements stored in 8 bits (0 for a model without quantized layers)."""
+    return sum(p.numel() for p in model.parameters() if is_quantized(p))
+
+
+def plain_weight(tensor, dtype: torch.dtype = torch.float32, device: str | None = None) -> torch.Tensor:
+    """``tensor`` as a plain tensor of ``dtype``: dequantized when it is an 8-bit weight (a new
+    tensor, the size of the float weight: made one at a time by the export)."""
+    if is_quantized(tensor):
+        tensor = tensor.dequantize()
+    return tensor.detach().to(device or tensor.device, dtype)
+
+
+class Later:
+    """A float32 export tensor made only when its shard is written (a dequantized or merged weight)."""
+
+    def __init__(self, numel: int, make):
+        self.numel, self.make = numel, make
+
+
+SHARD_BYTES = 64 * 2**20  # float32 bytes an export of a quantized model writes (and holds) per file
+
+
+def save_in_shards(folder, model, weights: dict) -> None:
+    """``save_pretrained``'s sharded layout for a model with 8-bit weights: ``weights`` (plain tensors
+    and ``Later``) written a shard at a time, so the export holds one shard's float32 copies, not the
+    whole model's (``save_pretrained`` needs every tensor at once). ``from_pretrained`` reads it as any
+    checkpoint: one ``model.safetensors``, or shards plus ``model.safetensors.index.json``; tied tensors
+    are stored once."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    seen, shards, size, total = set(), [[]], 0, 0
+    for key, value in weights.items():
+        if isinstance(value, torch.Tensor):
+            if value.untyped_storage().data_ptr() in seen:  # a tied tensor: the first key holds it
+                continue
+            seen.add(value.untyped_storage().data_ptr())
+        nbytes = 4 * value.numel if isinstance(value, Later) else value.numel() * value.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size, total = size + nbytes, total + nbytes
+    weight_map = {}
+    for number, keys in enumerate(shards, start=1):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        shard = {key: (weights[key].make() if isinstance(weights[key], Later) else weights[key]).contiguous()
+                 for key in keys}
+        save_file(shard, str(Path(folder) / name), metadata={"format": "pt"})
+        del shard  # free this shard's float32 copies before the next
+        weight_map.update(dict.fromkeys(keys, name))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    model.config.architectures = [type(model).__name__]  # what save_pretrained writes beside the weights
+    model.config.save_pretrained(folder)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
