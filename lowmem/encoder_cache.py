@@ -284,8 +284,9 @@ def open_for_training(cfg, core, data, tokenizer_sha1: str, accelerator, multipl
         return hidden, batch["attention_mask"]
 
     def build_into(folder: Path) -> None:
+        quantized = cfg.frozen_dtype in QUANTIZED_DTYPES
         say(f"encoder cache: encoding {rows:,} rows into {folder}"
-            + (f" with the {cfg.frozen_dtype} encoder (--frozen_dtype)" if cfg.frozen_dtype in QUANTIZED_DTYPES else ""))
+            + (f" with the {cfg.frozen_dtype} encoder (--frozen_dtype)" if quantized else ""))
         if reads <= rows:
             say(f"encoder cache: this run reads {reads:,} of those rows, none twice; encoding costs what "
                 "the encoder would take in its steps, so the cache saves time only in runs that read rows "

@@ -251,7 +251,6 @@ class RunFolder:
         tokenizer's own files (``spiece.model``) are kept beside the saved tokenizer.
         """
         from lowmem.model_source import copy_tokenizer_files
-
         from lowmem.quantize import Later, save_in_shards
 
         with checkpoint.atomic_folder(folder) as tmp:
