@@ -449,6 +449,8 @@ class TrainConfig:
         elif self.frozen_dtype in QUANTIZED_DTYPES and self.freeze != "encoder" and not self.lora_r:
             problems.append(f"--frozen_dtype={self.frozen_dtype} quantizes frozen linear layers and this run has none: "
                             "use it with --is_finetune=True and --freeze=encoder, or with --lora_r")
+        elif self.frozen_dtype in QUANTIZED_DTYPES and not installed("optimum.quanto"):
+            problems.append(optional_package_missing(f"--frozen_dtype={self.frozen_dtype}", "optimum-quanto", "quant"))
         if self.quantize_wo and self.frozen_dtype not in QUANTIZED_DTYPES:
             problems.append("--quantize_wo=True needs --frozen_dtype=int8 or float8")
         if self.encoder_cache_dtype not in CACHE_DTYPES:

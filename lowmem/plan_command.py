@@ -14,7 +14,7 @@ import math
 import sys
 from dataclasses import replace
 
-from config import MODEL_PRESETS, TrainConfig, UserError, installed
+from config import MODEL_PRESETS, QUANTIZED_DTYPES, TrainConfig, UserError, installed
 from data.stream import total_steps
 from lowmem import planner
 from lowmem.plan_batches import run_lengths
@@ -27,7 +27,7 @@ RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: p
 # The encoder cache's is the measured curve's short-prompt end (bench/encoder_cache_speed.py: 0.6-0.8, lower
 # as prompts grow longer than the answers).
 SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03,
-         "encoder_cache": 0.8}
+         "encoder_cache": 0.8, "int8": 1.1}  # int8: frozen layers dequantized at every use (docs/memory.md)
 
 
 def relative_time(cfg: TrainConfig, device: str) -> float:
@@ -38,6 +38,8 @@ def relative_time(cfg: TrainConfig, device: str) -> float:
     factor *= SPEED.get(cfg.optimizer, 1.0)
     if cfg.encoder_cache != "off":
         factor *= SPEED["encoder_cache"]
+    if cfg.frozen_dtype in QUANTIZED_DTYPES:
+        factor *= SPEED["int8"]
     return round(factor * 2 / min(cfg.batch_size, 2), 3)  # a micro-batch of 1 takes twice the steps
 
 
@@ -69,7 +71,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
     micro-batch 2 or 1 (accumulation doubled to keep the batch), the encoder cache when the encoder is
     frozen (--freeze=encoder) and, with bf16, bf16 storage of the frozen weights (any --freeze but none,
-    or LoRA).
+    or LoRA); int8 frozen linear layers (--freeze=encoder or LoRA) when optimum-quanto is installed.
     Sequence lengths, LoRA and the model are never changed: they change what is trained. "Fastest" is
     over the whole run: the encoder cache wins only where the run reads its rows more than once.
     """
@@ -78,6 +80,8 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     caches = ["off", "auto"] if cfg.frozen_encoder else ["off"]
     precisions = ["no", "bf16"] if device == "gpu" else ["no"]
     frozen = ["float32", "bfloat16"] if has_frozen else ["float32"]
+    if "int8" in (import_mb or {}) and (cfg.freeze == "encoder" or cfg.lora_r) and not sharding:
+        frozen.append("int8")  # optimum-quanto installed: 8-bit frozen linear layers
     reads, best = reads_per_row(cfg, lengths.get("train_rows", lengths["rows"]), world), None
     for ckpt, prec, opt, batch, cache, frozen_dtype in itertools.product(
             [False, True], precisions, optimizers, [2, 1], caches, frozen):
@@ -87,7 +91,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         trial = replace(cfg, gradient_checkpointing=ckpt, mixed_precision=prec, optimizer=opt, batch_size=batch,
                         gradient_accumulation_steps=accumulation, encoder_cache=cache, frozen_dtype=frozen_dtype,
                         cpu=device == "cpu")
-        baseline = framework_mb + (import_mb or {}).get(opt, 0.0)
+        baseline = framework_mb + sum((import_mb or {}).get(key, 0.0) for key in (opt, frozen_dtype))
         plan = planner.predict(trial, vocab_size, lengths, baseline, device, world, sharding)
         peak = plan["gpu_peak_mb"] if device == "gpu" else per_machine * plan["host_peak_mb"]
         if peak > budget_gb * 1024 * (1 - RECOMMEND_HEADROOM):
@@ -153,11 +157,15 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     data = planner.plan_data(cfg, tokenizer, num_processes)
     # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
     # then what importing it adds, so every optimizer the search tries gets its own baseline.
-    core = planner.framework_mb(replace(cfg, optimizer="adafactor"))
+    core = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="float32"))
     import_mb = {}
     if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
-        import_mb["adamw8bit"] = max(0.0, planner.framework_mb(replace(cfg, optimizer="adamw8bit")) - core)
-    baseline = core + import_mb.get(cfg.optimizer, 0.0)
+        import_mb["adamw8bit"] = max(0.0, planner.framework_mb(replace(cfg, optimizer="adamw8bit",
+                                                                       frozen_dtype="float32")) - core)
+    if cfg.frozen_dtype in QUANTIZED_DTYPES or (budget_gb is not None and installed("optimum.quanto")):
+        import_mb["int8"] = import_mb["float8"] = max(0.0, planner.framework_mb(
+            replace(cfg, optimizer="adafactor", frozen_dtype="int8")) - core)  # optimum-quanto's import
+    baseline = core + import_mb.get(cfg.optimizer, 0.0) + import_mb.get(cfg.frozen_dtype, 0.0)
     cfg = sized(cfg, data, len(tokenizer), baseline, device, num_processes, per_machine, sharding, budget_gb)
     lengths = run_lengths(cfg, data)
     lengths["train_rows"] = data.rows  # counted ("rows" is estimated from a sample)

@@ -21,6 +21,7 @@ from data.stream import total_steps
 from lowmem.memory import SHARDED_MMAP_THRESHOLD
 from lowmem.plan_batches import micro_batch_lengths
 from lowmem.plan_sharding import sharded_sizes
+from lowmem.quantize import SHARD_BYTES
 from lowmem.tensor_bytes import (
     activation_bytes,
     batch_cost,
@@ -35,6 +36,8 @@ from lowmem.tensor_bytes import (
     optimizer_bytes,
     parameter_shapes,
     part_elements,
+    quantized_saving,
+    quantized_shapes,
     trainable_shapes,
 )
 
@@ -172,6 +175,8 @@ class StepSizes:
     head_parts: dict  # bytes of the shared embedding and an untied lm_head as held (large vocabularies)
     unread: int  # bytes of a mapped frozen embedding's rows past the tokenizer: never read while training
     half: int  # frozen elements stored in bf16 (--frozen_dtype=bfloat16)
+    quantized: int  # frozen elements stored in 8 bits (--frozen_dtype=int8|float8)
+    saved_8bit: int  # the bytes that saves against float32
     gathered: float  # of the weights, those a sharded process gathers from the others for the step
     encoder_elements: int  # the encoder stack's weights (offloaded from the GPU with the encoder cache)
     encoder_matrices: int  # of which matrices (the ones --frozen_dtype stores in bf16)
@@ -282,6 +287,10 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
     if shapes["lm_head"]:
         head_parts["lm_head"] = stored["lm_head"] * part_elements(shapes, "lm_head")
     weights = 4 * (n_params + (n_train if cfg.lora_r else 0)) - 2 * half  # --frozen_dtype=bfloat16: 2 bytes
+    eight_bit = quantized_shapes(cfg, shapes)  # --frozen_dtype=int8|float8: 1 byte, and a scale per row
+    quantized = sum(numel(shape) for shape in eight_bit)
+    saved_8bit = quantized_saving(cfg, eight_bit)
+    weights -= saved_8bit
     grads = 4 * n_train
     opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
     peak, runner_up = padded_peak_batches(cfg, dims, lengths, device, world)
@@ -308,6 +317,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
     peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world, first_step)
     return StepSizes(
         dims=dims, n_params=n_params, n_train=n_train, head_parts=head_parts, unread=unread, half=half,
+        quantized=quantized, saved_8bit=saved_8bit,
         gathered=gathered,
         encoder_elements=part_elements(shapes, "encoder"),
         encoder_matrices=matrix_elements(shapes["encoder"]),
@@ -326,7 +336,9 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         # (one tensor at a time). They are large, so mmapped fresh rather than carved from the heap the
         # allocator kept; they only reuse the share of the last step's memory that went back to the OS.
         # (From a GPU they are made on the host, within the host copy of the weights counted there.)
-        export_copies=4 * lora_merged_elements(cfg, dims) + 2 * half,
+        # An export of 8-bit weights dequantizes (and merges) them a shard at a time (lowmem.quantize).
+        export_copies=(min(4 * (quantized + lora_merged_elements(cfg, dims)), SHARD_BYTES) if quantized
+                       else 4 * lora_merged_elements(cfg, dims) + 2 * half),
         evaluation=evaluation_bytes(cfg, dims, lengths.get("eval", [])), peak=peak)
 
 
@@ -335,6 +347,9 @@ def gpu_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> tuple
     encoder_weights = 4 * s.encoder_elements if cfg.encoder_cache != "off" else 0
     if encoder_weights and s.half:
         encoder_weights -= 2 * s.encoder_matrices
+    if encoder_weights and s.quantized:
+        encoder_weights -= quantized_saving(cfg, quantized_shapes(cfg, {"encoder": parameter_shapes(s.dims)["encoder"],
+                                                                        "decoder": []}))
     gpu = {"cuda_context": CUDA_CONTEXT_MB * MB, "weights": s.weights - encoder_weights,
            "gradients": s.alive["gradients"], "optimizer": s.alive["optimizer"], "bf16_weight_copies": s.cast_cache,
            **s.alive}
@@ -343,7 +358,9 @@ def gpu_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> tuple
     # Evaluation (cache emptied before it): the whole model on the GPU again, the optimizer state.
     at_eval = CUDA_CONTEXT_MB * MB + s.weights + s.optimizer + (1 + GPU_ALLOCATOR_SLACK) * s.evaluation
     gpu["evaluation"] = max(0, at_eval - sum(gpu.values()))
-    host = {"framework": framework_mb * MB + CUDA_HOST_MB * MB, "weights_on_host": max(4 * s.n_params, s.serialize),
+    # the host loads the model (8-bit weights quantized there, read from the file a block at a time)
+    on_host = 4 * s.n_params - s.saved_8bit
+    host = {"framework": framework_mb * MB + CUDA_HOST_MB * MB, "weights_on_host": max(on_host, s.serialize),
             "encoder_offloaded": encoder_weights, "caches": s.cache, "data_buffers": s.buffers}
     host["frozen_cast"] = max(0, frozen_cast_bytes(s.n_params, s.half) - host["weights_on_host"])
     return gpu, host
@@ -435,7 +452,8 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
     """RSS (MiB) of this process once the training stack is imported: the framework baseline.
 
     With ``cfg``, the optional extras the run will import count too (peft for LoRA: about 55 MiB,
-    bitsandbytes for adamw8bit, tensorboard for --report_to), when they are installed.
+    bitsandbytes for adamw8bit, optimum-quanto for 8-bit frozen weights, tensorboard for --report_to),
+    when they are installed.
     """
     import importlib
 
@@ -443,7 +461,7 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
     import psutil
     import torch  # noqa: F401
 
-    from config import installed
+    from config import QUANTIZED_DTYPES, installed
     from lowmem.modeling import import_transformers_models
 
     import_transformers_models()
@@ -451,6 +469,7 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
 
     extras = [] if cfg is None else [module for module, used in (
         ("peft", cfg.lora_r > 0), ("bitsandbytes", cfg.optimizer == "adamw8bit"),
+        ("optimum.quanto", cfg.frozen_dtype in QUANTIZED_DTYPES),
         ("torch.utils.tensorboard", cfg.report_to == "tensorboard")) if used]
     for module in extras:
         if installed(module.split(".")[0]):

@@ -52,37 +52,84 @@ def quantize_frozen(model, cfg: TrainConfig) -> int:
     Returns the number of weight elements quantized.
 
     Runs after freezing and LoRA (peft's ``base_layer`` of an adapted layer is one of the frozen
-    layers). Quantizing is deterministic: a resume rebuilds the very same bytes, and a checkpoint
-    holds them too (``weight._data`` / ``weight._scale`` entries of the state dict).
+    layers). Each block's weights are read again from the ``--init_from`` checkpoint file, through a
+    mapping that closes once the block is quantized: ``from_pretrained``'s parameters are views of a
+    mapping of that file which stays open, so reading the weights through them would leave every
+    page read resident (the whole float32 model, for LoRA) until the run ends. So the peak holds one
+    block in full precision, and the pages of the quantized weights are never read through the model's
+    mapping. Quantizing is deterministic: a resume rebuilds the very same bytes (a checkpoint holds
+    them too: the ``weight._data`` / ``weight._scale`` entries of the state dict).
     """
+    from lowmem.memory import trim_heap
+
     quanto = import_quanto(cfg)
     qtype = getattr(quanto, QTYPES[cfg.frozen_dtype])
     # The scales take the weights' dtype: bf16 in bf16 runs, so that the quantized layers compute and
     # pass gradients back in bf16 like the rest under autocast (with float32 scales, quanto's backward
     # multiplies a bf16 gradient by float32 weights and fails, and so does its CPU int8 kernel forward).
     compute = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    files = checkpoint_files(cfg.init_from)
     quantized = 0
-    for stack in (model.encoder, model.decoder):
-        for block in stack.block:
+    for stack_name in ("encoder", "decoder"):
+        for index, block in enumerate(getattr(model, stack_name).block):
             names = quantizable_layers(block, cfg.quantize_wo)
             if not names:
                 continue
-            for name in names:
-                block.get_submodule(name).to(compute)
+            prefix = f"{stack_name}.block.{index}."
+            fresh = read_weights(files, [(prefix + name).replace(".base_layer", "") + ".weight" for name in names])
+            for name, weight in zip(names, fresh):
+                layer = block.get_submodule(name)
+                if weight is not None and weight.shape == layer.weight.shape:
+                    layer.weight = torch.nn.Parameter(weight.to(layer.weight.dtype).to(compute), requires_grad=False)
+                else:  # not in a safetensors file: from the loaded weight
+                    layer.to(compute)
+            del fresh
             quanto.quantize(block, weights=qtype, include=names)
             quanto.freeze(block)  # the 8-bit weights replace the float ones here: one block at a time
+            # The block's float32 weights and quantizing's temporaries are freed now, but the 8-bit results
+            # sit between them on the C heap, which keeps them resident: a LoRA base model rose by 1 GiB.
+            trim_heap()
             for name in names:
                 layer = block.get_submodule(name)
                 keep_frozen(layer)
                 # quanto makes its weights trainable again when it loads them (a resume)
                 layer.register_load_state_dict_post_hook(lambda module, _incompatible: keep_frozen(module))
                 quantized += layer.weight.numel()
-    # from_pretrained maps the checkpoint file: while any tensor is a view of it, every page the
-    # quantization read stays resident. Own copies of the rest let the mapping go (as for bf16).
-    for param in model.parameters():
-        if not is_quantized(param):
-            param.data = param.data.clone()
     return quantized
+
+
+def checkpoint_files(init_from) -> dict:
+    """{tensor name: safetensors file} of the ``--init_from`` model ({} when it has no safetensors)."""
+    import json
+
+    from lowmem.model_source import resolve_model_dir
+
+    if not init_from:
+        return {}
+    folder = resolve_model_dir(str(init_from))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {key: folder / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(str(single), "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def read_weights(files: dict, keys: list[str]) -> list:
+    """The tensors ``keys`` (None for one not in ``files``), each file mapped only while it is read."""
+    from safetensors import safe_open
+
+    found = [None] * len(keys)
+    for path in {files[key] for key in keys if key in files}:
+        with safe_open(str(path), "pt") as f:
+            for i, key in enumerate(keys):
+                if files.get(key) == path:
+                    found[i] = f.get_tensor(key)
+    return found
 
 
 def keep_frozen(layer) -> None:

@@ -163,6 +163,28 @@ def frozen_matrix_elements(cfg: TrainConfig, shapes: dict) -> int:
     return sum(matrix_elements(shapes[part]) for part in frozen_parts(cfg))
 
 
+QUANTIZED_LAYERS = ("q", "k", "v", "o", "wi", "wi_0", "wi_1")  # what --frozen_dtype=int8|float8 stores in 8 bits
+
+
+def quantized_shapes(cfg: TrainConfig, shapes: dict) -> list[tuple[int, ...]]:
+    """Shapes of the weights ``--frozen_dtype=int8|float8`` stores in 8 bits (``lowmem.quantize``): the
+    frozen stacks' linear layers, ``wo`` only with ``--quantize_wo``; never embeddings or the head."""
+    from config import QUANTIZED_DTYPES
+
+    if cfg.frozen_dtype not in QUANTIZED_DTYPES:
+        return []
+    names = QUANTIZED_LAYERS + (("wo",) if cfg.quantize_wo else ())
+    return [shape for part in ("encoder", "decoder") if part in frozen_parts(cfg)
+            for name, shape in shapes[part] if name in names]
+
+
+def quantized_saving(cfg: TrainConfig, quantized: list[tuple[int, ...]]) -> int:
+    """Bytes 8-bit storage saves against float32: 3 of each element's 4, less one scale per output row
+    (in the compute dtype) and quanto's two unused activation scales per layer."""
+    scale = 2 if cfg.mixed_precision == "bf16" else 4
+    return sum(3 * numel(shape) - scale * shape[0] - 8 for shape in quantized)
+
+
 def optimizer_bytes(cfg: TrainConfig, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
     """(state bytes, largest per-step temporary) of --optimizer for these trainable shapes."""
     state, temp = 0, 0
