@@ -35,9 +35,8 @@ def layers(model):
 ])
 def test_frozen_linear_layers_are_stored_in_8_bits_and_counted_by_the_planner(family_models, family, flags):
     from lowmem import planner, tensor_bytes
-    from lowmem.quantize import is_quantized
-
     from lowmem.modeling import load_model
+    from lowmem.quantize import is_quantized
 
     source = load_model(family_models[family]).state_dict()
     cfg, model, counts = quantized_model(family_models[family], **flags)
