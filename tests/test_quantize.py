@@ -89,7 +89,8 @@ def test_an_export_dequantizes_and_merges_one_shard_at_a_time(family_models, tmp
     monkeypatch.setattr(quantize, "SHARD_BYTES", 2**16)  # several shards from a tiny model
     from data.tokenization import load_tokenizer
 
-    RunFolder.export(tmp_path / "export", model, load_tokenizer(family_models["flan"]), {"kind": "sft"}, state_dict=plain)
+    tokenizer = load_tokenizer(family_models["flan"])
+    RunFolder.export(tmp_path / "export", model, tokenizer, {"kind": "sft"}, state_dict=plain)
     files = sorted(p.name for p in (tmp_path / "export").glob("*.safetensors"))
     assert len(files) > 2 and (tmp_path / "export" / "model.safetensors.index.json").is_file()
     loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "export")
@@ -133,7 +134,8 @@ def test_int8_sft_trains_keeps_frozen_weights_resumes_exactly_and_exports_plainl
     resumed = load_file(str(broken / "checkpoints" / "step_000006" / "model.safetensors"))
     assert all(torch.equal(last[k], resumed[k]) for k in last)
     # the export: plain float32 transformers weights, the encoder within the quantization error of the source
-    source, exported = load_file(str(init / "model.safetensors")), load_file(str(straight / "final" / "model.safetensors"))
+    source = load_file(str(init / "model.safetensors"))
+    exported = load_file(str(straight / "final" / "model.safetensors"))
     assert {t.dtype for t in exported.values()} == {torch.float32}
     q = "encoder.block.0.layer.0.SelfAttention.q.weight"
     step = source[q].abs().amax(dim=1, keepdim=True) / 127
