@@ -54,12 +54,12 @@ def train_losses(run):
 
 @pytest.mark.slow
 def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrained):
-    plain, _ = sft(tmp_path, pretrained, "plain", steps=50)
-    cached, done = sft(tmp_path, pretrained, "cached", "--encoder_cache=disk", steps=50)
+    plain, _ = sft(tmp_path, pretrained, "plain", steps=24)
+    cached, done = sft(tmp_path, pretrained, "cached", "--encoder_cache=disk", steps=24)
     assert "encoder cache: encoding" in done.stdout
     a, b = weights(plain / "final"), weights(cached / "final")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
-    memory, _ = sft(tmp_path, pretrained, "memory", "--encoder_cache=memory", steps=50)
+    memory, _ = sft(tmp_path, pretrained, "memory", "--encoder_cache=memory", steps=24)
     c = weights(memory / "final")
     assert max(float((a[k] - c[k]).abs().max()) for k in a) <= 1e-6
 
@@ -67,7 +67,7 @@ def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrai
     keys = sorted(p.name for p in (cached / "encoder_cache").glob("[!.]*"))  # the cache folders, not our marker
     done = run_cli("train", "--is_finetune=True", f"--init_from={pretrained}", f"--output_dir={cached}",
                    f"--train_file={tmp_path / 'sft.jsonl'}", f"--eval_file={tmp_path / 'sft.jsonl'}",
-                   "--is_keep_training=True", "--max_steps=52", "--encoder_cache=disk",
+                   "--is_keep_training=True", "--max_steps=26", "--encoder_cache=disk",
                    "--gradient_accumulation_steps=2", *FAST)
     assert done.returncode == 0 and "encoder cache: reusing" in done.stdout, done.stdout
     write_rows(tmp_path / "sft.jsonl", synthetic_rows(300, seed=3))

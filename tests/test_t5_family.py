@@ -100,7 +100,8 @@ def is_encoder_or_embedding(name: str) -> bool:
 @pytest.mark.parametrize("family", ["flan", "v1_1", "mt5", "byt5", "t5", "umt5"])
 def test_sft_continued_pretraining_and_full_finetune(family, family_models, corpus, tmp_path):
     """Each family by folder: SFT freezes the encoder and embedding (an untied lm_head trains), continued
-    pretraining and --freeze=none move every tensor; each export is the same family and evaluates alike."""
+    pretraining (three families) and --freeze=none move every tensor; each export is the same family and
+    evaluates alike."""
     source = family_models[family]
     before = weights(source)
     tied = json.loads((source / "config.json").read_text())["tie_word_embeddings"]
@@ -110,9 +111,10 @@ def test_sft_continued_pretraining_and_full_finetune(family, family_models, corp
     check_frozen(before, weights(tmp_path / "sft" / "final"), is_encoder_or_embedding)
     check_export(source, tmp_path / "sft" / "final", last, corpus[1])
 
-    train(corpus, tmp_path / "pretrain", str(source))  # continued pretraining: every weight trains
-    check_frozen(before, weights(tmp_path / "pretrain" / "final"), lambda _name: False)
-    check_export(source, tmp_path / "pretrain" / "final")
+    if family in ("t5", "flan", "mt5"):  # continued pretraining (tied, untied and gated, a large vocabulary)
+        train(corpus, tmp_path / "pretrain", str(source))  # every weight trains
+        check_frozen(before, weights(tmp_path / "pretrain" / "final"), lambda _name: False)
+        check_export(source, tmp_path / "pretrain" / "final")
 
     if family in ("flan", "mt5"):  # the two other --freeze choices, on an untied and gated model
         train(corpus, tmp_path / "full", str(source), "--is_finetune=True", "--freeze=none")
