@@ -3,12 +3,15 @@
     python bench/memory_modes.py                 # every configuration (a few minutes on 2 cores)
     python bench/memory_modes.py --quick         # tiny and small only
     python bench/memory_modes.py --only=t5-small # the flan-t5-small and mt5-small shapes (docs/t5_family.md)
+    python bench/memory_modes.py --only=8        # 8-bit frozen weights (int8 / float8 rows and their baselines)
+    python bench/memory_modes.py --accuracy      # base SFT eval loss after 100 steps: frozen bf16 / int8 / float8
 
 Each configuration is a real ``train_low_mem.py train`` run in its own process (a few optimizer
 steps, a final checkpoint and exports included). The prediction is the ``memory_plan`` record the
 run writes at start (the same numbers ``plan`` prints); the measurement is the process's peak RSS
 (the kernel's high-water mark) at the end. Step time is the mean of the optimizer steps after the
-first, relative to the plain configuration of the same model and data. The flan-t5-small and mt5-small
+first, relative to the plain configuration of the same model and data; "rel. peak" is the measured peak
+against that configuration's, and "eval loss" the run's final evaluation (8 rows). The flan-t5-small and mt5-small
 rows fine-tune models of those releases' shapes (SHAPES: gated-gelu, untied lm_head, mT5's 250,112-row
 embedding), built here from their configs with random weights and the shipped tokenizer (never
 downloaded; the embedding has more rows than the tokenizer, as Google's do). Rows marked "2 processes"
@@ -34,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = ["--max_steps=8", "--gradient_accumulation_steps=4", "--eval_steps=0", "--max_eval_samples=8",
          "--save_steps=0", "--logging_steps=1"]
 
+LORA = ["--lora_r=8", "--learn_rate=1e-3"]
 # name, preset, kind (pretrain on short / long rows, or sft), flags, the configuration it is timed against
 CONFIGS = [
     ("tiny plain", "tiny", "long", [], None),
@@ -81,6 +85,25 @@ CONFIGS = [
                                                                "--learn_rate=1e-3"], "flan-t5-small SFT"),
     ("mt5-small SFT", "mt5-small", "sft", [], None),
     ("mt5-small SFT encoder cache", "mt5-small", "sft", ["--encoder_cache=memory"], "mt5-small SFT"),
+    # 8-bit frozen weights (--frozen_dtype, optimum-quanto): peak and time against the float32 row
+    ("small SFT int8", "small", "sft", ["--frozen_dtype=int8"], "small SFT"),
+    ("small SFT float8", "small", "sft", ["--frozen_dtype=float8"], "small SFT"),
+    ("small SFT LoRA r=8 int8", "small", "sft", ["--lora_r=8", "--learn_rate=1e-3", "--frozen_dtype=int8"],
+     "small SFT LoRA r=8"),
+    ("base SFT", "base", "sft", [], None),
+    ("base SFT bf16, frozen bf16", "base", "sft", ["--mixed_precision=bf16", "--frozen_dtype=bfloat16"], "base SFT"),
+    ("base SFT int8", "base", "sft", ["--frozen_dtype=int8"], "base SFT"),
+    ("base SFT float8", "base", "sft", ["--frozen_dtype=float8"], "base SFT"),
+    ("base SFT int8, wo too", "base", "sft", ["--frozen_dtype=int8", "--quantize_wo=True"], "base SFT"),
+    ("base LoRA r=8", "base", "sft", LORA, None),
+    ("base LoRA r=8 bf16, frozen bf16", "base", "sft", [*LORA, "--mixed_precision=bf16", "--frozen_dtype=bfloat16"],
+     "base LoRA r=8"),
+    ("base LoRA r=8 int8", "base", "sft", [*LORA, "--frozen_dtype=int8"], "base LoRA r=8"),
+    ("base LoRA r=8 float8", "base", "sft", [*LORA, "--frozen_dtype=float8"], "base LoRA r=8"),
+    ("base LoRA r=8 int8, wo too", "base", "sft", [*LORA, "--frozen_dtype=int8", "--quantize_wo=True"],
+     "base LoRA r=8"),
+    ("flan-t5-base LoRA r=8", "flan-t5-base", "sft", LORA, None),
+    ("flan-t5-base LoRA r=8 int8", "flan-t5-base", "sft", [*LORA, "--frozen_dtype=int8"], "flan-t5-base LoRA r=8"),
 ]
 
 # Released models' shapes (their config.json values), built by write_shape: model_type, then the config.
@@ -89,6 +112,8 @@ SHAPES = {
                                  vocab_size=32128, feed_forward_proj="gated-gelu")),
     "mt5-small": ("mt5", dict(d_model=512, d_ff=1024, num_heads=6, d_kv=64, num_layers=8, num_decoder_layers=8,
                               vocab_size=250112, feed_forward_proj="gated-gelu")),
+    "flan-t5-base": ("t5", dict(d_model=768, d_ff=2048, num_heads=12, d_kv=64, num_layers=12, num_decoder_layers=12,
+                                vocab_size=32128, feed_forward_proj="gated-gelu")),
 }
 
 
@@ -198,24 +223,61 @@ def measure(out: Path) -> dict:
     train = [r for r in records if r["event"] == "train"]
     later = train[1:] or train  # logged every step: each record's step_s is one step's time
     step_s = sum(r["step_s"] for r in later) / len(later)
+    evals = [r["eval_loss"] for r in records if r["event"] == "eval"]
     return {"predicted": peak["predicted_host_peak_mb"], "measured": peak["measured_host_peak_mb"],
-            "ratio": peak["host_ratio"], "step_s": step_s}
+            "ratio": peak["host_ratio"], "step_s": step_s, "eval_loss": evals[-1] if evals else float("nan")}
+
+
+def sft_init(tmp: Path, corpora: dict, inits: dict, preset: str) -> Path:
+    """A model of ``preset`` to fine-tune: one pretraining step (its weights are nearly the initial ones)."""
+    if preset not in inits:
+        inits[preset] = tmp / f"init_{preset}"
+        run([f"--train_file={corpora['sft']}", f"--model_preset={preset}", f"--output_dir={inits[preset]}",
+             "--max_steps=1", "--gradient_accumulation_steps=1", "--eval_steps=0", "--max_eval_samples=2"])
+    return inits[preset] / "final"
+
+
+def accuracy(tmp: Path, corpora: dict, inits: dict, steps: int = 100) -> None:
+    """Eval loss of base SFT (encoder and embedding frozen) after ``steps`` optimizer steps of 2 rows, with the
+    frozen weights in bfloat16 (bf16 autocast), int8 and float8 (float32 compute), on 64 of the shipped
+    chatterbot eval rows."""
+    init = sft_init(tmp, corpora, inits, "base")
+    held_out = REPO / "data/chatterbot/eval.jsonl"  # the shipped eval split: 67 rows
+    losses = {}
+    for name, flags in (("bfloat16", ["--mixed_precision=bf16", "--frozen_dtype=bfloat16"]),
+                        ("int8", ["--frozen_dtype=int8"]), ("float8", ["--frozen_dtype=float8"])):
+        out = tmp / f"accuracy_{name}"
+        run(["--is_finetune=True", f"--init_from={init}", f"--train_file={corpora['sft']}", f"--eval_file={held_out}",
+             f"--max_steps={steps}", "--gradient_accumulation_steps=1", "--eval_steps=0", "--max_eval_samples=64",
+             "--save_steps=0", "--logging_steps=10", "--learn_rate=1e-3", *flags, f"--output_dir={out}"])
+        losses[name] = measure(out)["eval_loss"]
+        print(f"base SFT, frozen {name:<9} eval loss after {steps} steps {losses[name]:.4f}  "
+              f"({losses[name] / losses['bfloat16']:.3f} of bfloat16's)", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny and small configurations only")
-    parser.add_argument("--only", default="", help="run configurations whose name contains this")
+    parser.add_argument("--only", default="", help="run configurations whose name contains this (and their "
+                                                   "baselines)")
+    parser.add_argument("--accuracy", action="store_true", help="eval loss of base SFT after 100 steps with frozen "
+                                                                "weights in bfloat16, int8 and float8")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         corpora = make_corpora(tmp)
         inits = {}
         results = {}
-        print(f"{'configuration':<28}{'predicted MiB':>14}{'measured MiB':>14}{'ratio':>7}{'step s':>8}"
-              f"{'rel. time':>10}")
+        print(f"{'configuration':<32}{'predicted MiB':>14}{'measured MiB':>14}{'ratio':>7}{'step s':>8}"
+              f"{'rel. time':>10}{'rel. peak':>10}{'eval loss':>10}")
+        chosen = {name for name, preset, *_ in CONFIGS
+                  if options.only in name and not (options.quick and preset not in ("tiny", "small"))}
+        chosen |= {baseline for name, *_, baseline in CONFIGS if name in chosen and baseline}  # compared against
+        if options.accuracy:
+            accuracy(tmp, corpora, inits)
+            return
         for name, preset, kind, flags, baseline in CONFIGS:
-            if (options.quick and preset not in ("tiny", "small")) or options.only not in name:
+            if name not in chosen:
                 continue
             out = tmp / name.replace(" ", "_").replace(",", "").replace("=", "")
             data = ["--train_file=" + str(corpora[kind]), "--model_preset=" + preset]
@@ -224,19 +286,17 @@ def main() -> None:
                     inits[preset] = write_shape(tmp / f"shape_{preset}", preset)
                 data = ["--is_finetune=True", f"--init_from={inits[preset]}", f"--train_file={corpora[kind]}"]
             elif kind.startswith("sft"):
-                if preset not in inits:  # a pretrained model to fine-tune (one step is enough)
-                    inits[preset] = tmp / f"init_{preset}"
-                    run([*data, f"--output_dir={inits[preset]}", "--max_steps=1", "--gradient_accumulation_steps=1",
-                         "--eval_steps=0", "--max_eval_samples=2"])
-                data = ["--is_finetune=True", f"--init_from={inits[preset]}/final", f"--train_file={corpora[kind]}"]
+                init = sft_init(tmp, corpora, inits, preset)  # a pretrained model to fine-tune
+                data = ["--is_finetune=True", f"--init_from={init}", f"--train_file={corpora[kind]}"]
             config = launch_config(name)
             run([*data, *STEPS, *flags, f"--output_dir={out}"], config)
             result = results[name] = measure(out)
             rel = result["step_s"] / results[baseline]["step_s"] if baseline in results else 1.0
             # a 2-process step is twice the batch: timed only against another 2-process row
             shown = "-" if config and not (baseline and launch_config(baseline)) else f"{rel:.2f}"
-            print(f"{name:<28}{result['predicted']:>14,.0f}{result['measured']:>14,.0f}{result['ratio']:>7.2f}"
-                  f"{result['step_s']:>8.2f}{shown:>10}", flush=True)
+            peak = f"{result['measured'] / results[baseline]['measured']:.2f}" if baseline in results else "-"
+            print(f"{name:<32}{result['predicted']:>14,.0f}{result['measured']:>14,.0f}{result['ratio']:>7.2f}"
+                  f"{result['step_s']:>8.2f}{shown:>10}{peak:>10}{result['eval_loss']:>10.4f}", flush=True)
         ratios = [r["ratio"] for r in results.values()]
         within = sum(0.85 <= r <= 1.15 for r in ratios)
         print(f"{within} of {len(ratios)} predictions within +-15% (ratios {min(ratios):.2f} to {max(ratios):.2f})")
