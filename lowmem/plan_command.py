@@ -27,7 +27,7 @@ RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: p
 # The encoder cache's is the measured curve's short-prompt end (bench/encoder_cache_speed.py: 0.6-0.8, lower
 # as prompts grow longer than the answers).
 SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03,
-         "encoder_cache": 0.8, "int8": 1.1}  # int8: frozen layers dequantized at every use (docs/memory.md)
+         "encoder_cache": 0.8, "int8": 1.3}  # int8: frozen layers dequantized at every use (docs/memory.md)
 
 
 def relative_time(cfg: TrainConfig, device: str) -> float:
