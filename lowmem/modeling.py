@@ -256,7 +256,7 @@ def export_state_dict(model, to_host: bool = False) -> dict | None:
     8-bit weights (``--frozen_dtype=int8|float8``) come back dequantized, as ``lowmem.quantize.Later``
     entries that ``save_in_shards`` makes one shard at a time (merged ones too).
     """
-    from lowmem.quantize import Later, is_quantized, plain_weight
+    from lowmem.quantize import QUANTO_STATE, Later, is_quantized, plain_weight
 
     lora = has_lora(model)
     quantized = {name: module for name, module in model.named_modules()
@@ -290,10 +290,6 @@ def export_state_dict(model, to_host: bool = False) -> dict | None:
             tensor = copies[ptr] if ptr in copies else copies.setdefault(ptr, tensor.detach().to("cpu", torch.float32))
         plain[key] = tensor
     return plain
-
-
-# The state dict entries of an optimum-quanto layer (its 8-bit weight and scales, activation scales unused)
-QUANTO_STATE = ("weight._data", "weight._scale", "input_scale", "output_scale")
 
 
 @torch.no_grad()

@@ -22,6 +22,8 @@ import torch
 from config import TrainConfig, UserError, optional_package_missing
 
 QTYPES = {"int8": "qint8", "float8": "qfloat8"}  # --frozen_dtype -> optimum.quanto's weight type
+# The state dict entries of a quantized layer (its 8-bit weight and scales; the activation scales are unused)
+QUANTO_STATE = ("weight._data", "weight._scale", "input_scale", "output_scale")
 
 
 def import_quanto(cfg: TrainConfig):
