@@ -85,11 +85,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run first (the many short ones then fill both workers to the end, instead of one
-    worker finishing a long test alone); tests marked ``gpu`` skip cleanly on machines without CUDA."""
+    """Tests marked ``gpu`` skip cleanly on machines without CUDA."""
     import torch
 
-    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: same order on every worker
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
