@@ -143,11 +143,6 @@ def keep_frozen(layer) -> None:
         param.requires_grad_(False)
 
 
-def quantized_elements(model) -> int:
-    """Weight elements stored in 8 bits (0 for a model without quantized layers)."""
-    return sum(p.numel() for p in model.parameters() if is_quantized(p))
-
-
 def plain_weight(tensor, dtype: torch.dtype = torch.float32, device: str | None = None) -> torch.Tensor:
     """``tensor`` as a plain tensor of ``dtype``: dequantized when it is an 8-bit weight (a new
     tensor, the size of the float weight: made one at a time by the export)."""
