@@ -71,7 +71,16 @@ def prepare_for_training(accelerator, model, optimizer):
     if runs_deepspeed(accelerator):
         deepspeed_engine.share_master_weights(model)
         deepspeed_engine.describe_partitions(model)
-    return model, optimizer, accelerator.unwrap_model(model)
+    return model, optimizer, inner_model(accelerator, model)
+
+
+def inner_model(accelerator, model):
+    """The plain model inside what ``accelerator.prepare`` returned: the ``module`` of a DDP wrapper or a
+    DeepSpeed engine, else the model itself. Not ``accelerator.unwrap_model``: it imports DeepSpeed
+    wherever it is installed (0.6 s and 25 MiB in every run, and a warning line on CPU machines)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or runs_deepspeed(accelerator):
+        return model.module
+    return model
 
 
 def indexes_from_main(accelerator, files: list) -> list:

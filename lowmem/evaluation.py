@@ -21,7 +21,7 @@ from data.sources import formats_for, resolve_files
 from data.stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer
 from lowmem.batch_budget import saved_model_eval_size
-from lowmem.distributed import start_accelerator
+from lowmem.distributed import inner_model, start_accelerator
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
 from lowmem.modeling import batch_to_device, generation_cache, load_model, token_loss_sum
 from lowmem.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
@@ -227,5 +227,5 @@ def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
     if trained in SHIPPED_CORPORA and trained != cfg.kind and shipped_eval and accelerator.is_main_process:
         say(f"note: {model_dir} was trained by {trained}, and these are the shipped {cfg.kind} eval rows "
             f"({cfg.eval_file}); pass --is_finetune={trained == 'sft'} for the {trained} ones")
-    return SavedModel(cfg, accelerator, model, accelerator.unwrap_model(model), tokenizer, collator, eval_examples,
+    return SavedModel(cfg, accelerator, model, inner_model(accelerator, model), tokenizer, collator, eval_examples,
                       multiple)
