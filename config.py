@@ -222,6 +222,8 @@ class TrainConfig:
     eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")
     max_eval_samples: int = _f(100, "Examples used per evaluation. Lower saves time.")
     metric_for_best: str = _f("eval_loss", "Metric that picks best/: eval_loss (lower wins) or bleu (higher wins).")
+    eval_generate: bool = _f(True, "Generate answers at each evaluation for BLEU. False: eval loss only, much faster "
+                                   "(a young model generates --max_target_len tokens a row).")
     num_beams: int = _f(1, "Beams for evaluation and generate. 1 (greedy) saves memory.")
     logging_steps: int = _f(10, "Log a line and a metrics.jsonl record every N optimizer steps.")
     save_steps: int = _f(100, "Write a resumable checkpoint every N optimizer steps (0 = only at the end).")
@@ -366,6 +368,8 @@ class TrainConfig:
             problems.append(f"--lr_scheduler must be linear, cosine or constant (got {self.lr_scheduler!r})")
         if self.metric_for_best not in ("eval_loss", "bleu"):
             problems.append(f"--metric_for_best must be eval_loss or bleu (got {self.metric_for_best!r})")
+        elif self.metric_for_best == "bleu" and not self.eval_generate:
+            problems.append("--metric_for_best=bleu needs --eval_generate=True (BLEU scores generated answers)")
         if self.num_workers != 0:
             problems.append("--num_workers must be 0: the data position (and shuffle buffer) is saved from the "
                             "trainer process for exact resume; tokenization is batched in that process")

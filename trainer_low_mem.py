@@ -406,8 +406,9 @@ class LowMemTrainer:
         self.say(line)
         errors = report_data_errors(self.telemetry, self.data)
         self.accelerator.wait_for_everyone()  # no process leaves while another is still in a collective
+        bleu = {} if metrics.get("bleu") is None else {"bleu": metrics["bleu"]}  # none without --eval_generate
         return {"output_dir": str(self.out), "steps": self.state.step, "step_s": self.meter.mean_step_seconds(),
-                "eval_loss": metrics["eval_loss"], "bleu": metrics["bleu"], "best_metric": self.state.best_metric,
+                "eval_loss": metrics["eval_loss"], **bleu, "best_metric": self.state.best_metric,
                 "best_step": self.state.best_step, "bad_rows": errors["bad_rows"]}
 
     # ------------------------------------------------------------------ evaluation, checkpoints, exports
@@ -437,9 +438,10 @@ class LowMemTrainer:
         if improved:
             self.state.best_metric, self.state.best_step = metric, self.state.step
             self.export(self.out / "best")
-        self.state.last_eval = {"step": self.state.step, "eval_loss": result["eval_loss"], "bleu": result["bleu"]}
+        self.state.last_eval = {"step": self.state.step, "eval_loss": result["eval_loss"], "bleu": result.get("bleu")}
         self.telemetry.record("eval", **result, best=improved)
-        self.say(f"eval step {self.state.step} | eval_loss {result['eval_loss']:.4f} | bleu {result['bleu']:.2f}"
+        bleu = f" | bleu {result['bleu']:.2f}" if "bleu" in result else ""
+        self.say(f"eval step {self.state.step} | eval_loss {result['eval_loss']:.4f}{bleu}"
                  + (" | new best" if improved else ""))
         return result
 

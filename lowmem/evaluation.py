@@ -69,7 +69,8 @@ def generation_options(cfg: TrainConfig, max_new_tokens: int) -> dict:
 @torch.no_grad()
 def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainConfig, accelerator,
                    multiple: int = 1, progress: bool = False) -> dict:
-    """Eval loss (token-mean) and BLEU-4 of greedy/beam generations over ``examples``.
+    """Eval loss (token-mean) and BLEU-4 of greedy/beam generations over ``examples`` (no ``bleu`` key
+    with ``--eval_generate=False``).
 
     ``model`` is the prepared (wrapped) model the loss runs through, ``core`` the unwrapped one that
     generates. Each process takes every world-th example; no collective runs inside the loop (ranks
@@ -79,7 +80,7 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
 
     start = time.time()
     model.eval()
-    loss_sum, tokens, pairs = 0.0, 0, []
+    loss_sum, tokens, pairs, examples_done = 0.0, 0, [], 0
     mine = examples[accelerator.process_index::accelerator.num_processes]
     # Batches of similar source length: less padding, and generation (which runs until a batch's last row
     # ends) spent on rows alike. Corpus BLEU and the token-mean loss do not depend on the order.
@@ -104,22 +105,25 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
                 loss, inputs = loss_and_encoded(model, core, collator, chunk, batch, budget, accelerator.device,
                                                 multiple)
             generated = core.generate(**inputs, attention_mask=batch["attention_mask"], synced_gpus=sharded,
-                                      **generation_options(cfg, cfg.max_target_len))
+                                      **generation_options(cfg, cfg.max_target_len)) if cfg.eval_generate else None
         if k >= real:  # padding
             continue
         loss_sum += loss
         tokens += int(batch["labels"].ne(-100).sum())
-        predictions = tokenizer.batch_decode(generated, skip_special_tokens=True)
-        pairs.extend(zip(predictions, [e.response if isinstance(e.response, str)  # else token ids (raw-text objectives)
-                                       else tokenizer.decode(e.response, skip_special_tokens=True) for e in chunk]))
+        if generated is not None:
+            predictions = tokenizer.batch_decode(generated, skip_special_tokens=True)
+            pairs.extend(zip(predictions, [e.response if isinstance(e.response, str)  # else token ids (raw text)
+                                           else tokenizer.decode(e.response, skip_special_tokens=True) for e in chunk]))
+        examples_done += len(chunk)
         del batch, generated
-    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=accelerator.device)
+    totals = torch.tensor([loss_sum, tokens, examples_done], dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
         totals = accelerator.reduce(totals, "sum")
         pairs = gather_object(pairs)
-    return {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5),
-            "bleu": round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4),
-            "eval_examples": len(pairs), "eval_s": round(time.time() - start, 2)}
+    result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5)}
+    if cfg.eval_generate:  # else no BLEU at all (not a 0 that reads as a score)
+        result["bleu"] = round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4)
+    return {**result, "eval_examples": int(totals[2].item()), "eval_s": round(time.time() - start, 2)}
 
 
 def loss_and_encoded(model, core, collator, chunk: list, batch: dict, budget: int, device, multiple: int

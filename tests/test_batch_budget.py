@@ -101,12 +101,15 @@ def test_eval_loss_and_bleu_do_not_depend_on_the_eval_batch(tmp_path, tokenizer)
         for size in (1, 5, 16):
             trainer.cfg.eval_batch_size = size
             results[size] = trainer.evaluate()
+        trainer.cfg.eval_generate = False  # the loss alone, no BLEU: the same loss, without generating
+        loss_only = trainer.evaluate()
     finally:
         trainer.close()
-    assert results[1]["eval_examples"] == results[16]["eval_examples"] == 16
+    assert results[1]["eval_examples"] == results[16]["eval_examples"] == loss_only["eval_examples"] == 16
     for size in (5, 16):
         assert results[size]["eval_loss"] == pytest.approx(results[1]["eval_loss"], rel=1e-5)
         assert results[size]["bleu"] == pytest.approx(results[1]["bleu"], abs=1e-6)
+    assert loss_only["eval_loss"] == results[16]["eval_loss"] and "bleu" not in loss_only
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
 from config import MEMORY_PROFILES, installed
 from lowmem.flags import load_config
 
-FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5"]
+FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5", "--eval_generate=False"]
 
 
 @pytest.fixture(scope="module")
