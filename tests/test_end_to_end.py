@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=16", "--logging_steps=5", "--eval_generate=False"]
+SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=16", "--logging_steps=5",
+         "--eval_generate=False"]
 
 
 def weights(folder):

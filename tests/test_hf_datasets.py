@@ -27,7 +27,8 @@ from lowmem.flags import load_config
 
 WORDS = "the river runs over stone and light falls on the quiet town while birds sing in tall green trees".split()
 PAIRS = ("prompt", "response")
-SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=4", "--logging_steps=1", "--eval_generate=False"]
+SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=4", "--logging_steps=1",
+         "--eval_generate=False"]
 
 
 def documents(n: int, seed: int = 0) -> list[str]:

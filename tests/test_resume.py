@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from config import UserError
 from lowmem import checkpoint
 
-SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=2", "--eval_generate=False"]
+SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=2",
+         "--eval_generate=False"]
 
 
 def launch(args: list[str], log: Path) -> subprocess.Popen:
