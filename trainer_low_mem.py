@@ -36,7 +36,7 @@ from lowmem.accumulation import window_backward
 from lowmem.batch_budget import batch_request, size_run
 from lowmem.checkpointer import Checkpointer
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
-from lowmem.evaluation import evaluate_model, is_better
+from lowmem.evaluation import eval_log_line, evaluate_model, is_better
 from lowmem.memory import free_memory, freeze_long_lived, process_rss_bytes, thaw_long_lived
 from lowmem.model_source import check_vocabulary, tokenizer_folder
 from lowmem.modeling import (
@@ -440,9 +440,7 @@ class LowMemTrainer:
             self.export(self.out / "best")
         self.state.last_eval = {"step": self.state.step, "eval_loss": result["eval_loss"], "bleu": result.get("bleu")}
         self.telemetry.record("eval", **result, best=improved)
-        bleu = f" | bleu {result['bleu']:.2f}" if "bleu" in result else ""
-        self.say(f"eval step {self.state.step} | eval_loss {result['eval_loss']:.4f}{bleu}"
-                 + (" | new best" if improved else ""))
+        self.say(eval_log_line(self.state.step, result, improved))
         return result
 
     def export(self, folder: Path) -> None:

@@ -126,6 +126,12 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
     return {**result, "eval_examples": int(totals[2].item()), "eval_s": round(time.time() - start, 2)}
 
 
+def eval_log_line(step: int, result: dict, improved: bool) -> str:
+    """The log line of an evaluation (no BLEU with ``--eval_generate=False``)."""
+    bleu = "" if result.get("bleu") is None else f" | bleu {result['bleu']:.2f}"
+    return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{bleu}" + (" | new best" if improved else "")
+
+
 def loss_and_encoded(model, core, collator, chunk: list, batch: dict, budget: int, device, multiple: int
                      ) -> tuple[float, dict]:
     """The summed token loss of ``chunk`` and its encoder output for ``generate`` (the encoder runs once
