@@ -100,6 +100,34 @@ def size_buckets(accelerator, d_model: int) -> None:
             zero[key] = value
 
 
+def import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer with its kernels left to run eagerly, before its ZeRO optimizer
+    imports it compiled.
+
+    DeepSpeed 0.19's ZeRO optimizers import Muon for one ``isinstance`` check when they start, and its
+    functions are decorated with ``torch.compile``: that imports the compiler stack (dynamo's debugging
+    backends, functorch's AOT autograd, inductor's code generation, networkx), 41 MiB more RSS and 2.3 s in
+    every process, for an optimizer the trainer never hands DeepSpeed (``check_deepspeed`` admits AdamW and
+    Adafactor only). Nothing here is compiled; a Muon run elsewhere in the process would run eagerly.
+    """
+    import importlib
+    import sys
+
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    if name in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    compile_decorator = compiler.compile
+    compiler.compile = lambda *args, **kwargs: (lambda function: function)
+    try:
+        importlib.import_module(name)
+    except ImportError:  # another DeepSpeed layout: it imports what it imports
+        pass
+    finally:
+        compiler.compile = compile_decorator
+
+
 def share_master_weights(engine) -> None:
     """Under ZeRO-3 with float32 weights, let the optimizer step the partitions themselves instead of a
     float32 copy of them: 1/N of the weights per process less (a quarter of AdamW's sharded model state).

@@ -67,6 +67,7 @@ def prepare_for_training(accelerator, model, optimizer):
         return model, accelerator.prepare(optimizer), model
     if runs_deepspeed(accelerator):
         deepspeed_engine.size_buckets(accelerator, model.config.d_model)
+        deepspeed_engine.import_muon_uncompiled()
     model, optimizer = accelerator.prepare(model, optimizer)
     if runs_deepspeed(accelerator):
         deepspeed_engine.share_master_weights(model)
