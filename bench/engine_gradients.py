@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 
 class InputsDone(torch.autograd.Function):
@@ -124,7 +125,6 @@ def worker(args) -> None:
         return grads
 
     def fsdp() -> dict:
-        sys.path.insert(0, str(REPO))
         from lowmem.sharding import shard_model
 
         model = shard_model(fresh(), {"reshard_after_forward": True, "offload_params": False}, torch.device("cpu"))
