@@ -116,13 +116,15 @@ def import_muon_uncompiled() -> None:
     name = "deepspeed.runtime.zero.muon.muon_optimizer"
     if name in sys.modules:
         return
-    from deepspeed.runtime import compiler
-
+    try:
+        from deepspeed.runtime import compiler
+    except ImportError:  # another DeepSpeed layout: it imports what it imports
+        return
     compile_decorator = compiler.compile
     compiler.compile = lambda *args, **kwargs: (lambda function: function)
     try:
         importlib.import_module(name)
-    except ImportError:  # another DeepSpeed layout: it imports what it imports
+    except ImportError:
         pass
     finally:
         compiler.compile = compile_decorator
