@@ -138,8 +138,8 @@ def worker(args) -> None:
 
         model = fresh()
         ds_config = {"train_micro_batch_size_per_gpu": args.rows, "gradient_accumulation_steps": 1,
-                  "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
-                  "zero_allow_untested_optimizer": True}
+                     "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+                     "zero_allow_untested_optimizer": True}
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                           config=ds_config)
         engine.backward(engine(input_ids=source[mine], labels=target[mine]).loss)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from config import TrainConfig, UserError
+from lowmem.memory import import_while_replaced
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-folder of a checkpoint that holds DeepSpeed's files
 CPU_ENV = "ACCELERATE_USE_CPU"
@@ -110,24 +111,12 @@ def import_muon_uncompiled() -> None:
     every process, for an optimizer the trainer never hands DeepSpeed (``check_deepspeed`` admits AdamW and
     Adafactor only). Nothing here is compiled; a Muon run elsewhere in the process would run eagerly.
     """
-    import importlib
-    import sys
-
-    name = "deepspeed.runtime.zero.muon.muon_optimizer"
-    if name in sys.modules:
-        return
     try:
         from deepspeed.runtime import compiler
     except ImportError:  # another DeepSpeed layout: it imports what it imports
         return
-    compile_decorator = compiler.compile
-    compiler.compile = lambda *args, **kwargs: (lambda function: function)
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-    finally:
-        compiler.compile = compile_decorator
+    import_while_replaced("deepspeed.runtime.zero.muon.muon_optimizer", compiler, "compile",
+                          lambda *args, **kwargs: (lambda function: function))
 
 
 def share_master_weights(engine) -> None:

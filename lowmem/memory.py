@@ -8,7 +8,9 @@ this process (see :func:`peak_rss_bytes`) or of a finished child, whichever is h
 from __future__ import annotations
 
 import gc
+import importlib
 import resource
+import sys
 
 import psutil
 import torch
@@ -133,3 +135,22 @@ def _glibc():
 
 
 _LIBC = _glibc()
+
+
+def import_while_replaced(name: str, owner, attribute: str, stand_in) -> None:
+    """Import module ``name`` (once) while ``owner.attribute`` is ``stand_in``, then put the original back.
+
+    For dependencies that import costly modules they need only for features this trainer never uses:
+    the stand-in answers the question that import hangs on. If the module is not where it was (another
+    library layout), nothing is replaced further and the library imports as it would.
+    """
+    if name in sys.modules:
+        return
+    original = getattr(owner, attribute)
+    setattr(owner, attribute, stand_in)
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+    finally:
+        setattr(owner, attribute, original)

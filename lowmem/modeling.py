@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from config import MODEL_PRESETS, TrainConfig, UserError, optional_package_missing
+from lowmem.memory import import_while_replaced
 from lowmem.model_source import model_folder_config, resolve_model_dir
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
@@ -32,14 +33,7 @@ def import_transformers_models() -> None:
         return
     import transformers.utils
 
-    is_scipy_available = transformers.utils.is_scipy_available
-    transformers.utils.is_scipy_available = lambda: False
-    try:
-        import transformers.loss.loss_utils  # noqa: F401
-    except ImportError:  # another transformers layout: import as usual, scipy included
-        pass
-    finally:
-        transformers.utils.is_scipy_available = is_scipy_available
+    import_while_replaced("transformers.loss.loss_utils", transformers.utils, "is_scipy_available", lambda: False)
 
 
 def build_model(cfg: TrainConfig, tokenizer):
