@@ -5,6 +5,8 @@ guard, whether any process has rows left in the epoch)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from config import TrainConfig, UserError
@@ -50,13 +52,24 @@ def start_accelerator(cfg: TrainConfig):
     # Under DeepSpeed, accelerate's CPU flag would mean MULTI_CPU (plain data parallelism): DeepSpeed
     # finds the device itself, and CPU processes talk over gloo
     handlers = [ddp] + (deepspeed_engine.process_group_kwargs() if engine == "deepspeed" else [])
-    accelerator = Accelerator(cpu=cfg.cpu and engine != "deepspeed", mixed_precision=cfg.mixed_precision,
+    accelerator = Accelerator(cpu=(cfg.cpu or launched_without_gpu()) and engine != "deepspeed",
+                              mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               kwargs_handlers=handlers, **tracking)
     if engine == "deepspeed":
         sharding = deepspeed_engine.configure(accelerator, cfg)
     set_seed(cfg.seed)
     return accelerator, sharding
+
+
+def launched_without_gpu() -> bool:
+    """Whether a launcher started this process as one of several on a machine without a GPU.
+
+    accelerate starts such processes (``accelerate launch`` with a MULTI_GPU or FSDP config) as CPU
+    processes over gloo only when told so (``ACCELERATE_USE_CPU=true`` or ``--cpu=True``); otherwise each
+    one would run alone, the whole run on every process. With no GPU to run on, CPU processes are what
+    the launch can only mean."""
+    return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
 
 
 def prepare_for_training(accelerator, model, optimizer):

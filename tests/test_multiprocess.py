@@ -168,12 +168,15 @@ def test_shipped_accelerate_configs_load_and_the_cpu_one_starts_two_processes(tm
                      **{f"deepspeed_zero{z}{o}": "DEEPSPEED" for z in (2, 3) for o in ("", "_offload")}}
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(20, seed=1))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(3, seed=2))
+    # As a user types it: no ACCELERATE_USE_CPU, no --cpu=True. accelerate alone would run every process on
+    # its own (the whole run on each); with no GPU the trainer makes them a gloo group.
+    user_env = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_CPU"}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--main_process_port", "29541",
-                           str(REPO / "train_low_mem.py"), "train", "--cpu=True", f"--train_file={train}",
+                           str(REPO / "train_low_mem.py"), "train", f"--train_file={train}",
                            f"--eval_file={evals}", f"--output_dir={tmp_path / 'run'}", "--max_steps=1",
                            "--gradient_accumulation_steps=2", "--eval_steps=0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=user_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert next(r for r in metrics(tmp_path / "run") if r["event"] == "setup")["world_size"] == 2
 
