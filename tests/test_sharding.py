@@ -40,9 +40,10 @@ def launch(config: str, args: list[str], port: int, log: Path | None = None, lau
                                 start_new_session=True)
 
 
-def trained(config: str, args: list[str], port: int, launcher: tuple = ()) -> None:
+def trained(config: str, args: list[str], port: int, launcher: tuple = ()) -> subprocess.CompletedProcess:
     proc = launch(config, args, port, launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
 
 
 def weights(run: Path) -> dict:
@@ -145,8 +146,10 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
               "--max_eval_samples=3", "--eval_batch_size=2", "--optimizer=adamw", "--max_grad_norm=0"]
     ddp, zero3 = (tmp_path / name for name in ("ddp", "zero3"))
     trained("cpu_2proc", [*common, f"--output_dir={ddp}"], 29631)
-    trained("deepspeed_zero3_cpu", [*common, f"--output_dir={zero3}"], 29633)
+    log = trained("deepspeed_zero3_cpu", [*common, f"--output_dir={zero3}"], 29633).stderr
     assert next(r for r in metrics(zero3) if r["event"] == "setup")["world_size"] == 2
+    # DeepSpeed's calls of collectives torch deprecated warned at every gather and reduce (thousands of lines)
+    assert "` is deprecated" not in log
     reference = weights(ddp)
     # Gradients above 1 that nothing clips (ZeRO-2, bit-identical to DDP when measured, is left out of the
     # suite for time: the same engine and optimizer path as ZeRO-3 but for the partitioning)
