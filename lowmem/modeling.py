@@ -323,8 +323,10 @@ def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     """Linear warmup, then linear / cosine decay to 0 at ``total_steps`` (or constant)."""
     from lowmem.optim import warmup_schedule
 
-    # A warmup as long as the run (or longer) ends it at the peak rate, on its last step.
-    return warmup_schedule(optimizer, cfg.lr_scheduler, min(cfg.warmup_steps, total_steps - 1), total_steps)
+    # --warmup_steps as given, as transformers' schedules take it: the rate of each warmup step does not
+    # depend on the run's length, and a run shorter than its warmup ends before the peak. (Squeezing the ramp
+    # into a short run took a fresh model to the peak within a few steps: loss spikes, docs/correctness.md.)
+    return warmup_schedule(optimizer, cfg.lr_scheduler, cfg.warmup_steps, total_steps)
 
 
 def check_init_from(cfg: TrainConfig) -> None:

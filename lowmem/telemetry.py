@@ -256,8 +256,9 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         lines.append(f"--memory_profile={cfg.memory_profile} is a GPU profile but this run is on the CPU: its "
                      "bf16 autocast saves no host memory there (it measured more); host16g is the CPU profile")
     if cfg.warmup_steps > total_steps:
-        lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {total_steps} steps: the "
-                     f"learning rate warms up over all {total_steps} and never decays")
+        lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {total_steps} steps: the run ends "
+                     f"in the warmup, at {total_steps}/{cfg.warmup_steps + 1} of --learn_rate (lower --warmup_steps "
+                     "to reach it)")
     record = dict(trainable_params=parameters["trainable"], frozen_params=parameters["frozen"],
                   frozen_bf16_params=parameters["frozen_bf16"], frozen_8bit_params=parameters["frozen_8bit"],
                   effective_batch=effective,
