@@ -83,6 +83,40 @@ def micro_batches(sources: list[int], targets: list[int], batch_size: int, max_t
     return groups + [group] if group else groups
 
 
+# Forwards that are bound by compute (the CPU's) cost their padded tokens plus about this many for the
+# call itself and the slower small matrix products (see length_groups); a group holds at most
+# GROUP_ROWS rows, which keeps the search linear in the rows and every matrix product large.
+CALL_TOKENS = 64
+GROUP_ROWS = 256
+
+
+def length_groups(lengths: list[int], max_tokens: int, multiple: int = 1) -> list[list[int]]:
+    """Row positions in groups of similar length for forwards without a gradient (evaluation), each cut
+    to its own longest row: runs of the rows sorted by length, chosen to minimise the padded tokens of
+    all groups plus CALL_TOKENS per group, each within ``max_tokens`` padded tokens (a longer row alone).
+
+    Exact, by dynamic programming over the sorted lengths. Unlike ``micro_batches`` (one grouping for
+    both sides of a training row), each side can be grouped by its own length here: the encoder by the
+    sources, the decoder by the targets.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    padded = [round_up(lengths[i], multiple) for i in order]
+    cost, cut = [0] + [None] * len(order), [0] * (len(order) + 1)  # best cost of the first k rows, its last cut
+    for end in range(1, len(order) + 1):
+        for begin in range(end - 1, max(end - 1 - GROUP_ROWS, -1), -1):
+            rows = end - begin
+            if rows > 1 and rows * padded[end - 1] > max_tokens:
+                break
+            total = cost[begin] + CALL_TOKENS + rows * padded[end - 1]
+            if cost[end] is None or total < cost[end]:
+                cost[end], cut[end] = total, begin
+    groups, end = [], len(order)
+    while end:
+        groups.append(order[cut[end]:end])
+        end = cut[end]
+    return groups[::-1]
+
+
 def by_source_length(lengths: list[int], batch_size: int) -> list[list[int]]:
     """Evaluation batches: row positions in batches of similar source length (stable), so padding
     and the batch's generation, which runs until its last row ends, are spent on similar rows."""

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from config import AUTO, SHIPPED_CORPORA, TrainConfig, saved_json
-from data.collate import by_source_length, micro_batches, shape_multiple
+from data.collate import by_source_length, length_groups, round_up, shape_multiple
 from data.eval_set import eval_files_of, eval_split
 from data.objectives import objective_for
 from data.sources import formats_for, resolve_files
@@ -27,7 +27,7 @@ from lowmem.modeling import batch_to_device, generation_cache, load_model, token
 from lowmem.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
 from lowmem.telemetry import on_terminal
 
-CPU_LOSS_TOKENS = 2048  # padded tokens (source + target) per eval-loss forward on the CPU
+CPU_LOSS_TOKENS = 2048  # padded tokens per eval forward on the CPU (the encoder's sources, the decoder's targets)
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 
 
@@ -90,9 +90,9 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
     sharded = is_sharded(core) or runs_deepspeed(accelerator)
     if sharded:  # every forward is a collective: each process runs as many batches, the extra ones discarded
         chunks = padded_window(chunks, lambda: examples[:1], accelerator.num_processes)
-    # On the CPU the loss's forward is bound by compute, so padding costs what it pads: it runs in
-    # micro-batches of similar length within CPU_LOSS_TOKENS (small, 100 short rows: 1.7 s, against 3.2 s
-    # padded as one batch), while generation takes the whole batch (fewer decoding steps, each cheap).
+    # On the CPU the loss's forward is bound by compute, so padding costs what it pads: the encoder and the
+    # decoder each run over groups of similar length within CPU_LOSS_TOKENS (loss_and_encoded), while
+    # generation takes the whole batch (fewer decoding steps, each cheap).
     # Sharded, every forward is a collective: one per batch on every process.
     budget = CPU_LOSS_TOKENS if accelerator.device.type == "cpu" and not sharded else 0
     for k, chunk in enumerate(tqdm(chunks, desc="eval", leave=False, disable=not progress)):
@@ -102,8 +102,7 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
                 loss = float(token_loss_sum(model, core, batch, multiple=multiple))
                 inputs = {"input_ids": batch["input_ids"]}
             else:
-                loss, inputs = loss_and_encoded(model, core, collator, chunk, batch, budget, accelerator.device,
-                                                multiple)
+                loss, inputs = loss_and_encoded(model, core, batch, budget, multiple)
             generated = core.generate(**inputs, attention_mask=batch["attention_mask"], synced_gpus=sharded,
                                       **generation_options(cfg, cfg.max_target_len)) if cfg.eval_generate else None
         if k >= real:  # padding
@@ -132,28 +131,37 @@ def eval_log_line(step: int, result: dict, improved: bool) -> str:
     return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{bleu}" + (" | new best" if improved else "")
 
 
-def loss_and_encoded(model, core, collator, chunk: list, batch: dict, budget: int, device, multiple: int
-                     ) -> tuple[float, dict]:
-    """The summed token loss of ``chunk`` and its encoder output for ``generate`` (the encoder runs once
-    for both), in micro-batches of similar length within ``budget`` padded tokens (0: one)."""
+def loss_and_encoded(model, core, batch: dict, budget: int, multiple: int) -> tuple[float, dict]:
+    """The summed token loss of ``batch`` and its encoder output for ``generate`` (the encoder runs once
+    for both). With a ``budget`` of padded tokens (0: the whole batch in one forward) the encoder runs over
+    groups of similar source length and the decoder over groups of similar target length
+    (``length_groups``), each cut to its own longest row: on the CPU a forward costs what it pads."""
     from transformers.modeling_outputs import BaseModelOutput
 
-    if budget:
-        sources = [len(ids) for ids in collator.token_ids([e.prompt for e in chunk], collator.max_source_len)]
-        targets = [len(ids) for ids in collator.targets(chunk)]
-        groups = micro_batches(sources, targets, len(chunk), budget, collator.pad_multiple)
-    else:
-        groups = [list(range(len(chunk)))]
-    mask = batch["attention_mask"]
-    hidden, loss = None, 0.0
-    for rows in groups:
-        part = batch_to_device(collator([chunk[i] for i in rows]), device, multiple)
-        encoded = core.encoder(input_ids=part["input_ids"], attention_mask=part["attention_mask"]).last_hidden_state
-        loss += float(token_loss_sum(model, core, {**part, "encoder_hidden_states": encoded}, multiple=multiple))
+    mask, labels = batch["attention_mask"], batch["labels"]
+    sources, targets = mask.sum(1).tolist(), labels.ne(-100).sum(1).tolist()
+
+    def groups(lengths: list[int]) -> list[list[int]]:
+        return length_groups(lengths, budget, multiple) if budget else [list(range(len(lengths)))]
+
+    def cut(rows: list[int], lengths: list[int], tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return torch.tensor(rows, device=tensor.device), min(round_up(max(lengths[i] for i in rows), multiple),
+                                                              tensor.shape[1])
+
+    hidden = None
+    for rows in groups(sources):
+        index, width = cut(rows, sources, mask)
+        encoded = core.encoder(input_ids=batch["input_ids"][index, :width],
+                               attention_mask=mask[index, :width]).last_hidden_state
         if hidden is None:
             hidden = encoded.new_zeros((*mask.shape, encoded.shape[-1]))
-        width = min(encoded.shape[1], mask.shape[1])  # each row's real positions (padding is masked out)
-        hidden[torch.tensor(rows, device=hidden.device), :width] = encoded[:, :width]
+        hidden[index, :width] = encoded
+    loss = 0.0
+    for rows in groups(targets):
+        (index, width), (_, length) = cut(rows, sources, mask), cut(rows, targets, labels)
+        part = {"attention_mask": mask[index, :width], "labels": labels[index, :length],
+                "encoder_hidden_states": hidden[index, :width]}
+        loss += float(token_loss_sum(model, core, part, multiple=multiple))
     return loss, {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
 
 

@@ -11,7 +11,7 @@ from conftest import metrics, run_cli
 from test_training_math import COLS, grads, make_trainer
 
 from config import SHIPPED_CORPORA
-from data.collate import micro_batches
+from data.collate import CALL_TOKENS, length_groups, micro_batches
 from data.eval_set import take_examples
 from lowmem import planner
 from lowmem.batch_budget import size_batches
@@ -91,6 +91,54 @@ def test_a_request_that_would_not_fit_is_lowered_with_one_line_and_auto_fills_th
     assert (roomy_auto.micro, roomy_auto.accumulation, roomy_auto.eval_batch) == (32, 1, 32)
     with pytest.raises(Exception, match="not a multiple of --batch_size=16"):
         sized(1e6, batch_size=16, effective_batch_size=40)
+
+
+def test_length_groups_are_the_cheapest_split_within_the_budget():
+    rng = random.Random(0)
+    for _ in range(300):
+        lengths = [rng.choice([1, 2, 3, 5, 8, 30, 64, 120]) for _ in range(rng.randint(1, 9))]
+        budget = rng.choice([64, 256, 2048])
+        groups = length_groups(lengths, budget)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert all(len(g) == 1 or len(g) * max(lengths[i] for i in g) <= budget for g in groups)
+
+        def cost(runs):
+            return sum(CALL_TOKENS + len(r) * max(r) for r in runs)
+
+        # every split of the sorted lengths into runs within the budget: the cheapest one costs the same
+        ordered, best = sorted(lengths), None
+        for cuts in range(2 ** (len(ordered) - 1)):
+            runs, start = [], 0
+            for k in range(1, len(ordered) + 1):
+                if k == len(ordered) or cuts >> (k - 1) & 1:
+                    runs.append(ordered[start:k])
+                    start = k
+            if all(len(r) == 1 or len(r) * max(r) <= budget for r in runs):
+                best = cost(runs) if best is None else min(best, cost(runs))
+        assert cost([[lengths[i] for i in g] for g in groups]) == best
+
+
+def test_eval_loss_grouped_by_each_side_equals_one_forward():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from lowmem.evaluation import loss_and_encoded
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=2,
+                                                d_kv=16, dropout_rate=0.0, decoder_start_token_id=0)).eval()
+    sources, targets = [3, 40, 5, 7, 38, 2, 4, 6], [30, 2, 4, 33, 3, 5, 2, 6]  # long-tailed, uncorrelated sides
+    ids = torch.randint(2, 64, (8, 40))
+    mask = (torch.arange(40) < torch.tensor(sources)[:, None]).long()
+    labels = torch.randint(2, 64, (8, 33)).masked_fill(torch.arange(33) >= torch.tensor(targets)[:, None], -100)
+    batch = {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+    assert len(length_groups(sources, 64)) > 1 and length_groups(sources, 64) != length_groups(targets, 64)
+    with torch.no_grad():
+        grouped, encoded = loss_and_encoded(model, model, batch, 64, 1)
+        whole, reference = loss_and_encoded(model, model, batch, 0, 1)
+    assert grouped == pytest.approx(whole, rel=1e-5)
+    real = mask.bool()
+    assert torch.allclose(encoded["encoder_outputs"].last_hidden_state[real],
+                          reference["encoder_outputs"].last_hidden_state[real], atol=1e-5)
 
 
 def test_eval_loss_and_bleu_do_not_depend_on_the_eval_batch(tmp_path, tokenizer):
