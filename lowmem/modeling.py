@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 from pathlib import Path
 
 import torch
@@ -29,8 +28,6 @@ def import_transformers_models() -> None:
     imported while ``is_scipy_available`` answers False; the real answer is restored right after,
     so everything else in transformers still sees scipy.
     """
-    if "transformers.loss.loss_utils" in sys.modules:
-        return
     import transformers.utils
 
     import_while_replaced("transformers.loss.loss_utils", transformers.utils, "is_scipy_available", lambda: False)
