@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What a session with a lent GPU runs (one machine, under ten minutes): bench/gpu_profiles.py's profile
-# rows (each profile as it chooses against 2 x 16, tiny / small / base) and its frozen-weight rows (base SFT
-# and LoRA, frozen float32 / bfloat16 / int8), then the GPU-marked tests. Python wheels the machine lacks
+# What a session with a lent GPU runs (one machine, under ten minutes): bench/gpu_profiles.py's frozen-weight
+# rows (base LoRA and SFT, frozen float32 / int8 / bfloat16) and its profile rows (each profile as it chooses
+# against 2 x 16, tiny / small / base), then the GPU-marked tests. A trainer run there costs 40-110 s: narrow
+# the profile rows with PRESETS= and PROFILES= to what is still unmeasured (docs/benchmarks.md). Python wheels the machine lacks
 # (a newer transformers, datasets, fire, optimum-quanto) go in .whl (see /work/.library/device/README.md).
 # Writes its log and gpu_profiles.json under ${OUT:-/tmp/gpu_check}.
 set -uo pipefail
@@ -21,13 +22,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)" \
   2>&1 | tail -1 | tee -a "$OUT/log"
 
-log "bench/gpu_profiles.py: profiles, auto against 2 x 16"
-timeout "${PROFILES_S:-330}" python3 bench/gpu_profiles.py --presets="${PRESETS:-tiny,small,base}" \
-  --profiles="${PROFILES:-gpu8g,gpu24g}" --steps=6 --parts=profiles --json="$OUT/gpu_profiles.json" 2>&1 | tee -a "$OUT/log"
-
 log "bench/gpu_profiles.py: frozen weights"
 timeout "${FROZEN_S:-180}" python3 bench/gpu_profiles.py --parts=frozen --steps=6 --json="$OUT/gpu_frozen.json" 2>&1 \
   | tee -a "$OUT/log"
+
+log "bench/gpu_profiles.py: profiles, auto against 2 x 16"
+timeout "${PROFILES_S:-330}" python3 bench/gpu_profiles.py --presets="${PRESETS:-tiny,small,base}" \
+  --profiles="${PROFILES:-gpu8g,gpu24g}" --steps=6 --parts=profiles --json="$OUT/gpu_profiles.json" 2>&1 | tee -a "$OUT/log"
 
 log "GPU-marked tests"
 timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests 2>&1 | tail -5 | tee -a "$OUT/log"

@@ -14,9 +14,9 @@ It reads each run's own records: the micro-batch used, tokens/s (the mean of the
 the eval pass's time (64 rows, loss and generation) and the ``memory_peak`` event (the planner's predicted
 GPU peak beside the measured one: torch's reserved peak plus the CUDA context).
 
-Part 2 (``--frozen``) fine-tunes the base preset with the encoder and embedding frozen (SFT) and with
-everything frozen under LoRA r=8, frozen weights in float32, bfloat16 and int8 (optimum-quanto), and
-reports the GPU peak of each against float32's.
+Part 2 (``--parts=frozen``) fine-tunes the base preset with the encoder and embedding frozen (SFT) and with
+everything frozen under LoRA r=8, frozen weights in float32, int8 (optimum-quanto) and bfloat16, and
+reports the GPU peak of each against float32's (the LoRA rows first: they are where 8 bits matter most).
 
 Part 3 is plain torch, outside the trainer: a T5 of each preset, bf16 autocast, AdamW, forward +
 backward + step on random token ids of 128 tokens a side, at micro-batches 2 to 64, timed after
@@ -39,10 +39,11 @@ sys.path.insert(0, str(REPO))
 from bench.memory_modes import make_corpora  # noqa: E402
 
 
-def trainer_run(args: list[str], out: Path, steps: int) -> dict:
-    """One ``train`` run of ``steps`` optimizer steps with one eval pass at the end, read from its records."""
+def trainer_run(args: list[str], out: Path, steps: int, eval_rows: int = 64) -> dict:
+    """One ``train`` run of ``steps`` optimizer steps with one eval pass of ``eval_rows`` rows at the end (loss
+    and generation: at eval batch 4 on a GPU most of a short run's time), read from the run's records."""
     command = [sys.executable, str(REPO / "train_low_mem.py"), "train", *args, f"--output_dir={out}",
-               f"--max_steps={steps}", f"--eval_steps={steps}", "--save_steps=0", "--max_eval_samples=64",
+               f"--max_steps={steps}", f"--eval_steps={steps}", "--save_steps=0", f"--max_eval_samples={eval_rows}",
                "--logging_steps=1"]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -99,8 +100,8 @@ def frozen(steps: int, figures: dict, tmp: Path) -> None:
     """Part 2: base SFT and LoRA with the frozen weights in float32, bfloat16 and int8 on the GPU."""
     corpora = make_corpora(tmp)
     init = tmp / "init_base"
-    pretrain = trainer_run([f"--train_file={corpora['sft']}", "--model_preset=base", "--mixed_precision=no"],
-                           init, 1)
+    pretrain = trainer_run([f"--train_file={corpora['sft']}", "--model_preset=base", "--mixed_precision=no",
+                            "--gradient_accumulation_steps=1"], init, 1, eval_rows=2)
     if "error" in pretrain:
         print(f"base init failed: {pretrain['error']}", flush=True)
         return
@@ -111,7 +112,8 @@ def frozen(steps: int, figures: dict, tmp: Path) -> None:
         for dtype, dtype_flags in FROZEN_DTYPES.items():
             out = tmp / f"frozen-{mode}-{dtype}".replace(" ", "").replace("=", "")
             r = trainer_run(["--is_finetune=True", f"--init_from={init / 'final'}", f"--train_file={corpora['sft']}",
-                             "--batch_size=8", "--gradient_accumulation_steps=1", *flags, *dtype_flags], out, steps)
+                             "--batch_size=8", "--gradient_accumulation_steps=1", *flags, *dtype_flags], out, steps,
+                            eval_rows=16)
             figures["frozen"][f"{mode} {dtype}"] = r
             if "error" in r:
                 print(f"| {mode} | {dtype} failed: {r['error']} ||||||", flush=True)
