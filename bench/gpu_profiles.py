@@ -65,12 +65,12 @@ def trainer_run(args: list[str], out: Path, steps: int, eval_rows: int = 64) -> 
             "wall_s": round(time.perf_counter() - started, 1)}
 
 
-def profiles(presets: list[str], names: list[str], steps: int, figures: dict, tmp: Path) -> None:
+def profiles(presets: list[str], names: list[str], steps: int, figures: dict, corpora: dict, tmp: Path) -> None:
     """Part 1: each profile as it chooses against 2 x 16 (the same effective batch of 32)."""
     print("| preset | profile | micro x accumulation | tokens/s | vs 2 x 16 | eval s (batch) | vs batch 4 | "
           "predicted GPU MiB | measured GPU MiB | ratio |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
-    corpus = make_corpora(tmp)["long"]
+    corpus = corpora["long"]
     for preset in presets:
         for profile in names:
             common = [f"--memory_profile={profile}", f"--model_preset={preset}", f"--train_file={corpus}"]
@@ -96,9 +96,8 @@ FROZEN_DTYPES = {"float32": ["--frozen_dtype=float32"], "int8": ["--frozen_dtype
                  "bfloat16": ["--mixed_precision=bf16", "--frozen_dtype=bfloat16"]}
 
 
-def frozen(steps: int, figures: dict, tmp: Path) -> None:
+def frozen(steps: int, figures: dict, corpora: dict, tmp: Path) -> None:
     """Part 2: base SFT and LoRA with the frozen weights in float32, bfloat16 and int8 on the GPU."""
-    corpora = make_corpora(tmp)
     init = tmp / "init_base"
     pretrain = trainer_run([f"--train_file={corpora['sft']}", "--model_preset=base", "--mixed_precision=no",
                             "--gradient_accumulation_steps=1"], init, 1, eval_rows=2)
@@ -178,12 +177,13 @@ def main() -> None:
             Path(options.json).write_text(json.dumps(figures, indent=2))
 
     with tempfile.TemporaryDirectory() as tmp:
+        corpora = make_corpora(Path(tmp)) if {"profiles", "frozen"} & set(parts) else {}
         if "profiles" in parts:
-            profiles(presets, options.profiles.split(","), options.steps, figures, Path(tmp))
+            profiles(presets, options.profiles.split(","), options.steps, figures, corpora, Path(tmp))
             save()
         if "frozen" in parts:
             print()
-            frozen(options.steps, figures, Path(tmp))
+            frozen(options.steps, figures, corpora, Path(tmp))
             save()
     if "sweep" not in parts:
         return

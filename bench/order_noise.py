@@ -110,7 +110,6 @@ def main() -> None:
     parser.add_argument("--optimizers", default="adafactor,adamw")
     parser.add_argument("--orders", type=int, default=3, help="reordered runs per optimizer")
     options = parser.parse_args()
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     rows, vocab = token_rows(Path(options.train_file), WINDOW * options.steps)
     if len(rows) < WINDOW * options.steps:
         raise SystemExit(f"error: --train_file has {len(rows)} rows; {WINDOW * options.steps} are needed")
