@@ -7,6 +7,7 @@ this process (see :func:`peak_rss_bytes`) or of a finished child, whichever is h
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import resource
@@ -137,6 +138,17 @@ def _glibc():
 _LIBC = _glibc()
 
 
+@contextlib.contextmanager
+def replaced(owner, attribute: str, stand_in):
+    """While inside, ``owner.attribute`` is ``stand_in``; the original is put back on the way out."""
+    original = getattr(owner, attribute)
+    setattr(owner, attribute, stand_in)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, original)
+
+
 def import_while_replaced(name: str, owner, attribute: str, stand_in) -> None:
     """Import module ``name`` (once) while ``owner.attribute`` is ``stand_in``, then put the original back.
 
@@ -146,11 +158,8 @@ def import_while_replaced(name: str, owner, attribute: str, stand_in) -> None:
     """
     if name in sys.modules:
         return
-    original = getattr(owner, attribute)
-    setattr(owner, attribute, stand_in)
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-    finally:
-        setattr(owner, attribute, original)
+    with replaced(owner, attribute, stand_in):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass

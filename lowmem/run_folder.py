@@ -253,7 +253,7 @@ class RunFolder:
         from lowmem.model_source import copy_tokenizer_files
         from lowmem.quantize import Later, save_in_shards
 
-        with checkpoint.atomic_folder(folder) as tmp:
+        with checkpoint.atomic_folder(folder) as tmp, deepspeed_engine.unwrapped_without_import():
             if state_dict is not None and any(isinstance(v, Later) for v in state_dict.values()):
                 save_in_shards(tmp, model, state_dict)  # 8-bit weights dequantized a shard at a time
             else:

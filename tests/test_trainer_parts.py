@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import synthetic_rows, write_rows
+from conftest import REPO, synthetic_rows, write_rows
 
 from data.objectives import PairsObjective, objective_for
 from data.pipeline import build_data, check_data
@@ -176,3 +176,35 @@ def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer)
     assert result["eval_examples"] == 10 and 0 <= result["bleu"] <= 100
     answers = generate_answers(model, tokenizer, data.collator, ["the cat runs", "a dog"], cfg, acc)
     assert len(answers) == 2 and all(len(tokenizer(a)["input_ids"]) <= 6 for a in answers)
+
+
+# ----------------------------------------------------------------------------- exports
+def test_an_export_leaves_deepspeed_unimported_where_no_engine_can_exist(tmp_path):
+    """accelerate's unwrapping, inside every ``save_pretrained``, imported DeepSpeed (0.5 s, 22 MiB) to ask
+    whether the model is an engine; a process that never imported DeepSpeed has none. In a fresh process:
+    the export is the plain folder it always was, and DeepSpeed stays out."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    script = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+from config import SHIPPED_TOKENIZER_DIR
+from data.tokenization import load_tokenizer
+from lowmem.flags import load_config
+from lowmem.modeling import build_model
+from lowmem.run_folder import RunFolder
+
+tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
+model = build_model(load_config({{"model_preset": "tiny"}})[0], tokenizer)
+RunFolder.export({str(tmp_path / "final")!r}, model, tokenizer, {{}})
+print("deepspeed imported:", "deepspeed" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "deepspeed imported: False" in done.stdout
+    from transformers import T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration.from_pretrained(tmp_path / "final")
+    assert model.lm_head.weight is model.shared.weight
