@@ -381,6 +381,18 @@ def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_t
     assert 0.92 <= peak["host_ratio"] <= 1.08, peak
 
 
+def planned(device: str | None = "cpu", num_processes: int = 1, num_machines: int = 1, sharding: str | None = None,
+            **flags) -> dict:
+    """What ``plan --json`` gives for ``flags``, planned in this process: for how the terms relate to one
+    another. The CLI's start-up (~10 s a call) is paid where the command line itself is what is tested, and
+    where a budget is: the framework baseline measured here is the test process's, not a fresh run's."""
+    from lowmem.plan_command import plan_command
+
+    cfg, _ = load_config(flags)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return plan_command(cfg, True, None, device, num_processes, num_machines, sharding)
+
+
 def test_plan_json_table_and_recommendation(tmp_path):
     done = run_cli("plan", "--json", "--model_preset=small")
     assert done.returncode == 0, done.stderr
@@ -390,9 +402,8 @@ def test_plan_json_table_and_recommendation(tmp_path):
     # output layer and the input embeddings (8,100 x 512 floats each) are pending beside them.
     pending = (plan["host_mb"]["gradients"] - plan["host_mb"]["weights"]) / (8100 * 512 * 4 / 2**20)
     assert min(abs(pending - k) for k in (0, 1, 2)) < 0.01, pending
-    ckpt = json.loads(run_cli("plan", "--json", "--model_preset=small", "--gradient_checkpointing=True",
-                              "--max_source_len=512", "--max_target_len=512").stdout.strip().splitlines()[-1])
-    gpu = json.loads(run_cli("plan", "--json", "--device=gpu", "--model_preset=small").stdout.strip().splitlines()[-1])
+    ckpt = planned(model_preset="small", gradient_checkpointing=True, max_source_len=512, max_target_len=512)
+    gpu = planned("gpu", model_preset="small")
     assert gpu["gpu_peak_mb"] > gpu["gpu_mb"]["weights"] and ckpt["host_mb"]["activations"] >= 0
     table = run_cli("plan", "--budget_gb=3", "--device=gpu", "--model_preset=base")
     assert table.returncode == 0 and "total (peak)" in table.stdout and "\nfits 3 GiB" in table.stdout, table.stdout
@@ -492,22 +503,18 @@ def test_plan_counts_the_rows_to_weigh_the_encoder_cache(tmp_path, pretrained):
 
 
 def test_plan_for_several_processes():
-    def plan(*flags):
-        done = run_cli("plan", "--json", "--model_preset=small", *flags)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    one, two = plan("--gradient_accumulation_steps=4"), plan("--gradient_accumulation_steps=4", "--num_processes=2")
+    one = planned(model_preset="small", gradient_accumulation_steps=4)
+    two = planned(model_preset="small", gradient_accumulation_steps=4, num_processes=2)
     assert one["host_mb"]["ddp_gradient_copy"] == 0 and one["num_processes"] == 1
     # DDP: between all-reduces the gradients accumulate beside its buckets, one more copy of them
     # (pretraining: of every weight)
     assert two["host_mb"]["ddp_gradient_copy"] == two["host_mb"]["weights"] > 150
     assert two["host_total_mb"] == pytest.approx(2 * two["host_peak_mb"], abs=0.2)
     # without accumulation the gradients are the buckets; 4 processes on 2 machines: 2 share a host
-    no_accumulation = plan("--gradient_accumulation_steps=1", "--num_processes=4", "--num_machines=2")
+    no_accumulation = planned(model_preset="small", gradient_accumulation_steps=1, num_processes=4, num_machines=2)
     assert no_accumulation["host_mb"]["ddp_gradient_copy"] == 0 and no_accumulation["processes_per_machine"] == 2
     assert no_accumulation["host_total_mb"] == pytest.approx(2 * no_accumulation["host_peak_mb"], abs=0.2)
-    table = run_cli("plan", "--model_preset=small", "--num_processes=2")
+    table = run_cli("plan", "--model_preset=small", "--num_processes=4", "--num_machines=2")
     assert table.returncode == 0 and "host total, 2 processes" in table.stdout, table.stdout
     for flags, message in ((["--num_processes=3", "--num_machines=2"], "must be a multiple of --num_machines=2"),
                            (["--num_processes=0"], "--num_processes must be a positive whole number"),
@@ -516,11 +523,8 @@ def test_plan_for_several_processes():
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
     # Sharded over 4 processes: a quarter of the weights, gradients and optimizer state each, beside what is
     # gathered for the step (two blocks, the shared embedding); ZeRO-2 keeps the weights whole
-    from lowmem.plan_command import plan_command  # in this process: the CLI's start-up cost thrice is slow
-
-    cfg, _ = load_config({"model_preset": "small", "gradient_accumulation_steps": 4, "optimizer": "adamw"})
-    with contextlib.redirect_stdout(io.StringIO()):
-        ddp, fsdp, zero2 = (plan_command(cfg, True, None, "cpu", 4, 1, name) for name in (None, "fsdp", "zero2"))
+    ddp, fsdp, zero2 = (planned(model_preset="small", gradient_accumulation_steps=4, optimizer="adamw",
+                                num_processes=4, sharding=name) for name in (None, "fsdp", "zero2"))
     assert fsdp["sharding"] == "fsdp" and fsdp["host_mb"]["ddp_gradient_copy"] == 0
     assert fsdp["host_mb"]["weights"] == pytest.approx(ddp["host_mb"]["weights"] / 4, abs=0.2)
     assert fsdp["host_mb"]["optimizer"] == pytest.approx(ddp["host_mb"]["optimizer"] / 4, abs=0.2)

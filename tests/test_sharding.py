@@ -59,47 +59,18 @@ def train_records(run: Path) -> list[dict]:
     return [r for r in metrics(run) if r["event"] == "train"]
 
 
-def test_fsdp_trains_like_ddp_checkpoints_shards_exports_plainly_and_sft_keeps_frozen_weights(tmp_path):
-    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(96, seed=3))
-    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(5, seed=4))  # eval batches: 2 on rank 0, 1 on rank 1
-    data = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--eval_steps=4", "--save_steps=4",
-            "--max_eval_samples=5", "--eval_batch_size=2"]
-    # Pretraining with Adafactor (shard-aware: the column statistics and update RMS span the processes)
-    trained("cpu_2proc", [*data, f"--output_dir={tmp_path / 'ddp'}"], 29621)
-    trained("fsdp_cpu", [*data, f"--output_dir={tmp_path / 'fsdp'}"], 29622)
-    ddp, fsdp = weights(tmp_path / "ddp"), weights(tmp_path / "fsdp")
-    assert max_difference(ddp, fsdp) <= 8 * 1e-5  # 8 steps, float summation order only
-    for a, b in zip(train_records(tmp_path / "ddp"), train_records(tmp_path / "fsdp")):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"],
-                                                                                                     rel=1e-5)
-    evals = [[r["eval_loss"] for r in metrics(tmp_path / run) if r["event"] == "eval"] for run in ("ddp", "fsdp")]
-    assert len(evals[0]) == 3 and evals[0] == pytest.approx(evals[1], abs=1e-4)
-    # One shard per process, about half the weights each; no whole copy
-    checkpoint = tmp_path / "fsdp" / "checkpoints" / "step_000004"
-    shards = sorted(p.name for p in checkpoint.glob("*-shard*"))
-    assert shards == ["model-shard00000.safetensors", "model-shard00001.safetensors",
-                      "optimizer-shard00000.pt", "optimizer-shard00001.pt"]
-    assert not (checkpoint / "model.safetensors").exists()
-    whole = (tmp_path / "ddp" / "checkpoints" / "step_000004" / "model.safetensors").stat().st_size
-    assert (checkpoint / shards[0]).stat().st_size < 0.6 * whole
-    # The export: the DDP run's tensors (a tied weight once), loaded by plain transformers, tied as trained
-    from transformers import T5ForConditionalGeneration
-
-    model = T5ForConditionalGeneration.from_pretrained(tmp_path / "fsdp" / "final")
-    assert model.lm_head.weight is model.shared.weight
-    assert max(float((p - fsdp[n]).abs().max()) for n, p in model.state_dict().items() if n in fsdp) == 0
-    assert json.loads((tmp_path / "fsdp" / "final" / "config.json").read_text()) == \
-        json.loads((tmp_path / "ddp" / "final" / "config.json").read_text())
-
-    # SFT from it (encoder and shared embedding frozen), AdamW with clipping at 1.0
-    sft = [*data, "--is_finetune=True", f"--init_from={tmp_path / 'ddp' / 'final'}", "--optimizer=adamw"]
-    trained("cpu_2proc", [*sft, f"--output_dir={tmp_path / 'sft_ddp'}"], 29623)
-    trained("fsdp_cpu", [*sft, f"--output_dir={tmp_path / 'sft_fsdp'}"], 29624)
-    tuned, tuned_ddp = weights(tmp_path / "sft_fsdp"), weights(tmp_path / "sft_ddp")
-    assert max_difference(tuned, tuned_ddp) <= 8 * 1e-5
-    frozen = [k for k in ddp if k.startswith("encoder.") or k == "shared.weight"]
-    assert all(torch.equal(tuned[k], ddp[k]) for k in frozen)
-    assert any(not torch.equal(tuned[k], ddp[k]) for k in ddp if k.startswith("decoder."))
+@pytest.fixture(scope="module")
+def adafactor_ddp(tmp_path_factory) -> tuple[list[str], Path]:
+    """The DDP run (2 CPU processes, Adafactor, 8 steps, evaluated and checkpointed every 4) the sharded
+    engines are compared with: its flags, which they run with too, and its folder."""
+    folder = tmp_path_factory.mktemp("adafactor")
+    train = write_rows(folder / "train.jsonl", synthetic_rows(45, seed=9))
+    evals = write_rows(folder / "eval.jsonl", synthetic_rows(3, seed=10))  # eval batches: 1 on each rank
+    common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--save_steps=4", "--eval_steps=4",
+              "--max_eval_samples=3", "--eval_batch_size=2", "--optimizer=adafactor", "--shuffle_buffer_size=16",
+              "--dump_consumed=True"]
+    trained("cpu_2proc", [*common, f"--output_dir={folder / 'ddp'}"], 29621)
+    return common, folder / "ddp"
 
 
 def killed_and_resumed(config: str, args: list[str], broken: Path, ports: tuple[int, int]) -> None:
@@ -117,24 +88,77 @@ def killed_and_resumed(config: str, args: list[str], broken: Path, ports: tuple[
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout + resumed.stderr, resumed.stderr[-4000:]
 
 
-def test_fsdp_killed_at_a_checkpoint_resumes_bit_identically_with_each_row_once(tmp_path):
-    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(45, seed=5))
-    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(4, seed=6))
-    common = [f"--train_file={train}", f"--eval_file={evals}", "--epochs=2", "--save_steps=3", "--eval_steps=0",
-              "--shuffle_buffer_size=16", "--dump_consumed=True", "--optimizer=adamw"]
-    straight, broken = tmp_path / "straight", tmp_path / "broken"
-    trained("fsdp_cpu", [*common, f"--output_dir={straight}"], 29625)
-    killed_and_resumed("fsdp_cpu", common, broken, (29626, 29627))
-
+def resumed_exactly(straight: Path, broken: Path, rows: int) -> None:
+    """The run killed and resumed ended as the straight one, bit for bit, and read each row of its first
+    epoch once (8 steps of 2 processes x 2 x 2 rows: 64 rows read, epoch 0 whole)."""
     a, b = weights(straight), weights(broken)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss"] for r in train_records(straight)] == [r["loss"] for r in train_records(broken)]
     for rank in (0, 1):
         assert (straight / f"consumed-rank{rank}.tsv").read_text() == (broken / f"consumed-rank{rank}.tsv").read_text()
     lines = [ln.split("\t") for rank in (0, 1) for ln in (broken / f"consumed-rank{rank}.tsv").read_text().splitlines()]
-    for epoch in ("0", "1"):
-        seen = Counter(int(row) for e, _, _, row in lines if e == epoch)
-        assert sorted(seen) == list(range(45)) and max(seen.values()) == 1
+    first_epoch = Counter(int(row) for epoch, _, _, row in lines if epoch == "0")
+    assert sorted(first_epoch) == list(range(rows)) and max(first_epoch.values()) == 1
+
+
+def test_fsdp_steps_adafactor_like_ddp_checkpoints_shards_exports_plainly_and_resumes_exactly(tmp_path,
+                                                                                             adafactor_ddp):
+    common, ddp_run = adafactor_ddp
+    fsdp_run = tmp_path / "fsdp"
+    # Adafactor shard-aware: the column statistics and update RMS span the processes
+    trained("fsdp_cpu", [*common, f"--output_dir={fsdp_run}"], 29622)
+    ddp, fsdp = weights(ddp_run), weights(fsdp_run)
+    assert max_difference(ddp, fsdp) <= 8 * 1e-5  # 8 steps, float summation order only
+    for a, b in zip(train_records(ddp_run), train_records(fsdp_run)):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                     rel=1e-5)
+    evals = [[r["eval_loss"] for r in metrics(run) if r["event"] == "eval"] for run in (ddp_run, fsdp_run)]
+    assert len(evals[0]) == 3 and evals[0] == pytest.approx(evals[1], abs=1e-4)
+    # One shard per process, about half the weights each; no whole copy
+    checkpoint = fsdp_run / "checkpoints" / "step_000004"
+    shards = sorted(p.name for p in checkpoint.glob("*-shard*"))
+    assert shards == ["model-shard00000.safetensors", "model-shard00001.safetensors",
+                      "optimizer-shard00000.pt", "optimizer-shard00001.pt"]
+    assert not (checkpoint / "model.safetensors").exists()
+    whole = (ddp_run / "checkpoints" / "step_000004" / "model.safetensors").stat().st_size
+    assert (checkpoint / shards[0]).stat().st_size < 0.6 * whole
+    # The export: the DDP run's tensors (a tied weight once), loaded by plain transformers, tied as trained
+    from transformers import T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration.from_pretrained(fsdp_run / "final")
+    assert model.lm_head.weight is model.shared.weight
+    assert max(float((p - fsdp[n]).abs().max()) for n, p in model.state_dict().items() if n in fsdp) == 0
+    assert json.loads((fsdp_run / "final" / "config.json").read_text()) == \
+        json.loads((ddp_run / "final" / "config.json").read_text())
+    # SIGKILL once the first checkpoint is in place, then --is_keep_training: the straight run, each row once
+    killed_and_resumed("fsdp_cpu", common, tmp_path / "broken", (29626, 29627))
+    resumed_exactly(fsdp_run, tmp_path / "broken", 45)
+
+
+def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenizer):
+    from lowmem.flags import load_config
+    from lowmem.modeling import build_model
+    from lowmem.run_folder import RunFolder
+
+    torch.manual_seed(0)  # a tiny T5 to fine-tune, written as an export is
+    base = tmp_path / "base"
+    RunFolder.export(base, build_model(load_config({"model_preset": "tiny"})[0], tokenizer), tokenizer, {})
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(96, seed=3))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(5, seed=4))  # eval batches: 2 on rank 0, 1 on rank 1
+    # SFT (encoder and shared embedding frozen), AdamW with clipping at 1.0
+    sft = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--eval_steps=4", "--save_steps=4",
+           "--max_eval_samples=5", "--eval_batch_size=2", "--is_finetune=True", f"--init_from={base}",
+           "--optimizer=adamw"]
+    trained("cpu_2proc", [*sft, f"--output_dir={tmp_path / 'sft_ddp'}"], 29623)
+    trained("fsdp_cpu", [*sft, f"--output_dir={tmp_path / 'sft_fsdp'}"], 29624)
+    tuned, tuned_ddp = weights(tmp_path / "sft_fsdp"), weights(tmp_path / "sft_ddp")
+    assert max_difference(tuned, tuned_ddp) <= 8 * 1e-5
+    norms = [r["grad_norm"] for r in train_records(tmp_path / "sft_fsdp")]
+    assert max(norms) > 1  # clipped at 1.0 (the same norms and weights as DDP's)
+    before = load_file(str(base / "model.safetensors"))
+    frozen = [k for k in before if k.startswith("encoder.") or k == "shared.weight"]
+    assert frozen and all(torch.equal(tuned[k], before[k]) for k in frozen)
+    assert any(not torch.equal(tuned[k], before[k]) for k in before if k.startswith("decoder."))
 
 
 def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly(tmp_path):
@@ -190,14 +214,10 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     assert any(not torch.equal(tuned[k], reference[k]) for k in reference if k.startswith("decoder."))
 
 
-def test_deepspeed_adafactor_steps_whole_weights_like_ddp_and_resumes_exactly(tmp_path):
+def test_deepspeed_adafactor_steps_whole_weights_like_ddp_and_resumes_exactly(tmp_path, adafactor_ddp):
     pytest.importorskip("deepspeed")
-    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(45, seed=9))
-    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(3, seed=10))
-    common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--save_steps=4", "--eval_steps=0",
-              "--optimizer=adafactor", "--shuffle_buffer_size=16", "--dump_consumed=True"]
-    ddp, zero3, broken = (tmp_path / name for name in ("ddp", "zero3", "broken"))
-    trained("cpu_2proc", [*common, f"--output_dir={ddp}"], 29638)
+    common, ddp = adafactor_ddp
+    zero3 = tmp_path / "zero3"
     trained("deepspeed_zero3_cpu", [*common, f"--output_dir={zero3}"], 29639)
     # Adafactor's row and column statistics and update RMS over whole weights, summed from the partitions'
     # slices (a slice stepped as a vector of its own is ~1e-2 off after one step; ZeRO-2's layout is checked
@@ -205,15 +225,8 @@ def test_deepspeed_adafactor_steps_whole_weights_like_ddp_and_resumes_exactly(tm
     assert max_difference(weights(zero3), weights(ddp)) <= 8 * 1e-5
     # SIGKILL after the first checkpoint and resume: the uninterrupted run's weights (the statistics are in
     # DeepSpeed's partition files), each row once
-    killed_and_resumed("deepspeed_zero3_cpu", common, broken, (29640, 29641))
-    straight = weights(zero3)
-    assert all(torch.equal(straight[k], v) for k, v in weights(broken).items())
-    assert [r["loss"] for r in train_records(zero3)] == [r["loss"] for r in train_records(broken)]
-    for rank in (0, 1):
-        assert (zero3 / f"consumed-rank{rank}.tsv").read_text() == (broken / f"consumed-rank{rank}.tsv").read_text()
-    lines = [ln.split("\t") for rank in (0, 1) for ln in (broken / f"consumed-rank{rank}.tsv").read_text().splitlines()]
-    first_epoch = Counter(int(row) for epoch, _, _, row in lines if epoch == "0")
-    assert sorted(first_epoch) == list(range(45)) and max(first_epoch.values()) == 1  # 64 rows read: epoch 0 whole
+    killed_and_resumed("deepspeed_zero3_cpu", common, tmp_path / "broken", (29640, 29641))
+    resumed_exactly(zero3, tmp_path / "broken", 45)
 
 
 def test_deepspeed_refuses_an_optimizer_it_cannot_step_in_one_line(tmp_path):
