@@ -21,6 +21,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # for a thread per core, oversubscribe the cores: OpenMP's waiting threads then spin against each
 # other and a tiny model's step took ~20x longer (9.0 s instead of 0.42 s, measured on the 2-core VM).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The tests start ~300 CLI processes. Where PYTHONDONTWRITEBYTECODE is set (some container images set it), each
+# compiled the project's own modules from source again: 0.4 s a process. The runs they start may keep that
+# bytecode in the checkout's __pycache__ folders (git ignores them); the libraries' bytecode is pip's.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 from config import SHIPPED_CORPORA, SHIPPED_TOKENIZER_DIR  # noqa: E402
 
