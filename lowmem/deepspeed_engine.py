@@ -133,19 +133,15 @@ def unwrapped_without_import():
     ``save_pretrained`` calls) does not import DeepSpeed to ask whether the model is a DeepSpeed engine,
     when none can be: a process that never imported DeepSpeed has no engine.
 
-    Where DeepSpeed is installed, that import cost every run's first export 1.2 s and about 25 MiB (the
-    largest of it torch's compiler stack) for an answer known beforehand.
+    Where DeepSpeed is installed, that import cost every run's first export 0.5 s and 22 MiB (measured on
+    the CPU with DeepSpeed 0.19.8), and a warning line in the log, for an answer known beforehand.
     """
-    if "deepspeed" in sys.modules:  # an engine may exist: accelerate asks as it would
-        yield
-        return
     try:
         from accelerate.utils import other
-    except ImportError:
-        yield
-        return
-    if not hasattr(other, "is_deepspeed_available"):  # another accelerate layout: it does what it does
-        yield
+    except ImportError:  # another accelerate layout: it does what it does
+        other = None
+    if "deepspeed" in sys.modules or not hasattr(other, "is_deepspeed_available"):
+        yield  # an engine may exist (accelerate asks as it would), or nothing to answer for
         return
     with replaced(other, "is_deepspeed_available", lambda: False):
         yield
