@@ -90,15 +90,17 @@ def killed_and_resumed(config: str, args: list[str], broken: Path, ports: tuple[
 
 def resumed_exactly(straight: Path, broken: Path, rows: int) -> None:
     """The run killed and resumed ended as the straight one, bit for bit, and read each row of its first
-    epoch once (8 steps of 2 processes x 2 x 2 rows: 64 rows read, epoch 0 whole)."""
+    epoch once and none of the next twice (8 steps of 2 processes x 2 x 2 rows: 64 rows read, epoch 0
+    whole, epoch 1 begun)."""
     a, b = weights(straight), weights(broken)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss"] for r in train_records(straight)] == [r["loss"] for r in train_records(broken)]
     for rank in (0, 1):
         assert (straight / f"consumed-rank{rank}.tsv").read_text() == (broken / f"consumed-rank{rank}.tsv").read_text()
     lines = [ln.split("\t") for rank in (0, 1) for ln in (broken / f"consumed-rank{rank}.tsv").read_text().splitlines()]
-    first_epoch = Counter(int(row) for epoch, _, _, row in lines if epoch == "0")
-    assert sorted(first_epoch) == list(range(rows)) and max(first_epoch.values()) == 1
+    seen = {epoch: Counter(int(row) for e, _, _, row in lines if e == epoch) for epoch in ("0", "1")}
+    assert sorted(seen["0"]) == list(range(rows)) and max(seen["0"].values()) == 1
+    assert seen["1"] and max(seen["1"].values()) == 1
 
 
 def test_fsdp_steps_adafactor_like_ddp_checkpoints_shards_exports_plainly_and_resumes_exactly(tmp_path,
