@@ -33,7 +33,8 @@ def train(config: str | None = None, **flags) -> dict:
     """Pretrain (default) or fine-tune (--is_finetune=True); resume with --is_keep_training=True."""
     die_with_launcher()
     cfg, notes = load_config(flags, config)
-    mark_run_started(cfg)  # before the heavy imports below: a run killed this early can still be continued
+    claim_output_dir(cfg)  # before the heavy imports below: refusals come at once, and a run killed this early
+    # can still be continued
     from lowmem.run_memory import StoppedForMemory
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
@@ -55,24 +56,22 @@ def train(config: str | None = None, **flags) -> dict:
 EXIT_MEMORY_GUARD = 3  # distinct from user errors (2): a checkpoint was written, resume with more memory
 
 
-def mark_run_started(cfg) -> None:
-    """Leave OUTPUT_DIR/.started so ``--is_keep_training`` knows a run began there (once its data
-    paths and SFT's model folder resolve: a typo in them should not leave a run folder behind), in a
-    folder that is new, empty or a run's: the trainer's check refuses any other, saying why."""
-    from data.ownership import claim_folder, is_run_folder
+def claim_output_dir(cfg) -> None:
+    """Refuse an OUTPUT_DIR the run cannot start in, and mark it as a run's (OUTPUT_DIR/.started, which tells
+    ``--is_keep_training`` that a run began there), before the trainer's imports: a refusal takes half a
+    second, not the several seconds of importing torch. Its data paths and SFT's model folder are resolved
+    first: a typo in them should not leave a run folder behind. The trainer checks again once its processes
+    are up."""
     from data.sources import formats_for, resolve_files  # light: pyarrow is imported only when reading
+    from lowmem.run_start import refuse_early
 
-    if cfg.is_keep_training:
-        return
-    resolve_files(cfg.train_file, "--train_file", cfg.output_dir, formats_for(cfg))
-    if cfg.eval_file is not None:  # None: held out of --train_file
-        resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir, formats_for(cfg))
-    if cfg.init_from:
-        model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
-    try:
-        claim_folder(cfg.output_dir, "--output_dir", "run", is_run_folder)
-    except UserError:
-        pass  # not ours, or not writable: the trainer's own check reports it, before it writes anything
+    if not cfg.is_keep_training:
+        resolve_files(cfg.train_file, "--train_file", cfg.output_dir, formats_for(cfg))
+        if cfg.eval_file is not None:  # None: held out of --train_file
+            resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir, formats_for(cfg))
+        if cfg.init_from:
+            model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
+    refuse_early(cfg)
 
 
 def plan(config: str | None = None, **flags) -> None:

@@ -17,9 +17,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from config import UserError
+
+# torch is imported where tensors are read or drawn: the folder checks (validate, find_latest_valid) run
+# before the command line imports it (lowmem/run_start.py)
 
 MANIFEST = "manifest.json"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -148,6 +150,8 @@ def load_state(path: Path, allowed: list | None = None):
     import pickle
     import re
 
+    import torch
+
     try:
         with torch.serialization.safe_globals(OLD_NUMPY_STATE + list(allowed or [])):
             return torch.load(path, weights_only=True)
@@ -192,6 +196,8 @@ def prune(root: Path, keep: int, protect: Path | None = None) -> None:
 def rng_state() -> dict:
     """Every RNG this process draws from (python, numpy, torch CPU, CUDA), as tensors and plain values
     (numpy's key as a list of ints, not an array), which ``load_state`` reads without unpickling objects."""
+    import torch
+
     kind, key, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "numpy": (kind, key.tolist(), pos, has_gauss, gauss),
              "torch": torch.get_rng_state()}
@@ -201,6 +207,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     random.setstate(state["python"])
     kind, key, *rest = state["numpy"]  # a list of ints, or the array checkpoints of earlier versions hold
     np.random.set_state((kind, np.asarray(key, dtype=np.uint32), *rest))

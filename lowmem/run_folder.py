@@ -18,14 +18,11 @@ from pathlib import Path
 
 import torch
 
-from config import STARTED_MARKER, TrainConfig, UserError, saved_json
-from data.ownership import check_folder, claim_folder, is_run_folder
+from config import TrainConfig, UserError
 from lowmem import checkpoint, deepspeed_engine
-from lowmem.metrics import read_metrics
-from lowmem.model_source import resolve_model_dir
+from lowmem.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.sharding import load_local_state
 
-LOCK_FILE = ".lock"
 SHARD_WEIGHTS = "model-shard{rank:05d}.safetensors"  # sharded (FSDP) checkpoints: one pair per process
 SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 
@@ -45,32 +42,17 @@ class RunFolder:
         self.checkpoints = self.path / "checkpoints"
         self.lock = None  # the open OUTPUT_DIR/.lock while this process runs here (main process)
 
-    def run_files(self) -> list[Path]:
-        files = [self.checkpoints, self.path / "best", self.path / "final", self.path / "metrics.jsonl",
-                 self.path / "tensorboard", self.path / "plots", *self.path.glob("consumed-rank*.tsv")]
-        return [p for p in files if p.exists()]
-
     def check(self, cfg: TrainConfig, rank: int, say=print) -> tuple[Path | None, list[Path]]:
-        """Decide where the run starts, before anything heavy is built.
+        """Decide where the run starts, before anything heavy is built (``run_start``'s checks, again now
+        that the processes are up), and hold the folder's lock on the main process.
 
         Returns:
             The checkpoint to resume from (None: step 0) and the old run files to remove first.
 
         Raises:
-            UserError: a folder of files not ours, unwritable, a run already there, nothing to resume, SFT
-                into pretraining.
+            UserError: a folder of files not ours, unwritable, in use, a run already there, nothing to resume.
         """
-        if cfg.init_from and self.path.resolve() in [init := resolve_model_dir(cfg.init_from).resolve(), *init.parents]:
-            raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: a run must not "
-                            "write into the model it starts from; choose another --output_dir")
-        if (saved_json(self.path / "config.json") or {}).get("model_type"):  # a run's config.json has none
-            raise UserError(f"--output_dir={cfg.output_dir} holds a saved model (config.json, weights), which a run "
-                            "there would overwrite; choose another --output_dir")
-        if cfg.is_keep_training:  # a run to continue, or nothing (said below): not a folder to start one in
-            check_folder(self.path, "--output_dir", "run", is_run_folder, "pass the --output_dir of the run "
-                         "to continue")
-        else:
-            claim_folder(self.path, "--output_dir", "run", is_run_folder, "choose a new or empty --output_dir")
+        check_owned(cfg, self.path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             probe = self.path / f".write-test-{rank}"
@@ -80,42 +62,7 @@ class RunFolder:
             raise UserError(f"--output_dir={cfg.output_dir} is not writable ({err.strerror})") from None
         if rank == 0:
             self.hold_lock(cfg.output_dir)
-        used = self.run_files()
-        if not cfg.is_keep_training:
-            if used and not cfg.overwrite_output_dir:
-                if not self.stopped_before_training(used):
-                    raise UserError(f"--output_dir={cfg.output_dir} already holds a run; continue it with "
-                                    "--is_keep_training=True, start over with --overwrite_output_dir=True, "
-                                    "or choose another --output_dir")
-                say(f"the last run in {cfg.output_dir} stopped before its first step: starting over")
-            return None, used
-        if cfg.resume_from:
-            if Path(cfg.resume_from).resolve().parent != self.checkpoints.resolve():
-                raise UserError(f"--resume_from={cfg.resume_from} is not one of this run's checkpoints: pass a "
-                                f"step_NNNNNN folder of {self.checkpoints} (--output_dir names the run)")
-            problem = checkpoint.validate(Path(cfg.resume_from))
-            if problem:
-                raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")
-            return Path(cfg.resume_from), []
-        found = checkpoint.find_latest_valid(self.checkpoints, warn=say)
-        if found is not None:
-            return found, []
-        if not any((self.path / name).is_file() for name in ("config.json", STARTED_MARKER)):
-            raise UserError(f"--is_keep_training: no run to continue in {cfg.output_dir} (no checkpoint); "
-                            "run without --is_keep_training to start one")
-        if self.has_trained_models():
-            raise UserError(f"--is_keep_training: no checkpoint of the run in {cfg.output_dir} is usable (damaged or "
-                            "removed), and starting it again would replace the models it trained (best/, final/); "
-                            "start over with --overwrite_output_dir=True, or train into another --output_dir")
-        # Stopped before its first checkpoint, or every checkpoint damaged before any trained model was
-        # exported: the same seed replays the run exactly, and nothing is lost.
-        say(f"no usable checkpoint in {self.checkpoints}: starting the run again from step 0")
-        return None, used
-
-    def has_trained_models(self) -> bool:
-        """Whether the run exported a model trained past step 0 (final/, or a best/ from a later evaluation)."""
-        best = saved_json(self.path / "best" / "training_info.json") or {}
-        return (self.path / "final").exists() or best.get("step", 0) > 0
+        return starting_point(cfg, self.path, say)
 
     def hold_lock(self, output_dir: str) -> None:
         """Hold OUTPUT_DIR/.lock for as long as this process runs (the OS drops it when the process
@@ -132,8 +79,7 @@ class RunFolder:
             handle.seek(0)
             owner = handle.read().strip() or "?"
             handle.close()
-            raise UserError(f"--output_dir={output_dir} is in use by another run (process {owner}); wait for it "
-                            "to end or choose another --output_dir") from None
+            raise in_use_error(output_dir, owner) from None
         handle.truncate(0)
         handle.write(str(os.getpid()))
         handle.flush()
@@ -143,23 +89,6 @@ class RunFolder:
         if self.lock is not None:
             self.lock.close()
             self.lock = None
-
-    def stopped_before_training(self, used: list[Path]) -> bool:
-        """True when the run here stopped before its first optimizer step (bad data, a wrong flag,
-        out of memory while building): it left a metrics.jsonl of step-0 records and at most the
-        step-0 evaluation's ``best/`` (the model it started from), nothing that starting over would
-        lose, so fixing the cause and running the same command again just works."""
-        metrics = self.path / "metrics.jsonl"
-        # What setup opens before the first step: the consumed-example logs and tensorboard's folder
-        # (empty of steps then), and the step-0 evaluation's best/
-        opened = {metrics, self.path / "best", self.path / "tensorboard", *self.path.glob("consumed-rank*.tsv")}
-        if metrics not in used or not set(used) <= opened:
-            return False
-        try:
-            records = read_metrics(metrics)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return False
-        return all(r.get("step") == 0 and r.get("event") not in ("train", "checkpoint") for r in records)
 
     @staticmethod
     def remove(paths: list[Path]) -> None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import random
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import metrics, run_cli, synthetic_rows, write_rows
+from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
 
 from lowmem import checkpoint
 
@@ -149,6 +151,52 @@ def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
 
 
 
+def test_run_folder_refusals_come_before_torch_is_imported(tmp_path):
+    """A folder the run cannot start in is refused by the command line itself, not after the trainer's
+    imports (torch and transformers: several seconds before the line), and the folder is left as it was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".started").write_text("t5-lowmem\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"event": "train", "step": 1}) + "\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / ".started").write_text("t5-lowmem\n")
+    cases = {  # flags: the refusal
+        f"--output_dir={run}": "already holds a run",
+        f"--output_dir={tmp_path / 'model'}": "holds a saved model",
+        f"--output_dir={tmp_path / 'locked'}": "is in use by another run (process 4242)",
+        f"--output_dir={tmp_path / 'none'} --is_keep_training=True": "no run to continue",
+        f"--output_dir={run} --is_keep_training=True --resume_from={tmp_path}/step_000001":
+            "is not one of this run's checkpoints",
+        f"--output_dir={run} --is_keep_training=True": "no checkpoint of the run",
+    }
+    (run / "final").mkdir()  # a trained model: the last case may not start over
+    script = (
+        "import json, sys, train_low_mem\n"
+        "codes = []\n"
+        f"for flags in {list(cases)!r}:\n"
+        "    try:\n"
+        "        train_low_mem.main(['train', *flags.split()])\n"
+        "    except SystemExit as stop:\n"
+        "        codes.append(stop.code)\n"
+        "print(json.dumps({'codes': codes, 'torch': 'torch' in sys.modules}))\n")
+    with open(tmp_path / "locked" / ".lock", "w") as held:  # as a run in progress holds it
+        held.write("4242")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"codes": [2] * len(cases), "torch": False}
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == len(cases) and all(line.startswith("error: ") for line in lines), proc.stderr
+    for line, fragment in zip(lines, cases.values()):
+        assert fragment in line, line
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
 @pytest.mark.parametrize("command", [["train", "--is_finetune=True"], ["plan", "--is_finetune=True"], ["evaluate"]])
 def test_init_from_a_run_folder_names_its_best_model(tmp_path, command):
     """A training run's folder holds a config.json too (the run's flags): --init_from pointing at it
@@ -169,7 +217,6 @@ def test_a_trained_run_is_never_overwritten_or_shared(tmp_path):
     is refused (it used to start again from step 0 over best/ and final/), as are a run into a saved
     model's folder, a second process on a folder in use, another run's or an export's folder as
     --resume_from, and a changed optimizer on resume. The time a run reports is its own."""
-    import fcntl
     import hashlib
 
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(300, seed=1))
