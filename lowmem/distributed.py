@@ -12,7 +12,7 @@ import torch
 from config import TrainConfig, UserError
 from data.readers import index_file
 from lowmem import deepspeed_engine
-from lowmem.memory import map_large_blocks
+from lowmem.memory import import_accelerate, map_large_blocks
 from lowmem.run_memory import near_limit
 from lowmem.sharding import check_shardable, fsdp_settings, is_sharded, requested_engine, runs_deepspeed
 
@@ -30,6 +30,7 @@ def start_accelerator(cfg: TrainConfig):
     Raises:
         UserError: bf16 on a GPU without it; options the sharded engine does not run with.
     """
+    import_accelerate()
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 

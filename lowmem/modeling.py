@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from config import MODEL_PRESETS, TrainConfig, UserError, optional_package_missing
-from lowmem.memory import import_while_replaced
+from lowmem.memory import import_accelerate, import_while_replaced
 from lowmem.model_source import model_folder_config, resolve_model_dir
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
@@ -21,13 +21,15 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def import_transformers_models() -> None:
-    """Import transformers' model stack without scipy: -40 MiB RSS and -0.3 s per process.
+    """Import transformers' model stack without scipy (-40 MiB RSS and -0.3 s per process), and accelerate
+    without boto3 (``lowmem.memory.import_accelerate``).
 
     transformers imports ``scipy.optimize`` whenever scipy is installed, only for the Hungarian
     matching of its object-detection losses, which a T5 never calls. Those loss modules alone are
     imported while ``is_scipy_available`` answers False; the real answer is restored right after,
     so everything else in transformers still sees scipy.
     """
+    import_accelerate()  # transformers imports it where installed: without boto3 (lowmem.memory)
     import transformers.utils
 
     import_while_replaced("transformers.loss.loss_utils", transformers.utils, "is_scipy_available", lambda: False)

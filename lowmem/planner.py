@@ -457,14 +457,13 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
     """
     import importlib
 
-    import accelerate  # noqa: F401
     import psutil
     import torch  # noqa: F401
 
     from config import QUANTIZED_DTYPES, installed
     from lowmem.modeling import import_transformers_models
 
-    import_transformers_models()
+    import_transformers_models()  # accelerate too
     from transformers import T5ForConditionalGeneration  # noqa: F401
 
     extras = [] if cfg is None else [module for module, used in (
