@@ -59,18 +59,16 @@ EXIT_MEMORY_GUARD = 3  # distinct from user errors (2): a checkpoint was written
 def claim_output_dir(cfg) -> None:
     """Refuse an OUTPUT_DIR the run cannot start in, and mark it as a run's (OUTPUT_DIR/.started, which tells
     ``--is_keep_training`` that a run began there), before the trainer's imports: a refusal takes half a
-    second, not the several seconds of importing torch. Its data paths and SFT's model folder are resolved
-    first: a typo in them should not leave a run folder behind. The trainer checks again once its processes
-    are up."""
-    from data.sources import formats_for, resolve_files  # light: pyarrow is imported only when reading
+    second, not the several seconds of importing torch. The data flags (files, formats, columns) and SFT's
+    model folder are checked first: a mistake in them should not leave a run folder behind. The trainer
+    checks again once its processes are up."""
+    from data.objectives import objective_for
+    from data.pipeline import check_data  # light: pyarrow is imported only to read a parquet file's columns
     from lowmem.run_start import refuse_early
 
-    if not cfg.is_keep_training:
-        resolve_files(cfg.train_file, "--train_file", cfg.output_dir, formats_for(cfg))
-        if cfg.eval_file is not None:  # None: held out of --train_file
-            resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir, formats_for(cfg))
-        if cfg.init_from:
-            model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
+    check_data(cfg, objective_for(cfg))
+    if cfg.init_from and not cfg.is_keep_training:
+        model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
     refuse_early(cfg)
 
 

@@ -11,13 +11,16 @@ modelling (``--objective=prefix_lm``).
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 from config import TrainConfig, UserError
 from data import span_corruption
-from data.collate import Seq2SeqCollator
 from data.packing import PackedStream
 from data.readers import TOKEN_COLUMNS
 from data.sources import Example
+
+if TYPE_CHECKING:  # imported where a collator is made: it needs torch
+    from data.collate import Seq2SeqCollator
 
 
 class PairsObjective:
@@ -39,6 +42,8 @@ class PairsObjective:
 
     def collator(self, tokenizer, pad_multiple: int = 1) -> Seq2SeqCollator:
         """Batches of this objective: each side padded to its micro-batch's longest row."""
+        from data.collate import Seq2SeqCollator
+
         return Seq2SeqCollator(tokenizer, self.max_source_len, self.max_target_len, pad_multiple)
 
     def stream(self, documents, tokenizer):
@@ -83,6 +88,8 @@ class PackedTextObjective:
 
     def collator(self, tokenizer, pad_multiple: int = 1) -> Seq2SeqCollator:
         """The examples are token ids already: the collator only pads micro-batches."""
+        from data.collate import Seq2SeqCollator
+
         return Seq2SeqCollator(tokenizer, self.max_source_len, self.max_target_len, pad_multiple)
 
     def _maker(self, tokenizer, rank: int):

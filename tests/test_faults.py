@@ -151,9 +151,11 @@ def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
 
 
 
-def test_run_folder_refusals_come_before_torch_is_imported(tmp_path):
-    """A folder the run cannot start in is refused by the command line itself, not after the trainer's
-    imports (torch and transformers: several seconds before the line), and the folder is left as it was."""
+def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
+    """A folder the run cannot start in, or data without the columns it reads, is refused by the command
+    line itself, not after the trainer's imports (torch and transformers: several seconds before the line);
+    the folders are left as they were, and no run folder is made for a run that never starts."""
+    write_rows(tmp_path / "questions.jsonl", [{"question": "a b", "answer": "c d"}])
     run = tmp_path / "run"
     run.mkdir()
     (run / ".started").write_text("t5-lowmem\n")
@@ -170,6 +172,7 @@ def test_run_folder_refusals_come_before_torch_is_imported(tmp_path):
         f"--output_dir={run} --is_keep_training=True --resume_from={tmp_path}/step_000001":
             "is not one of this run's checkpoints",
         f"--output_dir={run} --is_keep_training=True": "no checkpoint of the run",
+        f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'questions.jsonl'}": "has no column 'prompt'",
     }
     (run / "final").mkdir()  # a trained model: the last case may not start over
     script = (
