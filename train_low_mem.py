@@ -33,12 +33,12 @@ def train(config: str | None = None, **flags) -> dict:
     """Pretrain (default) or fine-tune (--is_finetune=True); resume with --is_keep_training=True."""
     die_with_launcher()
     cfg, notes = load_config(flags, config)
-    claim_output_dir(cfg)  # before the heavy imports below: refusals come at once, and a run killed this early
-    # can still be continued
+    files = claim_output_dir(cfg)  # before the heavy imports below: refusals come at once, and a run killed this
+    # early can still be continued
     from lowmem.run_memory import StoppedForMemory
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
-    trainer = LowMemTrainer(cfg)
+    trainer = LowMemTrainer(cfg, files=files)
     for note in notes:
         trainer.say(note)
     try:
@@ -56,20 +56,25 @@ def train(config: str | None = None, **flags) -> dict:
 EXIT_MEMORY_GUARD = 3  # distinct from user errors (2): a checkpoint was written, resume with more memory
 
 
-def claim_output_dir(cfg) -> None:
+def claim_output_dir(cfg):
     """Refuse an OUTPUT_DIR the run cannot start in, and mark it as a run's (OUTPUT_DIR/.started, which tells
     ``--is_keep_training`` that a run began there), before the trainer's imports: a refusal takes half a
     second, not the several seconds of importing torch. The data flags (files, formats, columns) and SFT's
     model folder are checked first: a mistake in them should not leave a run folder behind. The trainer
-    checks again once its processes are up."""
+    checks the folder again once its processes are up.
+
+    Returns:
+        The checked data files (``data.pipeline.DataFiles``), for the trainer.
+    """
     from data.objectives import objective_for
     from data.pipeline import check_data  # light: pyarrow is imported only to read a parquet file's columns
     from lowmem.run_start import refuse_early
 
-    check_data(cfg, objective_for(cfg))
+    files = check_data(cfg, objective_for(cfg))
     if cfg.init_from and not cfg.is_keep_training:
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
     refuse_early(cfg)
+    return files
 
 
 def plan(config: str | None = None, **flags) -> None:

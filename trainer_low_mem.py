@@ -88,7 +88,7 @@ class TrainState:
 class LowMemTrainer:
     """Streaming trainer. Optional ``tokenizer`` / ``model`` are injected as-is (the test seam)."""
 
-    def __init__(self, cfg: TrainConfig, tokenizer=None, model=None):
+    def __init__(self, cfg: TrainConfig, tokenizer=None, model=None, files: DataFiles | None = None):
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.state = TrainState()
@@ -99,7 +99,9 @@ class LowMemTrainer:
         self.folder = RunFolder(self.out)
         self.start_time = time.time()  # of this process's part of the run (state.elapsed_s: the parts before)
         # Built by setup(), in this order:
-        self.files: DataFiles | None = None  # resolved and checked before anything heavy
+        # resolved and checked before anything heavy (by the command line, before its imports, when it
+        # passes them: a hub dataset's first rows are then read once)
+        self.files: DataFiles | None = files
         self.accelerator = None
         self.sharding: dict | None = None  # {"engine": "fsdp" or "deepspeed", ...} under a sharded launch config
         self.shape_multiple = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU)
@@ -136,7 +138,7 @@ class LowMemTrainer:
         """Check inputs, then build everything; nothing heavy is built before the checks pass."""
         cfg = self.cfg
         objective = objective_for(cfg)
-        self.files = check_data(cfg, objective)
+        self.files = self.files or check_data(cfg, objective)
         if self.model is None:
             check_init_from(cfg)
         self.accelerator, self.sharding = start_accelerator(cfg)
