@@ -99,9 +99,7 @@ class LowMemTrainer:
         self.folder = RunFolder(self.out)
         self.start_time = time.time()  # of this process's part of the run (state.elapsed_s: the parts before)
         # Built by setup(), in this order:
-        # resolved and checked before anything heavy (by the command line, before its imports, when it
-        # passes them: a hub dataset's first rows are then read once)
-        self.files: DataFiles | None = files
+        self.files: DataFiles | None = files  # checked before anything heavy (by the CLI, before its imports)
         self.accelerator = None
         self.sharding: dict | None = None  # {"engine": "fsdp" or "deepspeed", ...} under a sharded launch config
         self.shape_multiple = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU)
