@@ -165,24 +165,31 @@ def import_while_replaced(name: str, owner, attribute: str, stand_in) -> None:
             pass
 
 
-def import_while_hidden(name: str, hidden: str) -> None:
-    """Import module ``name`` (once) while the package ``hidden`` looks not installed, then show it again.
+@contextlib.contextmanager
+def hidden(package: str):
+    """While inside, the package ``package`` looks not installed; it shows again on the way out.
 
     For dependencies that import an optional package whenever it is installed, for features this
-    trainer never uses: while hidden, ``importlib.util.find_spec(hidden)`` answers None and importing it
-    fails. A package imported already stays as it is.
+    trainer never uses: while hidden, ``importlib.util.find_spec(package)`` answers None and importing
+    it fails. A package imported already stays as it is (hiding it then would change nothing).
     """
+    if package in sys.modules:
+        yield
+        return
+    sys.modules[package] = None  # what the import system reads as "not importable"
+    try:
+        yield
+    finally:
+        if sys.modules.get(package, ...) is None:
+            del sys.modules[package]
+
+
+def import_while_hidden(name: str, package: str) -> None:
+    """Import module ``name`` (once) while the package ``package`` looks not installed (:func:`hidden`)."""
     if name in sys.modules:
         return
-    if hidden in sys.modules:
+    with hidden(package):
         importlib.import_module(name)
-        return
-    sys.modules[hidden] = None  # what the import system reads as "not importable"
-    try:
-        importlib.import_module(name)
-    finally:
-        if sys.modules.get(hidden, ...) is None:
-            del sys.modules[hidden]
 
 
 def import_accelerate() -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from config import MODEL_PRESETS, TrainConfig, UserError, optional_package_missing
-from lowmem.memory import import_accelerate, import_while_replaced
+from lowmem.memory import hidden, import_accelerate, import_while_replaced
 from lowmem.model_source import model_folder_config, resolve_model_dir
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
@@ -204,13 +204,16 @@ def add_lora(model, cfg: TrainConfig):
     The model stays a plain ``T5ForConditionalGeneration`` with LoRA layers inside, so the trainer
     calls it as before; :func:`export_state_dict` gives the plain weights for export.
     """
-    peft = optional_import("peft", "--lora_r")
     paths = lora_module_names(model, cfg)
-    # Exact module paths: peft matches a list entry against each module path's end, and a regex here
-    # could not say which names matched nothing.
-    config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                             target_modules=paths, bias="none")
-    model = peft.inject_adapter_in_model(config, model)
+    # peft imports bitsandbytes whenever it is installed (44 MiB RSS and 1.7 s on the CPU), and asks for
+    # it again while injecting, for its 8-bit layers, which a model here never has: it is hidden for both.
+    with hidden("bitsandbytes"):
+        peft = optional_import("peft", "--lora_r")
+        # Exact module paths: peft matches a list entry against each module path's end, and a regex here
+        # could not say which names matched nothing.
+        config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                 target_modules=paths, bias="none")
+        model = peft.inject_adapter_in_model(config, model)
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
     return model

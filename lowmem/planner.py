@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from config import TrainConfig
 from data.stream import total_steps
-from lowmem.memory import SHARDED_MMAP_THRESHOLD
+from lowmem.memory import SHARDED_MMAP_THRESHOLD, hidden
 from lowmem.plan_batches import micro_batch_lengths
 from lowmem.plan_sharding import sharded_sizes
 from lowmem.quantize import SHARD_BYTES
@@ -451,10 +451,11 @@ def zero_copy_save() -> bool:
 def framework_mb(cfg: TrainConfig | None = None) -> float:
     """RSS (MiB) of this process once the training stack is imported: the framework baseline.
 
-    With ``cfg``, the optional extras the run will import count too (peft for LoRA: about 55 MiB,
-    bitsandbytes for adamw8bit, optimum-quanto for 8-bit frozen weights, tensorboard for --report_to),
-    when they are installed.
+    With ``cfg``, the optional extras the run will import count too (peft for LoRA: about 11 MiB, imported
+    without bitsandbytes as ``lowmem.modeling.add_lora`` does; bitsandbytes for adamw8bit: about 44 MiB;
+    optimum-quanto for 8-bit frozen weights; tensorboard for --report_to), when they are installed.
     """
+    import contextlib
     import importlib
 
     import psutil
@@ -472,7 +473,8 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
         ("torch.utils.tensorboard", cfg.report_to == "tensorboard")) if used]
     for module in extras:
         if installed(module.split(".")[0]):
-            importlib.import_module(module)
+            with hidden("bitsandbytes") if module == "peft" else contextlib.nullcontext():
+                importlib.import_module(module)
     return psutil.Process().memory_info().rss / MB
 
 

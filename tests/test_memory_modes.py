@@ -536,13 +536,14 @@ def test_plan_for_several_processes():
 
 
 def test_plan_counts_the_extras_a_run_imports(pretrained):
-    # peft (about 55 MiB once imported) is part of a LoRA run's framework baseline.
+    # peft (about 11 MiB once imported) is part of a LoRA run's framework baseline; bitsandbytes (44 MiB),
+    # which peft imports wherever it is installed, is not: a LoRA run imports peft without it.
     def framework(*flags):
         done = run_cli("plan", "--json", "--is_finetune=True", f"--init_from={pretrained}", *flags)
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout.strip().splitlines()[-1])["host_mb"]["framework"]
 
-    assert framework("--lora_r=8") > framework() + 25
+    assert 3 < framework("--lora_r=8") - framework() < 30
 
 
 def test_a_long_batch_in_the_first_step_is_planned_without_the_optimizer_state():

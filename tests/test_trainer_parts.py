@@ -179,38 +179,52 @@ def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer)
 
 
 # ----------------------------------------------------------------------------- exports
-def test_an_export_leaves_deepspeed_unimported_where_no_engine_can_exist(tmp_path):
-    """accelerate's unwrapping, inside every ``save_pretrained``, imported DeepSpeed (0.5 s, 22 MiB) to ask
-    whether the model is an engine; a process that never imported DeepSpeed has none. In a fresh process:
-    the export is the plain folder it always was, and DeepSpeed stays out. So does boto3, which accelerate
-    imported for its config wizard (0.4 s, 9 MiB), and which stays importable for whoever wants it."""
+def test_a_lora_export_leaves_unused_packages_unimported(tmp_path):
+    """Packages our dependencies import whenever installed, for features no run here uses, stay out of a fresh
+    process that adds LoRA adapters and exports, and stay importable for whoever wants them:
+    - DeepSpeed: accelerate's unwrapping, inside every ``save_pretrained``, imported it (0.5 s, 22 MiB) to ask
+      whether the model is an engine; a process that never imported DeepSpeed has none.
+    - boto3: accelerate imported it for its config wizard (0.4 s, 9 MiB).
+    - bitsandbytes: peft imported it, and asked for it again while injecting adapters, for its 8-bit layers
+      (1.9 s, 44 MiB)."""
     import importlib.util
     import subprocess
     import sys
 
     pytest.importorskip("deepspeed")
+    pytest.importorskip("peft")
     script = f"""
 import sys
 sys.path.insert(0, {str(REPO)!r})
 from config import SHIPPED_TOKENIZER_DIR
 from data.tokenization import load_tokenizer
 from lowmem.flags import load_config
-from lowmem.modeling import build_model
+from lowmem.modeling import add_lora, build_model
 from lowmem.run_folder import RunFolder
 
 tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
-model = build_model(load_config({{"model_preset": "tiny"}})[0], tokenizer)
+cfg = load_config({{"model_preset": "tiny", "is_finetune": True, "init_from": "unused", "lora_r": 4}})[0]
+model = add_lora(build_model(cfg, tokenizer), cfg)
+print("adapters:", sum(p.numel() for p in model.parameters() if p.requires_grad))
 RunFolder.export({str(tmp_path / "final")!r}, model, tokenizer, {{}})
-print("deepspeed imported:", "deepspeed" in sys.modules)
-print("boto3 imported:", "boto3" in sys.modules)
-import boto3
+for package in ("deepspeed", "boto3", "bitsandbytes"):
+    print(package, "imported:", package in sys.modules)
+for package in ("boto3", "bitsandbytes"):
+    try:
+        __import__(package)
+        print(package, "importable")
+    except ImportError as error:
+        print(package, "not importable:", error)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert "deepspeed imported: False" in done.stdout, done.stderr[-3000:]
-    if importlib.util.find_spec("boto3") is not None:
-        assert "boto3 imported: False" in done.stdout and done.returncode == 0, done.stderr[-3000:]
-    else:  # nothing to hide here: the script's own import of it fails
-        assert "No module named 'boto3'" in done.stderr
+    assert done.returncode == 0 and "adapters: 0" not in done.stdout, done.stderr[-3000:]
+    for package in ("deepspeed", "boto3", "bitsandbytes"):
+        assert f"{package} imported: False" in done.stdout, done.stdout + done.stderr[-3000:]
+    for package in ("boto3", "bitsandbytes"):
+        if importlib.util.find_spec(package) is not None:
+            assert f"{package} importable" in done.stdout, done.stdout
+        else:  # nothing to hide here: the script's own import of it fails
+            assert f"No module named '{package}'" in done.stdout, done.stdout
     from transformers import T5ForConditionalGeneration
 
     model = T5ForConditionalGeneration.from_pretrained(tmp_path / "final")
