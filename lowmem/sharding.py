@@ -4,8 +4,8 @@ Why not through accelerate: accelerate runs CPU processes as MULTI_CPU and silen
 there, and its FSDP plugin fails on T5 in transformers 5 (``encoder.embed_tokens`` and
 ``decoder.embed_tokens`` are two modules holding the one shared Parameter). So an ``accelerate launch``
 with an FSDP config (``ACCELERATE_USE_FSDP``) is read here, accelerate itself is started without it,
-and the model is sharded with torch's own API: each ``T5Block`` is one unit, then the root, which keeps
-the shared embedding (and a head tied to it) in one group.
+and the model is sharded with torch's own API: each block (``T5Block``, ``MT5Block``, ``UMT5Block``) is
+one unit, then the root, which keeps the shared embedding (and a head tied to it) in one group.
 
 Under sharding every forward is a collective (each unit's weights are all-gathered), so every process
 must run the same number of forwards: ``equal_count`` gives the count to pad windows and eval passes to.
@@ -66,18 +66,23 @@ def check_shardable(cfg, engine: str) -> None:
                             "config (accelerate_configs/multi_gpu.yaml, cpu_2proc.yaml)")
 
 
+def blocks(model) -> list:
+    """The transformer blocks of a T5-family model: FSDP's units. Found by place (``encoder.block``,
+    ``decoder.block``), not by class: ``MT5Block`` and ``UMT5Block`` are copies of ``T5Block``, not
+    subclasses, and an ``isinstance`` test left an mT5 or umT5 model one unit, gathered whole."""
+    return [block for stack in (model.encoder, model.decoder) for block in stack.block]
+
+
 def shard_model(model, settings: dict, device: torch.device):
     """Shard ``model`` in place over all processes: each T5 block, then the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-    from transformers.models.t5.modeling_t5 import T5Block
 
     model.to(device)
     options = {"reshard_after_forward": settings["reshard_after_forward"],
                "offload_policy": CPUOffloadPolicy() if settings["offload_params"] and device.type == "cuda"
                else OffloadPolicy()}
-    for module in model.modules():
-        if isinstance(module, T5Block):
-            fully_shard(module, **options)
+    for block in blocks(model):
+        fully_shard(block, **options)
     # the root keeps torch's default: not resharded after forward (backward, or generate's next
     # pass, needs its weights at once)
     fully_shard(model, **{**options, "reshard_after_forward": None})

@@ -240,3 +240,38 @@ def test_deepspeed_refuses_an_optimizer_it_cannot_step_in_one_line(tmp_path):
     assert proc.returncode != 0 and len(errors) == 1 and "--optimizer=adamw or adafactor" in errors[0], \
         proc.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_fsdp_makes_every_block_of_each_t5_family_its_own_unit(tmp_path):
+    """mT5's and umT5's blocks are copies of ``T5Block``, not subclasses: found by class, they were left
+    inside the root's unit, so each process gathered the whole model in every forward. One process over
+    gloo: each block of T5, mT5 and umT5 becomes an FSDP unit of its own, and the model still runs."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+sys.path.insert(0, {str(REPO / "tests")!r})
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
+from transformers import UMT5Config, UMT5ForConditionalGeneration
+from t5_family import TINY
+from lowmem.sharding import shard_model
+
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+for config, model_class in ((T5Config, T5ForConditionalGeneration), (MT5Config, MT5ForConditionalGeneration),
+                            (UMT5Config, UMT5ForConditionalGeneration)):
+    model = model_class(config(vocab_size=300, decoder_start_token_id=0, pad_token_id=0, **TINY))
+    shard_model(model, {{"reshard_after_forward": True, "offload_params": False}}, torch.device("cpu"))
+    units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    ids = torch.tensor([[5, 6, 7, 1]])
+    loss = model(input_ids=ids, labels=ids).loss
+    print(model_class.__name__, len(units), units[:3], bool(torch.isfinite(loss)))
+dist.destroy_process_group()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3, done.stdout
+    for line in lines:  # the root, 2 encoder blocks and 3 decoder blocks (tests/t5_family.TINY)
+        assert " 6 ['', 'encoder.block.0', 'encoder.block.1'] True" in line, done.stdout
