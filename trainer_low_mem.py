@@ -199,8 +199,9 @@ class LowMemTrainer:
         memory modes."""
         cfg = self.cfg
         if self.model is None:
-            self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.init_from
-                          else build_model(cfg, self.tokenizer))
+            with deepspeed_engine.loading_whole(self.accelerator):  # under ZeRO-3 too: not into partitions
+                self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.init_from
+                              else build_model(cfg, self.tokenizer))
         check_vocabulary(cfg, self.model, self.tokenizer)
         self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request,
                            "tokenizer_size": len(self.tokenizer),  # fingerprinted once
@@ -231,8 +232,7 @@ class LowMemTrainer:
         self.train_collator = CachedEncoderCollator(self.data.collator, self.encoder_cache)
         self.telemetry.log_memory("encoder_cache")
         if self.accelerator.device.type == "cuda":
-            # Training no longer runs the encoder: its blocks leave GPU memory (evaluation brings
-            # them back for its duration). The shared embedding stays: the decoder reads it.
+            # Training no longer runs the encoder: its blocks leave GPU memory (evaluation brings them back).
             encoder_cache.move_encoder(self.core, "cpu")
             free_memory()
 

@@ -123,8 +123,7 @@ def generation_cache():
 
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, frozen) parameter counts; tied tensors are counted once. A weight DeepSpeed ZeRO-3 has
-    partitioned (``from_pretrained`` loads straight into partitions under a ZeRO-3 launch config) holds an
-    empty placeholder: its whole size is ``ds_numel``."""
+    partitioned holds an empty placeholder: its whole size is ``ds_numel``."""
     def size(p) -> int:
         return getattr(p, "ds_numel", p.numel())
 

@@ -202,18 +202,32 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     assert model.lm_head.weight is model.shared.weight
     exported = weights(zero3)
     assert max(float((p - exported[n]).abs().max()) for n, p in model.state_dict().items() if n in exported) == 0
-    # SFT from the DDP run (ZeRO-3 loads it straight into partitions): encoder and embedding unchanged
+    # SFT of a model with a head of its own (flan-t5, t5-v1_1, mT5): the DDP run's export with its head untied.
+    # Loaded into ZeRO-3's partitions, transformers tied the head to the embedding (empty partitions compare
+    # equal) and the head was lost; now it trains from the checkpoint's values, and the encoder and the
+    # embedding stay as they were.
+    from transformers import AutoTokenizer
+
+    from lowmem.run_folder import RunFolder
+
+    base = tmp_path / "untied"
+    model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach() * -0.5)
+    RunFolder.export(base, model, AutoTokenizer.from_pretrained(zero3 / "final"), {})
     sft = tmp_path / "sft"
     trained("deepspeed_zero3_cpu", [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=3", "--eval_steps=0",
                                     "--save_steps=0", "--optimizer=adamw", "--is_finetune=True",
-                                    f"--init_from={ddp / 'final'}", f"--output_dir={sft}"], 29637)
+                                    f"--init_from={base}", f"--output_dir={sft}"], 29637)
     setup, whole = (next(r for r in metrics(run) if r["event"] == "setup") for run in (sft, ddp))
+    head = reference["shared.weight"].numel()
     assert setup["trainable_params"] > 0 and setup["trainable_params"] + setup["frozen_params"] == \
-        whole["trainable_params"]  # counted from the partitions' whole sizes
-    tuned = weights(sft)
-    frozen = [k for k in reference if k.startswith("encoder.") or k == "shared.weight"]
-    assert all(torch.equal(tuned[k], reference[k]) for k in frozen)
-    assert any(not torch.equal(tuned[k], reference[k]) for k in reference if k.startswith("decoder."))
+        whole["trainable_params"] + head  # counted from the partitions' whole sizes; the head is its own now
+    before, tuned = load_file(str(base / "model.safetensors")), weights(sft)
+    assert json.loads((sft / "final" / "config.json").read_text())["tie_word_embeddings"] is False
+    # 3 AdamW steps of about the learning rate each; the embedding in the head's place would be 1.5x its values off
+    assert 0 < float((tuned["lm_head.weight"] - before["lm_head.weight"]).abs().max()) <= 4 * 3e-3
+    frozen = [k for k in before if k.startswith("encoder.") or k == "shared.weight"]
+    assert all(torch.equal(tuned[k], before[k]) for k in frozen)
+    assert any(not torch.equal(tuned[k], before[k]) for k in before if k.startswith("decoder."))
 
 
 def test_deepspeed_adafactor_steps_whole_weights_like_ddp_and_resumes_exactly(tmp_path, adafactor_ddp):
