@@ -159,7 +159,7 @@ def loading_whole(accelerator):
     partitioned when the engine is built, as a model built from a config always was.
     """
     registered = getattr(getattr(accelerator.state, "deepspeed_plugin", None), "dschf", None)
-    if registered is None:  # nothing registered by accelerate (not ZeRO-3): transformers loads as it would
+    if registered is None:  # no DeepSpeed settings registered with transformers: it loads as it would
         yield
         return
     from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config

@@ -204,7 +204,7 @@ def add_lora(model, cfg: TrainConfig):
     calls it as before; :func:`export_state_dict` gives the plain weights for export.
     """
     paths = lora_module_names(model, cfg)
-    # peft imports bitsandbytes whenever it is installed (44 MiB RSS and 1.7 s on the CPU), and asks for
+    # peft imports bitsandbytes whenever it is installed (44 MiB RSS and 1.9 s on the CPU), and asks for
     # it again while injecting, for its 8-bit layers, which a model here never has: it is hidden for both.
     with hidden("bitsandbytes"):
         peft = optional_import("peft", "--lora_r")
