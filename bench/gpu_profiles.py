@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ FROZEN_DTYPES = {"float32": ["--frozen_dtype=float32"], "int8": ["--frozen_dtype
                  "bfloat16": ["--mixed_precision=bf16", "--frozen_dtype=bfloat16"]}
 
 
-def frozen(steps: int, figures: dict, corpora: dict, tmp: Path) -> None:
+def frozen(steps: int, figures: dict, corpora: dict, tmp: Path, jobs: int = 1) -> None:
     """Part 2: base SFT and LoRA with the frozen weights in float32, bfloat16 and int8 on the GPU."""
     init = tmp / "init_base"
     pretrain = trainer_run([f"--train_file={corpora['sft']}", "--model_preset=base", "--mixed_precision=no",
@@ -106,14 +107,21 @@ def frozen(steps: int, figures: dict, corpora: dict, tmp: Path) -> None:
         return
     print("| base | frozen | step s | predicted GPU MiB | measured GPU MiB | ratio | GPU peak vs float32 | eval loss |")
     print("|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
-    for mode, flags in FROZEN.items():
+
+    def run(mode: str, dtype: str) -> dict:
+        out = tmp / f"frozen-{mode}-{dtype}".replace(" ", "").replace("=", "")
+        return trainer_run(["--is_finetune=True", f"--init_from={init / 'final'}", f"--train_file={corpora['sft']}",
+                            "--batch_size=8", "--gradient_accumulation_steps=1", *FROZEN[mode],
+                            *FROZEN_DTYPES[dtype]], out, steps, eval_rows=16)
+
+    # Each run's GPU peak is its own process's, so the runs may share the GPU (jobs > 1); their step times
+    # then measure the sharing too.
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        runs = {(mode, dtype): pool.submit(run, mode, dtype) for mode in FROZEN for dtype in FROZEN_DTYPES}
+    for mode in FROZEN:
         first = None
-        for dtype, dtype_flags in FROZEN_DTYPES.items():
-            out = tmp / f"frozen-{mode}-{dtype}".replace(" ", "").replace("=", "")
-            r = trainer_run(["--is_finetune=True", f"--init_from={init / 'final'}", f"--train_file={corpora['sft']}",
-                             "--batch_size=8", "--gradient_accumulation_steps=1", *flags, *dtype_flags], out, steps,
-                            eval_rows=16)
-            figures["frozen"][f"{mode} {dtype}"] = r
+        for dtype in FROZEN_DTYPES:
+            r = figures["frozen"][f"{mode} {dtype}"] = runs[mode, dtype].result()
             if "error" in r:
                 print(f"| {mode} | {dtype} failed: {r['error']} ||||||", flush=True)
                 continue
@@ -162,6 +170,8 @@ def main() -> None:
     parser.add_argument("--profiles", default="gpu8g,gpu12g,gpu16g,gpu24g,gpu80g")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--parts", default="profiles,frozen,sweep", help="which of profiles, frozen, sweep to run")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="frozen runs at once on the GPU (their GPU peaks stay their own; step times are shared)")
     parser.add_argument("--json", default="", help="also write every figure to this file")
     options = parser.parse_args()
     import torch
@@ -183,7 +193,7 @@ def main() -> None:
             save()
         if "frozen" in parts:
             print()
-            frozen(options.steps, figures, corpora, Path(tmp))
+            frozen(options.steps, figures, corpora, Path(tmp), options.jobs)
             save()
     if "sweep" not in parts:
         return

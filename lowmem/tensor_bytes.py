@@ -236,6 +236,47 @@ def lora_layer_delta(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     return b * kept - b * t * (f + 7 * d + 2 * i)
 
 
+def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, target_len: int) -> tuple[float, float]:
+    """Bytes one encoder layer and one decoder layer save for backward on a CUDA GPU (micro-batch of
+    ``rows`` rows padded to these lengths), dtype by dtype.
+
+    A GPU's layer differs from the CPU plan's in four ways. Attention runs in a fused kernel (transformers' T5 uses
+    SDPA; with T5's position-bias mask that is the memory-efficient kernel), which keeps q, k, v, its
+    output, a log-sum-exp per query and head, and the bias mask it was given (per head and pair: in
+    bf16 autocast the mask's bf16 cast), never the softmax. Dropout keeps a bool mask, not a float one.
+    CUDA's autocast runs ``pow`` in float32 (gated-gelu's ``gelu_new`` calls it). Under bf16 autocast
+    every linear layer keeps its own bf16 cast of its input, while the norms keep their float32 input
+    and normalised value; in float32 the linear layers reading one norm share its output.
+    tests/test_gpu_activations.py checks every layer kind within 0.1 % against a T5's saved tensors on
+    the CPU with the first three put in (CPU autocast casts the same way); docs/benchmarks.md has the
+    GPU's measured peaks against the plan.
+    """
+    d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
+    half = cfg.mixed_precision == "bf16"
+    w = 2 if half else 4  # matmul outputs and the casts of their inputs
+    mask = 1 if cfg.dropout_rate > 0 else 0  # a bool per dropped value
+
+    def norm(readers: int) -> int:  # a norm's saved values and what the linear layers reading it keep
+        return 8 * d + (2 * d * readers if half else 4 * d)
+
+    def attention(readers: int, keys: int) -> int:  # per query: q (k, v), output, o's input, bias row
+        return norm(readers) + (readers + 2) * w * i + 4 * h + mask * d + w * h * keys
+
+    # feed-forward per token: ReLU's output, the dropout's mask, wo's input (a bf16 cast, or the
+    # dropout's float output; without either, ReLU's output itself)
+    ff = norm(1) + w * f + mask * f + (w * f if half or mask else 0) + mask * d
+    if dims["gated"] and half:  # CUDA autocast runs gelu_new's power in float32, so the rest of it too:
+        # 14 bytes a value inside gelu_new, its float output, wi_1's output, the mask, wo's input cast
+        ff = norm(2) + (14 + 4 + 2 + mask + 2) * f + mask * d
+    elif dims["gated"]:
+        ff = norm(2) + (2 * w + mask + 4 * GATED_FF_SAVED) * f + mask * d
+    encoder = rows * source_len * (attention(3, source_len) + ff)
+    # cross-attention: q from the target, k and v (and their bf16 casts) from each source token
+    decoder = (rows * target_len * (attention(3, target_len) + attention(1, source_len) + ff)
+               + rows * source_len * (2 * w * i + (4 * d if half else 0)))
+    return encoder, decoder
+
+
 def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: int, device: str = "cpu",
                      target_tokens: int | None = None, rows: int | None = None) -> dict:
     """Bytes saved for backward (and live at the backward peak) for one micro-batch of ``rows`` rows
@@ -246,8 +287,7 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     gradient is made."""
     b, s, t = rows or cfg.batch_size, source_len, target_len
     d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
-    # On a GPU bf16 halves the matmul outputs (not norms / softmax); CPU autocast measured no saving.
-    width = 2.4 if cfg.mixed_precision == "bf16" and device == "gpu" else 4
+    width = 4  # the CPU's (its bf16 autocast measured no saving); a GPU's layers: gpu_layer_bytes
     gated = dims["gated"]
     dropout = cfg.dropout_rate > 0
     ff = ((FF_SAVED if dropout else FF_SAVED_NO_DROPOUT) + (GATED_FF_SAVED if gated else 0)) * f
@@ -256,9 +296,13 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     # batched-matmul copy; counted with saved-tensor hooks; 1 without dropout), and the backward of one
     # layer holds ATTENTION_GRADS more of them at a time.
     pair = 3 if dropout else 1
-    enc_layer = b * s * (block + pair * h * s) * width
-    dec_layer = (b * t * (block + (4 if dropout else 3) * d + 2 * i + pair * h * (t + s)) * width
-                 + b * s * 2 * i * width)
+    if device == "gpu":
+        width = 2 if cfg.mixed_precision == "bf16" else 4
+        enc_layer, dec_layer = gpu_layer_bytes(cfg, dims, b, s, t)
+    else:
+        enc_layer = b * s * (block + pair * h * s) * width
+        dec_layer = (b * t * (block + (4 if dropout else 3) * d + 2 * i + pair * h * (t + s)) * width
+                     + b * s * 2 * i * width)
     dec_layer += lora_layer_delta(cfg, dims, s, t, b) * width
     n_enc, n_dec = dims["num_layers"], dims["num_decoder_layers"]
     frozen_encoder = cfg.frozen_encoder
@@ -269,8 +313,13 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     # output and their product) and a few hidden states of one row are alive at once.
     frozen_pass = s * (2 * h * s + (4 if gated else 2) * f + 6 * d) * width
     encoder_peak = frozen_pass if frozen_encoder and cfg.encoder_cache == "off" else 0
-    if cfg.gradient_checkpointing:  # each block keeps its input; one block is recomputed at a time
-        encoder_saved = 0 if frozen_encoder else b * s * d * 4 * n_enc + enc_layer
+    if cfg.gradient_checkpointing and device == "gpu":
+        # Each block keeps its input; one block is recomputed at a time, a decoder block's or later an
+        # encoder block's, and torch's caching allocator reuses the first's memory for the second.
+        encoder_saved = 0 if frozen_encoder else b * s * d * 4 * n_enc
+        decoder_saved = b * t * d * 4 * n_dec + max(dec_layer, 0 if frozen_encoder else enc_layer)
+    elif cfg.gradient_checkpointing:  # on the CPU both recomputed blocks count: the heap rarely fits
+        encoder_saved = 0 if frozen_encoder else b * s * d * 4 * n_enc + enc_layer  # one in the other's place
         decoder_saved = b * t * d * 4 * n_dec + dec_layer
     else:
         decoder_saved = dec_layer * n_dec
