@@ -236,14 +236,31 @@ def lora_layer_delta(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     return b * kept - b * t * (f + 7 * d + 2 * i)
 
 
+def cpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, target_len: int) -> tuple[float, float]:
+    """Bytes one encoder layer and one decoder layer save for backward on the CPU (micro-batch of ``rows``
+    rows padded to these lengths), all float32: counted with saved-tensor hooks."""
+    b, s, t = rows, source_len, target_len
+    d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
+    dropout = cfg.dropout_rate > 0
+    ff = ((FF_SAVED if dropout else FF_SAVED_NO_DROPOUT) + (GATED_FF_SAVED if dims["gated"] else 0)) * f
+    block = (8 if dropout else 6) * d + 4 * i + ff  # per token: norms, q k v o, feed-forward, dropout masks
+    # Attention keeps 3 values per head and (query, key) pair (softmax output, dropout output and its
+    # batched-matmul copy; 1 without dropout), and the backward of one layer holds ATTENTION_GRADS more
+    # of them at a time (activation_bytes).
+    pair = 3 if dropout else 1
+    encoder = b * s * (block + pair * h * s) * 4
+    decoder = (b * t * (block + (4 if dropout else 3) * d + 2 * i + pair * h * (t + s)) + b * s * 2 * i) * 4
+    return encoder, decoder
+
+
 def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, target_len: int) -> tuple[float, float]:
     """Bytes one encoder layer and one decoder layer save for backward on a CUDA GPU (micro-batch of
     ``rows`` rows padded to these lengths), dtype by dtype.
 
-    A GPU's layer differs from the CPU plan's in four ways. Attention runs in a fused kernel (transformers' T5 uses
-    SDPA; with T5's position-bias mask that is the memory-efficient kernel), which keeps q, k, v, its
-    output, a log-sum-exp per query and head, and the bias mask it was given (per head and pair: in
-    bf16 autocast the mask's bf16 cast), never the softmax. Dropout keeps a bool mask, not a float one.
+    A GPU's layer differs from ``cpu_layer_bytes`` in four ways. Attention runs in a fused kernel
+    (transformers' T5 uses SDPA; with T5's position-bias mask that is the memory-efficient kernel), which
+    keeps q, k, v, its output, a log-sum-exp per query and head, and the bias mask it was given (per head
+    and pair: in bf16 autocast the mask's bf16 cast), never the softmax. Dropout keeps a bool mask, not a float one.
     CUDA's autocast runs ``pow`` in float32 (gated-gelu's ``gelu_new`` calls it). Under bf16 autocast
     every linear layer keeps its own bf16 cast of its input, while the norms keep their float32 input
     and normalised value; in float32 the linear layers reading one norm share its output.
@@ -264,12 +281,13 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
 
     # feed-forward per token: ReLU's output, the dropout's mask, wo's input (a bf16 cast, or the
     # dropout's float output; without either, ReLU's output itself)
-    ff = norm(1) + w * f + mask * f + (w * f if half or mask else 0) + mask * d
     if dims["gated"] and half:  # CUDA autocast runs gelu_new's power in float32, so the rest of it too:
         # 14 bytes a value inside gelu_new, its float output, wi_1's output, the mask, wo's input cast
         ff = norm(2) + (14 + 4 + 2 + mask + 2) * f + mask * d
     elif dims["gated"]:
         ff = norm(2) + (2 * w + mask + 4 * GATED_FF_SAVED) * f + mask * d
+    else:
+        ff = norm(1) + w * f + mask * f + (w * f if half or mask else 0) + mask * d
     encoder = rows * source_len * (attention(3, source_len) + ff)
     # cross-attention: q from the target, k and v (and their bf16 casts) from each source token
     decoder = (rows * target_len * (attention(3, target_len) + attention(1, source_len) + ff)
@@ -286,23 +304,14 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     ``logits_grad``: the logits' float gradient, what is left of them when the output layer's weight
     gradient is made."""
     b, s, t = rows or cfg.batch_size, source_len, target_len
-    d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
-    width = 4  # the CPU's (its bf16 autocast measured no saving); a GPU's layers: gpu_layer_bytes
+    d, f, h = dims["d_model"], dims["d_ff"], dims["num_heads"]
     gated = dims["gated"]
-    dropout = cfg.dropout_rate > 0
-    ff = ((FF_SAVED if dropout else FF_SAVED_NO_DROPOUT) + (GATED_FF_SAVED if gated else 0)) * f
-    block = (8 if dropout else 6) * d + 4 * i + ff  # per token: norms, q k v o, feed-forward, dropout masks
-    # Attention keeps 3 values per head and (query, key) pair (softmax output, dropout output and its
-    # batched-matmul copy; counted with saved-tensor hooks; 1 without dropout), and the backward of one
-    # layer holds ATTENTION_GRADS more of them at a time.
-    pair = 3 if dropout else 1
     if device == "gpu":
         width = 2 if cfg.mixed_precision == "bf16" else 4
         enc_layer, dec_layer = gpu_layer_bytes(cfg, dims, b, s, t)
     else:
-        enc_layer = b * s * (block + pair * h * s) * width
-        dec_layer = (b * t * (block + (4 if dropout else 3) * d + 2 * i + pair * h * (t + s)) * width
-                     + b * s * 2 * i * width)
+        width = 4  # CPU autocast measured no saving
+        enc_layer, dec_layer = cpu_layer_bytes(cfg, dims, b, s, t)
     dec_layer += lora_layer_delta(cfg, dims, s, t, b) * width
     n_enc, n_dec = dims["num_layers"], dims["num_decoder_layers"]
     frozen_encoder = cfg.frozen_encoder
