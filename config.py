@@ -182,7 +182,8 @@ class TrainConfig:
     max_rss_gb: float = _f(0.0, "Memory guard (0 = off): when a process's RSS nears this many GiB (2^30 bytes, "
                                 "like plan's --budget_gb), write a checkpoint and stop with exit code 3 instead "
                                 "of meeting the OOM killer.")
-    mixed_precision: str = _f("no", "no or bf16 (bf16 halves activation memory where supported). fp16 is refused.")
+    mixed_precision: str = _f("no", "no or bf16 (on a GPU bf16 keeps 0.67-0.79 of float32's activation "
+                                    "memory). fp16 is refused.")
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
 
     # --- memory modes (see docs/memory.md, 'Memory modes'; `plan` predicts what each costs) ---
