@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs (one machine, under ten minutes): bench/gpu_profiles.py's frozen-weight
-# rows (base LoRA and SFT, frozen float32 / int8 / bfloat16; six at once on the GPU: their peaks are their own,
-# their step times shared) and its profile rows (each profile as it chooses
+# rows (base LoRA and SFT, frozen float32 / int8 / bfloat16 / int8 with bf16; eight at once on the GPU:
+# their peaks are their own, their step times shared) and its profile rows (each profile as it chooses
 # against 2 x 16, tiny / small / base), then the GPU-marked tests. A trainer run there costs 40-110 s: narrow
 # the profile rows with PRESETS= and PROFILES= to what is still unmeasured (docs/benchmarks.md). Python wheels the machine lacks
 # (a newer transformers, datasets, fire, optimum-quanto) go in .whl (see /work/.library/device/README.md).
@@ -24,7 +24,7 @@ python3 -c "import torch, transformers, accelerate; print(torch.__version__, tra
   2>&1 | tail -1 | tee -a "$OUT/log"
 
 log "bench/gpu_profiles.py: frozen weights"
-timeout "${FROZEN_S:-180}" python3 bench/gpu_profiles.py --parts=frozen --steps=6 --jobs="${FROZEN_JOBS:-6}" --json="$OUT/gpu_frozen.json" 2>&1 \
+timeout "${FROZEN_S:-180}" python3 bench/gpu_profiles.py --parts=frozen --steps=6 --jobs="${FROZEN_JOBS:-8}" --json="$OUT/gpu_frozen.json" 2>&1 \
   | tee -a "$OUT/log"
 
 log "bench/gpu_profiles.py: profiles, auto against 2 x 16"

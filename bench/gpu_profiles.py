@@ -4,7 +4,7 @@
     python bench/gpu_profiles.py                         # every gpu* profile x tiny, small, base
     python bench/gpu_profiles.py --presets=tiny --profiles=gpu16g --steps=4   # a quick look
     python bench/gpu_profiles.py --parts=sweep           # the micro-batch sweep alone
-    python bench/gpu_profiles.py --parts=frozen          # base SFT and LoRA, frozen float32 / bfloat16 / int8
+    python bench/gpu_profiles.py --parts=frozen --jobs=8 # base SFT and LoRA, frozen float32 / bfloat16 / int8
 
 Part 1 runs ``train_low_mem.py train --memory_profile=P --model_preset=X`` on the long-row corpus of
 bench/memory_modes.py (chat turns joined, sources up to 128 tokens) for a few optimizer steps of the
@@ -15,8 +15,9 @@ the eval pass's time (64 rows, loss and generation) and the ``memory_peak`` even
 GPU peak beside the measured one: torch's reserved peak plus the CUDA context).
 
 Part 2 (``--parts=frozen``) fine-tunes the base preset with the encoder and embedding frozen (SFT) and with
-everything frozen under LoRA r=8, frozen weights in float32, int8 (optimum-quanto) and bfloat16, and
-reports the GPU peak of each against float32's (the LoRA rows first: they are where 8 bits matter most).
+everything frozen under LoRA r=8, frozen weights in float32, int8 (optimum-quanto; computing in float32, and
+in bf16) and bfloat16, and reports the GPU peak of each against float32's (the LoRA rows first: they are
+where 8 bits matter most). ``--jobs=N`` runs N of them at once (peaks stay each process's own).
 
 Part 3 is plain torch, outside the trainer: a T5 of each preset, bf16 autocast, AdamW, forward +
 backward + step on random token ids of 128 tokens a side, at micro-batches 2 to 64, timed after
@@ -94,11 +95,13 @@ def profiles(presets: list[str], names: list[str], steps: int, figures: dict, co
 
 FROZEN = {"LoRA r=8": ["--lora_r=8", "--learn_rate=1e-3"], "SFT": []}
 FROZEN_DTYPES = {"float32": ["--frozen_dtype=float32"], "int8": ["--frozen_dtype=int8"],
-                 "bfloat16": ["--mixed_precision=bf16", "--frozen_dtype=bfloat16"]}
+                 "bfloat16": ["--mixed_precision=bf16", "--frozen_dtype=bfloat16"],
+                 # int8 computes in float32 unless bf16 is asked for: on a GPU that is the pair to compare
+                 "int8 + bf16": ["--mixed_precision=bf16", "--frozen_dtype=int8"]}
 
 
 def frozen(steps: int, figures: dict, corpora: dict, tmp: Path, jobs: int = 1) -> None:
-    """Part 2: base SFT and LoRA with the frozen weights in float32, bfloat16 and int8 on the GPU."""
+    """Part 2: base SFT and LoRA with the frozen weights in float32, bfloat16 and int8 (float32 or bf16 compute)."""
     init = tmp / "init_base"
     pretrain = trainer_run([f"--train_file={corpora['sft']}", "--model_preset=base", "--mixed_precision=no",
                             "--gradient_accumulation_steps=1"], init, 1, eval_rows=2)
@@ -109,7 +112,7 @@ def frozen(steps: int, figures: dict, corpora: dict, tmp: Path, jobs: int = 1) -
     print("|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
 
     def run(mode: str, dtype: str) -> dict:
-        out = tmp / f"frozen-{mode}-{dtype}".replace(" ", "").replace("=", "")
+        out = tmp / f"frozen-{mode}-{dtype}".replace(" ", "").replace("=", "").replace("+", "")
         return trainer_run(["--is_finetune=True", f"--init_from={init / 'final'}", f"--train_file={corpora['sft']}",
                             "--batch_size=8", "--gradient_accumulation_steps=1", *FROZEN[mode],
                             *FROZEN_DTYPES[dtype]], out, steps, eval_rows=16)
