@@ -66,7 +66,9 @@ def check_folder(path: str | Path, flag: str, kind: str, recognise: Recogniser |
             names = sorted(e.name + ("/" if e.is_dir() else "") for e in islice(entries, SHOWN + 1))
     except OSError as err:
         raise UserError(f"{where} cannot be read ({err.strerror}); {hint}") from None
-    if not names:
+    # Another process of the same launch may have marked it between the first look and the listing
+    # (it claimed the folder new or empty): then it is ours.
+    if not names or is_ours(path, kind, recognise):
         return path
     listed = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
     raise UserError(f"{where} holds files t5-lowmem did not write ({listed}), and it writes only into a new or "

@@ -106,6 +106,27 @@ def test_a_folder_of_user_files_is_refused_and_left_untouched(tmp_path, case):
     assert after == before
 
 
+def test_a_run_folder_marked_by_another_process_while_it_is_checked_is_accepted(tmp_path):
+    # Every process of a launch claims --output_dir. One may mark the new folder between another's first
+    # look (no marker yet) and its listing (the marker there): that folder is this run's, not a stranger's.
+    # The race is made deterministic here: the first look asks the recogniser, which marks the folder.
+    from data.ownership import check_folder
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+
+    def another_process_marks_it(path: Path) -> bool:
+        (path / MARKERS["run"]).write_text("marked by rank 1\n")
+        return False
+
+    assert check_folder(folder, "--output_dir", "run", another_process_marks_it) == folder
+    # and a stranger's file is still refused, however the recogniser answers
+    (folder / MARKERS["run"]).unlink()
+    (folder / "notes.txt").write_text("mine\n")
+    with pytest.raises(Exception, match="holds files t5-lowmem did not write"):
+        check_folder(folder, "--output_dir", "run", lambda _path: False)
+
+
 def test_sibling_folders_survive_and_a_tokenizer_folder_of_ours_is_reused(tmp_path):
     from data.tokenization import has_tokenizer, train_tokenizer
 
