@@ -260,8 +260,8 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
     A GPU's layer differs from ``cpu_layer_bytes`` in four ways. Attention runs in a fused kernel
     (transformers' T5 uses SDPA; with T5's position-bias mask that is the memory-efficient kernel), which
     keeps q, k, v, its output, a log-sum-exp per query and head, and the bias mask it was given (per head
-    and pair: in bf16 autocast the mask's bf16 cast), never the softmax. Dropout keeps a bool mask, not a float one.
-    CUDA's autocast runs ``pow`` in float32 (gated-gelu's ``gelu_new`` calls it). Under bf16 autocast
+    and pair: in bf16 autocast the mask's bf16 cast), never the softmax. Dropout keeps a bool mask, not a
+    float one. CUDA's autocast runs ``pow`` in float32 (gated-gelu's ``gelu_new`` calls it). Under bf16 autocast
     every linear layer keeps its own bf16 cast of its input, while the norms keep their float32 input
     and normalised value; in float32 the linear layers reading one norm share its output.
     tests/test_gpu_activations.py checks every layer kind within 0.1 % against a T5's saved tensors on
@@ -279,14 +279,14 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
     def attention(readers: int, keys: int) -> int:  # per query: q (k, v), output, o's input, bias row
         return norm(readers) + (readers + 2) * w * i + 4 * h + mask * d + w * h * keys
 
-    # feed-forward per token: ReLU's output, the dropout's mask, wo's input (a bf16 cast, or the
-    # dropout's float output; without either, ReLU's output itself)
+    # feed-forward per token
     if dims["gated"] and half:  # CUDA autocast runs gelu_new's power in float32, so the rest of it too:
         # 14 bytes a value inside gelu_new, its float output, wi_1's output, the mask, wo's input cast
         ff = norm(2) + (14 + 4 + 2 + mask + 2) * f + mask * d
     elif dims["gated"]:
         ff = norm(2) + (2 * w + mask + 4 * GATED_FF_SAVED) * f + mask * d
-    else:
+    else:  # ReLU's output, the dropout's mask, wo's input (a bf16 cast, or the dropout's float output;
+        # without either, ReLU's output itself)
         ff = norm(1) + w * f + mask * f + (w * f if half or mask else 0) + mask * d
     encoder = rows * source_len * (attention(3, source_len) + ff)
     # cross-attention: q from the target, k and v (and their bf16 casts) from each source token
