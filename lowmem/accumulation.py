@@ -16,6 +16,7 @@ import torch
 
 from lowmem import deepspeed_engine
 from lowmem.modeling import batch_to_device, token_loss_sum
+from lowmem.sharding import equal_counts
 
 
 def window_backward(model, core, window: list[dict], total_tokens: int, accelerator, engine: str | None,
@@ -37,12 +38,18 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
     accelerator.gradient_accumulation_steps = len(window)
     accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
     loss_sum = torch.zeros((), device=accelerator.device)
+    # A frozen encoder runs one row at a time (frozen_encoder_states), and under a sharded engine each of
+    # its calls gathers weights from every process: each process makes as many calls as the one with the
+    # most rows in that micro-batch (token budgets, an epoch's last window and skipped rows make them differ).
+    rows = [len(micro["labels"]) for micro in window]
+    encoder_calls = equal_counts(rows, accelerator.num_processes) if engine and frozen_encoder else rows
     for k, micro in enumerate(window):
         last = k == len(window) - 1
         batch = batch_to_device(micro, accelerator.device, multiple, pin)
         with contextlib.nullcontext() if engine == "deepspeed" else accelerator.accumulate(model):
             with accelerator.autocast():
-                loss = token_loss_sum(model, core, batch, frozen_encoder=frozen_encoder, multiple=multiple)
+                loss = token_loss_sum(model, core, batch, frozen_encoder=frozen_encoder, multiple=multiple,
+                                      encoder_calls=encoder_calls[k])
             if engine == "deepspeed":
                 deepspeed_engine.backward(model, loss * scale, last=last)
             else:

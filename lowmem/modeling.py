@@ -93,7 +93,7 @@ def store_frozen_in_bf16(model) -> int:
 
     Inside bf16 autocast every matrix product reads its weights in bf16 anyway: the frozen ones are
     now rounded once, here, instead of at every use. Vectors (layer norms) and the small relative
-    position tables stay float32, and the shared embedding's output is turned back to float32, so
+    position tables stay float32, and the embedding lookups' outputs are turned back to float32, so
     the residual stream keeps the precision it has with float32 weights.
     """
     stored = 0
@@ -105,7 +105,11 @@ def store_frozen_in_bf16(model) -> int:
             # from_pretrained maps the checkpoint file: while any tensor is a view of that mapping, every
             # page the cast read stays resident. Own copies let it go (the planner counts the moment).
             param.data = param.data.clone()
-    model.shared.register_forward_hook(lambda _module, _args, out: out.float())
+    # Each stack looks its tokens up through its own embed_tokens module (holding the shared weight):
+    # model.shared itself never runs in a forward, so the hook goes on every bf16 lookup table.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and module.weight.dtype == torch.bfloat16:
+            module.register_forward_hook(lambda _module, _args, out: out.float())
     return stored
 
 
@@ -397,13 +401,16 @@ def logits_only_at(core, index: torch.Tensor):
         handle.remove()
 
 
-def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multiple: int = 1) -> torch.Tensor:
+def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multiple: int = 1,
+                   encoder_calls: int = 0) -> torch.Tensor:
     """Sum of the cross-entropy over the batch's target tokens (labels == -100 are ignored).
 
     ``model`` is what to call (possibly wrapped for DDP), ``core`` the plain T5 inside it. With a
     frozen encoder it runs under ``no_grad`` so none of its activations are kept; a batch from the
     encoder cache carries ``encoder_hidden_states`` instead of ``input_ids``. Logits are computed
     only at target positions (``batch["target_index"]`` when the caller found them on the host).
+    ``encoder_calls``: how many times a frozen encoder must run (at least once per row; see
+    ``frozen_encoder_states``).
     """
     labels = batch["labels"]
     index = batch["target_index"] if "target_index" in batch else target_index(labels, multiple)
@@ -414,7 +421,8 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multi
     elif frozen_encoder:
         if hasattr(model, "unshard"):  # FSDP: the shared embedding (the root's) whole, the encoder runs outside
             model.unshard()            # the root's forward; the forward below reshards it as usual
-        encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple)
+        encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple,
+                                        encoder_calls)
     else:
         encoded = None
     with logits_only_at(core, index):
@@ -429,7 +437,7 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multi
 
 @torch.no_grad()
 def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          multiple: int = 1) -> torch.Tensor:
+                          multiple: int = 1, calls: int = 0) -> torch.Tensor:
     """The frozen encoder's outputs, each row computed alone at its own length (zeros at padding).
 
     A row's result then never depends on the rows it is batched with. Batched, it would: padding
@@ -438,7 +446,8 @@ def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torc
     encoder cache (built once per row) gives the decoder the very same bits as an uncached run.
     With micro-batches of 1-2 rows the extra encoder calls cost little (docs/memory.md, 'Memory modes').
     With ``multiple`` > 1 each row runs padded to a multiple of it (still alone: the result depends
-    on the row only).
+    on the row only). ``calls`` beyond the rows run the encoder on one token, result unused: under a
+    sharded engine every call is a collective, so every process must make as many.
     """
     from data.collate import round_up
 
@@ -451,5 +460,7 @@ def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torc
         if hidden is None:
             hidden = states.new_zeros(input_ids.shape[0], input_ids.shape[1], states.shape[-1])
         hidden[row, :length] = states[0, :length]
+    for _ in range(calls - len(lengths)):
+        encoder(input_ids=input_ids[:1, :1], attention_mask=attention_mask[:1, :1])
     return hidden
 

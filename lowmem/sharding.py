@@ -123,13 +123,18 @@ def full_value(tensor) -> torch.Tensor:
 
 def equal_count(count: int, world: int) -> int:
     """The largest ``count`` over the processes (every process calls this)."""
+    return equal_counts([count], world)[0]
+
+
+def equal_counts(counts: list[int], world: int) -> list[int]:
+    """Each of ``counts``, the largest over the processes (every process calls this, with as many counts)."""
     if world == 1:
-        return count
+        return list(counts)
     import torch.distributed as dist
 
-    value = torch.tensor([count], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value)
+    values = torch.tensor(counts, dtype=torch.int64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
 
 
 @contextlib.contextmanager

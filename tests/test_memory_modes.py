@@ -206,8 +206,15 @@ def test_bf16_frozen_weights_are_float32_while_exported(tokenizer):
     assert {t.dtype for t in host.values()} == {torch.float32} and host["shared.weight"] is host["lm_head.weight"]
     assert torch.equal(host["shared.weight"], model.shared.weight.float())
     assert model.shared.weight.dtype == torch.bfloat16
+    # The residual stream stays float32 in both stacks under bf16 autocast: each looks its tokens up through
+    # its own embed_tokens (model.shared never runs; a hook there left every block's output in bf16)
+    residual = {}
+    for stack in (model.encoder, model.decoder):
+        stack.block[0].register_forward_hook(lambda _m, _a, out, stack=stack: residual.update({stack: out[0].dtype}))
     ids = torch.tensor([[5, 6, 7, 1]])
-    assert model.get_input_embeddings()(ids).dtype == torch.float32  # the residual stream stays float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, decoder_input_ids=ids)
+    assert list(residual.values()) == [torch.float32, torch.float32]
 
 
 @pytest.mark.slow

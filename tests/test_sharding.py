@@ -147,10 +147,12 @@ def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenize
     RunFolder.export(base, build_model(load_config({"model_preset": "tiny"})[0], tokenizer), tokenizer, {})
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(96, seed=3))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(5, seed=4))  # eval batches: 2 on rank 0, 1 on rank 1
-    # SFT (encoder and shared embedding frozen), AdamW with clipping at 1.0
+    # SFT (encoder and shared embedding frozen), AdamW with clipping at 1.0. Micro-batches by token budget
+    # hold different row counts on the two processes, and the frozen encoder runs once per row: every
+    # process must still make as many of its calls (collectives under FSDP; they mismatched once)
     sft = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--eval_steps=4", "--save_steps=4",
            "--max_eval_samples=5", "--eval_batch_size=2", "--is_finetune=True", f"--init_from={base}",
-           "--optimizer=adamw"]
+           "--optimizer=adamw", "--max_tokens_per_batch=64"]
     trained("cpu_2proc", [*sft, f"--output_dir={tmp_path / 'sft_ddp'}"], 29623)
     trained("fsdp_cpu", [*sft, f"--output_dir={tmp_path / 'sft_fsdp'}"], 29624)
     tuned, tuned_ddp = weights(tmp_path / "sft_fsdp"), weights(tmp_path / "sft_ddp")
@@ -216,6 +218,7 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     sft = tmp_path / "sft"
     trained("deepspeed_zero3_cpu", [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=3", "--eval_steps=0",
                                     "--save_steps=0", "--optimizer=adamw", "--is_finetune=True",
+                                    "--max_tokens_per_batch=64",  # unequal rows per process (hung once)
                                     f"--init_from={base}", f"--output_dir={sft}"], 29637)
     setup, whole = (next(r for r in metrics(run) if r["event"] == "setup") for run in (sft, ddp))
     head = reference["shared.weight"].numel()
