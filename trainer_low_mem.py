@@ -143,13 +143,14 @@ class LowMemTrainer:
         self.telemetry.attach(self.accelerator)
         self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
         self.start_time = time.time()
-        resume_dir = self._claim_run_folder()
-        self.telemetry.open(self.out, cfg)
-        self.telemetry.log_memory("start")
-        if self.tokenizer is None:
+        resume_dir, old_files = self.folder.check(cfg, self.accelerator.process_index, say=self.say)
+        if self.tokenizer is None:  # before a stopped run's files go: a tokenizer folder refused loses nothing
             self.tokenizer_dir = tokenizer_folder(cfg)
             self.tokenizer = tokenizer_for_run(cfg, self.tokenizer_dir, self.files, self.main,
                                                self.accelerator.wait_for_everyone, self.say)
+        self._claim_run_folder(old_files)
+        self.telemetry.open(self.out, cfg)
+        self.telemetry.log_memory("start")
         self.data = build_data(cfg, self.files, self.tokenizer, self.accelerator.process_index,
                                self.accelerator.num_processes, objective=objective, pad_multiple=self.shape_multiple,
                                indexes=indexes_from_main(self.accelerator, self.files.train), report=self.say,
@@ -182,17 +183,15 @@ class LowMemTrainer:
         self.telemetry.record("setup", **record)
         return self
 
-    def _claim_run_folder(self) -> Path | None:
-        """Check --output_dir (every process looks before the main one removes a stopped run's files);
-        returns the checkpoint to resume from, if any."""
-        resume_dir, old_files = self.folder.check(self.cfg, self.accelerator.process_index, say=self.say)
+    def _claim_run_folder(self, old_files: list[Path]) -> None:
+        """Remove a stopped run's files from --output_dir (``RunFolder.check`` listed them): every
+        process has looked before the main one removes them."""
         self.accelerator.wait_for_everyone()
         if self.main:
             self.folder.remove(old_files)
         self.accelerator.wait_for_everyone()
         self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry,
                                          engine=self.engine)
-        return resume_dir
 
     def _build_model(self) -> None:
         """Build (from scratch) or load (--init_from) the model, freeze what --freeze names and apply the

@@ -147,7 +147,10 @@ def has_tokenizer(folder: str | Path) -> bool:
     folder = Path(folder)
     if (folder / "tokenizer.json").is_file() or (folder / "spiece.model").is_file():
         return True
-    return bool((saved_json(folder / "tokenizer_config.json") or {}).get("tokenizer_class"))
+    # Classes that read tokenizer.json need it: a folder of ours caught between a save's moves (the config
+    # moved, tokenizer.json not yet) is no tokenizer, and a run trains one there again.
+    return (saved_json(folder / "tokenizer_config.json") or {}).get("tokenizer_class") not in (
+        None, "", "TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_trained_tokenizer(folder: str | Path):
@@ -166,15 +169,20 @@ def load_tokenizer(path: str | Path):
         _check_protobuf(path)
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except ValueError:
-        # transformers 5.24 maps model_type umt5 to a tokenizer class that cannot read a sentencepiece
-        # model: a umT5 folder with spiece.model alone fails there, and T5's own class reads it.
-        if not (Path(path) / "spiece.model").is_file() or (Path(path) / "tokenizer.json").is_file():
-            raise
-        from transformers import T5Tokenizer
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except ValueError:
+            # transformers 5.24 maps model_type umt5 to a tokenizer class that cannot read a sentencepiece
+            # model: a umT5 folder with spiece.model alone fails there, and T5's own class reads it.
+            if not (Path(path) / "spiece.model").is_file() or (Path(path) / "tokenizer.json").is_file():
+                raise
+            from transformers import T5Tokenizer
 
-        return T5Tokenizer.from_pretrained(str(path))
+            return T5Tokenizer.from_pretrained(str(path))
+    except Exception as err:  # a damaged or partly copied folder: JSON, sentencepiece or tokenizers errors
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"the tokenizer in {path} cannot be loaded ({reason}); pass a complete tokenizer folder, "
+                        "or a new folder to train one in") from None
 
 
 def tokenizer_for_run(cfg, folder: Path, files, is_main: bool = True, wait=lambda: None, say=print):

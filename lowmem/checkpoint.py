@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -165,10 +166,12 @@ def load_state(path: Path, allowed: list | None = None):
 
 
 def step_folders(root: Path) -> list[Path]:
-    """Checkpoint folders under ``root``, newest step first."""
+    """Checkpoint folders under ``root``, newest step first. A folder named otherwise (``step_000004.bak``,
+    a user's copy) is not one of them: never read, pruned or resumed from."""
     if not Path(root).is_dir():
         return []
-    found = [p for p in Path(root).iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    found = [p for p in Path(root).iterdir()
+             if p.is_dir() and re.fullmatch(PREFIX + "[0-9]+", p.name)]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
 
 

@@ -96,10 +96,16 @@ def run_cli(commands: dict, argv: list[str]) -> None:
         print_error(str(err))
         sys.exit(2)
     except OSError as err:
+        import errno
+
         from lowmem.checkpoint import DISK_FULL  # torch is already loaded by any run that writes
 
-        if debug or err.errno not in DISK_FULL:
+        if debug or err.errno not in (*DISK_FULL, errno.ENAMETOOLONG):
             raise
-        print_error(f"no space left on the device ({err.filename or 'output'}); checkpoints are written "
-                    "atomically, so the last one is intact: free space, then continue with --is_keep_training=True")
+        if err.errno == errno.ENAMETOOLONG:  # a path given on the command line, or one made from it
+            print_error(f"file name too long: {str(err.filename)[:120]}...; shorten the path you passed")
+        else:
+            print_error(f"no space left on the device ({err.filename or 'output'}); checkpoints are written "
+                        "atomically, so the last one is intact: free space, then continue with "
+                        "--is_keep_training=True")
         sys.exit(2)

@@ -37,11 +37,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from config import QUANTIZED_DTYPES, UserError
+from config import QUANTIZED_DTYPES, UserError, saved_json
 from data.ownership import MARKERS, claim_folder, remove_ours
 from data.readers import file_kind
 from data.sources import iter_rows, row_place
 from data.stream import batched
+from lowmem.checkpoint import write_text_atomic
 from lowmem.modeling import batch_to_device, frozen_encoder_states
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
@@ -179,7 +180,7 @@ def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tupl
             os.fsync(out.fileno())
     meta = {"d_model": d_model, "dtype": dtype, "tokens": offset,
             "bytes": offset * d_model * torch_dtype.itemsize}
-    (folder / f"done-rank{rank}.json").write_text(json.dumps(meta))
+    write_text_atomic(folder / f"done-rank{rank}.json", json.dumps(meta))  # whole or absent, after the data
 
 
 def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[int, int]], files: list[Path],
@@ -189,7 +190,7 @@ def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[in
     claim_folder(root, CACHE_LABEL, "encoder_cache", _unmarked_root, CACHE_HINT)
     folder = root / key
     done = folder / f"done-rank{rank}.json"
-    if done.is_file():
+    if saved_json(done) is not None:  # (a record torn by a crash before it was written atomically: built again)
         say(f"encoder cache: reusing {folder}")
     else:
         for old in root.iterdir():

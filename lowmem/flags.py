@@ -130,6 +130,8 @@ def _read_yaml(path: str) -> dict:
         data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise UserError(f"--config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--config file {path} is not UTF-8 text; save it as UTF-8 YAML") from None
     if not isinstance(data, dict):
         raise UserError(f"--config file {path} must hold a mapping of option: value")
     return data

@@ -33,9 +33,10 @@ class AppendLog:
         return self._fh.tell()
 
     def truncate(self, size: int) -> None:
-        """Cut the log back to ``size`` bytes (on resume: forget what came after the checkpoint)."""
+        """Cut the log back to ``size`` bytes (on resume: forget what came after the checkpoint). Never
+        longer: a log found shorter (removed, or lost in a crash) is not padded with zero bytes."""
         self._fh.flush()
-        self._fh.truncate(size)
+        self._fh.truncate(min(size, os.fstat(self._fh.fileno()).st_size))
 
     def close(self) -> None:
         self._fh.close()

@@ -25,7 +25,17 @@ def run_files(path: Path) -> list[Path]:
     """The files a run leaves in ``path`` (what starting over removes)."""
     files = [path / "checkpoints", path / "best", path / "final", path / "metrics.jsonl",
              path / "tensorboard", path / "plots", *path.glob("consumed-rank*.tsv")]
-    return [p for p in files if p.exists()]
+    return [p for p in files if p.exists() or p.is_symlink()]
+
+
+def removable(cfg: TrainConfig, used: list[Path]) -> list[Path]:
+    """``used``, once none is a link: starting over removes these, and a link (checkpoints/ moved to another
+    disk) is the user's, as is what it leads to. Refused before anything is removed."""
+    links = [p.name for p in used if p.is_symlink()]
+    if links:
+        raise UserError(f"--output_dir={cfg.output_dir}: {', '.join(links)} is a symbolic link, and starting over "
+                        "would remove what it leads to; remove the link yourself, or choose another --output_dir")
+    return used
 
 
 def check_owned(cfg: TrainConfig, path: Path) -> None:
@@ -82,7 +92,7 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
                                 "--is_keep_training=True, start over with --overwrite_output_dir=True, "
                                 "or choose another --output_dir")
             say(f"the last run in {cfg.output_dir} stopped before its first step: starting over")
-        return None, used
+        return None, removable(cfg, used)
     if cfg.resume_from:
         if Path(cfg.resume_from).resolve().parent != checkpoints.resolve():
             raise UserError(f"--resume_from={cfg.resume_from} is not one of this run's checkpoints: pass a "
@@ -104,7 +114,7 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
     # Stopped before its first checkpoint, or every checkpoint damaged before any trained model was
     # exported: the same seed replays the run exactly, and nothing is lost.
     say(f"no usable checkpoint in {checkpoints}: starting the run again from step 0")
-    return None, used
+    return None, removable(cfg, used)
 
 
 def has_trained_models(path: Path) -> bool:

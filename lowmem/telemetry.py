@@ -88,14 +88,14 @@ class Telemetry:
         offsets = {}
         if self.consumed is not None:
             offsets["consumed"] = self.consumed.tell(sync=True)
-        if self.metrics is not None:
-            offsets["metrics"] = self.metrics.tell()
+        if self.metrics is not None:  # on disk before the checkpoint that trusts the offset
+            offsets["metrics"] = self.metrics.tell(sync=True)
         return offsets
 
     def cut_back(self, offsets: dict, checkpoint_record: str | None) -> None:
         """Drop what the logs got after a checkpoint; the checkpoint's own record is written again."""
-        if self.consumed is not None:
-            self.consumed.truncate(offsets.get("consumed", 0))
+        if self.consumed is not None and "consumed" in offsets:  # (a checkpoint of a run without the log: kept)
+            self.consumed.truncate(offsets["consumed"])
         if self.metrics is not None and "metrics" in offsets:
             self.metrics.truncate(offsets["metrics"])
             if checkpoint_record:  # (checkpoints of older versions lack it)

@@ -255,6 +255,23 @@ def test_a_trained_run_is_never_overwritten_or_shared(tmp_path):
     proc = run_cli("train", *common, "--is_keep_training=True")
     assert proc.returncode == 2 and "would replace the models it trained" in error_line(proc)
     assert hashlib.sha1((out / "final" / "model.safetensors").read_bytes()).hexdigest() == digest
+    # Starting over checks what it needs before the old run's files go: a tokenizer that cannot be loaded (it
+    # used to remove best/ and final/, then stop with a traceback), a link where checkpoints/ was (rmtree
+    # refused it mid-removal)
+    broken = tmp_path / "broken_tokenizer"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{")
+    proc = run_cli("train", *common, "--overwrite_output_dir=True", f"--tokenizer_dir={broken}")
+    assert proc.returncode == 2 and "cannot be loaded" in error_line(proc), proc.stderr[-2000:]
+    elsewhere = tmp_path / "checkpoints_on_another_disk"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("the user's")
+    (out / "checkpoints").symlink_to(elsewhere)
+    proc = run_cli("train", *common, "--overwrite_output_dir=True")
+    assert proc.returncode == 2 and "checkpoints is a symbolic link" in error_line(proc), proc.stderr[-2000:]
+    assert (elsewhere / "keep.txt").is_file() and (out / "best").is_dir()
+    assert hashlib.sha1((out / "final" / "model.safetensors").read_bytes()).hexdigest() == digest
+    (out / "checkpoints").unlink()
 
     other = tmp_path / "other_tokenizer"  # the same size, one word changed
     shutil.copytree(out / "final", other, ignore=lambda _dir, names: [n for n in names if "token" not in n])

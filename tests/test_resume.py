@@ -165,9 +165,24 @@ def test_damaged_checkpoints_are_skipped(tmp_path):
     (root / "step_000006" / "model.safetensors").write_bytes(b"x" * 10)  # truncated
     (root / "step_000004" / checkpoint.MANIFEST).unlink()  # write never finished
     (root / ".tmp-step_000008").mkdir()  # killed mid-write
+    shutil.copytree(root / "step_000006", root / "step_000006.bak")  # a user's copy: not ours to read or prune
     warnings = []
     assert checkpoint.find_latest_valid(root, warn=warnings.append) == root / "step_000002"
-    assert "truncated model.safetensors" in warnings[0] and "no manifest" in warnings[1]
+    assert "truncated model.safetensors" in warnings[0] and "no manifest" in warnings[1] and len(warnings) == 2
+    checkpoint.prune(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step_000008", "step_000006", "step_000006.bak"]
+
+
+def test_a_resume_cuts_a_log_back_but_never_pads_it(tmp_path):
+    from lowmem.metrics import AppendLog
+
+    log = AppendLog(tmp_path / "metrics.jsonl")
+    log.write("one\ntwo\n")
+    log.truncate(4)  # back to the checkpoint's offset
+    log.truncate(100)  # a log found shorter than the checkpoint knew it (removed, lost in a crash): kept as is
+    log.write("three\n")
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_bytes() == b"one\nthree\n"
 
 
 def test_failed_write_leaves_previous_checkpoint(tmp_path):
