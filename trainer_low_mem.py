@@ -148,7 +148,7 @@ class LowMemTrainer:
             self.tokenizer_dir = tokenizer_folder(cfg)
             self.tokenizer = tokenizer_for_run(cfg, self.tokenizer_dir, self.files, self.main,
                                                self.accelerator.wait_for_everyone, self.say)
-        self._claim_run_folder(old_files)
+        self._claim_run_folder(old_files, resume_dir)
         self.telemetry.open(self.out, cfg)
         self.telemetry.log_memory("start")
         self.data = build_data(cfg, self.files, self.tokenizer, self.accelerator.process_index,
@@ -183,12 +183,13 @@ class LowMemTrainer:
         self.telemetry.record("setup", **record)
         return self
 
-    def _claim_run_folder(self, old_files: list[Path]) -> None:
-        """Remove a stopped run's files from --output_dir (``RunFolder.check`` listed them): every
-        process has looked before the main one removes them."""
+    def _claim_run_folder(self, old_files: list[Path], resume_dir: Path | None) -> None:
+        """Remove a stopped run's files from --output_dir (``RunFolder.check`` listed them), and set aside
+        the checkpoints newer than an older one resumed from: every process has looked first."""
         self.accelerator.wait_for_everyone()
         if self.main:
             self.folder.remove(old_files)
+            self.folder.set_aside_newer(resume_dir if self.cfg.resume_from else None, self.say)
         self.accelerator.wait_for_everyone()
         self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry,
                                          engine=self.engine)

@@ -172,7 +172,12 @@ def step_folders(root: Path) -> list[Path]:
         return []
     found = [p for p in Path(root).iterdir()
              if p.is_dir() and re.fullmatch(PREFIX + "[0-9]+", p.name)]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+    return sorted(found, key=step_number, reverse=True)
+
+
+def step_number(folder: Path) -> int:
+    """The optimizer step a checkpoint folder (``step_NNNNNN``) holds."""
+    return int(Path(folder).name[len(PREFIX):])
 
 
 def find_latest_valid(root: Path, warn=print) -> Path | None:

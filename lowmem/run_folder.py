@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -94,6 +95,23 @@ class RunFolder:
     def remove(paths: list[Path]) -> None:
         for path in paths:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+    def set_aside_newer(self, resume_dir: Path | None, say=print) -> None:
+        """Checkpoints newer than ``resume_dir`` (the one --resume_from names) hold the continuation
+        this run abandons: moved, kept, into ``checkpoints/abandoned-<time>/``, so that a later
+        --is_keep_training continues this run, not the one it replaces."""
+        if resume_dir is None:
+            return
+        step = checkpoint.step_number(resume_dir)
+        newer = [f for f in checkpoint.step_folders(self.checkpoints) if checkpoint.step_number(f) > step]
+        if not newer:
+            return
+        aside = self.checkpoints / time.strftime("abandoned-%Y%m%d-%H%M%S")
+        aside.mkdir(exist_ok=True)
+        for folder in newer:
+            os.replace(folder, aside / folder.name)
+        say(f"resuming from {resume_dir.name}: the newer checkpoints ({', '.join(f.name for f in newer)}) belong to "
+            f"the continuation this run replaces; moved to {aside}")
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_path(self, step: int) -> Path:

@@ -173,6 +173,22 @@ def test_damaged_checkpoints_are_skipped(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == [".tmp-step_000008", "step_000006", "step_000006.bak"]
 
 
+def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
+    from lowmem.run_folder import RunFolder
+
+    folder = RunFolder(tmp_path / "run")
+    for step in (2, 4, 6):
+        with checkpoint.atomic_folder(folder.checkpoints / f"step_{step:06d}") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"x")
+    lines = []
+    folder.set_aside_newer(folder.checkpoints / "step_000002", lines.append)
+    # a later --is_keep_training finds the continuation of step 2, not the steps it replaced
+    assert checkpoint.find_latest_valid(folder.checkpoints) == folder.checkpoints / "step_000002"
+    [aside] = folder.checkpoints.glob("abandoned-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step_000004", "step_000006"] and "moved to" in lines[0]
+    assert checkpoint.validate(aside / "step_000006") is None  # kept whole
+
+
 def test_a_resume_cuts_a_log_back_but_never_pads_it(tmp_path):
     from lowmem.metrics import AppendLog
 
@@ -220,11 +236,13 @@ def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resume
     assert json.loads((straight / "final" / "training_info.json").read_text())["epoch"] == 2
     # Continue from the checkpoint at the epoch boundary: the second epoch is trained as it was.
     shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_000016")
     proc = run_cli("train", f"--output_dir={resumed}", *common, "--is_keep_training=True",
                    f"--resume_from={resumed / 'checkpoints' / 'step_000008'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "at step 8 (epoch 1)" in proc.stdout
+    # The checkpoint of the continuation it replaced is kept aside, where no later resume picks it up
+    assert "(step_000016) belong to the continuation this run replaces" in proc.stdout
+    assert [p.name for p in (resumed / "checkpoints").glob("abandoned-*/step_*")] == ["step_000016"]
     assert train_losses(resumed) == train_losses(straight)
     a = load_file(straight / "final" / "model.safetensors")
     b = load_file(resumed / "final" / "model.safetensors")
