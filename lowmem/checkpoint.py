@@ -72,6 +72,9 @@ def atomic_folder(final: Path, staged: bool = False):
     On an exception the temporary folder is removed and ``final`` is left as it was.
     """
     final = Path(final)
+    old = final.with_name(f".old-{final.name}")
+    if old.is_dir() and not final.exists():  # a swap cut between its two renames: the previous one back first
+        old.rename(final)
     tmp = staging_path(final) if staged else new_staging(final)
     try:
         yield tmp
@@ -82,7 +85,6 @@ def atomic_folder(final: Path, staged: bool = False):
                 files[str(f.relative_to(tmp))] = f.stat().st_size
         write_text_atomic(tmp / MANIFEST, json.dumps({"files": files}, indent=1))
         if final.exists():
-            old = final.with_name(f".old-{final.name}")
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
             tmp.rename(final)

@@ -24,7 +24,8 @@ LOCK_FILE = ".lock"
 def run_files(path: Path) -> list[Path]:
     """The files a run leaves in ``path`` (what starting over removes)."""
     files = [path / "checkpoints", path / "best", path / "final", path / "metrics.jsonl",
-             path / "tensorboard", path / "plots", *path.glob("consumed-rank*.tsv")]
+             path / "tensorboard", path / "plots", *path.glob("consumed-rank*.tsv"),
+             path / ".old-best", path / ".old-final"]  # (an export's swap cut between its two renames)
     return [p for p in files if p.exists() or p.is_symlink()]
 
 
@@ -119,8 +120,9 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
 
 def has_trained_models(path: Path) -> bool:
     """Whether the run exported a model trained past step 0 (final/, or a best/ from a later evaluation)."""
-    best = saved_json(path / "best" / "training_info.json") or {}
-    return (path / "final").exists() or best.get("step", 0) > 0
+    # (.old-best, .old-final: an export's swap cut between its two renames holds the previous one there)
+    best = saved_json(path / "best" / "training_info.json") or saved_json(path / ".old-best" / "training_info.json")
+    return (path / "final").exists() or (path / ".old-final").exists() or (best or {}).get("step", 0) > 0
 
 
 def stopped_before_training(path: Path, used: list[Path]) -> bool:

@@ -210,6 +210,12 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path):
         raise OSError(28, "No space left on device")
     assert (final / "a.txt").read_text() == "old" and checkpoint.validate(final) is None
     assert not (tmp_path / ".tmp-best").exists()
+    # Killed between the swap's two renames (best/ moved to .old-best/, the new one not yet in place): the
+    # next export puts the previous one back first, then replaces it as usual
+    final.rename(tmp_path / ".old-best")
+    with pytest.raises(RuntimeError), checkpoint.atomic_folder(final) as tmp:
+        raise RuntimeError("stopped")
+    assert (final / "a.txt").read_text() == "old" and not (tmp_path / ".old-best").exists()
 
 
 def test_keep_training_without_a_run_is_a_clear_error(tmp_path):
