@@ -117,3 +117,22 @@ def is_run_folder(path: Path) -> bool:
     config = saved_json(path / "config.json")
     return bool(config) and "model_preset" in config and not config.get("model_type") \
         and (path / "metrics.jsonl").is_file()
+
+
+def move_in(staging: Path, names: list[str], folder: Path) -> None:
+    """Move the files ``names`` from ``staging`` into ``folder``, in that order (what makes the set complete
+    last), each on disk before any moves and the folder's entries on disk after: a power cut leaves whole
+    files under each name, never an empty one beside a manifest that vouches for it."""
+    for name in names:
+        _fsync(staging / name)
+    for name in names:
+        os.replace(staging / name, folder / name)
+    _fsync(folder)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -13,12 +13,11 @@ were cut to. Memory stays bounded: rows are read one at a time and written ``GRO
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from config import UserError
-from data.ownership import MARKERS, check_folder, claim_folder, remove_ours
+from data.ownership import MARKERS, check_folder, claim_folder, move_in, remove_ours
 from data.readers import MANIFEST, TOKEN_COLUMNS, manifest_of
 from data.sources import DataProblems, iter_rows, too_many_bad_rows
 
@@ -95,8 +94,7 @@ def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path
     for stale in out_dir.glob("shard-*.parquet"):  # of a prepare stopped while moving its shards in
         stale.unlink()
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
-    for name in [*manifest["shards"], MANIFEST]:  # the manifest last: with it, the corpus is complete
-        os.replace(staging / name, out_dir / name)
+    move_in(staging, [*manifest["shards"], MANIFEST], out_dir)  # the manifest last: with it, the corpus is complete
     shutil.rmtree(staging)
     return manifest
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from config import UserError, saved_json
-from data.ownership import MARKERS, check_folder, claim_folder, remove_ours
+from data.ownership import MARKERS, check_folder, claim_folder, move_in, remove_ours
 from data.sources import iter_rows
 
 EXTRA_IDS = 100
@@ -110,8 +110,7 @@ def _save_into(out_dir: Path, tokenizer) -> None:
     config_path.write_text(json.dumps(tok_config, ensure_ascii=False, indent=2), encoding="utf-8")
     saved = sorted((p for p in staging.iterdir() if p.name != MARKERS["tokenizer"]),
                    key=lambda p: p.name == "tokenizer.json")
-    for path in saved:
-        os.replace(path, out_dir / path.name)
+    move_in(staging, [path.name for path in saved], out_dir)
     shutil.rmtree(staging)
 
 
