@@ -124,13 +124,14 @@ def move_in(staging: Path, names: list[str], folder: Path) -> None:
     last), each on disk before any moves and the folder's entries on disk after: a power cut leaves whole
     files under each name, never an empty one beside a manifest that vouches for it."""
     for name in names:
-        _fsync(staging / name)
+        fsync_path(staging / name)
     for name in names:
         os.replace(staging / name, folder / name)
-    _fsync(folder)
+    fsync_path(folder)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Put a file's content, or a folder's entries, on disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from config import UserError
+from data.ownership import fsync_path
 
 # torch is imported where tensors are read or drawn: the folder checks (validate, find_latest_valid) run
 # before the command line imports it (lowmem/run_start.py)
@@ -30,14 +31,6 @@ LATEST = "latest"
 PREFIX = "step_"
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -46,7 +39,7 @@ def write_text_atomic(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_path(path.parent)
+    fsync_path(path.parent)
 
 
 def staging_path(final: Path) -> Path:
@@ -81,7 +74,7 @@ def atomic_folder(final: Path, staged: bool = False):
         files = {}
         for f in sorted(tmp.rglob("*")):
             if f.is_file():
-                _fsync_path(f)
+                fsync_path(f)
                 files[str(f.relative_to(tmp))] = f.stat().st_size
         write_text_atomic(tmp / MANIFEST, json.dumps({"files": files}, indent=1))
         if final.exists():
@@ -91,7 +84,7 @@ def atomic_folder(final: Path, staged: bool = False):
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync_path(final.parent)
+        fsync_path(final.parent)
     except BaseException as exc:
         full = disk_full(exc, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
