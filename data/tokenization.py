@@ -181,7 +181,7 @@ def load_tokenizer(path: str | Path):
     except Exception as err:  # a damaged or partly copied folder: JSON, sentencepiece or tokenizers errors
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise UserError(f"the tokenizer in {path} cannot be loaded ({reason}); pass a complete tokenizer folder, "
-                        "or a new folder to train one in") from None
+                        "or a new folder to train one in") from err  # (--debug shows the cause)
 
 
 def tokenizer_for_run(cfg, folder: Path, files, is_main: bool = True, wait=lambda: None, say=print):
