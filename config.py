@@ -111,7 +111,8 @@ class TrainConfig:
                                   "--freeze=encoder (the encoder and shared embedding fixed; the decoder and an "
                                   "untied lm_head train).")
     is_keep_training: bool = _f(False, "Resume from the latest valid checkpoint in --output_dir.")
-    resume_from: str | None = _f(None, "Resume from this checkpoint folder instead of the latest one.")
+    resume_from: str | None = _f(None, "Resume from this checkpoint folder instead of the latest one (newer "
+                                       "checkpoints move, kept, into checkpoints/abandoned-<time>/).")
     output_dir: str | None = _f(None, "Run folder. Default: runs/pretrain, or runs/sft with --is_finetune.")
     overwrite_output_dir: bool = _f(False, "Start over in an --output_dir that already holds a run (deletes it).")
     init_from: str | None = _f(None, "Model to start from: a folder (a run's best/ or final/, a downloaded T5, "
