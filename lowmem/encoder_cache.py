@@ -190,7 +190,8 @@ def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[in
     claim_folder(root, CACHE_LABEL, "encoder_cache", _unmarked_root, CACHE_HINT)
     folder = root / key
     done = folder / f"done-rank{rank}.json"
-    if saved_json(done) is not None:  # (a record torn by a crash before it was written atomically: built again)
+    meta = saved_json(done)  # None: not built, or a record torn by a crash before it was written atomically
+    if meta is not None:
         say(f"encoder cache: reusing {folder}")
     else:
         for old in root.iterdir():
@@ -203,7 +204,7 @@ def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[in
                 for f in folder.glob(f"{part}-rank{rank}.*"):
                     f.unlink()
             raise
-    meta = json.loads(done.read_text())
+        meta = json.loads(done.read_text())
     available = _available_ram()
     in_memory = mode == "memory" or (mode == "auto" and meta["bytes"] <= AUTO_MEMORY_FRACTION * available)
     if mode == "memory" and meta["bytes"] > 0.5 * available:
