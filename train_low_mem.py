@@ -25,6 +25,7 @@ if not sys.stderr.isatty():  # progress bars (weights written, files fetched) on
 
 from config import SHIPPED_CORPORA, UserError  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
+from lowmem.collector import imports_done  # noqa: E402
 from lowmem.flags import load_config, to_bool  # noqa: E402
 from lowmem.model_source import model_folder_config  # noqa: E402
 
@@ -153,6 +154,7 @@ def prepare(config: str | None = None, **flags) -> dict:
 
     out_dir = flags.pop("prepared_dir", "runs/prepared")
     cfg, _ = load_config(flags, config)
+    imports_done()  # a corpus of any size streams from here: the usual collections keep its garbage bounded
     return prepare_command(cfg, Path(out_dir), tokenizer_folder(cfg))
 
 

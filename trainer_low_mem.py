@@ -35,9 +35,10 @@ from lowmem import deepspeed_engine, encoder_cache
 from lowmem.accumulation import window_backward
 from lowmem.batch_budget import batch_request, size_run
 from lowmem.checkpointer import Checkpointer
+from lowmem.collector import freeze_long_lived, imports_done, thaw_long_lived
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
 from lowmem.evaluation import eval_log_line, evaluate_model, is_better
-from lowmem.memory import free_memory, freeze_long_lived, process_rss_bytes, thaw_long_lived
+from lowmem.memory import free_memory, process_rss_bytes
 from lowmem.model_source import check_vocabulary, tokenizer_folder
 from lowmem.modeling import (
     build_model,
@@ -161,6 +162,7 @@ class LowMemTrainer:
         cfg = self.cfg = replace(cfg, **sizes.flags())  # planned before the model exists:
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
                                     resume_dir is not None, planned_sharding(self.engine), sizes.lengths)
+        imports_done()  # before the weights: lowmem.collector
         self._build_model()
         per_epoch, self.total_steps = self.data.steps(cfg)
         self._build_optimizer()
@@ -191,8 +193,7 @@ class LowMemTrainer:
             self.folder.remove(old_files)
             self.folder.set_aside_newer(resume_dir if self.cfg.resume_from else None, self.say)
         self.accelerator.wait_for_everyone()
-        self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry,
-                                         engine=self.engine)
+        self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry, engine=self.engine)
 
     def _build_model(self) -> None:
         """Build (from scratch) or load (--init_from) the model, freeze what --freeze names and apply the

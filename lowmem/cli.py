@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from config import UserError
+from lowmem import collector
 from lowmem.flags import help_text, text_flags
 
 
@@ -82,6 +83,7 @@ def run_cli(commands: dict, argv: list[str]) -> None:
         print_error(f"unknown command {argv[0]!r}; use one of {', '.join(commands)} (see --help)")
         sys.exit(2)
     debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
+    collector.during_imports()
     try:
         fire.Fire(commands, command=verbatim_text(argv), name="train_low_mem.py")
         if "LOCAL_RANK" in os.environ:  # a launched worker whose work is done and flushed
@@ -109,3 +111,5 @@ def run_cli(commands: dict, argv: list[str]) -> None:
                         "atomically, so the last one is intact: free space, then continue with "
                         "--is_keep_training=True")
         sys.exit(2)
+    finally:
+        collector.before_exit()

@@ -21,9 +21,10 @@ from data.sources import formats_for, resolve_files
 from data.stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer
 from lowmem.batch_budget import saved_model_eval_size
+from lowmem.collector import imports_done
 from lowmem.distributed import inner_model, start_accelerator
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
-from lowmem.modeling import batch_to_device, generation_cache, load_model, token_loss_sum
+from lowmem.modeling import batch_to_device, generation_cache, import_transformers_models, load_model, token_loss_sum
 from lowmem.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
 from lowmem.telemetry import on_terminal
 
@@ -223,6 +224,8 @@ def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
                                                                      formats=formats_for(cfg),
                                                                      dataset_config=cfg.dataset_config)
     eval_files = eval_files_of(cfg, train_files)
+    import_transformers_models()
+    imports_done()  # before the weights (lowmem.collector)
     model = load_model(model_dir)
     model_dir = resolve_model_dir(str(model_dir))
     accelerator, _ = start_accelerator(cfg)  # evaluate / generate keep whole weights on every process
