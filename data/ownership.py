@@ -130,6 +130,28 @@ def move_in(staging: Path, names: list[str], folder: Path) -> None:
     fsync_path(folder)
 
 
+OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+              "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND}
+
+
+def open_own(path: Path, mode: str, encoding: str | None = None):
+    """``open(path, mode)`` for a file of ours in a folder of ours, never through a symbolic link: a link
+    found under the name (one a user put there, to a file of theirs) is refused, its target untouched.
+    Files replaced by a rename need no such care: the rename replaces the link, not its target.
+
+    Raises:
+        UserError: ``path`` is a symbolic link.
+    """
+    try:
+        fd = os.open(path, OPEN_FLAGS[mode] | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except OSError as err:
+        if not Path(path).is_symlink():
+            raise
+        raise UserError(f"{path} is a symbolic link, and t5-lowmem writes its own files, never through a link: "
+                        "remove the link (what it points to stays as it is)") from err
+    return os.fdopen(fd, mode, encoding=encoding)
+
+
 def fsync_path(path: Path) -> None:
     """Put a file's content, or a folder's entries, on disk."""
     fd = os.open(path, os.O_RDONLY)

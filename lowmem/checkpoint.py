@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from config import UserError
-from data.ownership import fsync_path
+from data.ownership import fsync_path, open_own
 
 # torch is imported where tensors are read or drawn: the folder checks (validate, find_latest_valid) run
 # before the command line imports it (lowmem/run_start.py)
@@ -34,7 +34,7 @@ PREFIX = "step_"
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with open_own(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())

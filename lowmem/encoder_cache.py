@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from config import QUANTIZED_DTYPES, UserError, saved_json
-from data.ownership import MARKERS, claim_folder, remove_ours
+from data.ownership import MARKERS, claim_folder, open_own, remove_ours
 from data.readers import file_kind
 from data.sources import iter_rows, row_place
 from data.stream import batched
@@ -156,8 +156,8 @@ def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tupl
     torch_dtype, view_dtype = STORAGE[dtype]
     claim_folder(folder, CACHE_LABEL, "encoder_cache", is_cache_folder, CACHE_HINT)
     offset = 0
-    with open(folder / f"rows-rank{rank}.bin", "wb") as rows_out, \
-            open(folder / f"states-rank{rank}.bin", "wb") as states_out:
+    with open_own(folder / f"rows-rank{rank}.bin", "wb") as rows_out, \
+            open_own(folder / f"states-rank{rank}.bin", "wb") as states_out:
         for file_index, (path, index, (start, end)) in enumerate(zip(files, indexes, shares)):
             items = iter_rows(path, file_index, columns, start, end, index)
             for chunk in batched(items, BUILD_CHUNK):

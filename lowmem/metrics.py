@@ -12,6 +12,8 @@ import os
 import time
 from pathlib import Path
 
+from data.ownership import open_own
+
 
 class AppendLog:
     """A text log appended line by line and flushed after every write."""
@@ -19,7 +21,7 @@ class AppendLog:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "ab")
+        self._fh = open_own(self.path, "ab")
 
     def write(self, text: str) -> None:
         self._fh.write(text.encode("utf-8"))

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from config import TrainConfig, UserError
+from data.ownership import open_own
 from lowmem import checkpoint, deepspeed_engine
 from lowmem.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.sharding import load_local_state
@@ -57,7 +58,8 @@ class RunFolder:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             probe = self.path / f".write-test-{rank}"
-            probe.write_text("ok")
+            with open_own(probe, "w") as fh:
+                fh.write("ok")
             probe.unlink()
         except OSError as err:
             raise UserError(f"--output_dir={cfg.output_dir} is not writable ({err.strerror})") from None
@@ -73,7 +75,7 @@ class RunFolder:
 
         if self.lock is not None:
             return
-        handle = open(self.path / LOCK_FILE, "a+")
+        handle = open_own(self.path / LOCK_FILE, "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig
+from data.ownership import open_own
 from data.sources import bad_rows_report, too_many_bad_rows
 from lowmem.memory import memory_snapshot
 from lowmem.metrics import AppendLog, MetricsLog, tracker_scalars, train_line
@@ -48,7 +49,8 @@ class Telemetry:
     def open(self, out: Path, cfg: TrainConfig) -> None:
         """config.json and metrics.jsonl (main process), the consumed-examples log (every process)."""
         if self.main:
-            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1), encoding="utf-8")
+            with open_own(out / "config.json", "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(cfg.to_dict(), indent=1))
             self.metrics = MetricsLog(out / "metrics.jsonl")
         if cfg.dump_consumed:
             self.consumed = AppendLog(out / f"consumed-rank{self.rank}.tsv")

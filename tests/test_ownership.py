@@ -306,3 +306,35 @@ def test_the_encoder_cache_removes_only_cache_folders_in_a_root_of_ours(tmp_path
     assert sorted(p.name for p in root.iterdir()) == [MARKERS["encoder_cache"], "mine", "new"]
     assert {k: v for k, v in snapshot(tmp_path).items() if k.startswith(os.path.join("encoder_cache", "mine"))} \
         == {k: v for k, v in before.items() if k.startswith(os.path.join("encoder_cache", "mine"))}
+
+
+def test_files_of_ours_are_never_written_through_a_link_planted_under_their_name(tmp_path):
+    from config import UserError
+    from data.ownership import open_own
+    from lowmem.checkpoint import write_text_atomic
+    from lowmem.metrics import AppendLog, MetricsLog
+    from lowmem.run_folder import RunFolder
+    from lowmem.run_start import LOCK_FILE
+
+    mine = tmp_path / "mine.txt"
+    mine.write_text("my notes\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    writers = {"metrics.jsonl": lambda: MetricsLog(run / "metrics.jsonl"),
+               "consumed-rank0.tsv": lambda: AppendLog(run / "consumed-rank0.tsv"),
+               LOCK_FILE: lambda: RunFolder(run).hold_lock(str(run)),
+               "config.json": lambda: open_own(run / "config.json", "w"),
+               "states-rank0.bin": lambda: open_own(run / "states-rank0.bin", "wb")}
+    for name, write in writers.items():
+        (run / name).symlink_to(mine)
+        with pytest.raises(UserError, match="symbolic link"):
+            write()
+        assert (run / name).is_symlink() and mine.read_text() == "my notes\n", name
+    (run / ".latest.tmp").symlink_to(mine)  # a rename-based write's temporary name
+    with pytest.raises(UserError, match="symbolic link"):
+        write_text_atomic(run / "latest", "step_000002\n")
+    assert mine.read_text() == "my notes\n"
+    log = AppendLog(run / "new.log")  # the files themselves are written as before
+    log.write("a line\n")
+    log.close()
+    assert (run / "new.log").read_text() == "a line\n"
