@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from config import UserError
-from data.ownership import claim_folder, is_ours, is_run_folder
+from data.ownership import claim_folder, is_ours, is_run_folder, open_own
 from lowmem.metrics import read_metrics
 
 CHART_SIZE = (8, 4.5)  # inches at 100 dpi: 800 x 450 pixels
@@ -66,7 +66,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
         ax.legend(loc="best")
         fig.tight_layout()
         path = out / f"{name}.png"
-        fig.savefig(path, dpi=DPI)
+        with open_own(path, "wb") as fh:  # never through a link left under the chart's name
+            fig.savefig(fh, dpi=DPI, format="png")
         written.append(str(path))
     return {"plot_dir": str(out), "written": written, "skipped": skipped}
 
