@@ -15,12 +15,14 @@ import os
 import shutil
 import sys
 import tempfile
+from itertools import islice
 from pathlib import Path
 
 from tqdm import tqdm
 
 from config import UserError, saved_json
 from data.ownership import MARKERS, check_folder, claim_folder, move_in, remove_ours
+from data.packing import text_slices
 from data.sources import iter_rows
 
 EXTRA_IDS = 100
@@ -28,22 +30,42 @@ MIN_PIECES = 3 + 256  # pad, eos, unk and the byte-fallback pieces: any vocabula
 STAGING = ".saving"  # inside --tokenizer_dir: the files are written here, then moved into place
 
 
-def sample_sentences(files: list[Path], columns: tuple[str, str], limit: int, progress: bool = False):
-    """Yield up to ``limit`` texts (prompts and responses) streamed from ``files``."""
+# sentencepiece skips every sentence over its max_sentence_length (4,192 bytes), without a word: most
+# documents of a raw-text corpus. Texts are cut at whitespace into slices of at most this many characters
+# (at most 4,000 bytes of UTF-8).
+SAMPLE_SLICE_CHARS = 1_000
+
+
+def sample_sentences(files: list, columns: tuple[str, str], limit: int, progress: bool = False):
+    """Yield up to ``limit`` texts (prompts and responses) streamed from ``files``, long ones cut into slices.
+
+    Each file gives a share of ``limit`` in proportion to its size (equal shares where a source has no
+    size, such as a dataset streamed from the hub), taken from its first rows; what a file leaves unused
+    passes to the files after it. So a corpus of several files, languages or domains is sampled from all of
+    them, not only from its first files.
+    """
+    sizes = [Path(f).stat().st_size if isinstance(f, (str, Path)) else None for f in files]
+    weights = sizes if None not in sizes and sum(sizes) else [1] * len(files)
     bar = tqdm(total=limit, desc="tokenizer sample", unit="text", disable=not progress)
-    taken = 0
+    taken, weight_left = 0, sum(weights)
     for index, path in enumerate(files):
-        for item in iter_rows(path, index, columns):
-            if item is None:
-                continue
-            for text in (item.prompt, item.response)[:len(columns)]:  # raw text: one column
-                yield text
-                taken += 1
-                bar.update()
-                if taken >= limit:
-                    bar.close()
-                    return
+        share = (limit - taken) * weights[index] // max(weight_left, 1) if index < len(files) - 1 else limit - taken
+        weight_left -= weights[index]
+        texts = _texts(path, index, columns)
+        for text in islice(texts, share):
+            yield text
+            taken += 1
+            bar.update()
+        texts.close()  # the file, left part-read
     bar.close()
+
+
+def _texts(path, index: int, columns: tuple[str, str]):
+    """The texts of one file's usable rows (prompt and response; raw text: one column), in slices."""
+    for item in iter_rows(path, index, columns):
+        if item is not None:
+            for text in (item.prompt, item.response)[:len(columns)]:
+                yield from text_slices(text, SAMPLE_SLICE_CHARS)
 
 
 def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, str], vocab_size: int,

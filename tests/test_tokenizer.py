@@ -51,3 +51,41 @@ def test_sampling_is_capped(tmp_path):
 
     corpus = write_rows(tmp_path / "c.jsonl", [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(1000)])
     assert sum(1 for _ in sample_sentences([corpus], ("prompt", "response"), limit=123)) == 123
+
+
+def made_up_words(seed: int, count: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ra", "tu", "ne", "zo", "pi", "qua", "sh", "ve", "do"]
+    return ["".join(rng.choice(syllables) for _ in range(rng.randint(2, 3))) for _ in range(count)]
+
+
+def tokens_per_word(tok, text: str) -> float:
+    return len(tok(text, add_special_tokens=False).input_ids) / len(text.split())
+
+
+def test_long_documents_shape_the_vocabulary(tmp_path):
+    """sentencepiece skips, without a word, every sentence over 4,192 bytes: documents are sampled in slices."""
+    import random
+
+    rng, words = random.Random(0), made_up_words(1, 150)
+    documents = [{"text": " ".join(rng.choice(words) for _ in range(1500))} for _ in range(30)]  # ~10 KB each
+    assert min(len(d["text"].encode()) for d in documents) > 4192
+    corpus = write_rows(tmp_path / "long.jsonl", documents)
+    tok = train_tokenizer([corpus], tmp_path / "tok", ("text",), vocab_size=600, max_sentences=10_000)
+    assert tokens_per_word(tok, documents[0]["text"]) < 1.5  # 6.9 (bytes and letters) when they were skipped
+
+
+def test_the_sample_comes_from_every_file(tmp_path):
+    """A cap smaller than the first file still samples the files after it (in proportion to their sizes)."""
+    import random
+
+    rng = random.Random(0)
+    first, second = made_up_words(2, 100), made_up_words(3, 100)
+    files = [write_rows(tmp_path / name, [{"text": " ".join(rng.choice(words) for _ in range(12))}
+                                          for _ in range(3000)])
+             for name, words in (("a.jsonl", first), ("b.jsonl", second))]
+    tok = train_tokenizer(files, tmp_path / "tok", ("text",), vocab_size=600, max_sentences=3000)
+    for words in (first, second):
+        assert tokens_per_word(tok, " ".join(words)) < 1.5  # the second file's: 6.9 when only the first was sampled
