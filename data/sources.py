@@ -288,7 +288,8 @@ def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample
     seen: dict[str, None] = {}
     found: dict[str, set[str]] = {c: set() for c in columns}  # the value types met in each column
     read = 0
-    for _, record in read_range(files[0], None, 0, sample):
+    plain_text = isinstance(files[0], Path) and file_kind(files[0]) == "txt"  # its one column is the one asked for
+    for _, record in read_range(files[0], None, 0, sample, columns if plain_text else None):
         read += 1
         if isinstance(record, dict):
             seen.update(dict.fromkeys(record))

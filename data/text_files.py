@@ -74,8 +74,8 @@ def txt_range(path: Path, index, start: int, end: int | None, column: str) -> It
             if end is not None and row >= end:
                 return
             if row >= start:
-                try:
-                    yield row, {column: raw.decode("utf-8")}
+                try:  # a byte-order mark (Windows editors) is not text: stripped, as the other formats do
+                    yield row, {column: raw.decode("utf-8").removeprefix("\ufeff") if row == 0 else raw.decode("utf-8")}
                 except UnicodeDecodeError:
                     yield row, "invalid_utf8"
             row += 1

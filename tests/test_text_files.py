@@ -31,3 +31,14 @@ def test_any_document_is_reached_by_a_seek_and_bad_utf8_is_a_reason(tmp_path):
     got = list(txt_range(path, index, start, start + 2, "text"))
     assert [r for r, _ in got] == [start, start + 1] and got[0][1]["text"] == docs[start]
     assert list(txt_range(path, index, 12_000, None, "text")) == [(12_000, "invalid_utf8")]
+
+
+def test_a_byte_order_mark_is_not_text_and_any_text_column_name_is_accepted(tmp_path):
+    from data.sources import check_columns
+
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text("stone river\nlight day\n", encoding="utf-8")
+    marked.write_text("\ufeffstone river\nlight day\n", encoding="utf-8")
+    read = {path.name: [r for _, r in txt_range(path, index_file(path), 0, None, "body")] for path in (plain, marked)}
+    assert read["marked.txt"] == read["plain.txt"] == [{"body": "stone river"}, {"body": "light day"}]
+    check_columns([marked], ("body",), "--train_file")  # a .txt file's one column takes the name asked for
