@@ -130,6 +130,13 @@ class SpanCorruptionObjective(PackedTextObjective):
         self.noise = (cfg.noise_density, cfg.mean_noise_span_length)
         self.chunk_length, self.targets_length = span_corruption.corrupted_lengths(cfg.max_source_len, *self.noise)
         self.fixed_lengths = (cfg.max_source_len, self.targets_length)
+        noise_tokens, spans = span_corruption.span_counts(self.chunk_length, *self.noise)
+        if spans > self.chunk_length - noise_tokens:  # the kept tokens separate the spans: one run between two
+            kept = self.chunk_length - noise_tokens
+            raise UserError(f"--noise_density={cfg.noise_density} with --mean_noise_span_length="
+                            f"{cfg.mean_noise_span_length} drops {noise_tokens} of a chunk's {self.chunk_length} "
+                            f"tokens in {spans} spans, more than the {kept} tokens kept to separate them: lower "
+                            "--noise_density or raise --mean_noise_span_length (T5: 0.15 and 3)")
         if self.targets_length > cfg.max_target_len:
             raise UserError(f"--objective=span_corruption with --max_source_len={cfg.max_source_len} makes targets of "
                             f"{self.targets_length} tokens: set --max_target_len={self.targets_length} (it is "
@@ -141,6 +148,12 @@ class SpanCorruptionObjective(PackedTextObjective):
 
     def transform(self, tokenizer):
         spans = span_corruption.span_counts(self.chunk_length, *self.noise)[1]  # sentinels a chunk needs
+        has = span_corruption.sentinels_in(tokenizer, spans)
+        if 0 < has < spans:
+            longest = span_corruption.longest_source_for(has, *self.noise)
+            raise UserError(f"a chunk of --max_source_len={self.max_source_len} tokens gets {spans} noise spans, each "
+                            f"named by a sentinel, and the tokenizer has {has} (<extra_id_0>..<extra_id_{has - 1}>): "
+                            f"set --max_source_len={longest} or less, or raise --mean_noise_span_length")
         sentinels, eos = span_corruption.sentinel_ids(tokenizer, spans), tokenizer.eos_token_id
 
         def corrupt(chunk: list[int], rng) -> tuple[list[int], list[int]]:

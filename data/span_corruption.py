@@ -253,6 +253,26 @@ def sentinel_ids(tokenizer, count: int) -> list[int]:
     return list(ids)
 
 
+def sentinels_in(tokenizer, count: int) -> int:
+    """How many of ``<extra_id_0>`` ... ``<extra_id_{count-1}>`` the tokenizer has, counted from the first."""
+    ids = tokenizer.convert_tokens_to_ids([f"<extra_id_{i}>" for i in range(count)])
+    seen = set()
+    for n, i in enumerate(ids):
+        if i is None or i == tokenizer.unk_token_id or i in seen:
+            return n
+        seen.add(i)
+    return count
+
+
+def longest_source_for(sentinels: int, noise_density: float, mean_noise_span_length: float) -> int:
+    """The longest ``--max_source_len`` whose chunks need at most ``sentinels`` noise spans."""
+    length = 2
+    while span_counts(corrupted_lengths(length + 1, noise_density, mean_noise_span_length)[0], noise_density,
+                      mean_noise_span_length)[1] <= sentinels:
+        length += 1
+    return length
+
+
 def example_rng(seed: int, epoch: int, position: int) -> np.random.Generator:
     """The generator of the chunk at ``position`` (chunks from the stream's start) in ``epoch``.
 

@@ -191,7 +191,7 @@ def load_tokenizer(path: str | Path):
 
     try:
         try:
-            return AutoTokenizer.from_pretrained(str(path))
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
         except ValueError:
             # transformers 5.24 maps model_type umt5 to a tokenizer class that cannot read a sentencepiece
             # model: a umT5 folder with spiece.model alone fails there, and T5's own class reads it.
@@ -199,11 +199,16 @@ def load_tokenizer(path: str | Path):
                 raise
             from transformers import T5Tokenizer
 
-            return T5Tokenizer.from_pretrained(str(path))
+            tokenizer = T5Tokenizer.from_pretrained(str(path))
     except Exception as err:  # a damaged or partly copied folder: JSON, sentencepiece or tokenizers errors
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise UserError(f"the tokenizer in {path} cannot be loaded ({reason}); pass a complete tokenizer folder, "
                         "or a new folder to train one in") from err  # (--debug shows the cause)
+    missing = [name for name in ("pad", "eos") if getattr(tokenizer, f"{name}_token_id") is None]
+    if missing:  # T5 pads with one (its decoder starts from it) and ends every sequence with the other
+        raise UserError(f"the tokenizer in {path} has no {' and no '.join(missing)} token, which a T5 needs: use "
+                        "a tokenizer trained by 'train_low_mem.py train_tokenizer', or the model's own T5 tokenizer")
+    return tokenizer
 
 
 def tokenizer_for_run(cfg, folder: Path, files, is_main: bool = True, wait=lambda: None, say=print):

@@ -283,3 +283,24 @@ def test_answer_text_keeps_sentinels_and_drops_padding_and_eos(tokenizer):
     assert text.startswith("<extra_id_0>") and text.index("<extra_id_0>") < text.index("<extra_id_1>")
     assert "cute dog" in text and text.rstrip().endswith("the")
     assert "</s>" not in text and "<pad>" not in text
+
+
+def test_settings_no_chunk_can_follow_are_refused_with_what_to_change():
+    from config import TrainConfig
+    from data.objectives import objective_for
+    from data.tokenization import load_tokenizer
+
+    def objective(**flags):
+        return objective_for(TrainConfig(objective="span_corruption", **flags))
+
+    # More spans than kept tokens to put between them (a traceback in the mask before)
+    with pytest.raises(UserError, match="more than the 51 tokens kept to separate them"):
+        objective(noise_density=0.6, mean_noise_span_length=1, max_target_len=512)
+    objective(noise_density=0.5, mean_noise_span_length=1, max_target_len=512)  # one kept token between spans
+    # More spans than the tokenizer has sentinels: the longest source that fits is named, and fits
+    tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
+    with pytest.raises(UserError, match="gets 114 noise spans.* has 100 .* set --max_source_len=1809 or less"):
+        objective(max_source_len=2048, max_target_len=512).transform(tokenizer)
+    objective(max_source_len=1809, max_target_len=512).transform(tokenizer)
+    with pytest.raises(UserError, match="set --max_source_len=1809"):
+        objective(max_source_len=1810, max_target_len=512).transform(tokenizer)

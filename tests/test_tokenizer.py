@@ -89,3 +89,18 @@ def test_the_sample_comes_from_every_file(tmp_path):
     tok = train_tokenizer(files, tmp_path / "tok", ("text",), vocab_size=600, max_sentences=3000)
     for words in (first, second):
         assert tokens_per_word(tok, " ".join(words)) < 1.5  # the second file's: 6.9 when only the first was sampled
+
+
+def test_a_tokenizer_without_pad_or_eos_is_refused_in_one_line(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from data.tokenization import load_tokenizer
+
+    words = Tokenizer(WordLevel({"stone": 0, "river": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "words")
+    with pytest.raises(UserError, match="has no pad and no eos token, which a T5 needs"):
+        load_tokenizer(tmp_path / "words")
