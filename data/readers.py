@@ -411,8 +411,7 @@ def _parquet_range(path: Path, index: FileIndex | None, start: int, end: int | N
 def _csv_range(path: Path, index: FileIndex | None, start: int, end: int | None):
     row, offset = _seek_point(index, start)
     with open(path, "rb") as fh:
-        header = next(csv.reader(io.TextIOWrapper(io.BytesIO(fh.readline()), encoding="utf-8-sig",
-                                                  errors="replace")), [])
+        header = _csv_header(fh)
         if offset is not None:  # without an index: the first record follows the header
             fh.seek(offset)
         lines = _Lines(fh)
@@ -423,6 +422,16 @@ def _csv_range(path: Path, index: FileIndex | None, start: int, end: int | None)
                 yield row, "invalid_utf8" if lines.bad else dict(zip(header, values))
             lines.bad = False
             row += 1
+
+
+def csv_header(path: Path) -> list[str]:
+    """A csv file's column names."""
+    with open(path, "rb") as fh:
+        return _csv_header(fh)
+
+
+def _csv_header(fh) -> list[str]:
+    return next(csv.reader(io.TextIOWrapper(io.BytesIO(fh.readline()), encoding="utf-8-sig", errors="replace")), [])
 
 
 def row_problem(record: dict | str, columns: tuple[str, str]) -> tuple[str, str] | None:

@@ -15,7 +15,17 @@ from pathlib import Path
 
 from config import UserError
 from data.hf_datasets import DatasetRef, dataset_of, dataset_ref
-from data.readers import MANIFEST, REASONS, TOKEN_COLUMNS, FileIndex, file_kind, index_file, read_range, row_problem
+from data.readers import (
+    MANIFEST,
+    REASONS,
+    TOKEN_COLUMNS,
+    FileIndex,
+    csv_header,
+    file_kind,
+    index_file,
+    read_range,
+    row_problem,
+)
 
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # file endings read by data.readers
 TEXT_FORMATS = (*FORMATS, ".txt")  # raw-text objectives also read plain text (data.text_files)
@@ -285,10 +295,12 @@ def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample
     """Fail early, before any model is built, when no row among the first ``sample`` rows of the
     first file has the configured columns, or a column holds no text there, only numbers or booleans
     (single bad rows are counted later, not fatal)."""
-    seen: dict[str, None] = {}
+    kind = file_kind(files[0])
+    # A csv file's columns are its header's: a broken first record (a quote never closed) is not a missing column
+    seen: dict[str, None] = dict.fromkeys(csv_header(files[0])) if kind == "csv" else {}
     found: dict[str, set[str]] = {c: set() for c in columns}  # the value types met in each column
     read = 0
-    plain_text = isinstance(files[0], Path) and file_kind(files[0]) == "txt"  # its one column is the one asked for
+    plain_text = kind == "txt"  # its one column is the one asked for
     for _, record in read_range(files[0], None, 0, sample, columns if plain_text else None):
         read += 1
         if isinstance(record, dict):

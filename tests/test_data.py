@@ -13,7 +13,7 @@ from config import UserError
 from data.collate import Seq2SeqCollator
 from data.eval_set import hold_out, read_ranges, take_examples
 from data.readers import index_file, read_range
-from data.sources import DataProblems, iter_rows, repeated_files, resolve_files
+from data.sources import DataProblems, check_columns, iter_rows, repeated_files, resolve_files
 from data.stream import ExampleStream, largest_share
 
 COLS = ("prompt", "response")
@@ -377,6 +377,11 @@ def test_a_csv_quote_that_never_closes_is_an_error_naming_its_row(tmp_path):
     # Quotes that close (a quoted newline; a bare quote inside an unquoted value) are fine
     (tmp_path / "ok.csv").write_text('prompt,response\n"a\nb",c\nd"e,f')
     assert index_file(tmp_path / "ok.csv").rows == 2
+    # In the first record, the column check leaves it to that error: the header has both columns
+    (tmp_path / "first.csv").write_text('prompt,response\n"a,b\nc,d\n')
+    check_columns([tmp_path / "first.csv"], COLS, "--train_file")
+    with pytest.raises(UserError, match=r"opens in row 1 never closes"):
+        index_file(tmp_path / "first.csv")
 
 
 def test_folders_skip_hidden_entries_follow_links_and_refuse_the_run_inside(tmp_path):
