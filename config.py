@@ -239,8 +239,7 @@ class TrainConfig:
     vocab_size: int = _f(8000, "Tokenizer vocabulary size before the 100 sentinels (train_tokenizer). "
                              "A corpus with fewer distinct pieces gets fewer, and the output says so.")
     tokenizer_max_sentences: int = _f(200_000, "Cap on texts sampled for tokenizer training (from every "
-                                         "file, in proportion to its size; long texts in slices of 1,000 "
-                                         "characters). Bounds its RAM.")
+                                         "file by its size; long texts in slices). Bounds its RAM.")
 
     # --- generate ---
     prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.collate import CachedEncoderCollator, shape_multiple
 from data.objectives import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
@@ -56,6 +56,7 @@ from lowmem.telemetry import (
     IntervalMeter,
     Telemetry,
     check_bad_rows,
+    check_no_examples,
     log_interval,
     on_terminal,
     report_data_errors,
@@ -281,9 +282,7 @@ class LowMemTrainer:
                 if last or self._finished():
                     break
             if not state.examples:
-                report_data_errors(self.telemetry, self.data)
-                raise UserError(f"--train_file={self.cfg.train_file} yields no usable rows ({stream.total_rows} rows, "
-                                "all bad); see the data_errors line in metrics.jsonl")
+                check_no_examples(self.telemetry, self.data, cfg, counts["bad_rows"], self._finished())
             self.telemetry.log_memory("epoch_end", epoch=state.epoch)
         self.bar.close()
         return self.finish()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import TrainConfig
+from config import TrainConfig, UserError
 from data.ownership import open_own
 from data.sources import bad_rows_report, too_many_bad_rows
 from lowmem.memory import memory_snapshot
@@ -287,6 +287,22 @@ def report_data_errors(telemetry: Telemetry, data) -> dict:
     if line:
         telemetry.say(line)
     return event
+
+
+def check_no_examples(telemetry: Telemetry, data, cfg: TrainConfig, bad_rows: int, run_over: bool) -> None:
+    """After an epoch, with no training example yet: stop with one line when every row was bad (``bad_rows``:
+    summed over processes), or when the run is over. Raw text shorter than one chunk in an epoch carries its
+    tokens over to the next epoch, so the run goes on while epochs remain."""
+    stream = data.stream
+    if bad_rows >= stream.total_rows:
+        report_data_errors(telemetry, data)
+        raise UserError(f"--train_file={cfg.train_file} yields no usable rows ({stream.total_rows} rows, all bad); see "
+                        "the data_errors line in metrics.jsonl")
+    if run_over:
+        chunk = getattr(stream, "chunk_length", None)
+        raise UserError(f"--train_file={cfg.train_file} gave no training example in {cfg.epochs} epoch(s): its "
+                        f"text is shorter than one chunk of {chunk} tokens; raise --epochs (each adds the text "
+                        "again), add text, or lower --max_source_len")
 
 
 def check_bad_rows(telemetry: Telemetry, data, bad_rows: int, max_fraction: float) -> None:

@@ -169,6 +169,21 @@ def test_eval_documents_shorter_than_a_chunk_are_one_error_line(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_text_shorter_than_a_chunk_carries_over_to_the_next_epochs(tmp_path):
+    """Five short lines (about 60 tokens an epoch) against chunks of 141: a chunk fills in the third epoch and
+    another in the fifth (it was refused as 'all bad' after the first)."""
+    train, evals = tmp_path / "short.txt", tmp_path / "eval.txt"
+    train.write_text("the cat runs over the river\nthe quick brown fox jumps\na lazy dog sleeps all day\n"
+                     "light and dark stone\nnight falls on the river\n", encoding="utf-8")
+    evals.write_text("\n\n".join(documents(4)) + "\n", encoding="utf-8")
+    done = run_cli("train", "--objective=span_corruption", f"--train_file={train}", f"--eval_file={evals}",
+                   "--epochs=6", "--model_preset=tiny", "--cpu=True", "--max_eval_samples=2", "--eval_steps=0",
+                   f"--output_dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r["step"] for r in metrics(tmp_path / "run") if r["event"] == "train"]
+    assert steps[-1] == 2, steps
+
+
 def test_targets_longer_than_max_target_len_are_one_error_line(tmp_path):
     txt, _ = write_corpus(tmp_path, 20)
     done = run_cli("train", "--objective=span_corruption", f"--train_file={txt}", "--max_target_len=20",
