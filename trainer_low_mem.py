@@ -74,6 +74,7 @@ class TrainState:
     tokens: int = 0
     best_metric: float | None = None
     best_step: int | None = None
+    best_eval_loss: float | None = None  # of the best model (breaks BLEU ties)
     elapsed_s: float = 0.0
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     nonfinite_in_a_row: int = 0
@@ -430,15 +431,15 @@ class LowMemTrainer:
 
     def evaluate_and_keep_best(self) -> dict:
         result = self.evaluate()
-        metric = result[self.cfg.metric_for_best]
-        improved = is_better(metric, self.state.best_metric, self.cfg.metric_for_best)
+        improved = is_better(result, self.state.best_metric, self.state.best_eval_loss, self.cfg.metric_for_best)
         if improved and not weights_finite(self.core):
             improved = False  # never export non-finite weights as best
             self.say("the weights hold non-finite values: not saved as best")
-        if improved:
-            self.state.best_metric, self.state.best_step = metric, self.state.step
-            self.export(self.out / "best")
         self.state.last_eval = {"step": self.state.step, "eval_loss": result["eval_loss"], "bleu": result.get("bleu")}
+        if improved:  # the export's training_info.json holds the state: this evaluation, this best
+            self.state.best_metric, self.state.best_step = result[self.cfg.metric_for_best], self.state.step
+            self.state.best_eval_loss = result["eval_loss"]
+            self.export(self.out / "best")
         self.telemetry.record("eval", **result, best=improved)
         self.say(eval_log_line(self.state.step, result, improved))
         return result

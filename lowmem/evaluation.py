@@ -33,9 +33,13 @@ _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 
 
 def bleu_tokenizer(references: list[str]) -> str:
-    """sacrebleu's "zh" tokenisation when most references contain Chinese, else the standard "13a"."""
-    chinese = sum(1 for r in references if _CJK.search(r))
-    return "zh" if references and chinese * 2 >= len(references) else "13a"
+    """sacrebleu's "zh" tokenisation when any reference contains Chinese, else the standard "13a".
+
+    "13a" leaves an unsegmented Chinese sentence one or two tokens (a reference missing one character
+    scored 0), so a set of Chinese and English rows needs "zh", which tokenises everything but Chinese
+    characters as "13a" does.
+    """
+    return "zh" if any(_CJK.search(r) for r in references) else "13a"
 
 
 def bleu_score(predictions: list[str], references: list[str]) -> float:
@@ -47,13 +51,18 @@ def bleu_score(predictions: list[str], references: list[str]) -> float:
     return sacrebleu.corpus_bleu(predictions, [references], tokenize=bleu_tokenizer(references)).score
 
 
-def is_better(value: float, best: float | None, metric: str) -> bool:
-    """Whether ``value`` beats ``best`` for ``metric`` (eval_loss: lower; bleu: higher)."""
+def is_better(result: dict, best: float | None, best_loss: float | None, metric: str) -> bool:
+    """Whether an evaluation's ``result`` beats the best so far (``best`` by ``metric``, with its eval loss
+    ``best_loss``): eval_loss lower, bleu higher, and a BLEU tie (every young model scores 0) broken by
+    the lower eval loss."""
+    value = result[metric]
     if value != value:  # NaN never wins
         return False
     if best is None:
         return True
-    return value < best if metric == "eval_loss" else value > best
+    if metric == "eval_loss":
+        return value < best
+    return value > best or (value == best and best_loss is not None and result["eval_loss"] < best_loss)
 
 
 def generation_options(cfg: TrainConfig, max_new_tokens: int) -> dict:

@@ -33,9 +33,10 @@ SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 # The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
 SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1", "optimizer", "lora_r",
                   "lora_target_modules", "frozen_dtype", "quantize_wo")
-# The order the checkpoint's data position counts in: the seed shuffles each epoch's files (and the buffer),
-# the buffer's size decides whether they are shuffled at all.
-ORDER_SETTINGS = ("seed", "shuffle_buffer_size")
+# What a checkpoint's state is counted in: the order of the rows its data position counts (the seed shuffles
+# each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), and the
+# metric its best model was chosen by.
+ORDER_SETTINGS = ("seed", "shuffle_buffer_size", "metric_for_best")
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 
 
@@ -252,9 +253,11 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
                             "optimizer and LoRA shape cannot change), or use a new --output_dir")
     for key in ORDER_SETTINGS:
         if key in saved and saved[key] != current[key]:
-            raise UserError(f"checkpoint {folder} was written with --{key}={saved[key]}, and its data position counts "
-                            f"rows in the order that gave; with --{key}={current[key]} the run would repeat some rows "
-                            f"and skip others: resume with --{key}={saved[key]}, or use a new --output_dir")
+            why = ("its best model was chosen by that metric, whose values the new one's cannot be compared with"
+                   if key == "metric_for_best" else "its data position counts rows in the order that gave: another "
+                   "order would repeat some rows and skip others")
+            raise UserError(f"checkpoint {folder} was written with --{key}={saved[key]}, and {why}; resume with "
+                            f"--{key}={saved[key]}, or use a new --output_dir")
     for key, value in current.items():
         if key not in SHAPE_SETTINGS + ORDER_SETTINGS + RUN_ONLY_SETTINGS and key in saved and saved[key] != value:
             say(f"resume: --{key} was {saved[key]!r} in the checkpoint; using {value!r} from this command")

@@ -259,13 +259,15 @@ def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resume
     assert [r["step"] for r in metrics(resumed) if r["event"] == "eval"] == [0, 8, 16]
 
 
-@pytest.mark.parametrize("key, saved_value, value", [("seed", 1, 2), ("shuffle_buffer_size", 3, 0)])
-def test_a_resume_refuses_another_row_order_and_names_the_value_to_resume_with(tmp_path, key, saved_value, value):
+@pytest.mark.parametrize("key, saved_value, value", [("seed", 1, 2), ("shuffle_buffer_size", 3, 0),
+                                                     ("metric_for_best", "eval_loss", "bleu")])
+def test_a_resume_refuses_another_row_order_or_best_metric(tmp_path, key, saved_value, value):
     """The checkpoint's data position counts rows in the order its seed and shuffle gave (another order
-    repeated one file's rows and skipped another's); other settings change with a note."""
+    repeated one file's rows and skipped another's), its best model was chosen by its metric (a BLEU was
+    compared with the best eval loss); other settings change with a note."""
     from lowmem.run_folder import compare_settings
 
-    saved = {"seed": 1, "shuffle_buffer_size": 3, "learn_rate": 1e-3, key: saved_value}
+    saved = {"seed": 1, "shuffle_buffer_size": 3, "metric_for_best": "eval_loss", "learn_rate": 1e-3, key: saved_value}
     notes = []
     with pytest.raises(UserError, match=f"resume with --{key}={saved_value}, or use a new --output_dir"):
         compare_settings(saved, {**saved, key: value}, tmp_path, notes.append)

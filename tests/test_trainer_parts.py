@@ -229,3 +229,29 @@ for package in ("boto3", "bitsandbytes"):
 
     model = T5ForConditionalGeneration.from_pretrained(tmp_path / "final")
     assert model.lm_head.weight is model.shared.weight
+
+
+def test_bleu_reads_chinese_rows_by_character_in_a_mixed_set():
+    from lowmem.evaluation import bleu_score, bleu_tokenizer
+
+    english = ["the cat sat on the mat", "a quick brown fox jumps"]
+    chinese = ["哈尔有几个问题需要解决。", "今天天气很好，我们去公园吧。"]
+    assert bleu_tokenizer(english * 5 + chinese[:1]) == "zh" and bleu_tokenizer(english) == "13a"
+    # Perfect English answers and empty Chinese ones: 83 when each Chinese row was one or two tokens
+    assert bleu_score(english + ["", ""], english + chinese) < 50
+    # Chinese answers missing one character each: 96 then
+    assert 70 < bleu_score(english + ["哈尔有几个问题要解决。", "今天天气很好，我们去公园。"], english + chinese) < 90
+    assert bleu_score(english, english) == pytest.approx(100.0)
+
+
+def test_the_best_model_is_chosen_by_its_metric_and_a_bleu_tie_by_the_eval_loss():
+    from lowmem.evaluation import is_better
+
+    assert is_better({"eval_loss": 2.0}, 3.0, 3.0, "eval_loss")
+    assert not is_better({"eval_loss": 3.0}, 3.0, 3.0, "eval_loss")
+    assert is_better({"bleu": 1.0, "eval_loss": 9.0}, 0.0, 2.0, "bleu")
+    assert is_better({"bleu": 0.0, "eval_loss": 7.6}, 0.0, 9.6, "bleu")  # every young model scores 0
+    assert not is_better({"bleu": 0.0, "eval_loss": 9.7}, 0.0, 9.6, "bleu")
+    assert not is_better({"bleu": 0.0, "eval_loss": 7.6}, 0.0, None, "bleu")  # a checkpoint from before: as then
+    assert not is_better({"bleu": float("nan"), "eval_loss": 1.0}, 0.0, 9.6, "bleu") and is_better(
+        {"bleu": 0.0, "eval_loss": 9.0}, None, None, "bleu")
