@@ -26,7 +26,7 @@ if not sys.stderr.isatty():  # progress bars (weights written, files fetched) on
 from config import SHIPPED_CORPORA, UserError  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
 from lowmem.collector import imports_done  # noqa: E402
-from lowmem.flags import load_config, to_bool  # noqa: E402
+from lowmem.flags import load_config, load_saved_model_config, to_bool  # noqa: E402
 from lowmem.model_source import model_folder_config  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def evaluate(config: str | None = None, **flags) -> dict:
     """Eval loss and BLEU of --init_from (default: OUTPUT_DIR/best) on --eval_file."""
     from lowmem.evaluation import load_saved_model
 
-    cfg, _ = load_config(flags, config)
+    cfg, _ = load_saved_model_config(flags, config)
     saved = load_saved_model(cfg)
     result = saved.evaluate()
     where = cfg.eval_file or f"the rows held out of --train_file={cfg.train_file}"
@@ -117,7 +117,7 @@ def generate(config: str | None = None, **flags) -> None:
     """Answer --prompt (or the first eval prompts) with --init_from (default: OUTPUT_DIR/best)."""
     from lowmem.evaluation import load_saved_model
 
-    cfg, _ = load_config(flags, config)
+    cfg, _ = load_saved_model_config(flags, config)
     if cfg.prompt is not None and not cfg.prompt.strip():
         raise UserError("--prompt is empty: give the text to answer, or leave --prompt out to answer eval prompts")
     saved = load_saved_model(cfg)

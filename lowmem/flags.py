@@ -13,7 +13,7 @@ import difflib
 import typing
 from pathlib import Path
 
-from config import AUTO, MEMORY_PROFILES, TrainConfig, UserError
+from config import AUTO, MEMORY_PROFILES, SHIPPED_TOKENIZER_DIR, TrainConfig, UserError
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
@@ -118,6 +118,17 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
     cfg.validate()
     notes += [f"note: --{name} has no effect {why}" for name, why in cfg.unused_flags() if name in converted]
     return cfg, notes
+
+
+def load_saved_model_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig, list[str]]:
+    """``load_config`` for the commands that read a trained model (evaluate, generate): without --init_from
+    they read OUTPUT_DIR/best, not the model an SFT run would start from (runs/pretrain/best)."""
+    cfg, notes = load_config(flags, yaml_path)
+    given = {name.replace("-", "_") for name in flags} | (set(_read_yaml(yaml_path)) if yaml_path else set())
+    if "init_from" in given:
+        return cfg, notes
+    tokenizer_dir = cfg.tokenizer_dir or str(SHIPPED_TOKENIZER_DIR)  # as resolve_defaults gives it without --init_from
+    return dataclasses.replace(cfg, init_from=None, tokenizer_dir=tokenizer_dir), notes
 
 
 def _read_yaml(path: str) -> dict:

@@ -159,3 +159,17 @@ def test_each_distinct_error_line_is_printed_once_per_launch(tmp_path, monkeypat
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
     print_error("bad flag")  # not launched: always printed
     assert capsys.readouterr().err == "error: bad flag\nerror: bad flag\n"
+
+
+def test_evaluate_and_generate_read_output_dir_best_unless_init_from_is_given(tmp_path):
+    """SFT training starts from runs/pretrain/best by default; the commands that read a trained model read
+    OUTPUT_DIR/best (they read the pretrained model, named in the SFT run's place, before)."""
+    from lowmem.flags import load_saved_model_config
+
+    cfg, _ = load_saved_model_config({"is_finetune": True, "output_dir": "runs/sft"})
+    assert cfg.init_from is None and cfg.output_dir == "runs/sft" and cfg.tokenizer_dir
+    cfg, _ = load_saved_model_config({"is_finetune": True, "init_from": "runs/pretrain/best"})
+    assert cfg.init_from == "runs/pretrain/best"
+    (tmp_path / "run.yaml").write_text("is_finetune: true\ninit_from: elsewhere/best\n")
+    cfg, _ = load_saved_model_config({}, str(tmp_path / "run.yaml"))
+    assert cfg.init_from == "elsewhere/best"
