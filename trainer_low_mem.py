@@ -445,8 +445,8 @@ class LowMemTrainer:
         return result
 
     def export(self, folder: Path) -> None:
-        self.checkpointer.export(folder, self.core, self.tokenizer, {"kind": self.cfg.kind, **self.state_now()},
-                                 self.tokenizer_dir)
+        info = {"kind": self.cfg.kind, "held_out_rows": self.data.held_out_rows, **self.state_now()}  # evaluate's
+        self.checkpointer.export(folder, self.core, self.tokenizer, info, self.tokenizer_dir)
 
     def _checkpointed(self) -> tuple:
         """What a checkpoint holds: (model, optimizer, scheduler, run_config); DeepSpeed saves through its engine."""

@@ -223,6 +223,22 @@ class SavedModel:
                                 self.multiple)
 
 
+def held_out_rows(cfg: TrainConfig, eval_files: list, train_files: list, held: int | None, say=print) -> list:
+    """The eval rows of a saved model: ``--eval_file``'s, or those its training held out of --train_file
+    (``held``: how many, from its training_info.json; None from a model trained before it was recorded).
+
+    The rows held out are the last ``min(--max_eval_samples, 10 %)`` of the training files: counted with
+    another --max_eval_samples they would take in rows the model was trained on (or leave some out).
+    """
+    if eval_files or held is None or held == cfg.max_eval_samples:
+        return eval_split(cfg, eval_files, train_files)[0]
+    rows = eval_split(replace(cfg, max_eval_samples=held), eval_files, train_files)[0]
+    if cfg.max_eval_samples > held:
+        say(f"note: evaluating the {held} rows training held out of --train_file (its last rows); "
+            f"--max_eval_samples={cfg.max_eval_samples} asks for more, and the rows before them were trained on")
+    return rows[:cfg.max_eval_samples]
+
+
 def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
     """--init_from (default OUTPUT_DIR/best) with its own tokenizer (unless --tokenizer_dir names
     one), and the eval set: --eval_file, or the rows training on --train_file held out."""
@@ -246,13 +262,14 @@ def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
     model = accelerator.prepare(model)
     multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
     collator = objective.collator(tokenizer, multiple)
-    eval_rows, _, _ = eval_split(cfg, eval_files, train_files)
+    info = saved_json(model_dir / "training_info.json") or {}
+    eval_rows = held_out_rows(cfg, eval_files, train_files, info.get("held_out_rows"), say)
     eval_examples = objective.eval_examples(eval_rows, tokenizer, cfg.max_eval_samples)
     if cfg.eval_batch_size == AUTO:
         cfg = replace(cfg, eval_batch_size=saved_model_eval_size(
             cfg, model_dir, collator, eval_examples[accelerator.process_index::accelerator.num_processes],
             "gpu" if accelerator.device.type == "cuda" else "cpu"))
-    trained = (saved_json(model_dir / "training_info.json") or {}).get("kind")
+    trained = info.get("kind")
     shipped_eval = cfg.eval_file == str(SHIPPED_CORPORA[cfg.kind][1]) and not cfg.prompt
     if trained in SHIPPED_CORPORA and trained != cfg.kind and shipped_eval and accelerator.is_main_process:
         say(f"note: {model_dir} was trained by {trained}, and these are the shipped {cfg.kind} eval rows "
