@@ -12,6 +12,7 @@ import contextlib
 from pathlib import Path
 
 from lowmem import checkpoint, deepspeed_engine
+from lowmem.distributed import any_process
 from lowmem.memory import free_memory
 from lowmem.metrics import MetricsLog
 from lowmem.modeling import export_state_dict, weights_in_float32
@@ -88,6 +89,11 @@ class Checkpointer:
             self.accelerator.num_processes, self.telemetry.say, engine=self.engine)
         resume_schedule(optimizer, scheduler, learn_rate, weight_decay)
         self.saved_step = trainer_state["step"]
+        # best/ set aside with a continuation --resume_from replaces (or removed): the model the state names as
+        # the best is gone, and the next evaluation exports a new one. Main's look decides for every process.
+        gone = self.accelerator.is_main_process and not (self.folder.path / "best").is_dir()
+        if trainer_state.get("best_step") is not None and any_process(self.accelerator, gone):
+            trainer_state.update(best_metric=None, best_step=None, best_eval_loss=None)
         stream.load_state_dict(process_state["data"])
         checkpoint.set_rng_state(process_state["rng"])
         self.telemetry.cut_back(process_state["log_offsets"], process_state.get("checkpoint_record"))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from config import TrainConfig, UserError
+from config import TrainConfig, UserError, saved_json
 from data.ownership import open_own
 from lowmem import checkpoint, deepspeed_engine
 from lowmem.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
@@ -103,21 +103,24 @@ class RunFolder:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def set_aside_newer(self, resume_dir: Path | None, say=print) -> None:
-        """Checkpoints newer than ``resume_dir`` (the one --resume_from names) hold the continuation
-        this run abandons: moved, kept, into ``checkpoints/abandoned-<time>/``, so that a later
-        --is_keep_training continues this run, not the one it replaces."""
+        """Checkpoints newer than ``resume_dir`` (the one --resume_from names), and best/ and final/ when
+        exported after it, hold the continuation this run abandons: moved, kept, into
+        ``checkpoints/abandoned-<time>/``, so that a later --is_keep_training continues this run, not the one
+        it replaces, and best/ is never a model of the other continuation."""
         if resume_dir is None:
             return
         step = checkpoint.step_number(resume_dir)
         newer = [f for f in checkpoint.step_folders(self.checkpoints) if checkpoint.step_number(f) > step]
+        newer += [self.path / name for name in ("best", "final")
+                  if (saved_json(self.path / name / "training_info.json") or {}).get("step", -1) > step]
         if not newer:
             return
         aside = self.checkpoints / time.strftime("abandoned-%Y%m%d-%H%M%S")
-        aside.mkdir(exist_ok=True)
+        aside.mkdir(parents=True, exist_ok=True)
         for folder in newer:
             os.replace(folder, aside / folder.name)
-        say(f"resuming from {resume_dir.name}: the newer checkpoints ({', '.join(f.name for f in newer)}) belong to "
-            f"the continuation this run replaces; moved to {aside}")
+        say(f"resuming from {resume_dir.name}: {', '.join(f.name for f in newer)} belong to the continuation this "
+            f"run replaces; moved to {aside}")
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_path(self, step: int) -> Path:

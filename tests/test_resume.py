@@ -180,13 +180,21 @@ def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
     for step in (2, 4, 6):
         with checkpoint.atomic_folder(folder.checkpoints / f"step_{step:06d}") as tmp:
             (tmp / "model.safetensors").write_bytes(b"x")
+    for name, step in (("best", 4), ("final", 6)):  # exported by the continuation that is replaced
+        (folder.path / name).mkdir()
+        (folder.path / name / "training_info.json").write_text(json.dumps({"step": step}))
     lines = []
     folder.set_aside_newer(folder.checkpoints / "step_000002", lines.append)
     # a later --is_keep_training finds the continuation of step 2, not the steps it replaced
     assert checkpoint.find_latest_valid(folder.checkpoints) == folder.checkpoints / "step_000002"
     [aside] = folder.checkpoints.glob("abandoned-*")
-    assert sorted(p.name for p in aside.iterdir()) == ["step_000004", "step_000006"] and "moved to" in lines[0]
+    assert sorted(p.name for p in aside.iterdir()) == ["best", "final", "step_000004", "step_000006"]
+    assert "moved to" in lines[0] and not (folder.path / "best").exists()
     assert checkpoint.validate(aside / "step_000006") is None  # kept whole
+    (folder.path / "best").mkdir()  # exported at step 2, before the point resumed from: it stays
+    (folder.path / "best" / "training_info.json").write_text(json.dumps({"step": 2}))
+    folder.set_aside_newer(folder.checkpoints / "step_000002", lines.append)
+    assert (folder.path / "best").is_dir() and len(lines) == 1
 
 
 def test_a_resume_cuts_a_log_back_but_never_pads_it(tmp_path):
@@ -247,12 +255,13 @@ def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resume
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "at step 8 (epoch 1)" in proc.stdout
     # The checkpoint of the continuation it replaced is kept aside, where no later resume picks it up
-    assert "(step_000016) belong to the continuation this run replaces" in proc.stdout
+    assert re.search(r"step_000016.* belong to the continuation this run replaces", proc.stdout)
     assert [p.name for p in (resumed / "checkpoints").glob("abandoned-*/step_*")] == ["step_000016"]
     assert train_losses(resumed) == train_losses(straight)
-    a = load_file(straight / "final" / "model.safetensors")
-    b = load_file(resumed / "final" / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    for export in ("final", "best"):  # exported again (best/ from step 16 was set aside with the rest)
+        a = load_file(straight / export / "model.safetensors")
+        b = load_file(resumed / export / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), export
     # Continuing the finished run (from its final checkpoint) does not evaluate its last step again.
     proc = run_cli("train", f"--output_dir={resumed}", *common, "--is_keep_training=True")
     assert proc.returncode == 0, proc.stderr[-3000:]
