@@ -69,11 +69,12 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     bitsandbytes) what importing an optimizer's package costs (bitsandbytes for adamw8bit).
 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
-    micro-batch 2 or 1 (accumulation doubled to keep the batch), the encoder cache when the encoder is
-    frozen (--freeze=encoder) and, with bf16, bf16 storage of the frozen weights (any --freeze but none,
-    or LoRA); int8 frozen linear layers (--freeze=encoder or LoRA) when optimum-quanto is installed.
-    Sequence lengths, LoRA and the model are never changed: they change what is trained. "Fastest" is
-    over the whole run: the encoder cache wins only where the run reads its rows more than once.
+    micro-batch 2 or 1 (accumulation raised to keep the effective batch; 2 only where it divides it), the
+    encoder cache when the encoder is frozen (--freeze=encoder) and, with bf16, bf16 storage of the frozen
+    weights (any --freeze but none, or LoRA); int8 frozen linear layers (--freeze=encoder or LoRA) when
+    optimum-quanto is installed. Sequence lengths, LoRA and the model are never changed: they change what is
+    trained. "Fastest" is over the whole run: the encoder cache wins only where the run reads its rows more
+    than once.
     """
     optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
     has_frozen = bool(frozen_parts(cfg))
@@ -83,11 +84,12 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     if "int8" in (import_mb or {}) and (cfg.freeze == "encoder" or cfg.lora_r) and not sharding:
         frozen.append("int8")  # optimum-quanto installed: 8-bit frozen linear layers
     reads, best = reads_per_row(cfg, lengths.get("train_rows", lengths["rows"]), world), None
+    effective = cfg.batch_size * cfg.gradient_accumulation_steps  # kept: micro-batches that divide it
     for ckpt, prec, opt, batch, cache, frozen_dtype in itertools.product(
-            [False, True], precisions, optimizers, [2, 1], caches, frozen):
+            [False, True], precisions, optimizers, [b for b in (2, 1) if effective % b == 0], caches, frozen):
         if frozen_dtype == "bfloat16" and prec != "bf16":
             continue
-        accumulation = max(1, cfg.gradient_accumulation_steps * cfg.batch_size // batch)
+        accumulation = effective // batch
         trial = replace(cfg, gradient_checkpointing=ckpt, mixed_precision=prec, optimizer=opt, batch_size=batch,
                         gradient_accumulation_steps=accumulation, encoder_cache=cache, frozen_dtype=frozen_dtype,
                         cpu=device == "cpu")
@@ -157,14 +159,17 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     data = planner.plan_data(cfg, tokenizer, num_processes)
     # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
     # then what importing it adds, so every optimizer the search tries gets its own baseline.
-    core = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="float32"))
+    # Each extra's import is measured against the RSS just before it (imports pile up in this process: measured
+    # against the first baseline, optimum-quanto's counted bitsandbytes' 44 MiB too).
+    core = before = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="float32"))
     import_mb = {}
-    if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
-        import_mb["adamw8bit"] = max(0.0, planner.framework_mb(replace(cfg, optimizer="adamw8bit",
-                                                                       frozen_dtype="float32")) - core)
     if cfg.frozen_dtype in QUANTIZED_DTYPES or (budget_gb is not None and installed("optimum.quanto")):
-        import_mb["int8"] = import_mb["float8"] = max(0.0, planner.framework_mb(
-            replace(cfg, optimizer="adafactor", frozen_dtype="int8")) - core)  # optimum-quanto's import
+        after = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="int8"))  # optimum-quanto
+        import_mb["int8"] = import_mb["float8"] = max(0.0, after - before)
+        before = after
+    if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
+        after = planner.framework_mb(replace(cfg, optimizer="adamw8bit", frozen_dtype="float32"))
+        import_mb["adamw8bit"] = max(0.0, after - before)
     baseline = core + import_mb.get(cfg.optimizer, 0.0) + import_mb.get(cfg.frozen_dtype, 0.0)
     cfg = sized(cfg, data, len(tokenizer), baseline, device, num_processes, per_machine, sharding, budget_gb)
     lengths = run_lengths(cfg, data)
