@@ -115,15 +115,17 @@ def evaluate(config: str | None = None, **flags) -> dict:
 
 def generate(config: str | None = None, **flags) -> None:
     """Answer --prompt (or the first eval prompts) with --init_from (default: OUTPUT_DIR/best)."""
-    from lowmem.evaluation import load_saved_model
+    from lowmem.evaluation import answer_text, load_saved_model
 
     cfg, _ = load_saved_model_config(flags, config)
     if cfg.prompt is not None and not cfg.prompt.strip():
         raise UserError("--prompt is empty: give the text to answer, or leave --prompt out to answer eval prompts")
-    saved = load_saved_model(cfg)
+    saved = load_saved_model(cfg, eval_set=not cfg.prompt)
     prompts = [cfg.prompt] if cfg.prompt else [e.prompt for e in saved.eval_examples[:5]]
     for prompt, answer in zip(prompts, saved.generate(prompts)):
-        print(f"{prompt}  ->  {answer}")
+        if saved.main:  # every process generates (a sharded model needs them all); one prints
+            shown = prompt if isinstance(prompt, str) else answer_text(saved.tokenizer, prompt)  # packed: token ids
+            print(f"{shown}  ->  {answer}")
 
 
 def train_tokenizer(config: str | None = None, **flags) -> dict:
@@ -167,7 +169,9 @@ def preview(config: str | None = None, **flags) -> None:
     from data.tokenization import load_trained_tokenizer
     from lowmem.model_source import tokenizer_folder
 
-    count = int(flags.pop("num_examples", 5))
+    count = flags.pop("num_examples", 5)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise UserError(f"--num_examples expects a positive whole number (got {count!r})")
     decode = to_bool("decode", flags.pop("decode", False))
     cfg, notes = load_config(flags, config)
     for note in notes:

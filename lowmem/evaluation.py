@@ -239,16 +239,16 @@ def held_out_rows(cfg: TrainConfig, eval_files: list, train_files: list, held: i
     return rows[:cfg.max_eval_samples]
 
 
-def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
+def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> SavedModel:
     """--init_from (default OUTPUT_DIR/best) with its own tokenizer (unless --tokenizer_dir names
-    one), and the eval set: --eval_file, or the rows training on --train_file held out."""
+    one), and the eval set (none without ``eval_set``: generate given --prompt): --eval_file, or the rows
+    training on --train_file held out."""
     model_dir = Path(cfg.init_from) if cfg.init_from else Path(cfg.output_dir) / "best"
     objective = objective_for(cfg)
     # Without --eval_file: the rows that training on --train_file held out
-    train_files = [] if cfg.eval_file is not None else resolve_files(cfg.train_file, "--train_file",
-                                                                     formats=formats_for(cfg),
-                                                                     dataset_config=cfg.dataset_config)
-    eval_files = eval_files_of(cfg, train_files)
+    train_files = [] if cfg.eval_file is not None or not eval_set else resolve_files(
+        cfg.train_file, "--train_file", formats=formats_for(cfg), dataset_config=cfg.dataset_config)
+    eval_files = eval_files_of(cfg, train_files) if eval_set else []
     import_transformers_models()
     imports_done()  # before the weights (lowmem.collector)
     model = load_model(model_dir)
@@ -263,9 +263,9 @@ def load_saved_model(cfg: TrainConfig, say=print) -> SavedModel:
     multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
     collator = objective.collator(tokenizer, multiple)
     info = saved_json(model_dir / "training_info.json") or {}
-    eval_rows = held_out_rows(cfg, eval_files, train_files, info.get("held_out_rows"), say)
-    eval_examples = objective.eval_examples(eval_rows, tokenizer, cfg.max_eval_samples)
-    if cfg.eval_batch_size == AUTO:
+    eval_rows = held_out_rows(cfg, eval_files, train_files, info.get("held_out_rows"), say) if eval_set else []
+    eval_examples = objective.eval_examples(eval_rows, tokenizer, cfg.max_eval_samples) if eval_set else []
+    if cfg.eval_batch_size == AUTO and eval_examples:
         cfg = replace(cfg, eval_batch_size=saved_model_eval_size(
             cfg, model_dir, collator, eval_examples[accelerator.process_index::accelerator.num_processes],
             "gpu" if accelerator.device.type == "cuda" else "cpu"))
