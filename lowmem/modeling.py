@@ -229,8 +229,8 @@ def apply_memory_modes(model, cfg: TrainConfig):
     if cfg.gradient_checkpointing:
         # transformers 5's name for it (gradient_checkpointing_enable is deprecated); non-reentrant,
         # and it keeps the dropout RNG state so the recomputed forward matches the first one.
-        model.activation_checkpointing_enable()
-        model.config.use_cache = False  # a KV cache is useless in training and conflicts with recompute
+        model.activation_checkpointing_enable()  # the training forwards ask for no KV cache (token_loss_sum);
+        # the config's use_cache stays as it was, so that exports generate with one as before
     return model
 
 

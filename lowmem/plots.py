@@ -92,6 +92,9 @@ def _load(run: Path) -> list[dict]:
     except ValueError as err:  # json.JSONDecodeError
         raise UserError(f"{path} holds a line that is not JSON ({getattr(err, 'msg', err)}); "
                         "plot reads the metrics.jsonl that train writes") from None
+    if not all(isinstance(r, dict) for r in records):
+        raise UserError(f"{path} holds a line that is not a JSON object; plot reads the metrics.jsonl that train "
+                        "writes")
     if not any(r.get("event") == "train" for r in records):
         raise UserError(f"{path} has no train records yet (one is written every --logging_steps optimizer "
                         "steps); plot again once the run has logged a step")

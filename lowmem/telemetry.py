@@ -23,7 +23,7 @@ from data.ownership import open_own
 from data.sources import bad_rows_report, too_many_bad_rows
 from lowmem.memory import memory_snapshot
 from lowmem.metrics import AppendLog, MetricsLog, tracker_scalars, train_line
-from lowmem.modeling import head_is_tied
+from lowmem.modeling import head_is_tied, lora_stacks
 
 
 def on_terminal() -> bool:
@@ -228,7 +228,8 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
                 f"shuffle_buffer={cfg.shuffle_buffer_size} rows", "dynamic padding", "streamed data",
                 f"gc every {cfg.gc_every_steps} steps"]
     if cfg.lora_r:
-        features.append(f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on decoder {cfg.lora_target_modules}")
+        features.append(f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on {' and '.join(lora_stacks(cfg))} "
+                        f"{cfg.lora_target_modules}")
     if cache is not None:
         features.append(f"encoder cache ({'RAM' if cache.in_memory else 'disk'}, {cfg.encoder_cache_dtype})")
     features.append(frozen_summary(cfg, core))
