@@ -74,10 +74,12 @@ def txt_range(path: Path, index, start: int, end: int | None, column: str) -> It
             if end is not None and row >= end:
                 return
             if row >= start:
-                try:  # a byte-order mark (Windows editors) is not text: stripped, as the other formats do
-                    yield row, {column: raw.decode("utf-8").removeprefix("\ufeff") if row == 0 else raw.decode("utf-8")}
+                try:
+                    text = raw.decode("utf-8")
                 except UnicodeDecodeError:
                     yield row, "invalid_utf8"
+                else:  # a byte-order mark (Windows editors) is not text: stripped, as the other formats do
+                    yield row, {column: text.removeprefix("\ufeff") if row == 0 else text}
             row += 1
 
 
