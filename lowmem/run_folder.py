@@ -36,7 +36,7 @@ SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "to
 # What a checkpoint's state is counted in: the order of the rows its data position counts (the seed shuffles
 # each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), and the
 # metric its best model was chosen by.
-ORDER_SETTINGS = ("seed", "shuffle_buffer_size", "metric_for_best")
+FIXED_ON_RESUME = ("seed", "shuffle_buffer_size", "metric_for_best")
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 
 
@@ -254,7 +254,7 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
             raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "
                             f"{current[key]}; resume with the --{flag} the run began with (model, tokenizer, "
                             "optimizer and LoRA shape cannot change), or use a new --output_dir")
-    for key in ORDER_SETTINGS:
+    for key in FIXED_ON_RESUME:
         if key in saved and saved[key] != current[key]:
             why = ("its best model was chosen by that metric, whose values the new one's cannot be compared with"
                    if key == "metric_for_best" else "its data position counts rows in the order that gave: another "
@@ -262,5 +262,5 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
             raise UserError(f"checkpoint {folder} was written with --{key}={saved[key]}, and {why}; resume with "
                             f"--{key}={saved[key]}, or use a new --output_dir")
     for key, value in current.items():
-        if key not in SHAPE_SETTINGS + ORDER_SETTINGS + RUN_ONLY_SETTINGS and key in saved and saved[key] != value:
+        if key not in SHAPE_SETTINGS + FIXED_ON_RESUME + RUN_ONLY_SETTINGS and key in saved and saved[key] != value:
             say(f"resume: --{key} was {saved[key]!r} in the checkpoint; using {value!r} from this command")
