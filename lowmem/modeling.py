@@ -293,14 +293,16 @@ def export_state_dict(model, to_host: bool = False) -> dict | None:
 
 @torch.no_grad()
 def merged_weight(module, to_host: bool) -> torch.Tensor:
-    """A LoRA layer's base weight with its adapters merged in: one float32 allocation, then ``addmm_``."""
+    """A LoRA layer's base weight with its adapters merged in: one float32 allocation, then ``addmm_``.
+    Float32 in every case: an 8-bit weight reports its scales' dtype (bf16 under --mixed_precision=bf16), and
+    the merge cast to it rounded most of a small adapter update away."""
     from lowmem.quantize import is_quantized, plain_weight
 
     weight = module.get_base_layer().weight
     merged = plain_weight(weight) if is_quantized(weight) else weight.to(torch.float32, copy=True)
     for a in module.active_adapters:
         merged.addmm_(module.lora_B[a].weight.float(), module.lora_A[a].weight.float(), alpha=module.scaling[a])
-    return merged.cpu() if to_host else merged.to(weight.dtype)
+    return merged.cpu() if to_host else merged
 
 
 @contextlib.contextmanager
