@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from config import TrainConfig, UserError, saved_json
+from config import QUANTIZED_DTYPES, TrainConfig, UserError, saved_json
 from data.ownership import open_own
 from lowmem import checkpoint, deepspeed_engine
 from lowmem.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
@@ -32,7 +32,7 @@ SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
 # The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
 SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1", "optimizer", "lora_r",
-                  "lora_target_modules", "frozen_dtype", "quantize_wo")
+                  "lora_alpha", "lora_target_modules", "frozen_dtype", "quantize_wo")
 # What a checkpoint's state is counted in: the order of the rows its data position counts (the seed shuffles
 # each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), and the
 # metric its best model was chosen by.
@@ -249,11 +249,17 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
         raise UserError(f"checkpoint {folder} held out {held} rows of --train_file for evaluation, this run would hold "
                         f"out {holds}; resume with {same} as before, or use a new --output_dir")
     for key in SHAPE_SETTINGS:
+        if key == "lora_alpha" and not current.get("lora_r"):
+            continue  # read only with adapters
         if key in saved and _setting(key, saved[key]) != _setting(key, current[key]):
             flag = "tokenizer_dir" if key.startswith("tokenizer_") else key
             raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "
                             f"{current[key]}; resume with the --{flag} the run began with (model, tokenizer, "
                             "optimizer and LoRA shape cannot change), or use a new --output_dir")
+    if current.get("frozen_dtype") in QUANTIZED_DTYPES and saved.get("mixed_precision", current["mixed_precision"]) \
+            != current["mixed_precision"]:  # the 8-bit weights' scales are stored in the compute dtype
+        raise UserError(f"checkpoint {folder} holds {current['frozen_dtype']} weights with scales in the dtype of "
+                        f"--mixed_precision={saved['mixed_precision']}; resume with it, or use a new --output_dir")
     for key in FIXED_ON_RESUME:
         if key in saved and saved[key] != current[key]:
             why = ("its best model was chosen by that metric, whose values the new one's cannot be compared with"

@@ -282,3 +282,18 @@ def test_a_resume_refuses_another_row_order_or_best_metric(tmp_path, key, saved_
         compare_settings(saved, {**saved, key: value}, tmp_path, notes.append)
     compare_settings(saved, {**saved, "learn_rate": 2e-3}, tmp_path, notes.append)
     assert notes == ["resume: --learn_rate was 0.001 in the checkpoint; using 0.002 from this command"]
+
+
+def test_a_resume_refuses_another_lora_scale_or_another_compute_dtype_for_8_bit_weights(tmp_path):
+    """The adapters were trained under alpha / r (another alpha changed the next loss from 6.84 to 8.43), and
+    8-bit weights keep their scales in the compute dtype (another one crashed in the first matmul)."""
+    from lowmem.run_folder import compare_settings
+
+    lora = {"lora_r": 8, "lora_alpha": 16.0, "frozen_dtype": "float32", "mixed_precision": "no"}
+    with pytest.raises(UserError, match="lora_alpha=16.0 but this run has 256.0"):
+        compare_settings(lora, {**lora, "lora_alpha": 256.0}, tmp_path)
+    compare_settings({**lora, "lora_r": 0}, {**lora, "lora_r": 0, "lora_alpha": 256.0}, tmp_path)  # unused
+    compare_settings(lora, {**lora, "mixed_precision": "bf16"}, tmp_path, lambda _: None)
+    quantized = {**lora, "frozen_dtype": "int8"}
+    with pytest.raises(UserError, match="int8 weights with scales in the dtype of --mixed_precision=no"):
+        compare_settings(quantized, {**quantized, "mixed_precision": "bf16"}, tmp_path)
