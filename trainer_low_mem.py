@@ -30,7 +30,7 @@ from data.objectives import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
 from data.sources import file_notes, formats_for
 from data.stream import batched
-from data.tokenization import tokenizer_for_run, tokenizer_sha1
+from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
 from lowmem import deepspeed_engine, encoder_cache
 from lowmem.accumulation import window_backward
 from lowmem.batch_budget import batch_request, size_run
@@ -207,8 +207,7 @@ class LowMemTrainer:
                               else build_model(cfg, self.tokenizer))
         check_vocabulary(cfg, self.model, self.tokenizer)
         self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request,
-                           "tokenizer_size": len(self.tokenizer),  # fingerprinted once
-                           "tokenizer_sha1": tokenizer_sha1(self.tokenizer), "held_out_rows": self.data.held_out_rows}
+                           **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows}
         self.model, self.parameters = ready_to_train(self.model, cfg)
         if self.engine == "fsdp":  # before the optimizer: sharding replaces the parameters
             self.model = shard_model(self.model, self.sharding, self.accelerator.device)
@@ -230,7 +229,7 @@ class LowMemTrainer:
         cfg = self.cfg
         reads = (self.total_steps - self.state.step) * cfg.batch_size * cfg.gradient_accumulation_steps
         self.encoder_cache = encoder_cache.open_for_training(
-            cfg, self.core, self.data, self.run_config["tokenizer_sha1"], self.accelerator, self.shape_multiple,
+            cfg, self.core, self.data, self.run_config["tokenizer_json_sha1"], self.accelerator, self.shape_multiple,
             reads, self.out, self.say, progress=self.main and on_terminal())
         self.train_collator = CachedEncoderCollator(self.data.collator, self.encoder_cache)
         self.telemetry.log_memory("encoder_cache")

@@ -29,7 +29,7 @@ from data.readers import FileIndex, index_file, manifest_of
 from data.sources import DataProblems, Example, check_columns, formats_for, resolve_files
 from data.stream import ExampleStream, largest_share, share_range, steps_per_epoch, total_steps
 from data.text_files import layout_note
-from data.tokenization import tokenizer_sha1
+from data.tokenization import tokenizer_fingerprint
 
 SAMPLE_DOCUMENTS = 512  # documents tokenized to count (small corpora) or estimate an epoch's packed chunks
 
@@ -176,7 +176,7 @@ def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, rank: int = 0, wor
             stream's (every process).
     """
     if files.prepared:
-        check_manifest(files.prepared, tokenizer_sha1(tokenizer), cfg.max_source_len, cfg.max_target_len)
+        check_manifest(files.prepared, tokenizer_fingerprint(tokenizer), cfg.max_source_len, cfg.max_target_len)
     eval_problems = DataProblems(report=report)
     eval_examples, indexes, held = eval_split(cfg, files.eval, files.train, indexes, eval_problems)
     if indexes is None:  # an --eval_file run indexes its training files here

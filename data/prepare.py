@@ -30,7 +30,7 @@ def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     """The ``prepare`` command: resolve and check the corpus, load the tokenizer, write the shards."""
     from data.collate import Seq2SeqCollator
     from data.sources import check_columns, resolve_files
-    from data.tokenization import load_trained_tokenizer, tokenizer_sha1
+    from data.tokenization import load_trained_tokenizer, tokenizer_fingerprint
 
     check_prepared_dir(out_dir)  # before any work
     files = resolve_files(cfg.train_file, "--train_file", dataset_config=cfg.dataset_config)
@@ -40,15 +40,16 @@ def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     check_columns(files, columns, "--train_file")
     tokenizer = load_trained_tokenizer(tokenizer_dir)
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
-    manifest = prepare(files, columns, collator, out_dir, tokenizer_sha1(tokenizer), tokenizer_dir,
+    manifest = prepare(files, columns, collator, out_dir, tokenizer_fingerprint(tokenizer), tokenizer_dir,
                        max_bad_fraction=cfg.max_bad_rows_fraction)
     return {"prepared_dir": str(out_dir), "rows": manifest["rows"], "tokens": manifest["tokens"],
             "shards": len(manifest["shards"]), "bad_rows": manifest["bad_rows"]}
 
 
-def check_manifest(manifest: dict, tokenizer_sha1: str, max_source_len: int, max_target_len: int) -> None:
-    """Refuse shards made with another tokenizer, or cut shorter than this run's limits."""
-    if manifest["tokenizer_sha1"] != tokenizer_sha1:
+def check_manifest(manifest: dict, tokenizer: dict, max_source_len: int, max_target_len: int) -> None:
+    """Refuse shards made with another tokenizer (``tokenizer``: its ``tokenizer_fingerprint``, compared on
+    what the manifest records), or cut shorter than this run's limits."""
+    if any(manifest[key] != value for key, value in tokenizer.items() if key in manifest):
         raise UserError(f"--train_file was prepared with another tokenizer ({manifest['tokenizer_dir']}); pass "
                         "that --tokenizer_dir, or prepare the corpus again with this one")
     for flag, limit in (("max_source_len", max_source_len), ("max_target_len", max_target_len)):
@@ -65,7 +66,7 @@ def check_prepared_dir(out_dir: Path) -> None:
     check_folder(out_dir, "--prepared_dir", "prepared")
 
 
-def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path, tokenizer_sha1: str,
+def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path, tokenizer: dict,
             tokenizer_dir: str, report=print, max_bad_fraction: float = 1.0) -> dict:
     """Tokenize ``files`` into parquet shards in ``out_dir`` (new, empty or ours; written in a staging
     folder inside it, the shards moved into place at the end and the manifest last).
@@ -84,7 +85,7 @@ def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path
     claim_folder(staging, "--prepared_dir", "prepared")
     try:
         manifest = _write_shards(files, columns, collator, staging, report, max_bad_fraction)
-        manifest.update(tokenizer_sha1=tokenizer_sha1, tokenizer_dir=str(tokenizer_dir))
+        manifest.update(tokenizer, tokenizer_dir=str(tokenizer_dir))  # its tokenizer_fingerprint
     except BaseException:
         shutil.rmtree(staging)
         if created:  # made by this call a moment ago: nothing but its marker

@@ -161,6 +161,26 @@ def tokenizer_sha1(tokenizer) -> str:
     return hashlib.sha1(vocab).hexdigest()
 
 
+def tokenizer_json_sha1(tokenizer) -> str:
+    """What identifies how a tokenizer splits text: its backend's whole JSON (normalizer, pre-tokenizer,
+    model with its scores or merges, added tokens), less the truncation / padding state the last call left.
+    Two tokenizers with one vocabulary can split one text into other ids. A tokenizer without a
+    ``tokenizers`` backend (ByT5's bytes) is identified by its vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer_sha1(tokenizer)
+    state = json.loads(backend.to_str())
+    state.update(truncation=None, padding=None)
+    return hashlib.sha1(json.dumps(state, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """The tokenizer's part of a run's settings, compared on resume (``tokenizer_json_sha1`` only where the
+    checkpoint has it: runs of earlier versions recorded the vocabulary alone)."""
+    return {"tokenizer_size": len(tokenizer), "tokenizer_sha1": tokenizer_sha1(tokenizer),
+            "tokenizer_json_sha1": tokenizer_json_sha1(tokenizer)}
+
+
 def has_tokenizer(folder: str | Path) -> bool:
     """Whether ``folder`` holds a tokenizer ``AutoTokenizer`` loads: a tokenizers JSON, a sentencepiece
     model alone (t5-v1_1 and mT5 ship only ``spiece.model``), or a config naming its class (ByT5's

@@ -56,7 +56,7 @@ CACHE_LABEL = "the encoder cache folder"  # under --output_dir
 CACHE_HINT = "move those files out of it, or choose another --output_dir"
 
 
-def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, files: list[Path],
+def fingerprint(encoder, tokenizer_hash: str, max_source_len: int, dtype: str, files: list[Path],
                 columns: tuple[str, str], world: int, compute: str = "", rows: list[int] | None = None) -> str:
     """What the cached outputs depend on, hashed (the encoder's weights byte by byte; ``compute``
     names how the encoder runs: precision, device, padding; ``rows``, the rows of each file that
@@ -67,7 +67,7 @@ def fingerprint(encoder, tokenizer_sha1: str, max_source_len: int, dtype: str, f
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(flat.view(torch.uint8).numpy())  # the bytes, of any dtype (bf16, float8), without a copy
     stats = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in ((f, os.stat(f)) for f in files)]
-    digest.update(json.dumps([tokenizer_sha1, max_source_len, dtype, stats, list(columns), world, compute,
+    digest.update(json.dumps([tokenizer_hash, max_source_len, dtype, stats, list(columns), world, compute,
                               LAYOUT, rows]).encode())
     return digest.hexdigest()[:16]
 
@@ -255,7 +255,7 @@ def encoder_on(core, device):
             move_encoder(core, home)
 
 
-def open_for_training(cfg, core, data, tokenizer_sha1: str, accelerator, multiple: int, reads: int, out: Path,
+def open_for_training(cfg, core, data, tokenizer_hash: str, accelerator, multiple: int, reads: int, out: Path,
                       say=print, progress: bool = False) -> EncoderCache:
     """Build (or reuse) the frozen encoder's outputs for this process's training rows.
 
@@ -271,7 +271,7 @@ def open_for_training(cfg, core, data, tokenizer_sha1: str, accelerator, multipl
     # (its state dict, hashed below, holds the 8-bit bytes and scales; the dtype is named as well).
     compute = f"{cfg.mixed_precision}/{device.type}/{multiple}" + (
         f"/{cfg.frozen_dtype}" if cfg.frozen_dtype in QUANTIZED_DTYPES else "")
-    key = fingerprint(core.encoder, tokenizer_sha1, cfg.max_source_len, cfg.encoder_cache_dtype, files, columns, world,
+    key = fingerprint(core.encoder, tokenizer_hash, cfg.max_source_len, cfg.encoder_cache_dtype, files, columns, world,
                       compute, [i.rows for i in data.indexes])  # held-out eval rows are not trained on
     rows = sum(end - start for start, end in shares)
     pin = cfg.pin_memory and device.type == "cuda"

@@ -31,8 +31,8 @@ SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
 # The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
-SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1", "optimizer", "lora_r",
-                  "lora_alpha", "lora_target_modules", "frozen_dtype", "quantize_wo")
+SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1", "tokenizer_json_sha1",
+                  "optimizer", "lora_r", "lora_alpha", "lora_target_modules", "frozen_dtype", "quantize_wo")
 # What a checkpoint's state is counted in: the order of the rows its data position counts (the seed shuffles
 # each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), and the
 # metric its best model was chosen by.

@@ -104,3 +104,25 @@ def test_a_tokenizer_without_pad_or_eos_is_refused_in_one_line(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "words")
     with pytest.raises(UserError, match="has no pad and no eos token, which a T5 needs"):
         load_tokenizer(tmp_path / "words")
+
+
+def test_a_tokenizer_is_identified_by_how_it_splits_text_not_by_its_vocabulary_alone(tmp_path):
+    """A normalizer changed under the same vocabulary gives other ids for one text: the encoder cache and a
+    resume must see another tokenizer (the cache was reused, and its losses were not the uncached run's)."""
+    import json
+    import shutil
+
+    from config import SHIPPED_TOKENIZER_DIR
+    from data.tokenization import load_tokenizer, tokenizer_json_sha1, tokenizer_sha1
+
+    shutil.copytree(SHIPPED_TOKENIZER_DIR, tmp_path / "changed")
+    state = json.loads((tmp_path / "changed" / "tokenizer.json").read_text(encoding="utf-8"))
+    state["normalizer"] = {"type": "Replace", "pattern": {"String": "a"}, "content": "o"}
+    (tmp_path / "changed" / "tokenizer.json").write_text(json.dumps(state), encoding="utf-8")
+    shipped, changed = load_tokenizer(SHIPPED_TOKENIZER_DIR), load_tokenizer(tmp_path / "changed")
+    assert shipped("the cat").input_ids != changed("the cat").input_ids
+    assert tokenizer_sha1(shipped) == tokenizer_sha1(changed)  # the vocabulary alone cannot tell them apart
+    assert tokenizer_json_sha1(shipped) != tokenizer_json_sha1(changed)
+    before = tokenizer_json_sha1(shipped)
+    shipped(["the cat runs"], truncation=True, max_length=2, padding="max_length")  # leaves state in the backend
+    assert tokenizer_json_sha1(shipped) == before
