@@ -243,11 +243,11 @@ class TrainConfig:
 
     # --- generate ---
     prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.")
-    max_new_tokens: int = _f(64, "Longest generated answer (generate).")
+    max_new_tokens: int = _f(64, "Longest generated answer (generate; evaluation's go to --max_target_len).")
     no_repeat_ngram_size: int = _f(0, "No n-gram of this size appears twice in an answer (0: off), against "
-                                      "degenerate repetition; in generate and in the answers BLEU is computed on")
+                                      "degenerate repetition; in generate and in the answers BLEU is computed on.")
     repetition_penalty: float = _f(1.0, "Divide the score of tokens already in the answer by this (1.0: off; 1.2 "
-                                        "is a common choice); in generate and in the answers BLEU is computed on")
+                                        "is a common choice); in generate and in the answers BLEU is computed on.")
 
     max_bad_rows_fraction: float = _f(0.01, "Abort when more than this fraction of the training rows are bad "
                                             "(malformed, missing or empty prompt/response); they are skipped and "
