@@ -152,16 +152,21 @@ def help_text() -> str:
     """The ``--help`` listing: every option with its type, default and help."""
     lines = ["t5-lowmem: low-memory T5 pretraining and SFT.", "",
              "usage: python train_low_mem.py COMMAND [--option=value ...] [--config=FILE.yaml]", "",
-             "commands: train, plan, evaluate, generate, train_tokenizer, prepare, plot", "",
+             "commands: train, plan, evaluate, generate, train_tokenizer, prepare, preview, plot", "",
              "prepare takes --train_file and --prepared_dir (default runs/prepared): token-id parquet shards that "
              "train reads with --train_file=PREPARED_DIR", "",
-             "plan also takes --json (one JSON object), --budget_gb=X (GiB) and --device=cpu|gpu (recommend modes)", "",
+             "plan also takes --json (one JSON object), --budget_gb=X (GiB) and --device=cpu|gpu (recommend modes), "
+             "--num_processes=N [--num_machines=M] (N processes) and --sharding=fsdp|zero2|zero3 (one sharded "
+             "process)", "",
+             "preview takes --num_examples=N (default 5) and --decode=True (the texts too): the first training "
+             "examples as the model sees them", "",
              "plot takes --output_dir=RUN and --plot_dir (default RUN/plots): PNG charts of RUN/metrics.jsonl", "",
              "options:"]
     for f in dataclasses.fields(TrainConfig):
         hint = _HINTS[f.name]
-        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-        lines.append(f"  --{f.name} ({base.__name__}, default {f.default!r})")
+        kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        kind = "int or auto" if kinds == [int, str] else kinds[0].__name__  # the batch sizes (lowmem.batch_budget)
+        lines.append(f"  --{f.name} ({kind}, default {f.default!r})")
         lines.append(f"      {f.metadata['help']}")
     lines.append("  --config (str)")
     lines.append("      YAML file of option: value pairs; CLI flags override it.")
