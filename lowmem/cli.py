@@ -82,6 +82,10 @@ def run_cli(commands: dict, argv: list[str]) -> None:
     if argv[0] not in commands:
         print_error(f"unknown command {argv[0]!r}; use one of {', '.join(commands)} (see --help)")
         sys.exit(2)
+    for before, arg in zip(argv, argv[1:]):  # a word that is no option's value: fire would take it for --config
+        if not arg.startswith("-") and not (before.startswith("--") and "=" not in before):
+            print_error(f"unexpected argument {arg!r}: options are --name=value (a YAML file of them: --config=FILE)")
+            sys.exit(2)
     debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
     collector.during_imports()
     try:

@@ -98,6 +98,10 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
         if Path(cfg.resume_from).resolve().parent != checkpoints.resolve():
             raise UserError(f"--resume_from={cfg.resume_from} is not one of this run's checkpoints: pass a "
                             f"step_NNNNNN folder of {checkpoints} (--output_dir names the run)")
+        if not Path(cfg.resume_from).is_dir():
+            kept = ", ".join(f.name for f in checkpoint.step_folders(checkpoints)) or "none"
+            raise UserError(f"--resume_from={cfg.resume_from} does not exist (--save_total_limit prunes old "
+                            f"checkpoints); this run's checkpoints: {kept}")
         problem = checkpoint.validate(Path(cfg.resume_from))
         if problem:
             raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")

@@ -130,6 +130,7 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train", "--output_dir=/proc/t5-lowmem-run"], "not writable"),
     (["train", "--config={tmp}/missing.yaml"], "missing.yaml"),
     (["nosuchcommand"], "unknown command"),
+    (["train", "pretrain"], "unexpected argument 'pretrain'"),
     (["train", "--learn_rate=nan"], "--learn_rate must be a finite number"),
     (["train", "--seed=-1"], "--seed must be in [0, 2**32)"),
     (["train", "--freeze=encoder"], "--freeze=encoder needs a trained model"),
@@ -172,6 +173,8 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
         f"--output_dir={tmp_path / 'none'} --is_keep_training=True": "no run to continue",
         f"--output_dir={run} --is_keep_training=True --resume_from={tmp_path}/step_000001":
             "is not one of this run's checkpoints",
+        f"--output_dir={run} --is_keep_training=True --resume_from={run}/checkpoints/step_000001":
+            "does not exist (--save_total_limit prunes old checkpoints); this run's checkpoints: none",
         f"--output_dir={run} --is_keep_training=True": "no checkpoint of the run",
         f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'questions.jsonl'}": "has no column 'prompt'",
     }
