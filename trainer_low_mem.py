@@ -444,7 +444,8 @@ class LowMemTrainer:
         return result
 
     def export(self, folder: Path) -> None:
-        info = {"kind": self.cfg.kind, "held_out_rows": self.data.held_out_rows, **self.state_now()}  # evaluate's
+        info = {"kind": self.cfg.kind, "train_file": self.cfg.train_file, "held_out_rows": self.data.held_out_rows,
+                **self.state_now()}  # what evaluate and generate read of the training
         self.checkpointer.export(folder, self.core, self.tokenizer, info, self.tokenizer_dir)
 
     def _checkpointed(self) -> tuple:

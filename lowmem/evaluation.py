@@ -274,5 +274,10 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     if trained in SHIPPED_CORPORA and trained != cfg.kind and shipped_eval and accelerator.is_main_process:
         say(f"note: {model_dir} was trained by {trained}, and these are the shipped {cfg.kind} eval rows "
             f"({cfg.eval_file}); pass --is_finetune={trained == 'sft'} for the {trained} ones")
+    elif info.get("train_file") not in (None, *(str(t) for t, _ in SHIPPED_CORPORA.values())) and shipped_eval \
+            and accelerator.is_main_process:  # trained on the user's own data
+        say(f"note: {model_dir} was trained on --train_file={info['train_file']}, and these are the shipped "
+            f"{cfg.kind} eval rows ({cfg.eval_file}); pass that --train_file (the rows its training held out) or "
+            "an --eval_file of its own")
     return SavedModel(cfg, accelerator, model, inner_model(accelerator, model), tokenizer, collator, eval_examples,
                       multiple)
