@@ -137,6 +137,7 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train", "--init_from=no/such-model"], "not in the Hugging Face cache"),
     (["generate", "--prompt="], "--prompt is empty"),
     (["preview", "--num_examples=abc"], "--num_examples expects a positive whole number"),
+    (["preview", "--num_example=3"], "did you mean --num_examples"),
     (["train_tokenizer"], "holds a tokenizer already"),
     (["train", "--train_file={tmp}/empty.jsonl", "--output_dir={tmp}/run"], "is empty (no rows in 1 file(s))"),
     (["train", "--train_file={tmp}/semi.csv", "--output_dir={tmp}/run"], "separated by ';', not commas"),
