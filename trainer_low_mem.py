@@ -48,6 +48,7 @@ from lowmem.modeling import (
     load_model,
     ready_to_train,
 )
+from lowmem.optim import parameter_group_sizes, parameter_groups
 from lowmem.run_folder import RunFolder
 from lowmem.run_memory import guard_stop, peak_against_plan, plan_run
 from lowmem.sharding import full_value, padded_window, planned_sharding, shard_model, weights_finite
@@ -216,8 +217,9 @@ class LowMemTrainer:
 
     def _build_optimizer(self) -> None:
         """Optimizer state for the trainable tensors only, the schedule, and accelerate's wrapping."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.cfg, params)
+        groups = parameter_groups(self.model, self.cfg.weight_decay)
+        self.run_config["parameter_group_sizes"] = parameter_group_sizes(groups)  # checked on resume
+        self.optimizer = build_optimizer(self.cfg, groups)
         self.scheduler = build_scheduler(self.cfg, self.optimizer, self.total_steps)
         # The scheduler is not prepared: accelerate's wrapper would step it once per process per call.
         self.model, self.optimizer, self.core = prepare_for_training(self.accelerator, self.model, self.optimizer)

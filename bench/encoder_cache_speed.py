@@ -82,6 +82,7 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
         target_index,
         token_loss_sum,
     )
+    from lowmem.optim import parameter_groups
 
     cfg = load_config({"model_preset": preset, "is_finetune": True})[0]
     tokenizer = load_tokenizer(cfg.tokenizer_dir or SHIPPED_TOKENIZER_DIR)
@@ -91,7 +92,7 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
     model.train()
     model.encoder.eval()  # frozen: no dropout, as in the trainer
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg, params)
+    optimizer = build_optimizer(cfg, parameter_groups(model, cfg.weight_decay))
     cuda = torch.device(device).type == "cuda"
     multiple = shape_multiple(precision, not cuda)  # bf16 on the CPU pads as the trainer does
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len, multiple)

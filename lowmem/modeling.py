@@ -136,7 +136,8 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 def build_optimizer(cfg: TrainConfig, params):
-    """The optimizer of ``--optimizer``, with the learning rate applied as given.
+    """The optimizer of ``--optimizer`` over ``params`` (tensors, or ``lowmem.optim.parameter_groups``, whose
+    weight decay wins over ``--weight_decay``), with the learning rate applied as given.
 
     Adafactor: no relative step, no parameter scaling (the reference's ``relative_step=True`` ignored
     the configured rate). adamw8bit keeps both moments in 8 bits (bitsandbytes, tensors of 4096+

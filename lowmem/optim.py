@@ -163,6 +163,33 @@ def warmup_schedule(optimizer, name: str, warmup_steps: int, total_steps: int) -
                                                                 total=total_steps))
 
 
+def parameter_groups(model, weight_decay: float) -> list[dict]:
+    """The trainable tensors as the optimizer's parameter groups.
+
+    With weight decay, the tensors that are not weight matrices are exempt, as in transformers' Trainer and
+    nanoT5: layer-norm scales (decay would pull each towards 0, shrinking its layer's output), biases, and
+    T5's relative-position biases (added to the attention scores). Without it, one group: the layout of
+    every checkpoint written before the exemption. The layout is recorded and checked on resume
+    (``parameter_group_sizes``).
+    """
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not weight_decay:
+        return [{"params": [p for _, p in trainable]}]
+
+    def exempt(name: str, param) -> bool:  # under ZeRO-3 a partitioned weight's own shape is empty
+        dims = len(getattr(param, "ds_shape", param.shape))
+        return dims < 2 or name.endswith(".bias") or "relative_attention_bias" in name
+
+    groups = [{"params": [p for name, p in trainable if not exempt(name, p)], "weight_decay": weight_decay},
+              {"params": [p for name, p in trainable if exempt(name, p)], "weight_decay": 0.0, "decay_exempt": True}]
+    return [group for group in groups if group["params"]]
+
+
+def parameter_group_sizes(groups: list[dict]) -> list[int]:
+    """How many tensors each group holds: the optimizer state's layout, which a resume must find again."""
+    return [len(group["params"]) for group in groups]
+
+
 def resume_schedule(optimizer, scheduler, lr: float, weight_decay: float) -> None:
     """After a resume, this command's peak rate and weight decay, and its schedule (``--max_steps``,
     ``--warmup_steps``, ``--lr_scheduler``, which ``scheduler`` was built with) from the restored step on.
@@ -173,5 +200,5 @@ def resume_schedule(optimizer, scheduler, lr: float, weight_decay: float) -> Non
     """
     rates = [lr * fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
     for group, rate in zip(optimizer.param_groups, rates):
-        group.update(lr=rate, initial_lr=lr, weight_decay=weight_decay)
+        group.update(lr=rate, initial_lr=lr, weight_decay=0.0 if group.get("decay_exempt") else weight_decay)
     scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": [lr] * len(rates), "_last_lr": rates})

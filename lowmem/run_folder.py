@@ -256,6 +256,7 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
             raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "
                             f"{current[key]}; resume with the --{flag} the run began with (model, tokenizer, "
                             "optimizer and LoRA shape cannot change), or use a new --output_dir")
+    _compare_parameter_groups(saved, current, folder)
     if current.get("frozen_dtype") in QUANTIZED_DTYPES and saved.get("mixed_precision", current["mixed_precision"]) \
             != current["mixed_precision"]:  # the 8-bit weights' scales are stored in the compute dtype
         raise UserError(f"checkpoint {folder} holds {current['frozen_dtype']} weights with scales in the dtype of "
@@ -270,3 +271,24 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
     for key, value in current.items():
         if key not in SHAPE_SETTINGS + FIXED_ON_RESUME + RUN_ONLY_SETTINGS and key in saved and saved[key] != value:
             say(f"resume: --{key} was {saved[key]!r} in the checkpoint; using {value!r} from this command")
+
+
+def _compare_parameter_groups(saved: dict, current: dict, folder: Path) -> None:
+    """Refuse a resume whose optimizer state is laid out in other parameter groups: one group without weight
+    decay, the decayed tensors and the exempt ones with it (``lowmem.optim.parameter_groups``)."""
+    sizes = current.get("parameter_group_sizes")
+    if sizes is None:
+        return
+    # Checkpoints written before the exemption hold one group of every trainable tensor.
+    saved_sizes = saved.get("parameter_group_sizes", [sum(sizes)])
+    if saved_sizes == sizes:
+        return
+    if "parameter_group_sizes" not in saved:
+        raise UserError(f"checkpoint {folder} was written by an earlier version, which decayed every trainable tensor "
+                        "(layer norms too) in one parameter group, where this one exempts layer norms and biases; "
+                        "resume it with --weight_decay=0, or use a new --output_dir")
+    before = saved.get("weight_decay", 0.0)
+    raise UserError(f"checkpoint {folder} was written with --weight_decay={before}, this run has "
+                    f"--weight_decay={current['weight_decay']}: weight decay on or off decides the optimizer's "
+                    f"parameter groups (layer norms and biases are exempt from it); resume with "
+                    f"{'a non-zero' if before else 'a zero'} --weight_decay, or use a new --output_dir")

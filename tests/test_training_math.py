@@ -258,3 +258,45 @@ def test_a_resume_applies_this_commands_rate_and_schedule_from_its_first_step():
     assert longer == pytest.approx([3e-3 * (20 - k) / 16 for k in range(10, 20)])  # not the old schedule's first
     lower, _ = run(1e-3, 16, 6, saved)  # --learn_rate lowered
     assert lower == pytest.approx([r / 3 for r in straight[10:]])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_weight_decay_leaves_layer_norms_and_position_biases_alone(tokenizer, optimizer):
+    from lowmem.modeling import build_optimizer
+    from lowmem.optim import parameter_groups, resume_schedule, warmup_schedule
+
+    cfg, _ = load_config({"optimizer": optimizer, "weight_decay": 0.5, "learn_rate": 0.1, "warmup_steps": 0})
+    model = build_model(cfg, tokenizer)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = build_optimizer(cfg, parameter_groups(model, cfg.weight_decay))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # no gradient: what changes is the decay alone
+    optimizer.step()
+    exempt = [name for name, p in model.named_parameters() if p.dim() == 1 or "relative_attention_bias" in name]
+    assert any("layer_norm" in name for name in exempt) and any("relative_attention_bias" in name for name in exempt)
+    for name, p in model.named_parameters():
+        if name in exempt:
+            assert torch.equal(p, before[name]), name
+        else:
+            torch.testing.assert_close(p, before[name] * (1 - 0.1 * 0.5), rtol=1e-6, atol=0)
+    scheduler = warmup_schedule(optimizer, "constant", 0, 10)
+    resume_schedule(optimizer, scheduler, 0.1, 0.2)  # a resume with another --weight_decay
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.2, 0.0]
+    # without weight decay: one group, the layout of checkpoints written before the exemption
+    assert len(parameter_groups(model, 0.0)) == 1
+
+
+def test_a_resume_keeps_the_optimizer_state_in_its_parameter_groups(tmp_path):
+    from config import UserError
+    from lowmem.run_folder import compare_settings
+
+    decayed = {"weight_decay": 0.01, "parameter_group_sizes": [40, 25]}
+    compare_settings(decayed, {**decayed, "weight_decay": 0.1}, tmp_path)  # another non-zero value: same groups
+    with pytest.raises(UserError, match="resume with a non-zero --weight_decay"):
+        compare_settings(decayed, {"weight_decay": 0.0, "parameter_group_sizes": [65]}, tmp_path)
+    with pytest.raises(UserError, match="resume with a zero --weight_decay"):
+        compare_settings({"weight_decay": 0.0, "parameter_group_sizes": [65]}, decayed, tmp_path)
+    # written before the exemption: one group, which a run without weight decay still finds
+    compare_settings({"weight_decay": 0.01}, {"weight_decay": 0.0, "parameter_group_sizes": [65]}, tmp_path)
+    with pytest.raises(UserError, match="earlier version"):
+        compare_settings({"weight_decay": 0.01}, decayed, tmp_path)
