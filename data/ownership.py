@@ -7,7 +7,8 @@ line naming the flag, before any file in it is created, changed or removed. Remo
 staging folder, an old encoder cache) goes through ``remove_ours``, which removes only a folder
 that passes the same test.
 
-    --output_dir     .started (every version wrote it), or a run's config.json beside metrics.jsonl
+    --output_dir     .t5-lowmem-run; from earlier versions, a run's config.json beside metrics.jsonl, or
+                     their .started (empty, or this marker text) among nothing but what a run writes
     --tokenizer_dir  .t5-lowmem-tokenizer
     --prepared_dir   .t5-lowmem-prepared
     --plot_dir       .t5-lowmem-plots, or the chart PNGs alone in a run folder's plots/
@@ -21,12 +22,13 @@ see it new, empty or marked.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 
-from config import STARTED_MARKER, UserError, saved_json
+from config import LEGACY_STARTED_MARKER, STARTED_MARKER, UserError, saved_json
 
 MARKERS = {"run": STARTED_MARKER, "tokenizer": ".t5-lowmem-tokenizer", "prepared": ".t5-lowmem-prepared",
            "plots": ".t5-lowmem-plots", "encoder_cache": ".t5-lowmem-encoder-cache"}
@@ -111,12 +113,28 @@ def remove_ours(path: str | Path, kind: str, recognise: Recogniser | None = None
     return True
 
 
+# What a run writes in OUTPUT_DIR (staging folders and an export's set-aside copy included)
+RUN_ENTRIES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|best|final|plots|tensorboard|encoder_cache|\.lock|"
+                         r"\.started|\.(old|tmp)-(best|final)|consumed-rank\d+\.tsv")
+
+
 def is_run_folder(path: Path) -> bool:
-    """A run folder written before runs were marked: a run's config.json (the flags: no model_type,
-    which a saved model's config has) beside metrics.jsonl."""
+    """A run folder an earlier version wrote without today's marker: a run's config.json (the flags: no
+    model_type, which a saved model's config has) beside metrics.jsonl, or their marker ``.started``.
+
+    ``.started`` is a name other tools use too: it vouches for the folder only when it is empty or holds
+    our marker text, and everything beside it is a name a run writes.
+    """
     config = saved_json(path / "config.json")
-    return bool(config) and "model_preset" in config and not config.get("model_type") \
-        and (path / "metrics.jsonl").is_file()
+    if config and "model_preset" in config and not config.get("model_type") and (path / "metrics.jsonl").is_file():
+        return True
+    try:
+        with open_own(path / LEGACY_STARTED_MARKER, "rb") as handle:
+            text = handle.read(len(MARKER_TEXT) + 1)
+        names = os.listdir(path)
+    except (OSError, UserError):  # no marker, a link in its place, or an unreadable folder
+        return False
+    return text in (b"", MARKER_TEXT.encode()) and all(RUN_ENTRIES.fullmatch(name) for name in names)
 
 
 def move_in(staging: Path, names: list[str], folder: Path) -> None:
@@ -131,7 +149,8 @@ def move_in(staging: Path, names: list[str], folder: Path) -> None:
 
 
 OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-              "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND}
+              "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND,
+              "rb": os.O_RDONLY}
 
 
 def open_own(path: Path, mode: str, encoding: str | None = None):

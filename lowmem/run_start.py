@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from config import STARTED_MARKER, TrainConfig, UserError, saved_json
+from config import LEGACY_STARTED_MARKER, STARTED_MARKER, TrainConfig, UserError, saved_json
 from data.ownership import check_folder, claim_folder, is_run_folder
 from lowmem import checkpoint
 from lowmem.metrics import read_metrics
@@ -109,7 +109,7 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
     found = checkpoint.find_latest_valid(checkpoints, warn=say)
     if found is not None:
         return found, []
-    if not any((path / name).is_file() for name in ("config.json", STARTED_MARKER)):
+    if not any((path / name).is_file() for name in ("config.json", STARTED_MARKER, LEGACY_STARTED_MARKER)):
         raise UserError(f"--is_keep_training: no run to continue in {cfg.output_dir} (no checkpoint); "
                         "run without --is_keep_training to start one")
     if has_trained_models(path):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
 
+from data.ownership import MARKERS
 from lowmem import checkpoint
 
 SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=2",
@@ -161,12 +162,12 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
     write_rows(tmp_path / "questions.jsonl", [{"question": "a b", "answer": "c d"}])
     run = tmp_path / "run"
     run.mkdir()
-    (run / ".started").write_text("t5-lowmem\n")
+    (run / MARKERS["run"]).write_text("t5-lowmem\n")
     (run / "metrics.jsonl").write_text(json.dumps({"event": "train", "step": 1}) + "\n")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     (tmp_path / "locked").mkdir()
-    (tmp_path / "locked" / ".started").write_text("t5-lowmem\n")
+    (tmp_path / "locked" / MARKERS["run"]).write_text("t5-lowmem\n")
     cases = {  # flags: the refusal
         f"--output_dir={run}": "already holds a run",
         f"--output_dir={tmp_path / 'model'}": "holds a saved model",

@@ -127,6 +127,27 @@ def test_a_run_folder_marked_by_another_process_while_it_is_checked_is_accepted(
         check_folder(folder, "--output_dir", "run", lambda _path: False)
 
 
+def test_an_earlier_versions_started_marker_vouches_only_among_a_runs_own_files(tmp_path):
+    # Versions before 2026-11-28 marked a run folder with .started, a name other tools use too: it is taken
+    # for ours only when empty or holding our marker text, with nothing beside it but what a run writes.
+    from data.ownership import MARKER_TEXT, check_folder, is_run_folder
+
+    folder = tmp_path / "run"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("")
+    (folder / "consumed-rank0.tsv").write_text("")
+    for text in ("", MARKER_TEXT):
+        (folder / ".started").write_text(text)
+        assert is_run_folder(folder) and check_folder(folder, "--output_dir", "run", is_run_folder) == folder
+    (folder / ".started").write_text("started by another tool\n")
+    assert not is_run_folder(folder)
+    (folder / ".started").write_text("")
+    (folder / "notes.txt").write_text("mine\n")
+    with pytest.raises(Exception, match="holds files t5-lowmem did not write"):
+        check_folder(folder, "--output_dir", "run", is_run_folder)
+    assert MARKERS["run"] != ".started"
+
+
 def test_sibling_folders_survive_and_a_tokenizer_folder_of_ours_is_reused(tmp_path):
     from data.tokenization import has_tokenizer, train_tokenizer
 
