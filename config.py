@@ -177,7 +177,7 @@ class TrainConfig:
     learn_rate: float = _f(3e-3, "Peak learning rate (Adafactor, applied as given).")
     lr_scheduler: str = _f("linear", "Decay after warmup: linear, cosine or constant.")
     warmup_steps: int = _f(30, "Optimizer steps of linear warmup.")
-    weight_decay: float = _f(0.0, "Decoupled weight decay.")
+    weight_decay: float = _f(0.0, "Decoupled weight decay of the weight matrices (layer norms and biases exempt).")
     max_grad_norm: float = _f(1.0, "Clip the gradient norm to this (0 = no clipping).")
     max_nonfinite_steps: int = _f(5, "Optimizer steps with a non-finite loss or gradient are skipped and counted; "
                                      "abort after this many in a row.")
