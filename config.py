@@ -28,7 +28,6 @@ SHIPPED_CORPORA = {
 }
 
 STARTED_MARKER = ".t5-lowmem-run"  # left in an output folder as soon as a run begins there
-LEGACY_STARTED_MARKER = ".started"  # what versions before 2026-11-28 left instead (a name other tools use too)
 
 # The reference's caps, kept by --memory_profile=host16g (a 16 GB host with nothing to spare): a request
 # above a cap is lowered with a log line (a training batch then becomes more accumulation steps of

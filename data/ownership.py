@@ -28,7 +28,7 @@ from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 
-from config import LEGACY_STARTED_MARKER, STARTED_MARKER, UserError, saved_json
+from config import STARTED_MARKER, UserError, saved_json
 
 MARKERS = {"run": STARTED_MARKER, "tokenizer": ".t5-lowmem-tokenizer", "prepared": ".t5-lowmem-prepared",
            "plots": ".t5-lowmem-plots", "encoder_cache": ".t5-lowmem-encoder-cache"}
@@ -113,6 +113,7 @@ def remove_ours(path: str | Path, kind: str, recognise: Recogniser | None = None
     return True
 
 
+LEGACY_STARTED_MARKER = ".started"  # what versions before 2026-11-28 left instead (a name other tools use too)
 # What a run writes in OUTPUT_DIR (staging folders and an export's set-aside copy included)
 RUN_ENTRIES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|best|final|plots|tensorboard|encoder_cache|\.lock|"
                          r"\.started|\.(old|tmp)-(best|final)|consumed-rank\d+\.tsv")

@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from config import LEGACY_STARTED_MARKER, STARTED_MARKER, TrainConfig, UserError, saved_json
-from data.ownership import check_folder, claim_folder, is_run_folder
+from config import STARTED_MARKER, TrainConfig, UserError, saved_json
+from data.ownership import LEGACY_STARTED_MARKER, check_folder, claim_folder, is_run_folder
 from lowmem import checkpoint
 from lowmem.metrics import read_metrics
 from lowmem.model_source import resolve_model_dir
