@@ -165,9 +165,13 @@ def step_folders(root: Path) -> list[Path]:
     a user's copy) is not one of them: never read, pruned or resumed from."""
     if not Path(root).is_dir():
         return []
-    found = [p for p in Path(root).iterdir()
-             if p.is_dir() and re.fullmatch(PREFIX + "[0-9]+", p.name)]
+    found = [p for p in Path(root).iterdir() if p.is_dir() and is_step_name(p.name)]
     return sorted(found, key=step_number, reverse=True)
+
+
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint folder's (``step_NNNNNN``)."""
+    return re.fullmatch(PREFIX + "[0-9]+", name) is not None
 
 
 def step_number(folder: Path) -> int:

@@ -38,6 +38,8 @@ SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "to
 # metric its best model was chosen by.
 FIXED_ON_RESUME = ("seed", "shuffle_buffer_size", "metric_for_best")
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
+# What a run records beside its flags (compared above where it matters; the flags behind it are logged)
+NOT_FLAGS = ("batch_request", "held_out_rows", "parameter_group_sizes")
 
 
 class RunFolder:
@@ -257,6 +259,7 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
                             f"{current[key]}; resume with the --{flag} the run began with (model, tokenizer, "
                             "optimizer and LoRA shape cannot change), or use a new --output_dir")
     _compare_parameter_groups(saved, current, folder)
+    _compare_rows_per_step(saved, current, folder)
     if current.get("frozen_dtype") in QUANTIZED_DTYPES and saved.get("mixed_precision", current["mixed_precision"]) \
             != current["mixed_precision"]:  # the 8-bit weights' scales are stored in the compute dtype
         raise UserError(f"checkpoint {folder} holds {current['frozen_dtype']} weights with scales in the dtype of "
@@ -269,7 +272,8 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
             raise UserError(f"checkpoint {folder} was written with --{key}={saved[key]}, and {why}; resume with "
                             f"--{key}={saved[key]}, or use a new --output_dir")
     for key, value in current.items():
-        if key not in SHAPE_SETTINGS + FIXED_ON_RESUME + RUN_ONLY_SETTINGS and key in saved and saved[key] != value:
+        if key not in SHAPE_SETTINGS + FIXED_ON_RESUME + RUN_ONLY_SETTINGS + NOT_FLAGS and key in saved \
+                and saved[key] != value:
             say(f"resume: --{key} was {saved[key]!r} in the checkpoint; using {value!r} from this command")
 
 
@@ -292,3 +296,21 @@ def _compare_parameter_groups(saved: dict, current: dict, folder: Path) -> None:
                     f"--weight_decay={current['weight_decay']}: weight decay on or off decides the optimizer's "
                     f"parameter groups (layer norms and biases are exempt from it); resume with "
                     f"{'a non-zero' if before else 'a zero'} --weight_decay, or use a new --output_dir")
+
+
+def _compare_rows_per_step(saved: dict, current: dict, folder: Path) -> None:
+    """Refuse an epochs run (no --max_steps) resumed at another number of rows per optimizer step: its
+    schedule is planned in steps of this run's size, while the steps done were of the old one, so it would
+    end before the data does (the rest at learning rate 0) or after it."""
+    try:
+        before = saved["batch_size"] * saved["gradient_accumulation_steps"]
+        now = current["batch_size"] * current["gradient_accumulation_steps"]
+    except (KeyError, TypeError):  # sizes not recorded
+        return
+    if current.get("max_steps", 0) > 0 or before == now:
+        return
+    raise UserError(f"checkpoint {folder} was written at {before} rows per optimizer step and process "
+                    f"(--batch_size={saved['batch_size']} x --gradient_accumulation_steps="
+                    f"{saved['gradient_accumulation_steps']}), this run has {now}: an --epochs run's "
+                    "schedule counts steps of one size; resume with the same rows per step "
+                    "(--effective_batch_size keeps them whatever the micro-batch), or give --max_steps")

@@ -98,10 +98,13 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
         if Path(cfg.resume_from).resolve().parent != checkpoints.resolve():
             raise UserError(f"--resume_from={cfg.resume_from} is not one of this run's checkpoints: pass a "
                             f"step_NNNNNN folder of {checkpoints} (--output_dir names the run)")
+        kept = ", ".join(f.name for f in checkpoint.step_folders(checkpoints)) or "none"
         if not Path(cfg.resume_from).is_dir():
-            kept = ", ".join(f.name for f in checkpoint.step_folders(checkpoints)) or "none"
             raise UserError(f"--resume_from={cfg.resume_from} does not exist (--save_total_limit prunes old "
                             f"checkpoints); this run's checkpoints: {kept}")
+        if not checkpoint.is_step_name(Path(cfg.resume_from).name):
+            raise UserError(f"--resume_from={cfg.resume_from} is not named step_NNNNNN: a copy of a checkpoint is "
+                            f"never resumed from; pass one of this run's checkpoints: {kept}")
         problem = checkpoint.validate(Path(cfg.resume_from))
         if problem:
             raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")

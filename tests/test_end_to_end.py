@@ -86,6 +86,10 @@ def test_pretrain_sft_resume_and_export(tmp_path):
     assert proc.returncode == 0 and proc.stdout.count("  ->  ") == 2
     assert "was trained by sft, and these are the shipped pretrain eval rows" in proc.stdout
     assert "--is_finetune=True for the sft ones" in proc.stdout
+    # ... and a model trained on the user's own rows scored on the shipped SFT eval rows
+    proc = run_cli("generate", f"--init_from={sft / 'best'}", "--is_finetune=True", "--max_eval_samples=1",
+                   "--max_new_tokens=2")
+    assert proc.returncode == 0 and f"was trained on --train_file={sft_train}, and these are the shipped" in proc.stdout
 
 
 def test_peak_rss_does_not_grow_with_corpus_size(tmp_path):

@@ -177,10 +177,13 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
             "is not one of this run's checkpoints",
         f"--output_dir={run} --is_keep_training=True --resume_from={run}/checkpoints/step_000001":
             "does not exist (--save_total_limit prunes old checkpoints); this run's checkpoints: none",
+        f"--output_dir={run} --is_keep_training=True --resume_from={run}/checkpoints/step_000001.bak":
+            "is not named step_NNNNNN: a copy of a checkpoint is never resumed from",
         f"--output_dir={run} --is_keep_training=True": "no checkpoint of the run",
         f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'questions.jsonl'}": "has no column 'prompt'",
     }
     (run / "final").mkdir()  # a trained model: the last case may not start over
+    (run / "checkpoints" / "step_000001.bak").mkdir(parents=True)  # a user's copy
     script = (
         "import json, sys, train_low_mem\n"
         "codes = []\n"

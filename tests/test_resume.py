@@ -297,3 +297,19 @@ def test_a_resume_refuses_another_lora_scale_or_another_compute_dtype_for_8_bit_
     quantized = {**lora, "frozen_dtype": "int8"}
     with pytest.raises(UserError, match="int8 weights with scales in the dtype of --mixed_precision=no"):
         compare_settings(quantized, {**quantized, "mixed_precision": "bf16"}, tmp_path)
+
+
+def test_an_epochs_run_resumes_only_at_the_rows_per_step_its_schedule_counts(tmp_path):
+    """The schedule of an --epochs run is planned in optimizer steps: resumed at 4 micro-batches a step where
+    it began at 2, the planned steps ran out with 16 of 40 rows left, trained at learning rate 0."""
+    from lowmem.run_folder import compare_settings
+
+    saved = {"max_steps": -1, "batch_size": 2, "gradient_accumulation_steps": 2, "batch_request": {"batch_size": 2}}
+    with pytest.raises(UserError, match="written at 4 rows per optimizer step .* this run has 8"):
+        compare_settings(saved, {**saved, "gradient_accumulation_steps": 4}, tmp_path)
+    notes = []
+    compare_settings(saved, {**saved, "batch_size": 1, "gradient_accumulation_steps": 4,
+                             "batch_request": {"batch_size": 1}}, tmp_path, notes.append)  # the same rows
+    compare_settings(saved, {**saved, "max_steps": 50, "gradient_accumulation_steps": 4}, tmp_path, notes.append)
+    assert not [note for note in notes if "batch_request" in note]  # not a flag: the flags behind it are said
+    assert len(notes) == 4
