@@ -37,6 +37,7 @@ def train(config: str | None = None, **flags) -> dict:
     files = claim_output_dir(cfg)  # before the heavy imports below: refusals come at once, and a run killed this
     # early can still be continued
     from lowmem.run_memory import StoppedForMemory
+    from lowmem.stopping import StoppedAtOnce
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
     trainer = LowMemTrainer(cfg, files=files)
@@ -45,7 +46,7 @@ def train(config: str | None = None, **flags) -> dict:
     try:
         result = trainer.setup().train()
         return result if trainer.main else None  # one summary, not one per process
-    except StoppedBySignal as stop:  # checkpoint written and the resume command printed
+    except (StoppedBySignal, StoppedAtOnce) as stop:  # (a checkpoint written and the resume command printed)
         sys.exit(stop.exit_code)
     except StoppedForMemory as stop:
         print_error(str(stop))

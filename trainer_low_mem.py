@@ -173,11 +173,7 @@ class LowMemTrainer:
         if resume_dir is not None:
             self.load_checkpoint(resume_dir)
         self.telemetry.record("memory_plan", **self.memory_plan)  # after a resume has cut metrics.jsonl back
-        if cfg.report_to != "none":
-            # Events go to OUTPUT_DIR/tensorboard. On resume, SummaryWriter's purge_step hides what the stopped
-            # run logged after its checkpoint (metrics.jsonl is cut back there the same way).
-            purge = {"purge_step": self.state.step + 1} if resume_dir is not None else {}
-            self.accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": purge})
+        self.telemetry.start_tracker(cfg.report_to, resumed=resume_dir is not None)
         if cfg.encoder_cache != "off":
             self._open_encoder_cache()
         lines, record = startup_summary(cfg, self.accelerator, self.parameters, self.data, per_epoch,
@@ -248,7 +244,8 @@ class LowMemTrainer:
         self._set_train_mode()
         self.bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
                         disable=not (self.main and on_terminal()), dynamic_ncols=True)
-        if state.step == 0 and self.cfg.eval_steps:
+        if cfg.eval_steps and state.step % cfg.eval_steps == 0 and not self._finished() \
+                and (state.last_eval or {}).get("step") != state.step:  # at step 0, or one a signal cut short
             self.evaluate_and_keep_best()  # the baseline every later eval is compared with
         freeze_long_lived()  # later collections skip the imports, model and tokenizer
         self.meter.start(self.accelerator.device, self.resumed_interval)  # after the baseline: rates time training
@@ -422,9 +419,11 @@ class LowMemTrainer:
         self.telemetry.log_memory("eval_start")
         with encoder_cache.encoder_on(self.core, self.accelerator.device):  # the eval set is not in the cache
             result = evaluate_model(self.model, self.core, self.tokenizer, self.data.collator, self.data.eval_examples,
-                                    self.cfg, self.accelerator, self.shape_multiple,
-                                    progress=self.main and on_terminal())
+                                    self.cfg, self.accelerator, self.shape_multiple, self.main and on_terminal(),
+                                    interrupted=lambda: self.signals.received is not None)
             self._set_train_mode()
+        if self.signals.requested(self.accelerator):  # cut short: a resume runs this evaluation again
+            self.stop_for_signal()
         free_memory()  # after evaluation: the heap generation's growing cache left goes back to the OS
         result["eval_s"] = round(time.time() - start, 2)
         self.telemetry.log_memory("eval_end")

@@ -194,8 +194,13 @@ def find_latest_valid(root: Path, warn=print) -> Path | None:
 
 
 def prune(root: Path, keep: int, protect: Path | None = None) -> None:
-    """Delete all but the ``keep`` newest checkpoints (never ``protect``)."""
-    for folder in step_folders(root)[keep:]:
+    """Delete all but the ``keep`` newest complete checkpoints (never ``protect``), and the damaged ones
+    older than those (a resume warned of each): damaged ones do not count, so the run keeps ``keep`` it can
+    resume from."""
+    folders = step_folders(root)  # newest first
+    complete = [f for f in folders if validate(f) is None]
+    oldest_kept = step_number(complete[keep - 1]) if 0 < keep <= len(complete) else -1
+    for folder in complete[keep:] + [f for f in folders if f not in complete and step_number(f) < oldest_kept]:
         if protect is None or folder.resolve() != Path(protect).resolve():
             shutil.rmtree(folder, ignore_errors=True)
 

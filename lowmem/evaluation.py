@@ -22,7 +22,7 @@ from data.stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer
 from lowmem.batch_budget import saved_model_eval_size
 from lowmem.collector import imports_done
-from lowmem.distributed import inner_model, start_accelerator
+from lowmem.distributed import any_process, inner_model, start_accelerator
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
 from lowmem.modeling import batch_to_device, generation_cache, import_transformers_models, load_model, token_loss_sum
 from lowmem.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
@@ -78,13 +78,15 @@ def generation_options(cfg: TrainConfig, max_new_tokens: int) -> dict:
 
 @torch.no_grad()
 def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainConfig, accelerator,
-                   multiple: int = 1, progress: bool = False) -> dict:
+                   multiple: int = 1, progress: bool = False, interrupted=None) -> dict:
     """Eval loss (token-mean) and BLEU-4 of greedy/beam generations over ``examples`` (no ``bleu`` key
     with ``--eval_generate=False``).
 
     ``model`` is the prepared (wrapped) model the loss runs through, ``core`` the unwrapped one that
     generates. Each process takes every world-th example; no collective runs inside the loop (ranks
     may hold different numbers of batches), and predictions are gathered once as text at the end.
+    ``interrupted()`` (a signal to stop) ends the loop before the next batch; the caller, which asks every
+    process, discards the partial result.
     """
     from accelerate.utils import gather_object
 
@@ -106,6 +108,9 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
     # Sharded, every forward is a collective: one per batch on every process.
     budget = CPU_LOSS_TOKENS if accelerator.device.type == "cpu" and not sharded else 0
     for k, chunk in enumerate(tqdm(chunks, desc="eval", leave=False, disable=not progress)):
+        # (sharded, every batch is a collective already: the processes stop at the same one)
+        if interrupted is not None and (any_process(accelerator, interrupted()) if sharded else interrupted()):
+            break  # a generation of 100 rows can outlast a job scheduler's grace period
         batch = batch_to_device(collator(chunk), accelerator.device, multiple)
         with accelerator.autocast(), whole_root(core):
             if sharded:

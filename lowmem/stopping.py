@@ -21,6 +21,15 @@ class StoppedBySignal(Exception):
         self.step, self.exit_code = step, exit_code
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """Raised by a second SIGTERM / SIGINT, wherever the run is: no checkpoint (the last one stays). Not an
+    ``Exception``, so that nothing on the way catches it; the CLI exits with ``exit_code``."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(exit_code)
+        self.exit_code = exit_code
+
+
 class SignalWatch:
     """Notes SIGTERM / SIGINT once installed; ``requested`` asks every process."""
 
@@ -33,7 +42,9 @@ class SignalWatch:
 
         def request_stop(signum, _frame):
             if self.received is not None:  # a second signal: stop now
-                raise KeyboardInterrupt
+                self.say(f"{signal.Signals(signum).name} received again: stopping now, without a checkpoint (the "
+                         "last one written is kept; continue from it with --is_keep_training=True)")
+                raise StoppedAtOnce(128 + signum)
             self.received = signal.Signals(signum).name
             self.say(f"{self.received} received: finishing this optimizer step, then saving a checkpoint")
 

@@ -55,6 +55,14 @@ class Telemetry:
         if cfg.dump_consumed:
             self.consumed = AppendLog(out / f"consumed-rank{self.rank}.tsv")
 
+    def start_tracker(self, report_to: str, resumed: bool) -> None:
+        """``--report_to=tensorboard``: events go to OUTPUT_DIR/tensorboard. On resume, SummaryWriter's
+        ``purge_step`` hides what the stopped run logged after its checkpoint (metrics.jsonl is cut back there
+        the same way)."""
+        if report_to != "none":
+            purge = {"purge_step": self.state.step + 1} if resumed else {}
+            self.accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": purge})
+
     def say(self, message: str) -> None:
         """A line from the main process."""
         if self.main:

@@ -169,8 +169,13 @@ def test_damaged_checkpoints_are_skipped(tmp_path):
     warnings = []
     assert checkpoint.find_latest_valid(root, warn=warnings.append) == root / "step_000002"
     assert "truncated model.safetensors" in warnings[0] and "no manifest" in warnings[1] and len(warnings) == 2
-    checkpoint.prune(root, keep=1)
-    assert sorted(p.name for p in root.iterdir()) == [".tmp-step_000008", "step_000006", "step_000006.bak"]
+    checkpoint.prune(root, keep=1)  # the damaged ones do not count: the one complete checkpoint stays
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step_000008", "step_000002", "step_000004",
+                                                      "step_000006", "step_000006.bak"]
+    with checkpoint.atomic_folder(root / "step_000008") as tmp:  # the resumed run's next checkpoint
+        (tmp / "model.safetensors").write_bytes(b"x" * 100)
+    checkpoint.prune(root, keep=1)  # ... and the complete and damaged ones behind it go
+    assert sorted(p.name for p in root.iterdir()) == ["step_000006.bak", "step_000008"]
 
 
 def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
