@@ -61,6 +61,7 @@ from lowmem.telemetry import (
     log_interval,
     on_terminal,
     report_data_errors,
+    schedule_note,
     startup_summary,
 )
 
@@ -393,10 +394,8 @@ class LowMemTrainer:
         # This step is evaluated already when the run resumed from its own final checkpoint.
         done = self.state.last_eval
         metrics = done if done and done["step"] == self.state.step else self.evaluate_and_keep_best()
-        if self.state.step < self.total_steps:  # epochs planned from row counts; bad or skipped rows shorten them
-            self.say(f"the epochs took {self.state.step} optimizer steps, not the {self.total_steps} planned from the "
-                     "files' row counts (bad rows and non-finite steps are skipped): the learning-rate schedule, made "
-                     f"for {self.total_steps} steps, stopped at {self.scheduler.get_last_lr()[0]:.3g}")
+        if self.state.step != self.total_steps:  # epochs planned from row counts, or from a sample's tokens
+            self.say(schedule_note(self.state.step, self.total_steps, self.scheduler.get_last_lr()[0], self.data))
         self.save_checkpoint()
         self.export(self.out / "final")
         self.telemetry.log_memory("end")

@@ -140,20 +140,36 @@ class TrainData:
         from their tokens per row: a document's tokens are known only once its text is tokenized, and the
         learning-rate schedule is made for a number of steps."""
         documents = _documents(self.cfg, self.files, self.indexes, 0, 1, self.held_out_rows)  # the whole corpus
-        counts = {}  # (file index, row) -> the document's tokens and its EOS
-        for document in itertools.islice(documents.iter_epoch(), SAMPLE_DOCUMENTS):
-            pieces = text_slices(document.prompt)  # a long document a slice at a time, as the packer reads it
-            counts[document.file_index, document.row] = 1 + sum(
-                len(self.collator.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces)
+        counts = self._document_tokens(documents, SAMPLE_DOCUMENTS)
         world = self.world
         if documents.finished_epoch(0) and self.files.dataset is None:
             return [sum(n for (f, row), n in counts.items()
                         if share_range(self.indexes[f].rows, rank, world)[0] <= row
                         < share_range(self.indexes[f].rows, rank, world)[1]) for rank in range(world)], "counted"
-        sampled = documents.rows_read - len(documents.buffer)  # bad rows count too; the row read ahead does not
-        per_row = sum(counts.values()) / max(sampled, 1)
-        share = largest_share(self.indexes, world) if self.files.dataset is None else -(-self.rows // world)
-        return [per_row * share] * world, f"estimated from the first {sampled:,} documents"
+        if self.files.dataset is not None:
+            sampled = documents.rows_read - len(documents.buffer)  # bad rows count too; the row read ahead does not
+            return [sum(counts.values()) / max(sampled, 1) * -(-self.rows // world)] * world, \
+                f"estimated from the first {sampled:,} documents"
+        # Files: each file's own tokens per row, from its first rows (files of short and of long documents
+        # differ several-fold; the corpus's first documents come from one or two of them).
+        sampled, per_row = 0, []
+        for path, index in zip(self.files.train, self.indexes):
+            first = ExampleStream([path], self.files.columns, 0, 0, indexes=[index])
+            tokens = sum(self._document_tokens(first, max(1, SAMPLE_DOCUMENTS // len(self.files.train))).values())
+            per_row.append(tokens / max(first.rows_read - len(first.buffer), 1))
+            sampled += first.rows_read - len(first.buffer)
+        return [sum(rate * (share_range(index.rows, rank, world)[1] - share_range(index.rows, rank, world)[0])
+                    for rate, index in zip(per_row, self.indexes)) for rank in range(world)], \
+            f"estimated from {sampled:,} documents, the first of each file"
+
+    def _document_tokens(self, documents, limit: int) -> dict:
+        """(file index, row) -> the tokens (and EOS) the packer reads of each of the first ``limit`` documents."""
+        counts = {}
+        for document in itertools.islice(documents.iter_epoch(), limit):
+            pieces = text_slices(document.prompt)  # a long document a slice at a time, as the packer reads it
+            counts[document.file_index, document.row] = 1 + sum(
+                len(self.collator.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces)
+        return counts
 
     def fresh_stream(self, rank: int | None = None) -> ExampleStream:
         """A new stream of process ``rank`` (default: this one) from the start of the run: the planner

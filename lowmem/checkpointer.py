@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from config import saved_json
 from lowmem import checkpoint, deepspeed_engine
 from lowmem.distributed import any_process
 from lowmem.memory import free_memory
 from lowmem.metrics import MetricsLog
 from lowmem.modeling import export_state_dict, weights_in_float32
 from lowmem.optim import resume_schedule
-from lowmem.run_folder import RunFolder
+from lowmem.run_folder import RunFolder, eval_changes
 from lowmem.sharding import full_state_dict, local_state
 
 
@@ -92,7 +93,12 @@ class Checkpointer:
         # best/ set aside with a continuation --resume_from replaces (or removed): the model the state names as
         # the best is gone, and the next evaluation exports a new one. Main's look decides for every process.
         gone = self.accelerator.is_main_process and not (self.folder.path / "best").is_dir()
-        if trainer_state.get("best_step") is not None and any_process(self.accelerator, gone):
+        changes = eval_changes(saved_json(folder / "run_config.json") or {}, run_config)
+        if trainer_state.get("best_step") is not None and changes:
+            self.telemetry.say(f"resume: best/ (step {trainer_state['best_step']}) was chosen on other evaluations "
+                               f"({', '.join(changes)}), which the next ones cannot be compared with: the next "
+                               "evaluation's model takes its place")
+        if trainer_state.get("best_step") is not None and (any_process(self.accelerator, gone) or changes):
             trainer_state.update(best_metric=None, best_step=None, best_eval_loss=None)
         stream.load_state_dict(process_state["data"])
         checkpoint.set_rng_state(process_state["rng"])

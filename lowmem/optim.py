@@ -135,13 +135,21 @@ def _warmup(step: int, warmup: int) -> float:
     return float(step + 1) / float(warmup + 1)
 
 
+def _last_planned(step: int, total: int) -> int:
+    """Steps past ``total`` (an epoch of packed text holding more tokens than estimated) keep the last planned
+    step's rate: linear decay would train them at 0, cosine would start a second cycle."""
+    return min(step, max(total - 1, 0))
+
+
 def _linear(step: int, warmup: int, total: int) -> float:
+    step = _last_planned(step, total)
     if step < warmup:
         return _warmup(step, warmup)
     return max(0.0, float(total - step) / float(max(1, total - warmup)))
 
 
 def _cosine(step: int, warmup: int, total: int) -> float:
+    step = _last_planned(step, total)
     if step < warmup:
         return _warmup(step, warmup)
     progress = float(step - warmup) / float(max(1, total - warmup))

@@ -38,6 +38,9 @@ SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "to
 # metric its best model was chosen by.
 FIXED_ON_RESUME = ("seed", "shuffle_buffer_size", "metric_for_best")
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
+# What an evaluation's numbers depend on besides the model: a best/ chosen under other values is not comparable
+EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_len")
+BLEU_SETTINGS = ("num_beams", "no_repeat_ngram_size", "repetition_penalty")
 # What a run records beside its flags (compared above where it matters; the flags behind it are logged)
 NOT_FLAGS = ("batch_request", "held_out_rows", "parameter_group_sizes")
 
@@ -314,3 +317,10 @@ def _compare_rows_per_step(saved: dict, current: dict, folder: Path) -> None:
                     f"{saved['gradient_accumulation_steps']}), this run has {now}: an --epochs run's "
                     "schedule counts steps of one size; resume with the same rows per step "
                     "(--effective_batch_size keeps them whatever the micro-batch), or give --max_steps")
+
+
+def eval_changes(saved: dict, current: dict) -> list[str]:
+    """The settings of the metric that picks best/ that differ from the checkpoint's (``--name=old -> new``)."""
+    keys = EVAL_SETTINGS + (BLEU_SETTINGS if current.get("metric_for_best") == "bleu" else ())
+    return [f"--{key}={saved[key]} -> {current[key]}" for key in keys
+            if key in saved and key in current and saved[key] != current[key]]

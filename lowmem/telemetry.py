@@ -224,6 +224,19 @@ def frozen_summary(cfg: TrainConfig, core) -> str:
     return "frozen " + " + ".join(parts) + ("" if tied else "; the untied lm_head trains")
 
 
+def schedule_note(steps: int, planned: int, last_rate: float, data) -> str:
+    """Why an epochs run took another number of steps than its schedule was made for (``data``: the run's
+    ``TrainData``)."""
+    estimated = data.objective.chunk_length and data.epoch_rows_known and data.epoch_tokens[1].startswith("estim")
+    basis = "an estimate of their tokens (packed text)" if estimated else "the files' row counts"
+    why = ("bad rows and non-finite steps are skipped" if steps < planned and not estimated else
+           "the documents held fewer tokens than estimated" if steps < planned else
+           f"the documents held more tokens than estimated: the last {steps - planned} ran at the last planned "
+           "step's rate")
+    return (f"the epochs took {steps} optimizer steps, not the {planned} planned from {basis} ({why}): the "
+            f"learning-rate schedule, made for {planned} steps, ended at {last_rate:.3g}")
+
+
 def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_epoch: int, total_steps: int,
                     start_step: int, cache, core) -> tuple[list[str], dict]:
     """The numbers that matter before training starts: (log lines, the ``setup`` record's fields).
@@ -266,8 +279,8 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     if cfg.gpu_profile and accelerator.device.type == "cpu":
         lines.append(f"--memory_profile={cfg.memory_profile} is a GPU profile but this run is on the CPU: its "
                      "bf16 autocast saves no host memory there (it measured more); host16g is the CPU profile")
-    if cfg.warmup_steps > total_steps:
-        lines.append(f"--warmup_steps={cfg.warmup_steps} is more than the run's {total_steps} steps: the run ends "
+    if cfg.warmup_steps >= total_steps:
+        lines.append(f"--warmup_steps={cfg.warmup_steps} is not below the run's {total_steps} steps: the run ends "
                      f"in the warmup, at {total_steps}/{cfg.warmup_steps + 1} of --learn_rate (lower --warmup_steps "
                      "to reach it)")
     record = dict(trainable_params=parameters["trainable"], frozen_params=parameters["frozen"],

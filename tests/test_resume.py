@@ -318,3 +318,16 @@ def test_an_epochs_run_resumes_only_at_the_rows_per_step_its_schedule_counts(tmp
     compare_settings(saved, {**saved, "max_steps": 50, "gradient_accumulation_steps": 4}, tmp_path, notes.append)
     assert not [note for note in notes if "batch_request" in note]  # not a flag: the flags behind it are said
     assert len(notes) == 4
+
+
+def test_a_resume_on_another_eval_set_says_best_is_chosen_anew():
+    """best/ chosen by eval losses over 8 rows was compared with losses over 100 ('new best' 7.877 against
+    8.256); the decoding settings count where BLEU picks best/."""
+    from lowmem.run_folder import eval_changes
+
+    saved = {"eval_file": "a.jsonl", "max_eval_samples": 8, "max_source_len": 128, "max_target_len": 128,
+             "num_beams": 1, "metric_for_best": "eval_loss", "learn_rate": 1e-3}
+    assert eval_changes(saved, {**saved, "learn_rate": 2e-3, "num_beams": 4}) == []
+    assert eval_changes(saved, {**saved, "max_eval_samples": 100}) == ["--max_eval_samples=8 -> 100"]
+    assert eval_changes({**saved, "metric_for_best": "bleu"}, {**saved, "metric_for_best": "bleu", "num_beams": 4}) \
+        == ["--num_beams=1 -> 4"]

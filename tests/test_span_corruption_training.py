@@ -155,7 +155,44 @@ def test_an_epoch_of_packed_chunks_is_counted_or_estimated_without_max_steps(tmp
         assert how == "counted" and int(estimated) == chunks and per_epoch == -(-chunks // 8)
         assert total == -(-chunks // 8) + -(-second // 8) and second == int(2 * estimated) - chunks
     else:
-        assert how.startswith("estimated from the first 512") and abs(estimated / chunks - 1) < 0.1
+        assert how == "estimated from 512 documents, the first of each file" and abs(estimated / chunks - 1) < 0.1
+
+
+def test_an_epochs_estimate_takes_each_files_own_document_length(tmp_path):
+    # 1,500 short documents and 150 long ones: estimated from the corpus's first 512 documents (the short
+    # file's), the epoch was planned at 3 steps and took 7, 4 of them at learning rate 0.
+    rng = random.Random(0)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name, n, words in (("a.txt", 1500, (3, 8)), ("b.txt", 150, (250, 350))):
+        text = "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) for _ in range(n))
+        (folder / name).write_text(text + "\n", encoding="utf-8")
+    tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
+    cfg, _ = load_config({"objective": "span_corruption", "train_file": str(folder), "batch_size": 2,
+                          "gradient_accumulation_steps": 4, "max_eval_samples": 1})
+    objective = objective_for(cfg)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
+    chunks = sum(1 for _ in data.fresh_stream().iter_epoch())
+    tokens, how = data.epoch_tokens
+    assert how.startswith("estimated from") and abs(tokens[0] / span_corruption.corrupted_lengths(128)[0] / chunks
+                                                    - 1) < 0.1
+
+
+@pytest.mark.parametrize("name", ["linear", "cosine"])
+def test_steps_past_an_estimated_schedule_keep_its_last_rate(name):
+    import torch
+
+    from lowmem.optim import warmup_schedule
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = warmup_schedule(optimizer, name, 2, 10)
+    rates = []
+    for _ in range(14):
+        rates.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert rates[9] > 0 and rates[10:] == [rates[9]] * 4  # neither 0 (linear) nor a second cosine cycle
+    assert rates[:10] == sorted(rates[:3]) + sorted(rates[2:10], reverse=True)[1:]
 
 
 def test_eval_documents_shorter_than_a_chunk_are_one_error_line(tmp_path):
