@@ -103,6 +103,17 @@ def model_folder_config(init_from: str | Path) -> dict:
     return saved
 
 
+def refuse_untrained(cfg) -> None:
+    """Refuse SFT from a model its run exported before any optimizer step: a run stopped (or refused) early
+    leaves its step-0 evaluation's best/, the random initial weights, which SFT would start from (and freeze)."""
+    info = saved_json(resolve_model_dir(str(cfg.init_from)) / "training_info.json") or {}
+    if cfg.is_finetune and info.get("step") == 0:
+        raise UserError(f"--init_from={cfg.init_from} is the untrained model its run exported at step 0, before "
+                        f"its first optimizer step: SFT would start from random weights"
+                        f"{' and keep them frozen' if cfg.freeze != 'none' else ''}; finish that run (the same "
+                        "command plus --is_keep_training=True), or pass another --init_from")
+
+
 def tokenizer_folder(cfg) -> Path:
     """The tokenizer a run uses: ``--tokenizer_dir``, else the ``--init_from`` model's own.
 

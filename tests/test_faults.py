@@ -166,6 +166,7 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps({"event": "train", "step": 1}) + "\n")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    (tmp_path / "model" / "training_info.json").write_text(json.dumps({"step": 0}))  # a stopped run's best/
     (tmp_path / "locked").mkdir()
     (tmp_path / "locked" / MARKERS["run"]).write_text("t5-lowmem\n")
     cases = {  # flags: the refusal
@@ -181,6 +182,8 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
             "is not named step_NNNNNN: a copy of a checkpoint is never resumed from",
         f"--output_dir={run} --is_keep_training=True": "no checkpoint of the run",
         f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'questions.jsonl'}": "has no column 'prompt'",
+        f"--output_dir={tmp_path / 'new'} --is_finetune=True --init_from={tmp_path / 'model'}":
+            "is the untrained model its run exported at step 0, before its first optimizer step",
     }
     (run / "final").mkdir()  # a trained model: the last case may not start over
     (run / "checkpoints" / "step_000001.bak").mkdir(parents=True)  # a user's copy
