@@ -199,7 +199,8 @@ def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, rank: int = 0, wor
         indexes = [index_file(f) for f in files.train]
     for path, index in zip(files.train, indexes):
         if not index.rows and files.dataset is None:
-            report(f"warning: {path} is empty")
+            report(f"warning: {path} has no training rows" + (" (empty, or every row held out as the eval set)"
+                                                              if held else " (empty)"))
         elif index.kind.startswith("txt"):
             report(layout_note(path, index.kind))
     documents = _documents(cfg, files, indexes, rank, world, held, DataProblems(report=warn))

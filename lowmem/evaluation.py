@@ -17,7 +17,7 @@ from config import AUTO, SHIPPED_CORPORA, TrainConfig, saved_json
 from data.collate import by_source_length, length_groups, round_up, shape_multiple
 from data.eval_set import eval_files_of, eval_split
 from data.objectives import objective_for
-from data.sources import formats_for, resolve_files
+from data.sources import DataProblems, formats_for, resolve_files
 from data.stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer
 from lowmem.batch_budget import saved_model_eval_size
@@ -235,9 +235,16 @@ def held_out_rows(cfg: TrainConfig, eval_files: list, train_files: list, held: i
     The rows held out are the last ``min(--max_eval_samples, 10 %)`` of the training files: counted with
     another --max_eval_samples they would take in rows the model was trained on (or leave some out).
     """
+    problems = DataProblems(report=say)  # each of the first few said, then the count
     if eval_files or held is None or held == cfg.max_eval_samples:
-        return eval_split(cfg, eval_files, train_files)[0]
-    rows = eval_split(replace(cfg, max_eval_samples=held), eval_files, train_files)[0]
+        rows = eval_split(cfg, eval_files, train_files, problems=problems)[0]
+        held = cfg.max_eval_samples
+    else:
+        rows = eval_split(replace(cfg, max_eval_samples=held), eval_files, train_files, problems=problems)[0]
+    if problems.total:
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in problems.by_reason.items())
+        say(f"{problems.total} bad eval row(s) skipped ({reasons}); the eval set is the "
+            f"{min(len(rows), cfg.max_eval_samples)} usable ones")
     if cfg.max_eval_samples > held:
         say(f"note: evaluating the {held} rows training held out of --train_file (its last rows); "
             f"--max_eval_samples={cfg.max_eval_samples} asks for more, and the rows before them were trained on")

@@ -137,6 +137,11 @@ def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval_examples: 12" in proc.stdout and "evaluating the 12 rows training held out" in proc.stdout
     assert f"eval_file:     the rows held out of --train_file={train}" in proc.stdout
+    bad = tmp_path / "bad_eval.jsonl"  # a broken line among an --eval_file's rows is said and counted
+    bad.write_text(write_rows(tmp_path / "good.jsonl", synthetic_rows(2, seed=3)).read_text() + "{not json\n")
+    proc = run_cli("evaluate", f"--init_from={out / 'best'}", f"--eval_file={bad}", "--eval_generate=False")
+    assert proc.returncode == 0 and "eval_examples: 2" in proc.stdout, proc.stderr[-3000:]
+    assert "skipping bad row" in proc.stdout and "1 bad eval row(s) skipped" in proc.stdout
 
     proc = run_cli("train", *common[:-1], "--max_eval_samples=20", "--epochs=2", "--is_keep_training=True")
     assert proc.returncode == 2
