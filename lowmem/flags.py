@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from pathlib import Path
 
@@ -68,16 +69,35 @@ def _convert(name: str, value):
         return ",".join(str(v) for v in value)
     if isinstance(value, dict):
         raise UserError(f"--{name} expects text (got {value!r})")
+    if name in PATH_FLAGS:
+        return _path(name, str(value))
     return str(value)
+
+
+# Options naming files or folders (train and eval files: comma lists of them)
+PATH_FLAGS = ("output_dir", "init_from", "tokenizer_dir", "resume_from", "train_file", "eval_file")
+
+
+def _path(name: str, value: str) -> str:
+    """A path option as given, with a leading ``~`` expanded (the shell leaves ``--flag=~/x`` alone, and a
+    folder named ``~`` would appear). Empty, it is refused: it would name the current folder."""
+    if not value.strip():
+        raise UserError(f"--{name} is empty: give a path, or leave the flag out for its default")
+    if name in ("train_file", "eval_file"):
+        return ",".join(os.path.expanduser(part) for part in value.split(","))
+    return os.path.expanduser(value)
 
 
 # Flags that one command reads besides the options (train_low_mem.py pops them before load_config): a near miss
 # of one of them is suggested too (`preview --num_example=3` was asked whether it meant --num_beams).
-COMMAND_FLAGS = ("json", "budget_gb", "device", "num_processes", "num_machines", "sharding", "num_examples", "decode",
-                 "prepared_dir", "plot_dir")
+COMMAND_FLAGS = {**dict.fromkeys(("json", "budget_gb", "device", "num_processes", "num_machines", "sharding"), "plan"),
+                 "num_examples": "preview", "decode": "preview", "prepared_dir": "prepare", "plot_dir": "plot"}
 
 
 def unknown_flag_message(name: str, where: str = "flag") -> str:
+    if name in COMMAND_FLAGS:  # given to another command (or in a YAML file, which holds the options only)
+        return (f"--{name} is read by the {COMMAND_FLAGS[name]} command only, on its command line: "
+                f"python train_low_mem.py {COMMAND_FLAGS[name]} --{name}=...")
     close = difflib.get_close_matches(name, [*FIELDS, *COMMAND_FLAGS], n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else "; see --help"
     return f"unknown {where} --{name}{hint}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from conftest import run_cli
@@ -18,6 +19,12 @@ def test_values_are_converted_to_declared_types():
     assert cfg.epochs == 3 and cfg.is_finetune is True
     assert cfg.output_dir == "123"
     assert cfg.train_file == "a.jsonl,b.jsonl"  # fire reads a,b as a tuple; text options keep it whole
+    # The shell leaves ~ after "=" alone: a folder named ~ would appear in the working folder
+    cfg, _ = load_config({"output_dir": "~/runs/x", "train_file": "~/a.jsonl,b/~c.jsonl"})
+    home = str(Path.home())
+    assert cfg.output_dir == f"{home}/runs/x" and cfg.train_file == f"{home}/a.jsonl,b/~c.jsonl"
+    with pytest.raises(UserError, match="--output_dir is empty: give a path"):
+        load_config({"output_dir": " "})
 
 
 def test_wrong_types_and_unknown_flags_are_all_reported_at_once():
@@ -27,6 +34,8 @@ def test_wrong_types_and_unknown_flags_are_all_reported_at_once():
     assert "--batch_size expects an integer or auto" in message
     assert "unknown flag --learnrate; did you mean --learn_rate" in message
     assert "--is_finetune expects True or False" in message
+    with pytest.raises(UserError, match="--budget_gb is read by the plan command only"):  # was told: did you
+        load_config({"budget_gb": 3})  # mean --budget_gb?
 
 
 def test_host16g_caps_lower_requests_and_say_so():

@@ -137,6 +137,7 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train", "--freeze=encoder"], "--freeze=encoder needs a trained model"),
     (["train", "--init_from=no/such-model"], "not in the Hugging Face cache"),
     (["generate", "--prompt="], "--prompt is empty"),
+    (["train", "--tokenizer_dir="], "--tokenizer_dir is empty: give a path"),  # not the current folder
     (["preview", "--num_examples=abc"], "--num_examples expects a positive whole number"),
     (["preview", "--num_example=3"], "did you mean --num_examples"),
     (["train_tokenizer"], "holds a tokenizer already"),
