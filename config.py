@@ -130,8 +130,8 @@ class TrainConfig:
     seed: int = _f(42, "Seed for model init, shuffling and dropout.")
 
     # --- data ---
-    train_file: str | None = _f(None, "Training file, glob or folder (jsonl/json/parquet/csv), or a Hugging Face "
-                                      "dataset: a save_to_disk folder or a hub id (streamed). Default: shipped.")
+    train_file: str | None = _f(None, "Training file, glob or folder (jsonl/json/parquet/csv, txt: raw text), or a "
+                                      "HF dataset: a save_to_disk folder or a hub id (streamed). Default: shipped.")
     dataset_config: str | None = _f(None, "Configuration of a hub dataset --train_file (allenai/c4: en).")
     eval_file: str | None = _f(None, "Eval file, glob or folder. Default: the shipped eval split with the shipped "
                                      "training data; with your own --train_file, its last --max_eval_samples rows "

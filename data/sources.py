@@ -129,7 +129,9 @@ def _expand(spec: str, flag: str, output_dir: str | None = None, formats: tuple[
             raise UserError(f"{flag}={part} does not exist")
         for p in found:
             if p.suffix.lower() not in formats:
-                raise UserError(f"{flag}: {p} has an unsupported ending; use one of {', '.join(formats)}")
+                raw = " (.txt: raw text, read by --objective=span_corruption or prefix_lm)" \
+                    if p.suffix.lower() == ".txt" and ".txt" not in formats else ""
+                raise UserError(f"{flag}: {p} has an unsupported ending; use one of {', '.join(formats)}{raw}")
             if not os.access(p, os.R_OK):
                 raise UserError(f"{flag}: {p} is not readable")
         files.extend(found)
