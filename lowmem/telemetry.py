@@ -129,11 +129,11 @@ class IntervalMeter:
 
     def start(self, device, saved: dict | None = None) -> None:
         """Start an interval. ``saved`` (on resume) carries the loss and token sums of the steps since
-        the last log line, so the next logged loss averages the same steps as an uninterrupted run;
-        the rates (tok/s, step_s) count only steps timed in this process."""
-        saved = saved or {"loss": 0.0, "tokens": 0, "steps": 0}
+        the last log line, so the next logged loss and padding average the same steps as an uninterrupted
+        run; the rates (tok/s, step_s) count only steps timed in this process."""
+        saved = {"loss": 0.0, "tokens": 0, "steps": 0, "real_tokens": 0, "positions": 0, **(saved or {})}
         self.sums = {**saved, "loss": torch.tensor(saved["loss"], device=device), "all_tokens": 0,
-                     "padded_tokens": 0, "timed_steps": 0, "t0": time.time()}
+                     "timed_steps": 0, "t0": time.time()}
 
     def add(self, loss_sum: torch.Tensor, tokens: int, all_tokens: int, padded_tokens: int) -> None:
         """One optimizer step: its local loss sum, target tokens, source + target tokens, and the
@@ -141,8 +141,9 @@ class IntervalMeter:
         sums = self.sums
         sums["loss"] += loss_sum
         sums["tokens"] += tokens
-        sums["all_tokens"] += all_tokens
-        sums["padded_tokens"] += padded_tokens
+        sums["all_tokens"] += all_tokens  # this process's timed tokens: tok/s
+        sums["real_tokens"] += all_tokens  # with the steps before a resume: the padding share
+        sums["positions"] += padded_tokens
         sums["steps"] += 1
         sums["timed_steps"] += 1
 
@@ -164,22 +165,23 @@ class IntervalMeter:
         of the micro-batches' positions that are padding. Collective with several processes: one small
         all-reduce."""
         sums = self.sums
-        counts = torch.tensor([sums["tokens"], sums["all_tokens"], sums["padded_tokens"]], dtype=torch.float64,
-                              device=sums["loss"].device)
+        counts = torch.tensor([sums["tokens"], sums["all_tokens"], sums["real_tokens"], sums["positions"]],
+                              dtype=torch.float64, device=sums["loss"].device)
         totals = torch.cat([sums["loss"].double().reshape(1), counts])
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, "sum")
-        loss_sum, tokens, all_tokens, padded = totals.tolist()
+        loss_sum, tokens, all_tokens, real, padded = totals.tolist()
         seconds = max(time.time() - sums["t0"], 1e-9)
         self.timed["seconds"] += seconds
         self.timed["steps"] += sums["timed_steps"]
         return {"loss": round(loss_sum / max(tokens, 1), 5), "tokens_per_s": round(all_tokens / seconds, 1),
                 "step_s": round(seconds / max(sums["timed_steps"], 1), 4),
-                "padding_pct": round(100 * (1 - all_tokens / padded), 1) if padded else 0.0}
+                "padding_pct": round(100 * (1 - real / padded), 1) if padded else 0.0}
 
     def saved(self) -> dict:
         """The interval's sums as a checkpoint keeps them (see ``start``)."""
-        return {k: float(v) if k == "loss" else v for k, v in self.sums.items() if k in ("loss", "tokens", "steps")}
+        return {k: float(v) if k == "loss" else v for k, v in self.sums.items()
+                if k in ("loss", "tokens", "steps", "real_tokens", "positions")}
 
     def mean_step_seconds(self) -> float | None:
         """Seconds per optimizer step of this invocation's training: data, forward, backward and

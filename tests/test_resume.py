@@ -47,10 +47,12 @@ def kill_at_first_checkpoint_and_resume(run: Path, args: list[str], log: Path, w
 
 
 def assert_same_training(straight: Path, broken: Path) -> str:
-    """The two runs' final weights, logged losses and consumed logs are identical; returns the consumed log."""
+    """The two runs' final weights, logged losses (and padding shares: an interval a resume cut in two counted
+    only its second part's) and consumed logs are identical; returns the consumed log."""
     a, b = (load_file(str(run / "final" / "model.safetensors")) for run in (straight, broken))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    losses = [{r["step"]: r["loss"] for r in metrics(run) if r["event"] == "train"} for run in (straight, broken)]
+    losses = [{r["step"]: (r["loss"], r["padding_pct"]) for r in metrics(run) if r["event"] == "train"}
+              for run in (straight, broken)]
     assert losses[0] == losses[1]
     consumed = [(run / "consumed-rank0.tsv").read_text() for run in (straight, broken)]
     assert consumed[0] == consumed[1]
