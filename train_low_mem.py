@@ -104,11 +104,19 @@ def plan(config: str | None = None, **flags) -> None:
         sys.exit(1)  # scripts can test it: `plan --budget_gb=X ... && train ...`
 
 
+def say_notes(notes: list[str]) -> None:
+    """The notes of the flags (the main process's: evaluate and generate may run under a launcher)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        for note in notes:
+            print(note, flush=True)
+
+
 def evaluate(config: str | None = None, **flags) -> dict:
     """Eval loss and BLEU of --init_from (default: OUTPUT_DIR/best) on --eval_file."""
     from lowmem.evaluation import load_saved_model
 
-    cfg, _ = load_saved_model_config(flags, config)
+    cfg, notes = load_saved_model_config(flags, config)
+    say_notes(notes)
     saved = load_saved_model(cfg)
     result = saved.evaluate()
     where = cfg.eval_file or f"the rows held out of --train_file={cfg.train_file}"
@@ -119,7 +127,8 @@ def generate(config: str | None = None, **flags) -> None:
     """Answer --prompt (or the first eval prompts) with --init_from (default: OUTPUT_DIR/best)."""
     from lowmem.evaluation import answer_text, load_saved_model
 
-    cfg, _ = load_saved_model_config(flags, config)
+    cfg, notes = load_saved_model_config(flags, config)
+    say_notes(notes)
     if cfg.prompt is not None and not cfg.prompt.strip():
         raise UserError("--prompt is empty: give the text to answer, or leave --prompt out to answer eval prompts")
     saved = load_saved_model(cfg, eval_set=not cfg.prompt)

@@ -38,6 +38,7 @@ from lowmem.checkpointer import Checkpointer
 from lowmem.collector import freeze_long_lived, imports_done, thaw_long_lived
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
 from lowmem.evaluation import eval_log_line, evaluate_model, is_better
+from lowmem.flags import TRAINED_WITH
 from lowmem.memory import free_memory, process_rss_bytes
 from lowmem.model_source import check_vocabulary, tokenizer_folder
 from lowmem.modeling import (
@@ -445,7 +446,7 @@ class LowMemTrainer:
 
     def export(self, folder: Path) -> None:
         info = {"kind": self.cfg.kind, "train_file": self.cfg.train_file, "held_out_rows": self.data.held_out_rows,
-                **self.state_now()}  # what evaluate and generate read of the training
+                "trained_with": {key: getattr(self.cfg, key) for key in TRAINED_WITH}, **self.state_now()}
         self.checkpointer.export(folder, self.core, self.tokenizer, info, self.tokenizer_dir)
 
     def _checkpointed(self) -> tuple:

@@ -14,7 +14,7 @@ import os
 import typing
 from pathlib import Path
 
-from config import AUTO, MEMORY_PROFILES, SHIPPED_TOKENIZER_DIR, TrainConfig, UserError
+from config import AUTO, MEMORY_PROFILES, SHIPPED_TOKENIZER_DIR, TrainConfig, UserError, saved_json
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
@@ -146,9 +146,32 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
     return cfg, notes
 
 
+# What a model's eval numbers depend on besides its weights and the eval rows, recorded in its exports'
+# training_info.json: evaluate and generate take them from there unless given (a span-corruption model was
+# scored as prompt/response pairs, its masks drawn with another seed, its chunks of other lengths).
+TRAINED_WITH = ("objective", "seed", "max_source_len", "max_target_len", "noise_density", "mean_noise_span_length",
+                "text_column")
+
+
 def load_saved_model_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig, list[str]]:
     """``load_config`` for the commands that read a trained model (evaluate, generate): without --init_from
-    they read OUTPUT_DIR/best, not the model an SFT run would start from (runs/pretrain/best)."""
+    they read OUTPUT_DIR/best, not the model an SFT run would start from (runs/pretrain/best); the settings
+    of ``TRAINED_WITH`` not given are the model's own (a note says which)."""
+    cfg, notes = _saved_model_config(flags, yaml_path)
+    given = {name.replace("-", "_") for name in flags} | (set(_read_yaml(yaml_path)) if yaml_path else set())
+    info = saved_json(Path(cfg.init_from or Path(cfg.output_dir) / "best") / "training_info.json") or {}
+    trained = info.get("trained_with") or {}
+    raw_text = trained.get("objective", "pairs") != "pairs"  # else the masks' seed and shape read nothing
+    adopt = {key: value for key, value in trained.items() if key in TRAINED_WITH and key not in given
+             and getattr(cfg, key) != value and (raw_text or key in ("max_source_len", "max_target_len"))}
+    if not adopt:
+        return cfg, notes
+    cfg, notes = _saved_model_config({**adopt, **flags}, yaml_path)
+    said = " ".join(f"--{key}={value}" for key, value in adopt.items())
+    return cfg, notes + [f"as the model was trained (its training_info.json): {said}; pass them to change"]
+
+
+def _saved_model_config(flags: dict, yaml_path: str | None) -> tuple[TrainConfig, list[str]]:
     cfg, notes = load_config(flags, yaml_path)
     given = {name.replace("-", "_") for name in flags} | (set(_read_yaml(yaml_path)) if yaml_path else set())
     if "init_from" in given:

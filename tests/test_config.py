@@ -182,3 +182,25 @@ def test_evaluate_and_generate_read_output_dir_best_unless_init_from_is_given(tm
     (tmp_path / "run.yaml").write_text("is_finetune: true\ninit_from: elsewhere/best\n")
     cfg, _ = load_saved_model_config({}, str(tmp_path / "run.yaml"))
     assert cfg.init_from == "elsewhere/best"
+
+
+def test_evaluate_and_generate_take_the_objective_and_lengths_the_model_was_trained_with(tmp_path):
+    """A span-corruption model's eval loss was computed as prompt/response pairs, or with another --seed's
+    masks (6.59 against the run's 6.28) and other chunk lengths, unless the flags were repeated."""
+    import json
+
+    from lowmem.flags import load_saved_model_config
+
+    model = tmp_path / "best"
+    model.mkdir()
+    trained = {"objective": "span_corruption", "seed": 7, "max_source_len": 64, "max_target_len": 32,
+               "noise_density": 0.15, "mean_noise_span_length": 3.0, "text_column": "text"}
+    (model / "training_info.json").write_text(json.dumps({"step": 40, "trained_with": trained}))
+    cfg, notes = load_saved_model_config({"init_from": str(model)})
+    assert (cfg.objective, cfg.seed, cfg.max_source_len, cfg.max_target_len) == ("span_corruption", 7, 64, 32)
+    assert notes[-1].startswith("as the model was trained (its training_info.json): --objective=span_corruption")
+    cfg, _ = load_saved_model_config({"init_from": str(model), "seed": 3})  # given: the flag wins
+    assert (cfg.seed, cfg.max_source_len) == (3, 64)
+    (model / "training_info.json").write_text(json.dumps({"trained_with": {**trained, "objective": "pairs"}}))
+    cfg, notes = load_saved_model_config({"init_from": str(model)})  # pairs: no masks, the lengths alone
+    assert cfg.objective == "pairs" and cfg.seed != 7 and cfg.max_source_len == 64
