@@ -294,16 +294,23 @@ def iter_rows(path: Path, file_index: int, columns: tuple[str, str], start_row: 
 
 
 def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample: int = 100) -> None:
-    """Fail early, before any model is built, when no row among the first ``sample`` rows of the
-    first file has the configured columns, or a column holds no text there, only numbers or booleans
-    (single bad rows are counted later, not fatal)."""
-    kind = file_kind(files[0])
+    """Fail early, before any model is built (or a run folder made), when no row among the first rows of a
+    file (``sample`` of the first, 10 of each other) has the configured columns, or a column holds no text
+    there, only numbers or booleans (single bad rows are counted later, not fatal), or no file has a row."""
+    read = sum(_check_file_columns(path, columns, flag, sample if i == 0 else 10) for i, path in enumerate(files))
+    if not read:
+        raise UserError(f"{flag} is empty (no rows in {len(files)} file(s))")
+
+
+def _check_file_columns(path: Path, columns: tuple[str, str], flag: str, sample: int) -> int:
+    """``check_columns`` for one file; returns the rows read."""
+    kind = file_kind(path)
     # A csv file's columns are its header's: a broken first record (a quote never closed) is not a missing column
-    seen: dict[str, None] = dict.fromkeys(csv_header(files[0])) if kind == "csv" else {}
+    seen: dict[str, None] = dict.fromkeys(csv_header(path)) if kind == "csv" else {}
     found: dict[str, set[str]] = {c: set() for c in columns}  # the value types met in each column
     read = 0
     plain_text = kind == "txt"  # its one column is the one asked for
-    for _, record in read_range(files[0], None, 0, sample, columns if plain_text else None):
+    for _, record in read_range(path, None, 0, sample, columns if plain_text else None):
         read += 1
         if isinstance(record, dict):
             seen.update(dict.fromkeys(record))
@@ -315,16 +322,17 @@ def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample
         which = " and ".join(f"'{c}'" for c in missing)
         separator = next((s for s in ";\t|" if len(seen) == 1 and s in next(iter(seen))), None)
         fix = (f"it looks separated by {separator!r}, not commas: save it comma-separated" if separator and
-               files[0].suffix.lower() == ".csv" else "set --prompt_column / --response_column" if len(columns) > 1
+               path.suffix.lower() == ".csv" else "set --prompt_column / --response_column" if len(columns) > 1
                else "set --text_column")
-        raise UserError(f"{flag}: {files[0]} has no column {which} (columns: {', '.join(seen)}); {fix}")
+        raise UserError(f"{flag}: {path} has no column {which} (columns: {', '.join(seen)}); {fix}")
     text = "list" if columns == TOKEN_COLUMNS else "str"  # a prepared corpus holds token ids
     for column, types in found.items():
         if types and text not in types:
             kinds = ", ".join(VALUE_KINDS.get(t, t) for t in sorted(types))
-            raise UserError(f"{flag}: column '{column}' of {files[0]} holds {kinds}, not text, in all of the "
+            raise UserError(f"{flag}: column '{column}' of {path} holds {kinds}, not text, in all of the "
                             f"{read} rows read; store it as text (strings), or point --prompt_column / "
                             "--response_column (--text_column) at the text columns")
+    return read
 
 
 VALUE_KINDS = {"int": "numbers (int)", "float": "numbers (float)", "bool": "booleans", "list": "lists",

@@ -161,6 +161,10 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
     line itself, not after the trainer's imports (torch and transformers: several seconds before the line);
     the folders are left as they were, and no run folder is made for a run that never starts."""
     write_rows(tmp_path / "questions.jsonl", [{"question": "a b", "answer": "c d"}])
+    (tmp_path / "mixed").mkdir()  # a file past the first with other columns
+    write_rows(tmp_path / "mixed" / "a.jsonl", synthetic_rows(3))
+    (tmp_path / "mixed" / "m.csv").write_text("question,answer\na b,c d\n")
+    (tmp_path / "blank.jsonl").write_text("")
     run = tmp_path / "run"
     run.mkdir()
     (run / MARKERS["run"]).write_text("t5-lowmem\n")
@@ -183,6 +187,8 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
             "is not named step_NNNNNN: a copy of a checkpoint is never resumed from",
         f"--output_dir={run} --is_keep_training=True": "no checkpoint of the run",
         f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'questions.jsonl'}": "has no column 'prompt'",
+        f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'mixed'}": "mixed/m.csv has no column 'prompt'",
+        f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'blank.jsonl'}": "is empty (no rows in 1 file(s))",
         f"--output_dir={tmp_path / 'new'} --is_finetune=True --init_from={tmp_path / 'model'}":
             "is the untrained model its run exported at step 0, before its first optimizer step",
     }
