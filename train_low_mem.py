@@ -29,11 +29,15 @@ from lowmem.collector import imports_done  # noqa: E402
 from lowmem.flags import load_config, load_saved_model_config, to_bool  # noqa: E402
 from lowmem.model_source import model_folder_config, refuse_untrained  # noqa: E402
 
+GENERATE_ONLY = ("prompt", "max_new_tokens")  # options train accepts (one config for every command) but never reads
+
 
 def train(config: str | None = None, **flags) -> dict:
     """Pretrain (default) or fine-tune (--is_finetune=True); resume with --is_keep_training=True."""
     die_with_launcher()
     cfg, notes = load_config(flags, config)
+    notes += [f"note: --{name} is read by generate, not by train" for name in GENERATE_ONLY
+              if name in flags]
     files = claim_output_dir(cfg)  # before the heavy imports below: refusals come at once, and a run killed this
     # early can still be continued
     from lowmem.run_memory import StoppedForMemory

@@ -121,8 +121,9 @@ def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path):
     # Named twice (a slip in a comma list), the file is read once: no row trains twice, none held out
     common = [f"--train_file={train},{train}", f"--output_dir={out}", "--eval_steps=0", "--save_steps=50",
               "--gradient_accumulation_steps=2", "--dump_consumed=True", *SMALL[:2], "--max_eval_samples=12"]
-    proc = run_cli("train", *common)
+    proc = run_cli("train", *common, "--max_new_tokens=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "note: --max_new_tokens is read by generate, not by train" in proc.stdout
     assert "eval rows 12 from the last 12 rows of --train_file" in proc.stdout
     assert f"read once: 1 file(s) that --train_file reaches more than once: {train}" in proc.stdout
     records = metrics(out)
