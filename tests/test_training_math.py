@@ -303,3 +303,20 @@ def test_a_resume_keeps_the_optimizer_state_in_its_parameter_groups(tmp_path):
     compare_settings({"weight_decay": 0.01}, {"weight_decay": 0.0, "parameter_group_sizes": [65]}, tmp_path)
     with pytest.raises(UserError, match="earlier version"):
         compare_settings({"weight_decay": 0.01}, decayed, tmp_path)
+
+
+def test_a_signal_stops_an_evaluation_at_its_next_batch_and_checkpoints(tmp_path, tokenizer):
+    """A generation of 100 eval rows outlasted a scheduler's grace period (Slurm's is 30 s): the signal
+    waited for it. Now the evaluation stops before its next batch, nothing of it is used, and the run
+    checkpoints and exits with the signal's code (a resume runs the evaluation again)."""
+    from tqdm import tqdm
+
+    from lowmem.stopping import StoppedBySignal
+
+    trainer = make_trainer(tmp_path, tokenizer, eval_generate=True)
+    trainer.bar = tqdm(disable=True)
+    trainer.signals.received = "SIGTERM"
+    with pytest.raises(StoppedBySignal) as stop:
+        trainer.evaluate_and_keep_best()
+    assert stop.value.exit_code == 143 and trainer.state.last_eval is None
+    assert (tmp_path / "run" / "checkpoints" / "step_000000").is_dir() and not (tmp_path / "run" / "best").exists()
