@@ -63,7 +63,7 @@ EXIT_MEMORY_GUARD = 3  # distinct from user errors (2): a checkpoint was written
 
 
 def claim_output_dir(cfg):
-    """Refuse an OUTPUT_DIR the run cannot start in, and mark it as a run's (OUTPUT_DIR/.started, which tells
+    """Refuse an OUTPUT_DIR the run cannot start in, and mark it as a run's (OUTPUT_DIR/.t5-lowmem-run, which tells
     ``--is_keep_training`` that a run began there), before the trainer's imports: a refusal takes half a
     second, not the several seconds of importing torch. The data flags (files, formats, columns) and SFT's
     model folder are checked first: a mistake in them should not leave a run folder behind. The trainer
