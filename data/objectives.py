@@ -151,8 +151,11 @@ class SpanCorruptionObjective(PackedTextObjective):
         has = span_corruption.sentinels_in(tokenizer, spans)
         if 0 < has < spans:
             longest = span_corruption.longest_source_for(has, *self.noise)
+            names = ("the top byte ids no UTF-8 text holds, counting down as ByT5 was pretrained; its recipe: "
+                     "--mean_noise_span_length=20" if span_corruption.is_byt5(tokenizer)
+                     else f"<extra_id_0>..<extra_id_{has - 1}>")
             raise UserError(f"a chunk of --max_source_len={self.max_source_len} tokens gets {spans} noise spans, each "
-                            f"named by a sentinel, and the tokenizer has {has} (<extra_id_0>..<extra_id_{has - 1}>): "
+                            f"named by a sentinel, and the tokenizer has {has} ({names}): "
                             f"set --max_source_len={longest} or less, or raise --mean_noise_span_length")
         sentinels, eos = span_corruption.sentinel_ids(tokenizer, spans), tokenizer.eos_token_id
 

@@ -11,7 +11,8 @@ This follows ``t5/data/preprocessors.py`` of google-research/text-to-text-transf
   at ``noise_density=0.5`` both are upper bounds, see the function).
 - ``noise_mask(length, rng)``: which tokens of a chunk are dropped (noise), in spans.
 - ``corrupt(tokens, mask, sentinels, eos)`` -> ``(inputs, targets)``; ``restore`` undoes it.
-- ``sentinel_ids(tokenizer, count)``: the ids of ``<extra_id_0>`` ... ``<extra_id_{count-1}>``.
+- ``sentinel_ids(tokenizer, count)``: the ids of ``<extra_id_0>`` ... ``<extra_id_{count-1}>`` (ByT5: the top
+  byte ids, counting down).
 - ``example_rng(seed, epoch, position)``: the generator of one chunk's mask, so a resumed run draws
   the same masks as an uninterrupted one.
 
@@ -234,12 +235,26 @@ def restore(inputs: Sequence[int], targets: Sequence[int], sentinel_ids: Sequenc
     return restored
 
 
+# ByT5 was pretrained with the vocabulary's last ids as sentinels, counting down (seqio's span corruption):
+# byte 0xFF's id for the first span, 0xFE's for the second (transformers' ByT5 docs: "mask tokens count down
+# from index 258"), not the <extra_id_N> its tokenizer appends above them (259 up), which that pretraining never
+# used. Bytes 0xF5-0xFF never occur in UTF-8 text: 11 sentinels that no text byte shares.
+BYT5_SENTINELS = 11
+
+
+def is_byt5(tokenizer) -> bool:
+    return type(tokenizer).__name__ == "ByT5Tokenizer"
+
+
 def sentinel_ids(tokenizer, count: int) -> list[int]:
-    """The ids of ``<extra_id_0>`` ... ``<extra_id_{count-1}>``, in that order.
+    """The ids of ``<extra_id_0>`` ... ``<extra_id_{count-1}>``, in that order (ByT5: the top byte ids,
+    counting down, as it was pretrained).
 
     Raises:
         UserError: when the tokenizer lacks any of them (unknown, unk id or repeated ids).
     """
+    if is_byt5(tokenizer) and count <= BYT5_SENTINELS:
+        return [getattr(tokenizer, "offset", 3) + 255 - i for i in range(count)]
     names = [f"<extra_id_{i}>" for i in range(count)]
     ids = tokenizer.convert_tokens_to_ids(names)
     unk = tokenizer.unk_token_id
@@ -255,6 +270,8 @@ def sentinel_ids(tokenizer, count: int) -> list[int]:
 
 def sentinels_in(tokenizer, count: int) -> int:
     """How many of ``<extra_id_0>`` ... ``<extra_id_{count-1}>`` the tokenizer has, counted from the first."""
+    if is_byt5(tokenizer):
+        return min(count, BYT5_SENTINELS)
     ids = tokenizer.convert_tokens_to_ids([f"<extra_id_{i}>" for i in range(count)])
     seen = set()
     for n, i in enumerate(ids):

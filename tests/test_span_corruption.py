@@ -304,3 +304,21 @@ def test_settings_no_chunk_can_follow_are_refused_with_what_to_change():
     objective(max_source_len=1809, max_target_len=512).transform(tokenizer)
     with pytest.raises(UserError, match="set --max_source_len=1809"):
         objective(max_source_len=1810, max_target_len=512).transform(tokenizer)
+
+
+def test_byt5_sentinels_are_the_top_byte_ids_counting_down():
+    """ByT5 was pretrained with byte 0xFF's id (258) for the first span, then 257... (transformers' ByT5 docs);
+    its tokenizer's <extra_id_N> (259 up) were never trained: continued pretraining used them."""
+    from transformers import ByT5Tokenizer
+
+    from data.objectives import objective_for
+    from data.span_corruption import BYT5_SENTINELS, sentinel_ids, sentinels_in
+    from lowmem.flags import load_config
+
+    tokenizer = ByT5Tokenizer()
+    assert sentinel_ids(tokenizer, 3) == [258, 257, 256]
+    assert sentinels_in(tokenizer, 100) == BYT5_SENTINELS == 11  # bytes 0xF5-0xFF: never in UTF-8 text
+    assert not set(sentinel_ids(tokenizer, 11)) & set(tokenizer("dΩ€𝄞 \xf4\U0010ffff")["input_ids"])
+    cfg, _ = load_config({"objective": "span_corruption", "max_source_len": 512})
+    with pytest.raises(UserError, match="tokenizer has 11 .*ByT5 .* --mean_noise_span_length=20"):
+        objective_for(cfg).transform(tokenizer)
