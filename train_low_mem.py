@@ -27,7 +27,7 @@ from config import SHIPPED_CORPORA, UserError  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
 from lowmem.collector import imports_done  # noqa: E402
 from lowmem.flags import load_config, load_saved_model_config, to_bool  # noqa: E402
-from lowmem.model_source import model_folder_config, refuse_untrained  # noqa: E402
+from lowmem.model_source import check_weights, model_folder_config, refuse_untrained  # noqa: E402
 
 GENERATE_ONLY = ("prompt", "max_new_tokens")  # options train accepts (one config for every command) but never reads
 
@@ -80,6 +80,7 @@ def claim_output_dir(cfg):
     if cfg.init_from and not cfg.is_keep_training:
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
         refuse_untrained(cfg)
+        check_weights(cfg.init_from)
     refuse_early(cfg)
     return files
 

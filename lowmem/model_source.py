@@ -103,6 +103,21 @@ def model_folder_config(init_from: str | Path) -> dict:
     return saved
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_weights(init_from: str | Path) -> None:
+    """Refuse a model folder without a weights file ``from_pretrained`` reads (a traceback otherwise). A hub
+    id's cache holds one such when only its tokenizer or config was fetched."""
+    folder = resolve_model_dir(str(init_from))
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        hub = "" if Path(str(init_from)).expanduser().exists() else \
+            " (its cached copy has no weights: only its tokenizer or config was fetched; download it online once)"
+        raise UserError(f"--init_from={init_from} holds no weights: {folder} has none of {', '.join(WEIGHT_FILES)}"
+                        f"{hub}; pass a complete model folder")
+
+
 def refuse_untrained(cfg) -> None:
     """Refuse SFT from a model its run exported before any optimizer step: a run stopped (or refused) early
     leaves its step-0 evaluation's best/, the random initial weights, which SFT would start from (and freeze)."""

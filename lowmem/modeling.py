@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from config import MODEL_PRESETS, TrainConfig, UserError, optional_package_missing
 from lowmem.memory import hidden, import_accelerate, import_while_replaced
-from lowmem.model_source import model_folder_config, resolve_model_dir
+from lowmem.model_source import check_weights, model_folder_config, resolve_model_dir
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
 # warns that it cannot fetch an optional 4-bit CPU kernel from the hub (nothing here uses it): one
@@ -63,6 +63,7 @@ def load_model(init_from: str | Path, **config_overrides):
     from transformers import AutoModelForSeq2SeqLM
 
     model_folder_config(init_from)
+    check_weights(init_from)
     verbosity = transformers.logging.get_verbosity()
     # transformers 5 warns on every untied checkpoint that its T5 config "specifies to tie" the head
     # (it always does): the checkpoint's distinct lm_head is what is loaded, which is right.

@@ -189,6 +189,7 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
         f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'questions.jsonl'}": "has no column 'prompt'",
         f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'mixed'}": "mixed/m.csv has no column 'prompt'",
         f"--output_dir={tmp_path / 'new'} --train_file={tmp_path / 'blank.jsonl'}": "is empty (no rows in 1 file(s))",
+        f"--output_dir={tmp_path / 'new'} --init_from={tmp_path / 'model'}": "holds no weights",
         f"--output_dir={tmp_path / 'new'} --is_finetune=True --init_from={tmp_path / 'model'}":
             "is the untrained model its run exported at step 0, before its first optimizer step",
     }
