@@ -5,6 +5,7 @@ CLI's ``evaluate`` / ``generate`` (no trainer involved; training evaluates throu
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, replace
@@ -25,7 +26,7 @@ from lowmem.collector import imports_done
 from lowmem.distributed import any_process, inner_model, start_accelerator
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
 from lowmem.modeling import batch_to_device, generation_cache, import_transformers_models, load_model, token_loss_sum
-from lowmem.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
+from lowmem.sharding import is_sharded, padded_window, requested_engine, runs_deepspeed, whole_root
 from lowmem.telemetry import on_terminal
 
 CPU_LOSS_TOKENS = 2048  # padded tokens per eval forward on the CPU (the encoder's sources, the decoder's targets)
@@ -265,6 +266,8 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     imports_done()  # before the weights (lowmem.collector)
     model = load_model(model_dir)
     model_dir = resolve_model_dir(str(model_dir))
+    if requested_engine() == "deepspeed":  # whole weights on every process, as under FSDP: accelerate would
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"  # start a DeepSpeed engine, which needs a training batch
     accelerator, _ = start_accelerator(cfg)  # evaluate / generate keep whole weights on every process
     # The model's own tokenizer unless --tokenizer_dir names one (without --init_from it holds the
     # shipped default, which OUTPUT_DIR/best's own wins over).
@@ -275,7 +278,8 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
     collator = objective.collator(tokenizer, multiple)
     info = saved_json(model_dir / "training_info.json") or {}
-    eval_rows = held_out_rows(cfg, eval_files, train_files, info.get("held_out_rows"), say) if eval_set else []
+    main_says = say if accelerator.is_main_process else (lambda _line: None)  # every process reads the rows
+    eval_rows = held_out_rows(cfg, eval_files, train_files, info.get("held_out_rows"), main_says) if eval_set else []
     eval_examples = objective.eval_examples(eval_rows, tokenizer, cfg.max_eval_samples) if eval_set else []
     if cfg.eval_batch_size == AUTO and eval_examples:
         cfg = replace(cfg, eval_batch_size=saved_model_eval_size(
