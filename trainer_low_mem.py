@@ -205,8 +205,8 @@ class LowMemTrainer:
                 self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.init_from
                               else build_model(cfg, self.tokenizer))
         check_vocabulary(cfg, self.model, self.tokenizer)
-        self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request,
-                           **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows}
+        self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request, "sharding": planned_sharding(
+            self.engine), **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows}
         self.model, self.parameters = ready_to_train(self.model, cfg)
         if self.engine == "fsdp":  # before the optimizer: sharding replaces the parameters
             self.model = shard_model(self.model, self.sharding, self.accelerator.device)

@@ -42,7 +42,9 @@ RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", 
 EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_len")
 BLEU_SETTINGS = ("num_beams", "no_repeat_ngram_size", "repetition_penalty")
 # What a run records beside its flags (compared above where it matters; the flags behind it are logged)
-NOT_FLAGS = ("batch_request", "held_out_rows", "parameter_group_sizes")
+NOT_FLAGS = ("batch_request", "held_out_rows", "parameter_group_sizes", "sharding")
+SHARDING_NAMES = {"fsdp": "FSDP", "zero2": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3",
+                  None: "neither FSDP nor DeepSpeed"}
 
 
 class RunFolder:
@@ -261,6 +263,9 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
             raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "
                             f"{current[key]}; resume with the --{flag} the run began with (model, tokenizer, "
                             "optimizer and LoRA shape cannot change), or use a new --output_dir")
+    if "sharding" in saved and saved["sharding"] != current.get("sharding"):  # each engine its own files
+        raise UserError(f"checkpoint {folder} was written with {SHARDING_NAMES[saved['sharding']]} and this run uses "
+                        f"{SHARDING_NAMES[current.get('sharding')]}; resume with the launch config the run began with")
     _compare_parameter_groups(saved, current, folder)
     _compare_rows_per_step(saved, current, folder)
     if current.get("frozen_dtype") in QUANTIZED_DTYPES and saved.get("mixed_precision", current["mixed_precision"]) \

@@ -333,3 +333,12 @@ def test_a_resume_on_another_eval_set_says_best_is_chosen_anew():
     assert eval_changes(saved, {**saved, "max_eval_samples": 100}) == ["--max_eval_samples=8 -> 100"]
     assert eval_changes({**saved, "metric_for_best": "bleu"}, {**saved, "metric_for_best": "bleu", "num_beams": 4}) \
         == ["--num_beams=1 -> 4"]
+
+
+def test_a_resume_under_another_zero_stage_is_one_line(tmp_path):
+    """A ZeRO-3 checkpoint resumed under --zero_stage 2 failed in DeepSpeed's loader with 98 traceback lines."""
+    from lowmem.run_folder import compare_settings
+
+    with pytest.raises(UserError, match="written with DeepSpeed ZeRO-3 and this run uses DeepSpeed ZeRO-1/2"):
+        compare_settings({"sharding": "zero3"}, {"sharding": "zero2"}, tmp_path)
+    compare_settings({}, {"sharding": None}, tmp_path)  # written before the engine was recorded: as before
