@@ -155,7 +155,7 @@ class LowMemTrainer:
             self.tokenizer = tokenizer_for_run(cfg, self.tokenizer_dir, self.files, self.main,
                                                self.accelerator.wait_for_everyone, self.say)
         self._claim_run_folder(old_files, resume_dir)
-        self.telemetry.open(self.out, cfg)
+        self.telemetry.open(self.out, cfg, resuming=resume_dir is not None)
         self.telemetry.log_memory("start")
         self.data = build_data(cfg, self.files, self.tokenizer, self.accelerator.process_index,
                                self.accelerator.num_processes, objective=objective, pad_multiple=self.shape_multiple,
@@ -253,7 +253,7 @@ class LowMemTrainer:
         self.meter.start(self.accelerator.device, self.resumed_interval)  # after the baseline: rates time training
         while not self._finished():
             free_memory()  # at each epoch start
-            windows = self._epoch_windows()
+            started, windows = state.epoch, self._epoch_windows()
             while True:
                 epoch = stream.epoch  # before drawing: the last window of an epoch moves it on
                 examples = next(windows, [])
@@ -284,7 +284,8 @@ class LowMemTrainer:
                     break
             if not state.examples:
                 check_no_examples(self.telemetry, self.data, cfg, counts["bad_rows"], self._finished())
-            self.telemetry.log_memory("epoch_end", epoch=state.epoch)
+            if state.epoch > started:  # (not a --max_steps stop inside the epoch)
+                self.telemetry.log_memory("epoch_end", epoch=state.epoch)
         self.bar.close()
         return self.finish()
 

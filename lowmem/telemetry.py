@@ -40,20 +40,33 @@ class Telemetry:
         self.accelerator = None  # the tracker behind --report_to
         self.metrics: MetricsLog | None = None  # main process only
         self.consumed: AppendLog | None = None  # --dump_consumed, every process
+        self.pending_config: tuple | None = None  # (OUTPUT_DIR/config.json, the options), main process
+        self.holding = False  # resuming: no record before the checkpoint has loaded (``open``)
 
     def attach(self, accelerator) -> None:
         self.accelerator = accelerator
         self.main, self.rank, self.world = accelerator.is_main_process, accelerator.process_index, \
             accelerator.num_processes
 
-    def open(self, out: Path, cfg: TrainConfig) -> None:
-        """config.json and metrics.jsonl (main process), the consumed-examples log (every process)."""
+    def open(self, out: Path, cfg: TrainConfig, resuming: bool = False) -> None:
+        """config.json and metrics.jsonl (main process), the consumed-examples log (every process).
+
+        Resuming, nothing is written until the checkpoint has loaded (``cut_back``): a resume refused on the
+        way (another engine, other settings) leaves the run's config.json and records as they were, and the
+        records made before the load would be cut back anyway."""
         if self.main:
-            with open_own(out / "config.json", "w", encoding="utf-8") as fh:
-                fh.write(json.dumps(cfg.to_dict(), indent=1))
+            self.pending_config = (out / "config.json", cfg.to_dict())
+            if not resuming:
+                self._write_config()
             self.metrics = MetricsLog(out / "metrics.jsonl")
+        self.holding = resuming
         if cfg.dump_consumed:
             self.consumed = AppendLog(out / f"consumed-rank{self.rank}.tsv")
+
+    def _write_config(self) -> None:
+        path, values = self.pending_config
+        with open_own(path, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(values, indent=1))
 
     def start_tracker(self, report_to: str, resumed: bool) -> None:
         """``--report_to=tensorboard``: events go to OUTPUT_DIR/tensorboard. On resume, SummaryWriter's
@@ -77,7 +90,7 @@ class Telemetry:
 
     def record(self, event: str, **fields) -> None:
         """One metrics.jsonl record at the current step; its numbers also go to the tracker."""
-        if self.metrics is not None:
+        if self.metrics is not None and not self.holding:
             self.metrics.write(event, self.state.step, **fields)
             scalars = tracker_scalars(event, fields)  # --report_to: the numbers `plot` draws
             if scalars:
@@ -103,7 +116,11 @@ class Telemetry:
         return offsets
 
     def cut_back(self, offsets: dict, checkpoint_record: str | None) -> None:
-        """Drop what the logs got after a checkpoint; the checkpoint's own record is written again."""
+        """Drop what the logs got after a checkpoint; the checkpoint's own record is written again. The
+        resumed run's config.json and records go out from here on."""
+        self.holding = False
+        if self.main:
+            self._write_config()
         if self.consumed is not None and "consumed" in offsets:  # (a checkpoint of a run without the log: kept)
             self.consumed.truncate(offsets["consumed"])
         if self.metrics is not None and "metrics" in offsets:

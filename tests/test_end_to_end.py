@@ -144,6 +144,9 @@ def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path):
     assert proc.returncode == 0 and "eval_examples: 2" in proc.stdout, proc.stderr[-3000:]
     assert "skipping bad row" in proc.stdout and "1 bad eval row(s) skipped" in proc.stdout
 
+    before = [(out / name).read_bytes() for name in ("config.json", "metrics.jsonl")]
     proc = run_cli("train", *common[:-1], "--max_eval_samples=20", "--epochs=2", "--is_keep_training=True")
     assert proc.returncode == 2
     assert "held out 12 rows of --train_file for evaluation, this run would hold out 20" in proc.stderr
+    # the refused resume left the run's records and configuration as they were
+    assert [(out / name).read_bytes() for name in ("config.json", "metrics.jsonl")] == before
