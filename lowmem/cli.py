@@ -115,5 +115,16 @@ def run_cli(commands: dict, argv: list[str]) -> None:
                         "atomically, so the last one is intact: free space, then continue with "
                         "--is_keep_training=True")
         sys.exit(2)
+    except RuntimeError as err:  # under a launcher: another process died in the middle of a collective
+        if debug or "LOCAL_RANK" not in os.environ or not any(sign in str(err) for sign in PEER_LOST):
+            raise
+        print_error("another process of this launch stopped (killed, or out of memory) inside a collective this one "
+                    "was waiting in; checkpoints are written whole, so the last one is intact: continue with "
+                    "--is_keep_training=True")
+        sys.exit(1)
     finally:
         collector.before_exit()
+
+
+# How gloo and NCCL report a peer gone in the middle of a collective
+PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "communicator was aborted")
