@@ -204,7 +204,7 @@ class LowMemTrainer:
             with deepspeed_engine.loading_whole(self.accelerator):  # under ZeRO-3 too: not into partitions
                 self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.init_from
                               else build_model(cfg, self.tokenizer))
-        check_vocabulary(cfg, self.model, self.tokenizer)
+        check_vocabulary(cfg, self.model.get_input_embeddings().num_embeddings, self.tokenizer)
         self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request, "sharding": planned_sharding(
             self.engine), **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows}
         self.model, self.parameters = ready_to_train(self.model, cfg)

@@ -273,7 +273,7 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     # shipped default, which OUTPUT_DIR/best's own wins over).
     own = has_tokenizer(model_dir) and not (cfg.init_from and cfg.tokenizer_dir)
     tokenizer = load_tokenizer(model_dir if own else tokenizer_folder(cfg))
-    check_vocabulary(cfg, model, tokenizer, model_dir)
+    check_vocabulary(cfg, model.get_input_embeddings().num_embeddings, tokenizer, model_dir)
     model = accelerator.prepare(model)
     multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
     collator = objective.collator(tokenizer, multiple)

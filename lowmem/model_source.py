@@ -166,16 +166,17 @@ def copy_tokenizer_files(source: Path, target: Path) -> None:
             shutil.copyfile(source / name, target / name)
 
 
-def check_vocabulary(cfg, model, tokenizer, model_dir: Path | None = None) -> None:
+def check_vocabulary(cfg, rows: int, tokenizer, model_dir: Path | None = None) -> None:
     """The tokenizer must fit the model: no id past its embedding (Google's checkpoints pad the
     embedding past the tokenizer, 32,128 rows for 32,100 pieces: rows never produced, which is
     fine), and it must be the one saved with the model if the model has one (a tokenizer with
     other words would feed the model wrong ids silently).
 
+    ``rows``: the model's embedding rows (``vocab_size``).
+
     Raises:
         UserError: either is not so.
     """
-    rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
         raise UserError(f"the tokenizer has {len(tokenizer):,} tokens but the model's embedding only "
                         f"{rows:,} rows: ids past {rows - 1:,} have no embedding; pass the --tokenizer_dir the "

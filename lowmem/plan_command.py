@@ -146,7 +146,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     import torch
 
     from data.tokenization import load_trained_tokenizer
-    from lowmem.model_source import tokenizer_folder
+    from lowmem.model_source import check_vocabulary, model_folder_config, tokenizer_folder
 
     chosen = device is None
     device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
@@ -156,6 +156,8 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
               "here, or --cpu=True); add --device=gpu to plan one GPU's memory", file=sys.stderr)
     per_machine = num_processes // num_machines
     tokenizer = load_trained_tokenizer(tokenizer_folder(cfg))
+    if cfg.init_from:  # as train checks it: a plan's lengths come from the tokenizer the run would refuse
+        check_vocabulary(cfg, model_folder_config(cfg.init_from)["vocab_size"], tokenizer)
     data = planner.plan_data(cfg, tokenizer, num_processes)
     # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
     # then what importing it adds, so every optimizer the search tries gets its own baseline.

@@ -299,6 +299,8 @@ def test_a_trained_run_is_never_overwritten_or_shared(tmp_path):
     (other / "tokenizer.json").write_text(text.replace('"▁the"', '"▁thee"'), encoding="utf-8")
     proc = run_cli("evaluate", f"--init_from={out / 'final'}", f"--tokenizer_dir={other}", f"--eval_file={evals}")
     assert proc.returncode == 2 and "is not the tokenizer saved with the model" in error_line(proc)
+    proc = run_cli("plan", f"--init_from={out / 'final'}", f"--tokenizer_dir={other}")  # planned it from that one
+    assert proc.returncode == 2 and "is not the tokenizer saved with the model" in error_line(proc)
     proc = run_cli("generate", f"--init_from={out / 'final'}", "--prompt=hello, world 1e3")
     assert proc.returncode == 0 and proc.stdout.count("hello, world 1e3  ->") == 1  # verbatim, printed once
     proc = run_cli("plan", *common, "--json=false")
