@@ -246,7 +246,7 @@ def frozen_summary(cfg: TrainConfig, core) -> str:
 def schedule_note(steps: int, planned: int, last_rate: float, data) -> str:
     """Why an epochs run took another number of steps than its schedule was made for (``data``: the run's
     ``TrainData``)."""
-    estimated = data.objective.chunk_length and data.epoch_rows_known and data.epoch_tokens[1].startswith("estim")
+    estimated = data.objective.chunk_length and data.epoch_rows_known and data.epoch_tokens[1] != "counted"
     basis = "an estimate of their tokens (packed text)" if estimated else "the files' row counts"
     why = ("bad rows and non-finite steps are skipped" if steps < planned and not estimated else
            "the documents held fewer tokens than estimated" if steps < planned else
