@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What a session with a lent GPU runs (one machine, under ten minutes): bench/gpu_profiles.py's frozen-weight
+# What a session with a lent GPU runs (one machine, under ten minutes): bench/sdpa_shapes.py (bf16 step time
+# with cuDNN's attention backend on and off, plain torch), bench/gpu_profiles.py's frozen-weight
 # rows (base LoRA and SFT, frozen float32 / int8 / bfloat16 / int8 with bf16; eight at once on the GPU:
 # their peaks are their own, their step times shared) and its profile rows (each profile as it chooses
 # against 2 x 16, tiny / small / base), then the GPU-marked tests. A trainer run there costs 40-110 s: narrow
@@ -22,6 +23,9 @@ log "GPU"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$OUT/log"
 python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)" \
   2>&1 | tail -1 | tee -a "$OUT/log"
+
+log "bench/sdpa_shapes.py: bf16 step time with cuDNN's attention on and off"
+timeout "${SDPA_S:-120}" python3 bench/sdpa_shapes.py 2>&1 | tee -a "$OUT/log"
 
 log "bench/gpu_profiles.py: frozen weights"
 timeout "${FROZEN_S:-180}" python3 bench/gpu_profiles.py --parts=frozen --steps=6 --jobs="${FROZEN_JOBS:-8}" --json="$OUT/gpu_frozen.json" 2>&1 \

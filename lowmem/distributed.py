@@ -59,8 +59,26 @@ def start_accelerator(cfg: TrainConfig):
                               kwargs_handlers=handlers, **tracking)
     if engine == "deepspeed":
         sharding = deepspeed_engine.configure(accelerator, cfg)
+    if accelerator.device.type == "cuda":
+        attention_without_shape_plans()
     set_seed(cfg.seed)
     return accelerator, sharding
+
+
+def attention_without_shape_plans() -> None:
+    """Keep scaled-dot-product attention off cuDNN's backend, unless ``TORCH_CUDNN_SDPA_PREFERRED=1``.
+
+    On Hopper and Blackwell GPUs recent torch tries cuDNN's attention first for bf16 and fp16, and cuDNN
+    builds an execution plan for every new shape (batch, heads, query and key lengths). A seq2seq run
+    with dynamic padding meets new shapes at almost every step: source and target lengths vary
+    independently, and a frozen encoder runs one row at a time. On an H100 (torch 2.11) each bf16
+    fine-tuning step of the base preset took 0.65 s against float32's 0.17 s, where the same model at
+    fixed shapes ran bf16 at 61 ms a step and float32 at 80 (docs/benchmarks.md; bench/sdpa_shapes.py
+    measures both backends side by side). T5 always passes its position bias as the mask, which flash
+    attention does not take, so attention runs on the memory-efficient kernel: no plans, any shape.
+    """
+    if os.environ.get("TORCH_CUDNN_SDPA_PREFERRED") != "1":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def launched_without_gpu() -> bool:

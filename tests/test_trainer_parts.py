@@ -261,3 +261,22 @@ def test_the_best_model_is_chosen_by_its_metric_and_a_bleu_tie_by_the_eval_loss(
     assert not is_better({"bleu": 0.0, "eval_loss": 7.6}, 0.0, None, "bleu")  # a checkpoint from before: as then
     assert not is_better({"bleu": float("nan"), "eval_loss": 1.0}, 0.0, 9.6, "bleu") and is_better(
         {"bleu": 0.0, "eval_loss": 9.0}, None, None, "bleu")
+
+
+def test_cuda_attention_stays_off_cudnn_unless_the_user_prefers_it(monkeypatch):
+    # cuDNN's attention builds a plan per shape (start_accelerator calls this on CUDA); torch's own
+    # TORCH_CUDNN_SDPA_PREFERRED=1 keeps it
+    from lowmem.distributed import attention_without_shape_plans
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        monkeypatch.setenv("TORCH_CUDNN_SDPA_PREFERRED", "1")
+        attention_without_shape_plans()
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.delenv("TORCH_CUDNN_SDPA_PREFERRED")
+        attention_without_shape_plans()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
