@@ -158,7 +158,7 @@ def load_saved_model_config(flags: dict, yaml_path: str | None = None) -> tuple[
     they read OUTPUT_DIR/best, not the model an SFT run would start from (runs/pretrain/best); the settings
     of ``TRAINED_WITH`` not given are the model's own (a note says which)."""
     cfg, notes = _saved_model_config(flags, yaml_path)
-    given = {name.replace("-", "_") for name in flags} | (set(_read_yaml(yaml_path)) if yaml_path else set())
+    given = _given_names(flags, yaml_path)
     info = saved_json(Path(cfg.init_from or Path(cfg.output_dir) / "best") / "training_info.json") or {}
     trained = info.get("trained_with") or {}
     raw_text = trained.get("objective", "pairs") != "pairs"  # else the masks' seed and shape read nothing
@@ -173,11 +173,16 @@ def load_saved_model_config(flags: dict, yaml_path: str | None = None) -> tuple[
 
 def _saved_model_config(flags: dict, yaml_path: str | None) -> tuple[TrainConfig, list[str]]:
     cfg, notes = load_config(flags, yaml_path)
-    given = {name.replace("-", "_") for name in flags} | (set(_read_yaml(yaml_path)) if yaml_path else set())
+    given = _given_names(flags, yaml_path)
     if "init_from" in given:
         return cfg, notes
     tokenizer_dir = cfg.tokenizer_dir or str(SHIPPED_TOKENIZER_DIR)  # as resolve_defaults gives it without --init_from
     return dataclasses.replace(cfg, init_from=None, tokenizer_dir=tokenizer_dir), notes
+
+
+def _given_names(flags: dict, yaml_path: str | None) -> set[str]:
+    """The options the user set: on the command line or in the --config file."""
+    return {name.replace("-", "_") for name in flags} | (set(_read_yaml(yaml_path)) if yaml_path else set())
 
 
 def _read_yaml(path: str) -> dict:
