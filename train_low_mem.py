@@ -27,7 +27,12 @@ from config import SHIPPED_CORPORA, UserError  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
 from lowmem.collector import imports_done  # noqa: E402
 from lowmem.flags import load_config, load_saved_model_config, to_bool  # noqa: E402
-from lowmem.model_source import check_weights, model_folder_config, refuse_untrained  # noqa: E402
+from lowmem.model_source import (  # noqa: E402
+    check_weights,
+    model_folder_config,
+    refuse_untrained,
+    tokenizer_for_model,
+)
 
 GENERATE_ONLY = ("prompt", "max_new_tokens")  # options train accepts (one config for every command) but never reads
 
@@ -38,13 +43,13 @@ def train(config: str | None = None, **flags) -> dict:
     cfg, notes = load_config(flags, config)
     notes += [f"note: --{name} is read by generate, not by train" for name in GENERATE_ONLY
               if name in flags]
-    files = claim_output_dir(cfg)  # before the heavy imports below: refusals come at once, and a run killed this
-    # early can still be continued
+    files, tokenizer = claim_output_dir(cfg)  # before the heavy imports below: refusals come at once, and a run
+    # killed this early can still be continued
     from lowmem.run_memory import StoppedForMemory
     from lowmem.stopping import StoppedAtOnce
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
-    trainer = LowMemTrainer(cfg, files=files)
+    trainer = LowMemTrainer(cfg, tokenizer=tokenizer, files=files)
     for note in notes:
         trainer.say(note)
     try:
@@ -66,23 +71,25 @@ def claim_output_dir(cfg):
     """Refuse an OUTPUT_DIR the run cannot start in, and mark it as a run's (OUTPUT_DIR/.t5-lowmem-run, which tells
     ``--is_keep_training`` that a run began there), before the trainer's imports: a refusal takes half a
     second, not the several seconds of importing torch. The data flags (files, formats, columns) and SFT's
-    model folder are checked first: a mistake in them should not leave a run folder behind. The trainer
-    checks the folder again once its processes are up.
+    model folder and tokenizer are checked first: a mistake in them should not leave a run folder behind.
+    The trainer checks the folder again once its processes are up.
 
     Returns:
-        The checked data files (``data.pipeline.DataFiles``), for the trainer.
+        The checked data files (``data.pipeline.DataFiles``) and, from --init_from, the tokenizer (else None),
+        for the trainer.
     """
     from data.objectives import objective_for
     from data.pipeline import check_data  # light: pyarrow is imported only to read a parquet file's columns
     from lowmem.run_start import refuse_early
 
-    files = check_data(cfg, objective_for(cfg))
+    files, tokenizer = check_data(cfg, objective_for(cfg)), None
     if cfg.init_from and not cfg.is_keep_training:
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
         refuse_untrained(cfg)
         check_weights(cfg.init_from)
+        tokenizer = tokenizer_for_model(cfg, files)[1]
     refuse_early(cfg)
-    return files
+    return files, tokenizer
 
 
 def plan(config: str | None = None, **flags) -> None:

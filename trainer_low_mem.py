@@ -40,7 +40,7 @@ from lowmem.distributed import indexes_from_main, prepare_for_training, start_ac
 from lowmem.evaluation import eval_log_line, evaluate_model, is_better
 from lowmem.flags import TRAINED_WITH
 from lowmem.memory import free_memory, process_rss_bytes
-from lowmem.model_source import check_vocabulary, tokenizer_folder
+from lowmem.model_source import check_vocabulary, tokenizer_folder, tokenizer_for_model
 from lowmem.modeling import (
     build_model,
     build_optimizer,
@@ -149,6 +149,8 @@ class LowMemTrainer:
         self.telemetry.attach(self.accelerator)
         self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
         self.start_time = time.time()
+        if self.model is None and cfg.init_from:  # checked before the run folder is made: a refusal leaves nothing
+            self.tokenizer_dir, self.tokenizer = tokenizer_for_model(cfg, self.files, self.tokenizer)
         resume_dir, old_files = self.folder.check(cfg, self.accelerator.process_index, say=self.say)
         if self.tokenizer is None:  # before a stopped run's files go: a tokenizer folder refused loses nothing
             self.tokenizer_dir = tokenizer_folder(cfg)
@@ -204,7 +206,8 @@ class LowMemTrainer:
             with deepspeed_engine.loading_whole(self.accelerator):  # under ZeRO-3 too: not into partitions
                 self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.init_from
                               else build_model(cfg, self.tokenizer))
-        check_vocabulary(cfg, self.model.get_input_embeddings().num_embeddings, self.tokenizer)
+        else:  # a model handed in; --init_from's was checked in setup, and a new one is sized to the tokenizer
+            check_vocabulary(cfg, self.model.get_input_embeddings().num_embeddings, self.tokenizer)
         self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request, "sharding": planned_sharding(
             self.engine), **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows}
         self.model, self.parameters = ready_to_train(self.model, cfg)

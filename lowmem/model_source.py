@@ -146,6 +146,23 @@ def tokenizer_folder(cfg) -> Path:
     return folder
 
 
+def tokenizer_for_model(cfg, files, tokenizer=None) -> tuple[Path, object]:
+    """(folder, tokenizer) of a run from ``--init_from``: ``--tokenizer_dir``, else the model's own
+    (``tokenizer``: one already loaded), checked against the model before the run writes anything.
+    ``files``: the run's ``data.pipeline.DataFiles``.
+
+    Raises:
+        UserError: no tokenizer there, or not one that fits the model (``check_vocabulary``).
+    """
+    from data.tokenization import tokenizer_for_run
+
+    folder = tokenizer_folder(cfg)
+    if tokenizer is None:
+        tokenizer = tokenizer_for_run(cfg, folder, files)
+    check_vocabulary(cfg, model_folder_config(cfg.init_from)["vocab_size"], tokenizer)
+    return folder, tokenizer
+
+
 def copy_tokenizer_files(source: Path, target: Path) -> None:
     """Make an export's tokenizer files the source tokenizer's own, beside what ``save_pretrained`` wrote.
 

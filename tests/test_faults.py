@@ -301,6 +301,11 @@ def test_a_trained_run_is_never_overwritten_or_shared(tmp_path):
     assert proc.returncode == 2 and "is not the tokenizer saved with the model" in error_line(proc)
     proc = run_cli("plan", f"--init_from={out / 'final'}", f"--tokenizer_dir={other}")  # planned it from that one
     assert proc.returncode == 2 and "is not the tokenizer saved with the model" in error_line(proc)
+    fresh = tmp_path / "sft_with_another_tokenizer"  # refused before the run folder is made
+    proc = run_cli("train", "--is_finetune=True", f"--init_from={out / 'final'}", f"--tokenizer_dir={other}",
+                   f"--train_file={train}", f"--output_dir={fresh}", "--max_steps=1")
+    assert proc.returncode == 2 and "is not the tokenizer saved with the model" in error_line(proc)
+    assert not fresh.exists()
     proc = run_cli("generate", f"--init_from={out / 'final'}", "--prompt=hello, world 1e3")
     assert proc.returncode == 0 and proc.stdout.count("hello, world 1e3  ->") == 1  # verbatim, printed once
     proc = run_cli("plan", *common, "--json=false")
