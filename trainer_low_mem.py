@@ -256,7 +256,7 @@ class LowMemTrainer:
         self.meter.start(self.accelerator.device, self.resumed_interval)  # after the baseline: rates time training
         while not self._finished():
             free_memory()  # at each epoch start
-            started, windows = state.epoch, self._epoch_windows()
+            windows = self._epoch_windows()
             while True:
                 epoch = stream.epoch  # before drawing: the last window of an epoch moves it on
                 examples = next(windows, [])
@@ -266,13 +266,15 @@ class LowMemTrainer:
                 check_bad_rows(self.telemetry, self.data, counts["bad_rows"], self.cfg.max_bad_rows_fraction)
                 if not counts["examples"]:  # only bad rows were left
                     state.epoch += 1  # every process has finished this epoch: all agree on the count
+                    self.telemetry.log_memory("epoch_end", epoch=state.epoch)
                     break
                 stepped = self.train_step(window or [self.train_collator.empty()], counts)
                 self.telemetry.log_consumed(examples, epoch, self.files.train)
                 last = not counts["rows_left"]  # the epoch's last step: count it before eval and save see it
                 if last:
                     stream.close_epoch(state.epoch)
-                    state.epoch += 1
+                    state.epoch += 1  # recorded before the step's checkpoint, which a resume cuts the log back to
+                    self.telemetry.log_memory("epoch_end", epoch=state.epoch)
                 if stepped:
                     self.maybe_log()
                     if state.step % self.cfg.gc_every_steps == 0:
@@ -287,8 +289,6 @@ class LowMemTrainer:
                     break
             if not state.examples:
                 check_no_examples(self.telemetry, self.data, cfg, counts["bad_rows"], self._finished())
-            if state.epoch > started:  # (not a --max_steps stop inside the epoch)
-                self.telemetry.log_memory("epoch_end", epoch=state.epoch)
         self.bar.close()
         return self.finish()
 

@@ -255,6 +255,7 @@ def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resume
     assert {r["step"]: r["epoch"] for r in records if r["event"] == "train"} == {2: 0, 4: 0, 6: 0, 8: 1, 10: 1,
                                                                                 12: 1, 14: 1, 16: 2}
     assert json.loads((straight / "final" / "training_info.json").read_text())["epoch"] == 2
+    assert [r["epoch"] for r in records if r["event"] == "memory" and r["where"] == "epoch_end"] == [1, 2]
     # Continue from the checkpoint at the epoch boundary: the second epoch is trained as it was.
     shutil.copytree(straight, resumed)
     proc = run_cli("train", f"--output_dir={resumed}", *common, "--is_keep_training=True",
@@ -265,6 +266,7 @@ def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resume
     assert re.search(r"step_000016.* belong to the continuation this run replaces", proc.stdout)
     assert [p.name for p in (resumed / "checkpoints").glob("abandoned-*/step_*")] == ["step_000016"]
     assert train_losses(resumed) == train_losses(straight)
+    assert [r["epoch"] for r in metrics(resumed) if r["event"] == "memory" and r["where"] == "epoch_end"] == [1, 2]
     for export in ("final", "best"):  # exported again (best/ from step 16 was set aside with the rest)
         a = load_file(straight / export / "model.safetensors")
         b = load_file(resumed / export / "model.safetensors")
@@ -273,6 +275,10 @@ def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resume
     proc = run_cli("train", f"--output_dir={resumed}", *common, "--is_keep_training=True")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in metrics(resumed) if r["event"] == "eval"] == [0, 8, 16]
+    # A --max_steps stop inside an epoch ends no epoch
+    proc = run_cli("train", f"--output_dir={tmp_path / 'short'}", *common, "--max_steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [r for r in metrics(tmp_path / "short") if r["event"] == "memory" and r["where"] == "epoch_end"]
 
 
 @pytest.mark.parametrize("key, saved_value, value", [("seed", 1, 2), ("shuffle_buffer_size", 3, 0),
