@@ -204,6 +204,18 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     assert model.lm_head.weight is model.shared.weight
     exported = weights(zero3)
     assert max(float((p - exported[n]).abs().max()) for n, p in model.state_dict().items() if n in exported) == 0
+    # evaluate under the same launch config: whole weights on every process (no engine), the result printed once
+    # and the loss one process gives
+    flags = [str(REPO / "train_low_mem.py"), "evaluate", f"--init_from={zero3 / 'final'}", f"--eval_file={evals}",
+             "--cpu=True", "--max_source_len=32", "--max_target_len=32", "--eval_generate=False"]
+    launched = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                               str(REPO / "accelerate_configs" / "deepspeed_zero3_cpu.yaml"), "--main_process_port",
+                               "29638", *flags], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+    alone = subprocess.run([sys.executable, *flags], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+    assert launched.returncode == 0 and alone.returncode == 0, launched.stderr[-3000:] + alone.stderr[-3000:]
+    printed = [[float(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("eval_loss")]
+               for p in (launched, alone)]
+    assert len(printed[0]) == 1 and printed[0] == pytest.approx(printed[1], rel=1e-6), printed
     # SFT of a model with a head of its own (flan-t5, t5-v1_1, mT5): the DDP run's export with its head untied.
     # Loaded into ZeRO-3's partitions, transformers tied the head to the embedding (empty partitions compare
     # equal) and the head was lost; now it trains from the checkpoint's values, and the encoder and the
