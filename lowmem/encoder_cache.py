@@ -142,8 +142,10 @@ class EncoderCache:
         self.states = None
 
 
-def source_checksum(prompt: str) -> int:
-    return zlib.crc32(prompt.encode("utf-8"))
+def source_checksum(prompt: str | list[int]) -> int:
+    """CRC-32 of a row's source: its text, or its token ids (a prepared corpus's rows)."""
+    raw = prompt.encode("utf-8") if isinstance(prompt, str) else np.asarray(prompt, dtype=np.int64).tobytes()
+    return zlib.crc32(raw)
 
 
 def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tuple[int, int]],
@@ -263,7 +265,7 @@ def open_for_training(cfg, core, data, tokenizer_hash: str, accelerator, multipl
     run reading none twice gains no time from the cache, which the log says).
     """
     files, rank, world = data.files.train, data.rank, data.world
-    columns = (cfg.prompt_column, cfg.response_column)
+    columns = data.files.columns  # a prepared corpus's token-id columns, or the text columns
     shares = [data.stream.share(i) for i in range(len(files))]
     device = accelerator.device
     # How the encoder runs counts too: bf16 autocast (and its padding) or not, on which device.
