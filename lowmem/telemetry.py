@@ -142,13 +142,17 @@ class IntervalMeter:
 
     def __init__(self):
         self.sums: dict = {}
-        self.timed = {"seconds": 0.0, "steps": 0}  # every interval logged by this process
+        self.timed = {"seconds": 0.0, "steps": 0}  # every interval logged (and, resumed, the run's before)
+        self.untimed_since: float | None = None  # inside ``untimed``: since when
 
     def start(self, device, saved: dict | None = None) -> None:
         """Start an interval. ``saved`` (on resume) carries the loss and token sums of the steps since
         the last log line, so the next logged loss and padding average the same steps as an uninterrupted
-        run; the rates (tok/s, step_s) count only steps timed in this process."""
+        run, and the training time of the steps before the checkpoint; the interval's rates (tok/s,
+        step_s) count only steps timed in this process."""
         saved = {"loss": 0.0, "tokens": 0, "steps": 0, "real_tokens": 0, "positions": 0, **(saved or {})}
+        if "timed_seconds" in saved:  # (checkpoints of earlier versions carry none: this process's alone)
+            self.timed = {"seconds": saved.pop("timed_seconds"), "steps": saved.pop("timed_steps")}
         self.sums = {**saved, "loss": torch.tensor(saved["loss"], device=device), "all_tokens": 0,
                      "timed_steps": 0, "t0": time.time()}
 
@@ -171,10 +175,11 @@ class IntervalMeter:
     @contextlib.contextmanager
     def untimed(self):
         """Leave what runs inside (evaluation, saving) out of the interval's tok/s and step_s."""
-        start = time.time()
+        self.untimed_since = start = time.time()
         try:
             yield
         finally:
+            self.untimed_since = None
             self.sums["t0"] += time.time() - start
 
     def close(self, accelerator) -> dict:
@@ -196,13 +201,16 @@ class IntervalMeter:
                 "padding_pct": round(100 * (1 - real / padded), 1) if padded else 0.0}
 
     def saved(self) -> dict:
-        """The interval's sums as a checkpoint keeps them (see ``start``)."""
-        return {k: float(v) if k == "loss" else v for k, v in self.sums.items()
-                if k in ("loss", "tokens", "steps", "real_tokens", "positions")}
+        """The interval's sums as a checkpoint keeps them, and the training time so far (see ``start``)."""
+        now = self.untimed_since or time.time()  # a checkpoint is written inside ``untimed``
+        return {**{k: float(v) if k == "loss" else v for k, v in self.sums.items()
+                   if k in ("loss", "tokens", "steps", "real_tokens", "positions")},
+                "timed_seconds": self.timed["seconds"] + now - self.sums["t0"],
+                "timed_steps": self.timed["steps"] + self.sums["timed_steps"]}
 
     def mean_step_seconds(self) -> float | None:
-        """Seconds per optimizer step of this invocation's training: data, forward, backward and
-        optimizer; evaluation, saving, setup and the encoder cache's build left out."""
+        """Seconds per optimizer step of the run's training, the parts before a resume included: data,
+        forward, backward and optimizer; evaluation, saving, setup and the encoder cache's build left out."""
         return round(self.timed["seconds"] / self.timed["steps"], 4) if self.timed["steps"] else None
 
 

@@ -72,9 +72,13 @@ def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
     meter.add(torch.tensor(6.0), 3, 10, 16)
     meter.add(torch.tensor(2.0), 1, 4, 4)
     saved = meter.saved()
-    assert saved == {"loss": 8.0, "tokens": 4, "steps": 2, "real_tokens": 14, "positions": 20}
+    sums = {k: saved[k] for k in ("loss", "tokens", "steps", "real_tokens", "positions")}
+    assert sums == {"loss": 8.0, "tokens": 4, "steps": 2, "real_tokens": 14, "positions": 20}
+    assert saved["timed_steps"] == 2 and 0 <= saved["timed_seconds"] < 0.1
     with meter.untimed():
         time.sleep(0.3)
+        inside = meter.saved()  # a checkpoint is written inside untimed(): its time is not training time
+    assert inside["timed_seconds"] < 0.1
     logged = meter.close(acc)
     assert logged["loss"] == pytest.approx(8.0 / 4)  # sum of token losses / target tokens, not a mean of means
     assert logged["padding_pct"] == 30.0  # 6 of 20 positions
@@ -82,6 +86,11 @@ def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
     resumed.start(acc.device, saved)
     resumed.add(torch.tensor(1.0), 1, 6, 20)
     assert resumed.close(acc)["padding_pct"] == 50.0  # 20 of 40 positions (the second part alone: 70.0)
+    carried = IntervalMeter()  # the summary's step_s covers the run's steps before the checkpoint too
+    carried.start(acc.device, {**saved, "timed_seconds": 10.0, "timed_steps": 2})
+    carried.add(torch.tensor(1.0), 1, 6, 20)
+    carried.close(acc)
+    assert carried.mean_step_seconds() == pytest.approx(10.0 / 3, abs=0.05)
     assert logged["step_s"] < 0.1  # the 0.3 s inside untimed() is not training time
     assert logged["padding_pct"] == pytest.approx(100 * 6 / 20, abs=0.05)  # 14 tokens in 20 positions
     assert meter.mean_step_seconds() == pytest.approx(logged["step_s"], abs=1e-3)
@@ -153,7 +162,8 @@ def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path,
     trainer_state, interval = Checkpointer(RunFolder(tmp_path / "run"), acc, telemetry).load(
         folder, other, fresh.stream, cfg.learn_rate, cfg.weight_decay)
     assert trainer_state == {"step": 1} and interval == {"loss": 3.5, "tokens": 7, "steps": 1, "real_tokens": 0,
-                                                         "positions": 0}
+                                                         "positions": 0, "timed_steps": 0,
+                                                         "timed_seconds": interval["timed_seconds"]}
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other[0].state_dict().values()))
     assert other[1].state_dict()["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
     assert other[2].last_epoch == scheduler.last_epoch == 1
