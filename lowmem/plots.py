@@ -95,6 +95,9 @@ def _load(run: Path) -> list[dict]:
     if not all(isinstance(r, dict) for r in records):
         raise UserError(f"{path} holds a line that is not a JSON object; plot reads the metrics.jsonl that train "
                         "writes")
+    if not all(isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool) for r in records):
+        raise UserError(f"{path} holds a record without a whole-number step; plot reads the metrics.jsonl that "
+                        "train writes")
     if not any(r.get("event") == "train" for r in records):
         raise UserError(f"{path} has no train records yet (one is written every --logging_steps optimizer "
                         "steps); plot again once the run has logged a step")
@@ -106,11 +109,15 @@ def _memory_references(ax, records: list[dict]) -> None:
     probes = [(r["step"], r["rss_mb"]) for r in records if r.get("event") == "memory" and _number(r.get("rss_mb"))]
     if probes:
         ax.scatter(*zip(*probes), s=12, color="gray", label="memory probes (setup, eval, end)")
-    plan, peak = _last(records, "memory_plan"), _last(records, "memory_peak")
+    plan = _last(records, "memory_plan")
     if plan and _number(plan.get("host_peak_mb")):
         ax.axhline(plan["host_peak_mb"], color="tab:orange", linestyle="--", label="predicted peak (plan)")
-    if peak and _number(peak.get("measured_host_peak_mb")):
-        ax.axhline(peak["measured_host_peak_mb"], color="tab:red", linestyle=":", label="measured peak")
+    # Each process of a resumed run measures its own peak: the run's is the highest of them, and of the samples
+    peaks = [r["measured_host_peak_mb"] for r in records
+             if r.get("event") == "memory_peak" and _number(r.get("measured_host_peak_mb"))]
+    if peaks:
+        samples = [r["rss_mb"] for r in records if r.get("event") in ("train", "memory") and _number(r.get("rss_mb"))]
+        ax.axhline(max(peaks + samples), color="tab:red", linestyle=":", label="measured peak")
 
 
 def _number(value) -> bool:

@@ -76,13 +76,16 @@ def test_plot_skips_charts_without_data_and_keeps_last_of_a_repeated_step(tiny_r
     assert {p.name for p in (tmp_path / "charts").iterdir()} == CHARTS - {"bleu.png"} | {".t5-lowmem-plots"}
 
 
-@pytest.mark.parametrize("make", ["nothing", "empty metrics", "no train records", "a line not an object"])
+@pytest.mark.parametrize("make", ["nothing", "empty metrics", "no train records", "a line not an object",
+                                  "a record without a step", "a step not a number"])
 def test_plot_without_train_records_is_one_error_line(tmp_path, make):
     run = tmp_path / "run"
     if make != "nothing":
         run.mkdir()
         lines = {"no train records": '{"event": "memory", "step": 0, "time": 1.0, "rss_mb": 200.0}\n',
-                 "a line not an object": '{"event": "train", "step": 1, "loss": 2.0}\n[1, 2]\n'}.get(make, "")
+                 "a line not an object": '{"event": "train", "step": 1, "loss": 2.0}\n[1, 2]\n',
+                 "a record without a step": '{"event": "train", "loss": 1.0}\n',
+                 "a step not a number": '{"event": "train", "step": "1", "loss": 1.0}\n'}.get(make, "")
         (run / "metrics.jsonl").write_text(lines, encoding="utf-8")
     proc = run_cli("plot", f"--output_dir={run}")
     lines = proc.stderr.strip().splitlines()
