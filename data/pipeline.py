@@ -49,8 +49,8 @@ class DataFiles:
         return dataset_of(self.train)
 
 
-def check_data(cfg: TrainConfig, objective) -> DataFiles:
-    """Resolve and check the data flags; ``UserError`` names what to change."""
+def check_data(cfg: TrainConfig, objective, eval_set: bool = True) -> DataFiles:
+    """Resolve and check the data flags (``eval_set``: the eval set's too); ``UserError`` names what to change."""
     train = resolve_files(cfg.train_file, "--train_file", cfg.output_dir, formats_for(cfg), cfg.dataset_config)
     if dataset_of(train) is not None:
         _check_dataset(cfg, dataset_of(train))
@@ -63,7 +63,7 @@ def check_data(cfg: TrainConfig, objective) -> DataFiles:
                         "reads raw text: pass the text corpus")
     columns = objective.columns(prepared)
     check_columns(train, columns, "--train_file")
-    return DataFiles(train, eval_files_of(cfg, train), prepared, columns)
+    return DataFiles(train, eval_files_of(cfg, train) if eval_set else [], prepared, columns)
 
 
 def _check_dataset(cfg: TrainConfig, source: DatasetRef) -> None:
@@ -182,7 +182,7 @@ class TrainData:
 
 def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, rank: int = 0, world: int = 1, *, objective,
                pad_multiple: int = 1, indexes: list[FileIndex] | None = None, report=print,
-               warn=print) -> TrainData:
+               warn=print, eval_set: bool = True) -> TrainData:
     """Open the run's data for process ``rank`` of ``world``.
 
     Args:
@@ -190,11 +190,14 @@ def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, rank: int = 0, wor
             handed to all; read here when None.
         report, warn: where the eval set's bad rows are reported (main process) and the training
             stream's (every process).
+        eval_set: False: no eval set, none held out (the training stream alone: ``preview`` of prepared shards).
     """
     if files.prepared:
         check_manifest(files.prepared, tokenizer_fingerprint(tokenizer), cfg.max_source_len, cfg.max_target_len)
     eval_problems = DataProblems(report=report)
-    eval_examples, indexes, held = eval_split(cfg, files.eval, files.train, indexes, eval_problems)
+    eval_examples, held = [], 0
+    if eval_set:
+        eval_examples, indexes, held = eval_split(cfg, files.eval, files.train, indexes, eval_problems)
     if indexes is None:  # an --eval_file run indexes its training files here
         indexes = [index_file(f) for f in files.train]
     for path, index in zip(files.train, indexes):

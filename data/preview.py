@@ -16,7 +16,12 @@ from data.pipeline import build_data, check_data
 def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = False, report=print) -> Iterator[dict]:
     """The first ``count`` examples of the run's training stream (process 0 of 1), nothing heavy built."""
     objective = objective_for(cfg)
-    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=report, warn=report)
+    files = check_data(cfg, objective, eval_set=False)
+    # train holds the eval set out of a text corpus given no --eval_file (and so does the preview); never out of
+    # prepared shards, which train reads beside an --eval_file
+    files = files if files.prepared else check_data(cfg, objective)
+    data = build_data(cfg, files, tokenizer, objective=objective, report=report, warn=report,
+                      eval_set=not files.prepared)
     examples = itertools.islice(data.stream.iter_epoch(), count)
     originals = None
     if isinstance(data.stream, PackedStream):  # the same documents packed again, the chunks kept as they are

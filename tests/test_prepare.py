@@ -75,6 +75,11 @@ def test_training_from_prepared_shards_equals_training_from_text(tmp_path):
     assert refused.returncode == 2 and "another tokenizer" in refused.stderr
     again = run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}")
     assert again.returncode == 2 and "exists" in again.stderr
+    # preview reads the shards as train does, which it then reads beside an --eval_file: none is needed to look
+    shown = [run_cli("preview", f"--train_file={prepared}", "--num_examples=3", "--max_source_len=24",
+                     "--max_target_len=24", *flags) for flags in ([], [f"--eval_file={evals}"])]
+    assert all(p.returncode == 0 for p in shown), shown[0].stderr[-2000:]
+    assert len(shown[0].stdout.splitlines()) == 3 and shown[0].stdout == shown[1].stdout
 
 
 
