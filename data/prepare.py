@@ -32,7 +32,14 @@ def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     from data.sources import check_columns, resolve_files
     from data.tokenization import load_trained_tokenizer, tokenizer_fingerprint
 
+    if cfg.objective != "pairs":
+        raise UserError(f"prepare tokenizes prompt/response pairs; --objective={cfg.objective} reads raw text, "
+                        "which train tokenizes as it packs: train from the text corpus directly")
     check_prepared_dir(out_dir)  # before any work
+    for part in (Path(p.strip()).expanduser() for p in str(cfg.train_file).split(",") if p.strip()):
+        if part.is_dir() and part.resolve() in [out_dir.resolve(), *out_dir.resolve().parents]:
+            raise UserError(f"--prepared_dir={out_dir} is inside --train_file={part}: its shards would be read as "
+                            "training data; choose a --prepared_dir outside it")
     files = resolve_files(cfg.train_file, "--train_file", dataset_config=cfg.dataset_config)
     if manifest_of(files):
         raise UserError(f"--train_file={cfg.train_file} is prepared already; train from it directly")

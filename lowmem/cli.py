@@ -122,6 +122,11 @@ def run_cli(commands: dict, argv: list[str]) -> None:
                     "was waiting in; checkpoints are written whole, so the last one is intact: continue with "
                     "--is_keep_training=True")
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C where no handler checkpoints (train's loop has one): a line, not a traceback
+        if debug:
+            raise
+        print_error("interrupted (Ctrl-C)")
+        sys.exit(130)
     finally:
         collector.before_exit()
 

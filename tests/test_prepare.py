@@ -94,3 +94,28 @@ def test_prepare_stops_at_the_bad_row_limit_and_leaves_nothing(tmp_path):
     assert not prepared.exists() and not (tmp_path / "prepared.partial").exists()
     proc = run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}", "--max_bad_rows_fraction=0.5")
     assert proc.returncode == 0 and json.loads((prepared / "prepared.manifest").read_text())["rows"] == 20
+
+
+def test_prepare_refuses_what_it_cannot_make_and_train_names_an_unfinished_one(tmp_path):
+    folder = tmp_path / "corpus"
+    corpus = write_rows(folder / "pairs.jsonl", synthetic_rows(20, seed=1))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(4, seed=2))
+
+    def one_error(proc, words: str) -> None:
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr[-2000:]
+
+    # span corruption packs raw text as it trains: shards of prompt/response pairs would not be what it reads
+    one_error(run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={tmp_path / 'a'}",
+                      "--objective=span_corruption"), "prepare tokenizes prompt/response pairs")
+    # shards inside the corpus folder would be read back as its rows
+    one_error(run_cli("prepare", f"--train_file={folder}", f"--prepared_dir={folder / 'prepared'}"),
+              "is inside --train_file")
+    assert sorted(p.name for p in folder.iterdir()) == ["pairs.jsonl"]
+    # a prepare stopped before its manifest (here: the shards and the marker, no manifest) is named as such
+    prepared = tmp_path / "prepared"
+    assert run_cli("prepare", f"--train_file={corpus}", f"--prepared_dir={prepared}").returncode == 0
+    (prepared / "prepared.manifest").unlink()
+    one_error(run_cli("train", f"--train_file={prepared}", f"--eval_file={evals}", f"--output_dir={tmp_path / 'run'}"),
+              "holds an unfinished prepare")
+    assert not (tmp_path / "run").exists()
