@@ -412,7 +412,7 @@ class LowMemTrainer:
         bleu = {} if metrics.get("bleu") is None else {"bleu": metrics["bleu"]}  # none without --eval_generate
         return {"output_dir": str(self.out), "steps": self.state.step, "step_s": self.meter.mean_step_seconds(),
                 "eval_loss": metrics["eval_loss"], **bleu, "best_metric": self.state.best_metric,
-                "best_step": self.state.best_step, "bad_rows": errors["bad_rows"]}
+                "best_step": self.state.best_step, "bad_rows": errors["bad_rows"] + errors.get("prepared_bad_rows", 0)}
 
     # ------------------------------------------------------------------ evaluation, checkpoints, exports
     def evaluate(self) -> dict:
