@@ -168,7 +168,7 @@ class LowMemTrainer:
                          resume_dir, self.say)
         cfg = self.cfg = replace(cfg, **sizes.flags())  # planned before the model exists:
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
-                                    resume_dir is not None, planned_sharding(self.engine), sizes.lengths)
+                                    resume_dir is not None, planned_sharding(self.engine), sizes.lengths, self.say)
         imports_done()  # before the weights: lowmem.collector
         self._build_model()
         per_epoch, self.total_steps = self.data.steps(cfg)

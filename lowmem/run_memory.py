@@ -18,18 +18,26 @@ class StoppedForMemory(Exception):
 
 
 def plan_run(cfg: TrainConfig, data, device: str, resuming: bool, sharding: str | None = None,
-             lengths: dict | None = None) -> dict:
+             lengths: dict | None = None, say=print) -> dict:
     """The planner's prediction for this process of the run (``python train_low_mem.py plan`` prints
     the same), from the run's ``data.pipeline.TrainData``.
 
     Made before the model exists (the framework baseline is measured here). A run from the start
     replays this process's stream to find its costliest micro-batch; a resumed one, which starts
     mid-stream, is planned from the sampled lengths. ``sharding``: ``lowmem.sharding.planned_sharding``;
-    ``lengths``: those already read for these sizes (``lowmem.batch_budget``).
+    ``lengths``: those already read for these sizes (``lowmem.batch_budget``). A resumed run keeps the sizes
+    it began with, whatever --max_rss_gb is now: a note says when they are planned above its guard.
     """
     lengths = lengths or run_lengths(cfg, data, replay=not resuming)
-    return planner.predict(cfg, len(data.collator.tokenizer), lengths, planner.framework_mb(cfg), device, data.world,
+    plan = planner.predict(cfg, len(data.collator.tokenizer), lengths, planner.framework_mb(cfg), device, data.world,
                            sharding)
+    guard_mb = MEMORY_GUARD_AT * cfg.max_rss_gb * 1024
+    if resuming and cfg.max_rss_gb and device == "cpu" and plan["host_peak_mb"] > guard_mb:
+        say(f"note: this run resumes at micro-batch {cfg.batch_size} x {cfg.gradient_accumulation_steps}, as it "
+            f"began, planned to peak at {plan['host_peak_mb']:,.0f} MiB: above the memory guard at {guard_mb:,.0f} "
+            f"MiB ({MEMORY_GUARD_AT:.0%} of --max_rss_gb={cfg.max_rss_gb:g}), which will likely stop it; a smaller "
+            "--batch_size with the same rows per step (--gradient_accumulation_steps) lowers the peak")
+    return plan
 
 
 def peak_against_plan(plan: dict) -> tuple[dict, str]:
@@ -59,5 +67,5 @@ def guard_stop(rss_gb: float, max_rss_gb: float, step: int, checkpoint: Path) ->
         f"memory guard: RSS {rss_gb:.2f} GiB reached {MEMORY_GUARD_AT:.0%} of --max_rss_gb={max_rss_gb} "
         f"at step {step}; checkpoint {checkpoint}. Lower memory with --shuffle_buffer_size, "
         "--batch_size (raise --gradient_accumulation_steps to keep the batch), --max_source_len / "
-        "--max_target_len, --eval_batch_size or a smaller --model_preset, then continue with "
-        "--is_keep_training=True")
+        "--max_target_len, --eval_batch_size or a smaller --model_preset (or raise --max_rss_gb; `python "
+        "train_low_mem.py plan --budget_gb=...` lists modes that fit), then continue with --is_keep_training=True")

@@ -322,6 +322,10 @@ def test_memory_guard_checkpoints_and_the_run_resumes(tmp_path):
     assert "memory guard" in line and "--batch_size" in line and "--is_keep_training=True" in line
     [saved] = checkpoint.step_folders(out / "checkpoints")
     assert checkpoint.validate(saved) is None and saved.name == "step_000001"
+    assert "raise --max_rss_gb" in line
+    # resumed under the same budget, at the sizes it began with: a note says the plan is above the guard
+    proc = run_cli("train", *common, "--is_keep_training=True", "--max_rss_gb=0.2")
+    assert proc.returncode == 3 and "above the memory guard" in proc.stdout, proc.stdout[-2000:]
     proc = run_cli("train", *common, "--is_keep_training=True")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from" in proc.stdout and "steps:       6" in proc.stdout
