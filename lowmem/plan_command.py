@@ -192,24 +192,27 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
 
 def sized(cfg: TrainConfig, data, vocab_size: int, baseline_mb: float, device: str, num_processes: int,
           per_machine: int, sharding: str | None, budget_gb: float | None) -> TrainConfig:
-    """``cfg`` with the batch sizes to plan (``lowmem.batch_budget``): sizes asked for as given (the
-    plan shows what they cost; a recommendation, what fits), ``auto`` the largest that fits --budget_gb
-    (a machine's RAM, shared by its processes, or one GPU's memory), else this machine as the trainer
-    would. Its notes go to stderr."""
+    """``cfg`` with the batch sizes to plan (``lowmem.batch_budget``). With --budget_gb (a machine's RAM,
+    shared by its processes, or one GPU's memory): sizes asked for as given (the plan shows what they cost;
+    a recommendation, what fits), ``auto`` the largest that fits it. Without: this machine's budget, as
+    the trainer takes it (--max_rss_gb, the available RAM or the GPU's memory), which also lowers a size
+    asked for that does not fit, as the trainer would. Its notes go to stderr."""
     import torch
 
     from config import AUTO
     from lowmem.batch_budget import size_batches
 
+    auto = AUTO in (cfg.batch_size, cfg.eval_batch_size)
     budget_mb = math.inf
-    if AUTO in (cfg.batch_size, cfg.eval_batch_size):
-        if budget_gb is not None:
+    if budget_gb is not None:
+        if auto:
             budget_mb = budget_gb * 1024 / (per_machine if device == "cpu" else 1)
-        elif device == "gpu" and not torch.cuda.is_available():
+    elif device == "gpu" and not torch.cuda.is_available():
+        if auto:
             raise UserError("--batch_size=auto / --eval_batch_size=auto on --device=gpu without a GPU here: pass "
                             "--budget_gb=GPU_MEMORY_GB to size them")
-        else:
-            budget_mb = None  # this machine's, as the trainer takes it
+    else:
+        budget_mb = None  # this machine's, as the trainer takes it
     sizes = size_batches(cfg, data, vocab_size, baseline_mb, device, num_processes, sharding, budget_mb=budget_mb)
     for note in sizes.notes:
         print(note, file=sys.stderr)

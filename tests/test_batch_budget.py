@@ -3,6 +3,7 @@ within --max_rss_gb, requests lowered with one line, token budgets, evaluation i
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -181,3 +182,11 @@ def test_auto_stays_within_max_rss_gb_and_a_resume_keeps_its_sizes(tmp_path):
     assert "as the run began" in proc.stdout
     resumed = [r for r in metrics(run) if r["event"] == "setup"][-1]
     assert resumed["micro_batch_size"] == setup["micro_batch_size"]
+    # plan takes the budget train takes: a fixed micro-batch above it is lowered there too, with the same line
+    asked = [f"--train_file={train}", f"--eval_file={evals}", "--batch_size=256", "--gradient_accumulation_steps=1",
+             "--max_rss_gb=0.55"]
+    planned = run_cli("plan", *asked, "--json=True")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "--batch_size=256: predicted peak" in planned.stderr
+    lowered = int(planned.stderr.split("training micro-batches of ")[1].split()[0])
+    assert lowered < 256 and json.loads(planned.stdout)["host_peak_mb"] < 0.9 * 0.55 * 1024
