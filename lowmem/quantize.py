@@ -41,6 +41,19 @@ def is_quantized(tensor) -> bool:
     return hasattr(tensor, "_data") and hasattr(tensor, "_scale") and hasattr(tensor, "dequantize")
 
 
+def own_aligned_bytes(model) -> None:
+    """Give each 8-bit weight's bytes a fresh allocation (after a checkpoint is loaded into them).
+
+    Loading leaves the bytes where the file's layout put them, which need not be 16-byte aligned, and
+    torch's int8 matrix product on the CPU (``_weight_int8pack_mm``, optimum-quanto's path under bf16)
+    crashes the process on an unaligned weight: a segmentation fault at the resume's first forward.
+    A copy is aligned (torch's allocator aligns every block to 64 bytes); its values are the same bits.
+    """
+    for param in model.parameters():
+        if is_quantized(param):
+            param._data = param._data.clone()
+
+
 def quantizable_layers(block, quantize_wo: bool) -> list[str]:
     """Names (inside ``block``) of the frozen linear layers to quantize: not trainable, not LoRA's
     adapters (trainable), not ``wo`` unless asked."""

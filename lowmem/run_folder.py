@@ -172,6 +172,8 @@ class RunFolder:
         """
         from safetensors.torch import load_model
 
+        from lowmem.quantize import own_aligned_bytes
+
         compare_settings(json.loads((folder / "run_config.json").read_text()), run_config, folder, say)
         saved_world = len(list(folder.glob("process_*.pt")))
         if saved_world != world:
@@ -198,6 +200,7 @@ class RunFolder:
         else:
             optimizer_state = checkpoint.load_state(folder / "optimizer.pt")
             load_model(model, str(folder / "model.safetensors"))
+            own_aligned_bytes(model)
             optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(scheduler_state)
         trainer_state = json.loads((folder / "trainer_state.json").read_text())

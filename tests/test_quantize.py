@@ -186,3 +186,23 @@ def test_a_missing_optimum_quanto_is_one_line(tmp_path):
 def test_8_bit_flags_without_frozen_layers_give_one_line(tmp_path, flags, message):
     done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--init_from=unused", *flags)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("family", ["flan", "t5"])
+def test_int8_under_bf16_resumes_exactly(family_models, tmp_path, family):
+    # bf16 computes 8-bit layers with torch's int8 matrix product, which crashed the process (a segmentation
+    # fault) on a weight loaded from a checkpoint where the file's layout left its bytes unaligned
+    from safetensors.torch import load_file
+
+    data = write_rows(tmp_path / "train.jsonl", synthetic_rows(60, seed=12))
+    common = ["train", "--is_finetune=True", f"--init_from={family_models[family]}", f"--train_file={data}",
+              f"--eval_file={data}", "--frozen_dtype=int8", "--mixed_precision=bf16", "--lora_r=8",
+              "--lora_target_modules=q,k,v,o,wi,wo", "--save_steps=2", "--eval_steps=0", "--max_eval_samples=4",
+              "--eval_generate=False", "--gradient_accumulation_steps=2"]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    assert run_cli(*common, "--max_steps=4", f"--output_dir={straight}").returncode == 0
+    assert run_cli(*common, "--max_steps=2", f"--output_dir={broken}").returncode == 0
+    done = run_cli(*common, "--max_steps=4", f"--output_dir={broken}", "--is_keep_training=True")
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = (load_file(str(run / "checkpoints" / "step_000004" / "model.safetensors")) for run in (straight, broken))
+    assert all(torch.equal(a[k], b[k]) for k in a)
