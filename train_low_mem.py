@@ -87,6 +87,10 @@ def claim_output_dir(cfg):
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
         refuse_untrained(cfg)
         check_weights(cfg.init_from)
+        if cfg.lora_r:  # its targets: layers of that model
+            from lowmem.modeling import check_init_from
+
+            check_init_from(cfg)
         tokenizer = tokenizer_for_model(cfg, files)[1]
     refuse_early(cfg)
     return files, tokenizer

@@ -152,6 +152,7 @@ def test_lora_reaches_the_gated_feed_forward(family_models, corpus, tmp_path):
                    f"--output_dir={tmp_path / 'bad'}", *FAST)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert "names wi_0, which this model does not have" in proc.stderr and "q, k, v, o, wi, wo" in proc.stderr
+    assert not (tmp_path / "bad").exists()  # refused before the run folder is made
 
 
 def test_tokenizer_larger_than_the_embedding_is_one_line(family_models, corpus, tmp_path):
