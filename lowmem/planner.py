@@ -16,7 +16,7 @@ import math
 import sys
 from dataclasses import dataclass, replace
 
-from config import TrainConfig
+from config import TrainConfig, UserError
 from data.stream import total_steps
 from lowmem.memory import SHARDED_MMAP_THRESHOLD, hidden
 from lowmem.plan_batches import micro_batch_lengths
@@ -467,14 +467,20 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
     import_transformers_models()  # accelerate too
     from transformers import T5ForConditionalGeneration  # noqa: F401
 
-    extras = [] if cfg is None else [module for module, used in (
-        ("peft", cfg.lora_r > 0), ("bitsandbytes", cfg.optimizer == "adamw8bit"),
-        ("optimum.quanto", cfg.frozen_dtype in QUANTIZED_DTYPES),
-        ("torch.utils.tensorboard", cfg.report_to == "tensorboard")) if used]
-    for module in extras:
-        if installed(module.split(".")[0]):
-            with hidden("bitsandbytes") if module == "peft" else contextlib.nullcontext():
-                importlib.import_module(module)
+    extras = [] if cfg is None else [(module, flag) for module, flag, used in (
+        ("peft", "--lora_r", cfg.lora_r > 0), ("bitsandbytes", "--optimizer=adamw8bit", cfg.optimizer == "adamw8bit"),
+        ("optimum.quanto", "--frozen_dtype", cfg.frozen_dtype in QUANTIZED_DTYPES),
+        ("torch.utils.tensorboard", "--report_to=tensorboard", cfg.report_to == "tensorboard")) if used]
+    for module, flag in extras:
+        if installed(module.split(".")[0]):  # (a missing one is refused where it is used, in one line too)
+            try:
+                with hidden("bitsandbytes") if module == "peft" else contextlib.nullcontext():
+                    importlib.import_module(module)
+            except ImportError as err:  # installed, but broken: another version of its dependencies, say
+                package = {"optimum.quanto": "optimum-quanto", "torch.utils.tensorboard": "tensorboard"}.get(
+                    module, module)
+                raise UserError(f"{flag} needs {package}, which is installed but fails to import ({err}); reinstall "
+                                f"it for this environment: pip install --force-reinstall {package}") from None
     return psutil.Process().memory_info().rss / MB
 
 

@@ -178,6 +178,16 @@ def test_a_missing_optimum_quanto_is_one_line(tmp_path):
     assert "pip install '.[quant]'" in done.stderr and not (tmp_path / "run").exists()
 
 
+def test_an_installed_optional_package_that_fails_to_import_is_one_line(tmp_path, family_models):
+    broken = tmp_path / "site" / "peft"  # found by the import system, broken when imported
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('cannot import name X from transformers')\n")
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
+    done = run_cli("plan", "--is_finetune=True", f"--init_from={family_models['t5']}", "--lora_r=4", env=env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert "--lora_r needs peft, which is installed but fails to import" in done.stderr
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--frozen_dtype=int8"], "--frozen_dtype=int8 quantizes frozen linear layers and this run has none"),
     (["--is_finetune=True", "--freeze=embeddings", "--frozen_dtype=float8"], "this run has none"),
