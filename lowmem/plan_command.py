@@ -69,7 +69,8 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     bitsandbytes) what importing an optimizer's package costs (bitsandbytes for adamw8bit).
 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
-    micro-batch 2 or 1 (accumulation raised to keep the effective batch; 2 only where it divides it), the
+    the run's micro-batch (as asked, or as auto chose it), 2 or 1 (accumulation raised to keep the effective
+    batch; only those that divide it; a tie goes to the larger), the
     encoder cache when the encoder is frozen (--freeze=encoder) and, with bf16, bf16 storage of the frozen
     weights (any --freeze but none, or LoRA); int8 frozen linear layers (--freeze=encoder or LoRA) when
     optimum-quanto is installed. Sequence lengths, LoRA and the model are never changed: they change what is
@@ -85,8 +86,9 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         frozen.append("int8")  # optimum-quanto installed: 8-bit frozen linear layers
     reads, best = reads_per_row(cfg, lengths.get("train_rows", lengths["rows"]), world), None
     effective = cfg.batch_size * cfg.gradient_accumulation_steps  # kept: micro-batches that divide it
+    batches = [b for b in dict.fromkeys((cfg.batch_size, 2, 1)) if effective % b == 0]
     for ckpt, prec, opt, batch, cache, frozen_dtype in itertools.product(
-            [False, True], precisions, optimizers, [b for b in (2, 1) if effective % b == 0], caches, frozen):
+            [False, True], precisions, optimizers, batches, caches, frozen):
         if frozen_dtype == "bfloat16" and prec != "bf16":
             continue
         accumulation = effective // batch
