@@ -150,7 +150,8 @@ class LowMemTrainer:
         self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
         self.start_time = time.time()
         if self.model is None and cfg.init_from:  # checked before the run folder is made: a refusal leaves nothing
-            self.tokenizer_dir, self.tokenizer = tokenizer_for_model(cfg, self.files, self.tokenizer)
+            self.tokenizer_dir, self.tokenizer = tokenizer_for_model(cfg, self.files, self.tokenizer,
+                                                                     self.tokenizer_dir)
         resume_dir, old_files = self.folder.check(cfg, self.accelerator.process_index, say=self.say)
         if self.tokenizer is None:  # before a stopped run's files go: a tokenizer folder refused loses nothing
             self.tokenizer_dir = tokenizer_folder(cfg)
@@ -199,8 +200,7 @@ class LowMemTrainer:
         self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry, engine=self.engine)
 
     def _build_model(self) -> None:
-        """Build (from scratch) or load (--init_from) the model, freeze what --freeze names and apply the
-        memory modes."""
+        """Build (from scratch) or load (--init_from) the model, freeze what --freeze names, apply the memory modes."""
         cfg = self.cfg
         if self.model is None:
             with deepspeed_engine.loading_whole(self.accelerator):  # under ZeRO-3 too: not into partitions

@@ -146,9 +146,9 @@ def tokenizer_folder(cfg) -> Path:
     return folder
 
 
-def tokenizer_for_model(cfg, files, tokenizer=None) -> tuple[Path, object]:
-    """(folder, tokenizer) of a run from ``--init_from``: ``--tokenizer_dir``, else the model's own
-    (``tokenizer``: one already loaded), checked against the model before the run writes anything.
+def tokenizer_for_model(cfg, files, tokenizer=None, folder: Path | None = None) -> tuple[Path | None, object]:
+    """(folder, tokenizer) of a run from ``--init_from``: ``--tokenizer_dir``, else the model's own, or
+    ``tokenizer`` (one handed in, from ``folder``), checked against the model before the run writes anything.
     ``files``: the run's ``data.pipeline.DataFiles``.
 
     Raises:
@@ -156,8 +156,8 @@ def tokenizer_for_model(cfg, files, tokenizer=None) -> tuple[Path, object]:
     """
     from data.tokenization import tokenizer_for_run
 
-    folder = tokenizer_folder(cfg)
     if tokenizer is None:
+        folder = tokenizer_folder(cfg)
         tokenizer = tokenizer_for_run(cfg, folder, files)
     check_vocabulary(cfg, model_folder_config(cfg.init_from)["vocab_size"], tokenizer)
     return folder, tokenizer

@@ -205,8 +205,8 @@ class IntervalMeter:
         now = self.untimed_since or time.time()  # a checkpoint is written inside ``untimed``
         return {**{k: float(v) if k == "loss" else v for k, v in self.sums.items()
                    if k in ("loss", "tokens", "steps", "real_tokens", "positions")},
-                "timed_seconds": self.timed["seconds"] + now - self.sums["t0"],
-                "timed_steps": self.timed["steps"] + self.sums["timed_steps"]}
+                "timed_seconds": self.timed["seconds"] + now - self.sums.get("t0", now),  # (none: not started)
+                "timed_steps": self.timed["steps"] + self.sums.get("timed_steps", 0)}
 
     def mean_step_seconds(self) -> float | None:
         """Seconds per optimizer step of the run's training, the parts before a resume included: data,
