@@ -100,8 +100,9 @@ FROZEN_DTYPES = {"float32": ["--frozen_dtype=float32"], "int8": ["--frozen_dtype
                  "int8 + bf16": ["--mixed_precision=bf16", "--frozen_dtype=int8"]}
 
 
-def frozen(steps: int, figures: dict, corpora: dict, tmp: Path, jobs: int = 1) -> None:
-    """Part 2: base SFT and LoRA with the frozen weights in float32, bfloat16 and int8 (float32 or bf16 compute)."""
+def frozen(steps: int, figures: dict, corpora: dict, tmp: Path, jobs: int = 1, only: list[str] | None = None) -> None:
+    """Part 2: base SFT and LoRA with the frozen weights in float32, bfloat16 and int8 (float32 or bf16 compute);
+    ``only``: these of FROZEN_DTYPES."""
     init = tmp / "init_base"
     pretrain = trainer_run([f"--train_file={corpora['sft']}", "--model_preset=base", "--mixed_precision=no",
                             "--gradient_accumulation_steps=1"], init, 1, eval_rows=2)
@@ -120,19 +121,20 @@ def frozen(steps: int, figures: dict, corpora: dict, tmp: Path, jobs: int = 1) -
     # Each run's GPU peak is its own process's, so the runs may share the GPU (jobs > 1); their step times
     # then measure the sharing too.
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        runs = {(mode, dtype): pool.submit(run, mode, dtype) for mode in FROZEN for dtype in FROZEN_DTYPES}
+        dtypes = [d for d in FROZEN_DTYPES if not only or d in only]
+        runs = {(mode, dtype): pool.submit(run, mode, dtype) for mode in FROZEN for dtype in dtypes}
     for mode in FROZEN:
         first = None
-        for dtype in FROZEN_DTYPES:
+        for dtype in dtypes:
             r = figures["frozen"][f"{mode} {dtype}"] = runs[mode, dtype].result()
             if "error" in r:
                 print(f"| {mode} | {dtype} failed: {r['error']} ||||||", flush=True)
                 continue
-            first = first or r
+            first = r if dtype == "float32" else first  # float32 is the first row when it runs
+            against = f"{r['measured_gpu_mb'] / first['measured_gpu_mb']:.2f}" if first else "-"
             print(f"| {mode} | {dtype} | {r['step_s']:.3f} | {r['predicted_gpu_mb']:,.0f} | "
-                  f"{r['measured_gpu_mb']:,.0f} | "
-                  f"{r['gpu_ratio']:.2f} | {r['measured_gpu_mb'] / first['measured_gpu_mb']:.2f} | "
-                  f"{r['eval_loss']:.4f} |", flush=True)
+                  f"{r['measured_gpu_mb']:,.0f} | {r['gpu_ratio']:.2f} | {against} | {r['eval_loss']:.4f} |",
+                  flush=True)
 
 
 def sweep(preset: str, micro_batches: list[int], length: int, repeats: int) -> dict[int, float]:
@@ -175,6 +177,8 @@ def main() -> None:
     parser.add_argument("--parts", default="profiles,frozen,sweep", help="which of profiles, frozen, sweep to run")
     parser.add_argument("--jobs", type=int, default=1,
                         help="frozen runs at once on the GPU (their GPU peaks stay their own; step times are shared)")
+    parser.add_argument("--frozen_dtypes", default="", help="the frozen rows to run, comma-separated (default: all "
+                        f"of {', '.join(FROZEN_DTYPES)})")
     parser.add_argument("--json", default="", help="also write every figure to this file")
     options = parser.parse_args()
     import torch
@@ -196,7 +200,8 @@ def main() -> None:
             save()
         if "frozen" in parts:
             print()
-            frozen(options.steps, figures, corpora, Path(tmp), options.jobs)
+            frozen(options.steps, figures, corpora, Path(tmp), options.jobs,
+                   [d.strip() for d in options.frozen_dtypes.split(",") if d.strip()])
             save()
     if "sweep" not in parts:
         return
