@@ -112,12 +112,10 @@ def _memory_references(ax, records: list[dict]) -> None:
     plan = _last(records, "memory_plan")
     if plan and _number(plan.get("host_peak_mb")):
         ax.axhline(plan["host_peak_mb"], color="tab:orange", linestyle="--", label="predicted peak (plan)")
-    # Each process of a resumed run measures its own peak: the run's is the highest of them, and of the samples
-    peaks = [r["measured_host_peak_mb"] for r in records
-             if r.get("event") == "memory_peak" and _number(r.get("measured_host_peak_mb"))]
-    if peaks:
-        samples = [r["rss_mb"] for r in records if r.get("event") in ("train", "memory") and _number(r.get("rss_mb"))]
-        ax.axhline(max(peaks + samples), color="tab:red", linestyle=":", label="measured peak")
+    # Each process of a resumed run measures its own peak (its records carry it so far): the run's is the highest
+    peaks = [r[key] for r in records for key in ("measured_host_peak_mb", "peak_rss_mb") if _number(r.get(key))]
+    if peaks and any(r.get("event") == "memory_peak" for r in records):
+        ax.axhline(max(peaks), color="tab:red", linestyle=":", label="measured peak")
 
 
 def _number(value) -> bool:
