@@ -43,13 +43,13 @@ def train(config: str | None = None, **flags) -> dict:
     cfg, notes = load_config(flags, config)
     notes += [f"note: --{name} is read by generate, not by train" for name in GENERATE_ONLY
               if name in flags]
-    files = claim_output_dir(cfg)  # before the heavy imports below: refusals come at once, and a run killed this
-    # early can still be continued
+    files, tokenizer_dir, tokenizer = claim_output_dir(cfg)  # before the heavy imports below: refusals come at
+    # once, and a run killed this early can still be continued
     from lowmem.run_memory import StoppedForMemory
     from lowmem.stopping import StoppedAtOnce
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
-    trainer = LowMemTrainer(cfg, files=files)
+    trainer = LowMemTrainer(cfg, tokenizer=tokenizer, files=files, tokenizer_dir=tokenizer_dir)
     for note in notes:
         trainer.say(note)
     try:
@@ -75,13 +75,14 @@ def claim_output_dir(cfg):
     The trainer checks the folder again once its processes are up.
 
     Returns:
-        The checked data files (``data.pipeline.DataFiles``), for the trainer.
+        For the trainer: the checked data files (``data.pipeline.DataFiles``), and from --init_from the
+        tokenizer's folder and the tokenizer, checked against the model (else None, None).
     """
     from data.objectives import objective_for
     from data.pipeline import check_data  # light: pyarrow is imported only to read a parquet file's columns
     from lowmem.run_start import refuse_early
 
-    files = check_data(cfg, objective_for(cfg))
+    files, tokenizer_dir, tokenizer = check_data(cfg, objective_for(cfg)), None, None
     if cfg.init_from and not cfg.is_keep_training:
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
         refuse_untrained(cfg)
@@ -90,9 +91,9 @@ def claim_output_dir(cfg):
             from lowmem.modeling import check_init_from
 
             check_init_from(cfg)
-        tokenizer_for_model(cfg, files)  # (the trainer loads it again: its folder's files go into exports)
+        tokenizer_dir, tokenizer = tokenizer_for_model(cfg, files)
     refuse_early(cfg)
-    return files
+    return files, tokenizer_dir, tokenizer
 
 
 def plan(config: str | None = None, **flags) -> None:

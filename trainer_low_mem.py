@@ -94,7 +94,7 @@ class TrainState:
 class LowMemTrainer:
     """Streaming trainer. Optional ``tokenizer`` / ``model`` are injected as-is (the test seam)."""
 
-    def __init__(self, cfg: TrainConfig, tokenizer=None, model=None, files: DataFiles | None = None):
+    def __init__(self, cfg: TrainConfig, tokenizer=None, model=None, files=None, tokenizer_dir=None):
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.state = TrainState()
@@ -111,7 +111,7 @@ class LowMemTrainer:
         self.shape_multiple = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU)
         self.checkpointer: Checkpointer | None = None
         self.tokenizer = tokenizer
-        self.tokenizer_dir: Path | None = None  # the folder the tokenizer was loaded from (its files go into exports)
+        self.tokenizer_dir: Path | None = tokenizer_dir  # where the tokenizer came from (its files go into exports)
         self.data: TrainData | None = None
         self.memory_plan: dict = {}
         self.batch_request: dict = {}  # the batch flags as asked for (the config holds the sizes used)
