@@ -87,10 +87,12 @@ def claim_output_dir(cfg):
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
         refuse_untrained(cfg)
         check_weights(cfg.init_from)
-        if cfg.lora_r:  # its targets: layers of that model
-            from lowmem.modeling import check_init_from
+        from lowmem.memory import import_extras
+        from lowmem.modeling import check_init_from, import_transformers_models
 
-            check_init_from(cfg)
+        import_transformers_models()  # first, as the trainer does: without scipy and boto3 (peft imports both)
+        import_extras(cfg)  # peft, optimum-quanto: one installed but broken is refused before the folder is made
+        check_init_from(cfg)  # LoRA's targets are layers of that model
         tokenizer_dir, tokenizer = tokenizer_for_model(cfg, files)
     refuse_early(cfg)
     return files, tokenizer_dir, tokenizer

@@ -182,3 +182,29 @@ def import_accelerate() -> None:
     import boto3 (with botocore) whenever it is installed; a training process never asks them.
     """
     import_while_hidden("accelerate", "boto3")
+
+
+def import_extras(cfg) -> None:
+    """Import the optional packages the run uses, where installed (peft without bitsandbytes, as
+    ``lowmem.modeling.add_lora`` imports it; bitsandbytes for adamw8bit; optimum-quanto for 8-bit frozen
+    weights; tensorboard for --report_to). A missing one is refused where it is used, in one line.
+
+    Raises:
+        UserError: one is installed but fails to import (another version of its dependencies, say).
+    """
+    from config import QUANTIZED_DTYPES, UserError, installed
+
+    for module, flag, used in (
+            ("peft", "--lora_r", cfg.lora_r > 0),
+            ("bitsandbytes", "--optimizer=adamw8bit", cfg.optimizer == "adamw8bit"),
+            ("optimum.quanto", "--frozen_dtype", cfg.frozen_dtype in QUANTIZED_DTYPES),
+            ("torch.utils.tensorboard", "--report_to=tensorboard", cfg.report_to == "tensorboard")):
+        if not used or not installed(module.split(".")[0]):
+            continue
+        try:
+            with hidden("bitsandbytes") if module == "peft" else contextlib.nullcontext():
+                importlib.import_module(module)
+        except ImportError as err:
+            package = {"optimum.quanto": "optimum-quanto", "torch.utils.tensorboard": "tensorboard"}.get(module, module)
+            raise UserError(f"{flag} needs {package}, which is installed but fails to import ({err}); reinstall it "
+                            f"for this environment: pip install --force-reinstall {package}") from None

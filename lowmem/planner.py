@@ -16,9 +16,9 @@ import math
 import sys
 from dataclasses import dataclass, replace
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.stream import total_steps
-from lowmem.memory import SHARDED_MMAP_THRESHOLD, hidden
+from lowmem.memory import SHARDED_MMAP_THRESHOLD
 from lowmem.plan_batches import micro_batch_lengths
 from lowmem.plan_sharding import sharded_sizes
 from lowmem.quantize import SHARD_BYTES
@@ -455,32 +455,17 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
     without bitsandbytes as ``lowmem.modeling.add_lora`` does; bitsandbytes for adamw8bit: about 44 MiB;
     optimum-quanto for 8-bit frozen weights; tensorboard for --report_to), when they are installed.
     """
-    import contextlib
-    import importlib
-
     import psutil
     import torch  # noqa: F401
 
-    from config import QUANTIZED_DTYPES, installed
+    from lowmem.memory import import_extras
     from lowmem.modeling import import_transformers_models
 
     import_transformers_models()  # accelerate too
     from transformers import T5ForConditionalGeneration  # noqa: F401
 
-    extras = [] if cfg is None else [(module, flag) for module, flag, used in (
-        ("peft", "--lora_r", cfg.lora_r > 0), ("bitsandbytes", "--optimizer=adamw8bit", cfg.optimizer == "adamw8bit"),
-        ("optimum.quanto", "--frozen_dtype", cfg.frozen_dtype in QUANTIZED_DTYPES),
-        ("torch.utils.tensorboard", "--report_to=tensorboard", cfg.report_to == "tensorboard")) if used]
-    for module, flag in extras:
-        if installed(module.split(".")[0]):  # (a missing one is refused where it is used, in one line too)
-            try:
-                with hidden("bitsandbytes") if module == "peft" else contextlib.nullcontext():
-                    importlib.import_module(module)
-            except ImportError as err:  # installed, but broken: another version of its dependencies, say
-                package = {"optimum.quanto": "optimum-quanto", "torch.utils.tensorboard": "tensorboard"}.get(
-                    module, module)
-                raise UserError(f"{flag} needs {package}, which is installed but fails to import ({err}); reinstall "
-                                f"it for this environment: pip install --force-reinstall {package}") from None
+    if cfg is not None:
+        import_extras(cfg)
     return psutil.Process().memory_info().rss / MB
 
 

@@ -183,9 +183,12 @@ def test_an_installed_optional_package_that_fails_to_import_is_one_line(tmp_path
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('cannot import name X from transformers')\n")
     env = {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"}
-    done = run_cli("plan", "--is_finetune=True", f"--init_from={family_models['t5']}", "--lora_r=4", env=env)
-    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
-    assert "--lora_r needs peft, which is installed but fails to import" in done.stderr
+    for command in ("plan", "train"):  # train refuses it before the run folder is made
+        done = run_cli(command, "--is_finetune=True", f"--init_from={family_models['t5']}", "--lora_r=4",
+                       f"--output_dir={tmp_path / 'run'}", env=env)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+        assert "--lora_r needs peft, which is installed but fails to import" in done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("flags, message", [
