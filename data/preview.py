@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import replace
 
 from config import TrainConfig
+from data.eval_set import eval_files_of
 from data.objectives import objective_for
 from data.packing import PackedStream
 from data.pipeline import build_data, check_data
@@ -19,7 +21,7 @@ def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = Fal
     files = check_data(cfg, objective, eval_set=False)
     # train holds the eval set out of a text corpus given no --eval_file (and so does the preview); never out of
     # prepared shards, which train reads beside an --eval_file
-    files = files if files.prepared else check_data(cfg, objective)
+    files = files if files.prepared else replace(files, eval=eval_files_of(cfg, files.train))
     data = build_data(cfg, files, tokenizer, objective=objective, report=report, warn=report,
                       eval_set=not files.prepared)
     examples = itertools.islice(data.stream.iter_epoch(), count)
