@@ -87,11 +87,16 @@ def claim_output_dir(cfg):
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
         refuse_untrained(cfg)
         check_weights(cfg.init_from)
+    extras = cfg.init_from or cfg.optimizer == "adamw8bit" or cfg.report_to == "tensorboard"
+    if extras and not cfg.is_keep_training:
         from lowmem.memory import import_extras
-        from lowmem.modeling import check_init_from, import_transformers_models
+        from lowmem.modeling import import_transformers_models
 
         import_transformers_models()  # first, as the trainer does: without scipy and boto3 (peft imports both)
-        import_extras(cfg)  # peft, optimum-quanto: one installed but broken is refused before the folder is made
+        import_extras(cfg)  # peft, bitsandbytes, optimum-quanto, tensorboard: one installed but broken is refused
+    if cfg.init_from and not cfg.is_keep_training:  # before the folder is made
+        from lowmem.modeling import check_init_from
+
         check_init_from(cfg)  # LoRA's targets are layers of that model
         tokenizer_dir, tokenizer = tokenizer_for_model(cfg, files)
     refuse_early(cfg)

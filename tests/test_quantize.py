@@ -189,6 +189,13 @@ def test_an_installed_optional_package_that_fails_to_import_is_one_line(tmp_path
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
         assert "--lora_r needs peft, which is installed but fails to import" in done.stderr
     assert not (tmp_path / "run").exists()
+    broken = tmp_path / "site" / "bitsandbytes"  # in pretraining too (no --init_from)
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('libbitsandbytes_cpu.so: cannot open shared object')\n")
+    done = run_cli("train", "--optimizer=adamw8bit", f"--output_dir={tmp_path / 'run'}", env=env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert "--optimizer=adamw8bit needs bitsandbytes, which is installed but fails to import" in done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("flags, message", [
