@@ -2,8 +2,9 @@
 
 The command line runs them before the trainer's imports (torch, transformers: several seconds), so a
 folder that cannot take the run is refused in about half a second; the trainer runs them again once
-its processes are up (the state may have changed meanwhile) and then holds the folder's lock. Nothing
-here writes: the refusals leave the folder as they found it.
+its processes are up (the state may have changed meanwhile) and then holds the folder's lock. The
+refusals leave the folder as they found it; a new run's folder, once accepted, is claimed here (made, with
+its marker: ``data.ownership.claim_folder``).
 """
 
 from __future__ import annotations
@@ -40,11 +41,17 @@ def removable(cfg: TrainConfig, used: list[Path]) -> list[Path]:
 
 
 def check_owned(cfg: TrainConfig, path: Path) -> None:
-    """Refuse an OUTPUT_DIR that is the model the run starts from, a saved model, or a folder of files not
-    ours (for a resume: anything but a run's folder)."""
+    """Refuse an OUTPUT_DIR that is the model the run starts from, a saved model or inside one (a run's
+    best/ and final/ are replaced whole, checkpoints/ rotated), or a folder of files not ours (for a
+    resume: anything but a run's folder)."""
     if cfg.init_from and path.resolve() in [init := resolve_model_dir(cfg.init_from).resolve(), *init.parents]:
         raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: a run must not "
                         "write into the model it starts from; choose another --output_dir")
+    for outer in path.resolve().parents:  # a run replaces its exports whole and removes old checkpoints
+        run = outer.parent
+        if outer.name in ("best", "final", "checkpoints") and ((run / STARTED_MARKER).is_file() or is_run_folder(run)):
+            raise UserError(f"--output_dir={cfg.output_dir} is inside {outer}, which the run in {run} replaces or "
+                            "removes as a whole, with what is inside; choose an --output_dir outside it")
     if (saved_json(path / "config.json") or {}).get("model_type"):  # a run's config.json has none
         raise UserError(f"--output_dir={cfg.output_dir} holds a saved model (config.json, weights), which a run "
                         "there would overwrite; choose another --output_dir")

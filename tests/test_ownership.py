@@ -227,6 +227,20 @@ def test_a_run_folder_of_ours_is_reused_marked_or_not(trained, tmp_path):
     assert [r["step"] for r in metrics(copy) if r["event"] == "train"] == [1, 2]
 
 
+def test_a_run_inside_another_runs_exports_or_checkpoints_is_refused(trained, tmp_path):
+    # Its best/ and final/ are replaced whole at its next export, its checkpoints removed as they rotate:
+    # a run made inside one (from --init_from=RUN/best, say) would be lost with it.
+    run, args = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for inside in (copy / "best" / "sft", copy / "final" / "a" / "b", copy / "checkpoints" / "x"):
+        proc = run_cli("train", f"--output_dir={inside}", f"--init_from={copy / 'best'}", *args)
+        assert f"is inside {copy / inside.relative_to(copy).parts[0]}, which the run in {copy}" in error_line(proc)
+        assert not inside.exists()
+    proc = run_cli("train", f"--output_dir={copy / 'sft'}", f"--init_from={copy / 'best'}", *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # beside them, in the run's folder: its own
+
+
 class RunsCommand:
     """Unpickled, it runs a shell command: what a checkpoint from elsewhere could hold."""
 
