@@ -57,6 +57,15 @@ def new_staging(final: Path) -> Path:
     return tmp
 
 
+def restore_cut_swap(final: Path) -> Path:
+    """Put back the previous ``final`` that a swap cut between its two renames left at ``.old-<name>``
+    (a SIGKILL, or a second Ctrl-C, between them); returns that aside path."""
+    old = final.with_name(f".old-{final.name}")
+    if old.is_dir() and not final.exists():
+        old.rename(final)
+    return old
+
+
 @contextmanager
 def atomic_folder(final: Path, staged: bool = False):
     """Yield a temporary folder; on success make it ``final`` in one rename (replacing an old one).
@@ -65,9 +74,7 @@ def atomic_folder(final: Path, staged: bool = False):
     On an exception the temporary folder is removed and ``final`` is left as it was.
     """
     final = Path(final)
-    old = final.with_name(f".old-{final.name}")
-    if old.is_dir() and not final.exists():  # a swap cut between its two renames: the previous one back first
-        old.rename(final)
+    old = restore_cut_swap(final)
     tmp = staging_path(final) if staged else new_staging(final)
     try:
         yield tmp
@@ -88,6 +95,7 @@ def atomic_folder(final: Path, staged: bool = False):
     except BaseException as exc:
         full = disk_full(exc, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        restore_cut_swap(final)  # interrupted between the two renames (a second Ctrl-C): the previous one back
         if full:
             raise UserError(f"no space left on the device while writing {final}; it was not written and what "
                             "was there before is intact. Free space (or lower --save_total_limit), then "

@@ -92,6 +92,8 @@ class Checkpointer:
         self.saved_step = trainer_state["step"]
         # best/ set aside with a continuation --resume_from replaces (or removed): the model the state names as
         # the best is gone, and the next evaluation exports a new one. Main's look decides for every process.
+        if self.accelerator.is_main_process:
+            checkpoint.restore_cut_swap(self.folder.path / "best")  # an export cut between its two renames
         gone = self.accelerator.is_main_process and not (self.folder.path / "best").is_dir()
         changes = eval_changes(saved_json(folder / "run_config.json") or {}, run_config)
         if trainer_state.get("best_step") is not None and changes:

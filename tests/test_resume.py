@@ -233,6 +233,44 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path):
     assert (final / "a.txt").read_text() == "old" and not (tmp_path / ".old-best").exists()
 
 
+def test_an_export_interrupted_between_its_two_renames_puts_the_previous_one_back(tmp_path, monkeypatch):
+    final = tmp_path / "best"
+    with checkpoint.atomic_folder(final) as tmp:
+        (tmp / "a.txt").write_text("old")
+    rename, calls = Path.rename, []
+
+    def second_interrupted(self, target):  # a second Ctrl-C landing between best -> .old-best and .tmp -> best
+        calls.append(target)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", second_interrupted)
+    with pytest.raises(KeyboardInterrupt), checkpoint.atomic_folder(final) as tmp:
+        (tmp / "a.txt").write_text("new")
+    monkeypatch.undo()
+    assert (final / "a.txt").read_text() == "old" and not (tmp_path / ".old-best").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
+def test_a_resume_after_a_kill_between_an_exports_renames_keeps_the_best_model(tmp_path):
+    # best/ at .old-best (killed mid-swap): the resume puts it back and still compares with its metric, so
+    # a worse model does not replace it
+    data = write_rows(tmp_path / "d.jsonl", synthetic_rows(60, seed=3))
+    run = tmp_path / "run"
+    common = [f"--train_file={data}", f"--eval_file={data}", f"--output_dir={run}", "--eval_steps=2",
+              "--max_eval_samples=8", "--eval_generate=False", "--gradient_accumulation_steps=2", "--save_steps=2"]
+    done = run_cli("train", *common, "--max_steps=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    best = json.loads((run / "best" / "training_info.json").read_text())
+    (run / "best").rename(run / ".old-best")
+    done = run_cli("train", *common, "--max_steps=4", "--is_keep_training=True", "--learn_rate=200",
+                   "--warmup_steps=0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((run / "best" / "training_info.json").read_text()) == best
+    assert not (run / ".old-best").exists() and "new best" not in done.stdout
+
+
 def test_keep_training_without_a_run_is_a_clear_error(tmp_path):
     proc = run_cli("train", f"--output_dir={tmp_path / 'nothing'}", "--is_keep_training=True")
     assert proc.returncode == 2 and "no run to continue" in proc.stderr
