@@ -34,9 +34,13 @@ SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1", "tokenizer_json_sha1",
                   "optimizer", "lora_r", "lora_alpha", "lora_target_modules", "frozen_dtype", "quantize_wo")
 # What a checkpoint's state is counted in: the order of the rows its data position counts (the seed shuffles
-# each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), and the
+# each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), the stream
+# that position belongs to (pairs count rows, the text objectives documents and packed tokens), and the
 # metric its best model was chosen by.
-FIXED_ON_RESUME = ("seed", "shuffle_buffer_size", "metric_for_best")
+FIXED_ON_RESUME = ("seed", "shuffle_buffer_size", "objective", "metric_for_best")
+FIXED_WHY = {"metric_for_best": "its best model was chosen by that metric, whose values the new one's cannot be "
+                                "compared with",
+             "objective": "its data position is one in that objective's stream, which another one reads differently"}
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 # What an evaluation's numbers depend on besides the model: a best/ chosen under other values is not comparable
 EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_len")
@@ -277,9 +281,8 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
                         f"--mixed_precision={saved['mixed_precision']}; resume with it, or use a new --output_dir")
     for key in FIXED_ON_RESUME:
         if key in saved and saved[key] != current[key]:
-            why = ("its best model was chosen by that metric, whose values the new one's cannot be compared with"
-                   if key == "metric_for_best" else "its data position counts rows in the order that gave: another "
-                   "order would repeat some rows and skip others")
+            why = FIXED_WHY.get(key, "its data position counts rows in the order that gave: another order would "
+                                     "repeat some rows and skip others")
             raise UserError(f"checkpoint {folder} was written with --{key}={saved[key]}, and {why}; resume with "
                             f"--{key}={saved[key]}, or use a new --output_dir")
     for key, value in current.items():

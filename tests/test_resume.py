@@ -320,14 +320,17 @@ def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resume
 
 
 @pytest.mark.parametrize("key, saved_value, value", [("seed", 1, 2), ("shuffle_buffer_size", 3, 0),
-                                                     ("metric_for_best", "eval_loss", "bleu")])
+                                                     ("metric_for_best", "eval_loss", "bleu"),
+                                                     ("objective", "pairs", "prefix_lm")])
 def test_a_resume_refuses_another_row_order_or_best_metric(tmp_path, key, saved_value, value):
     """The checkpoint's data position counts rows in the order its seed and shuffle gave (another order
     repeated one file's rows and skipped another's), its best model was chosen by its metric (a BLEU was
-    compared with the best eval loss); other settings change with a note."""
+    compared with the best eval loss), its data position is one of its objective's stream (prefix_lm read a
+    pairs position: a KeyError); other settings change with a note."""
     from lowmem.run_folder import compare_settings
 
-    saved = {"seed": 1, "shuffle_buffer_size": 3, "metric_for_best": "eval_loss", "learn_rate": 1e-3, key: saved_value}
+    saved = {"seed": 1, "shuffle_buffer_size": 3, "metric_for_best": "eval_loss", "objective": "pairs",
+             "learn_rate": 1e-3, key: saved_value}
     notes = []
     with pytest.raises(UserError, match=f"resume with --{key}={saved_value}, or use a new --output_dir"):
         compare_settings(saved, {**saved, key: value}, tmp_path, notes.append)
