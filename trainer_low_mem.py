@@ -167,7 +167,7 @@ class LowMemTrainer:
         self.batch_request = batch_request(cfg)  # the sizes used, from here on in the config (lowmem.batch_budget)
         sizes = size_run(cfg, self.data, self.accelerator, len(self.tokenizer), planned_sharding(self.engine),
                          resume_dir, self.say)
-        cfg = self.cfg = replace(cfg, **sizes.flags())  # planned before the model exists:
+        cfg = self.cfg = self.telemetry.resolved(replace(cfg, **sizes.flags()))  # planned before the model exists:
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
                                     resume_dir is not None, planned_sharding(self.engine), sizes.lengths, self.say)
         imports_done()  # before the weights: lowmem.collector

@@ -63,6 +63,15 @@ class Telemetry:
         if cfg.dump_consumed:
             self.consumed = AppendLog(out / f"consumed-rank{self.rank}.tsv")
 
+    def resolved(self, cfg: TrainConfig) -> TrainConfig:
+        """``cfg`` as the run uses it (the batch sizes ``auto`` or the memory budget chose): config.json holds
+        these, rewritten now (resuming: once the checkpoint has loaded)."""
+        if self.main:
+            self.pending_config = (self.pending_config[0], cfg.to_dict())
+            if not self.holding:
+                self._write_config()
+        return cfg
+
     def _write_config(self) -> None:
         path, values = self.pending_config
         with open_own(path, "w", encoding="utf-8") as fh:

@@ -175,6 +175,8 @@ def test_auto_stays_within_max_rss_gb_and_a_resume_keeps_its_sizes(tmp_path):
     setup = next(r for r in records if r["event"] == "setup")
     assert 2 < setup["micro_batch_size"] < 256  # above the old cap, below auto's limit: the budget decided
     assert setup["eval_batch_size"] > 4 and "auto: micro-batch" in proc.stdout
+    config = json.loads((run / "config.json").read_text())  # the configuration as resolved, the sizes used
+    assert (config["batch_size"], config["eval_batch_size"]) == (setup["micro_batch_size"], setup["eval_batch_size"])
     peak = next(r for r in records if r["event"] == "memory_peak")
     assert peak["measured_host_peak_mb"] < 0.75 * 1024
     proc = run_cli("train", *common, "--max_steps=3", "--is_keep_training=True")
