@@ -41,15 +41,8 @@ from lowmem.evaluation import eval_log_line, evaluate_model, is_better
 from lowmem.flags import TRAINED_WITH
 from lowmem.memory import free_memory, process_rss_bytes
 from lowmem.model_source import check_vocabulary, tokenizer_folder, tokenizer_for_model
-from lowmem.modeling import (
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    check_init_from,
-    load_model,
-    ready_to_train,
-)
-from lowmem.optim import parameter_group_sizes, parameter_groups
+from lowmem.modeling import build_model, check_init_from, load_model, ready_to_train
+from lowmem.optim import build_optimizer, build_scheduler, parameter_group_sizes, parameter_groups
 from lowmem.run_folder import RunFolder
 from lowmem.run_memory import guard_stop, peak_against_plan, plan_run
 from lowmem.sharding import full_value, padded_window, planned_sharding, shard_model, weights_finite

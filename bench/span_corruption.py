@@ -225,8 +225,8 @@ def nanot5_child(options) -> None:
     from data.tokenization import load_tokenizer
     from lowmem.flags import load_config
     from lowmem.memory import peak_rss_bytes
-    from lowmem.modeling import build_model, build_scheduler
-    from lowmem.optim import Adafactor
+    from lowmem.modeling import build_model
+    from lowmem.optim import Adafactor, build_scheduler
 
     raw, target_len = expanded_length(options.max_source_len)
     torch.manual_seed(options.seed)

@@ -208,3 +208,13 @@ def import_extras(cfg) -> None:
             package = {"optimum.quanto": "optimum-quanto", "torch.utils.tensorboard": "tensorboard"}.get(module, module)
             raise UserError(f"{flag} needs {package}, which is installed but fails to import ({err}); reinstall it "
                             f"for this environment: pip install --force-reinstall {package}") from None
+
+
+def optional_import(module: str, flag: str):
+    """Import an optional extra, or say in one line how to install it."""
+    from config import UserError, optional_package_missing
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(optional_package_missing(flag, module)) from None

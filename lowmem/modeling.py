@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from config import MODEL_PRESETS, TrainConfig, UserError, optional_package_missing
-from lowmem.memory import hidden, import_accelerate, import_while_replaced
+from config import MODEL_PRESETS, TrainConfig, UserError
+from lowmem.memory import hidden, import_accelerate, import_while_replaced, optional_import
 from lowmem.model_source import check_weights, model_folder_config, resolve_model_dir
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
@@ -134,34 +134,6 @@ def count_parameters(model) -> tuple[int, int]:
 
     trainable = sum(size(p) for p in model.parameters() if p.requires_grad)
     return trainable, sum(size(p) for p in model.parameters()) - trainable
-
-
-def build_optimizer(cfg: TrainConfig, params):
-    """The optimizer of ``--optimizer`` over ``params`` (tensors, or ``lowmem.optim.parameter_groups``, whose
-    weight decay wins over ``--weight_decay``), with the learning rate applied as given.
-
-    Adafactor: no relative step, no parameter scaling (the reference's ``relative_step=True`` ignored
-    the configured rate). adamw8bit keeps both moments in 8 bits (bitsandbytes, tensors of 4096+
-    elements; smaller ones stay 32-bit).
-    """
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw8bit":
-        bnb = optional_import("bitsandbytes", "--optimizer=adamw8bit")
-        return bnb.optim.AdamW8bit(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
-    from lowmem.optim import Adafactor
-
-    return Adafactor(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
-
-
-def optional_import(module: str, flag: str):
-    """Import an optional extra, or say in one line how to install it."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise UserError(optional_package_missing(flag, module)) from None
 
 
 def lora_stacks(cfg: TrainConfig) -> tuple[str, ...]:
@@ -326,16 +298,6 @@ def weights_in_float32(model):
     finally:
         for param in halves:
             param.data = param.data.to(torch.bfloat16)
-
-
-def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
-    """Linear warmup, then linear / cosine decay to 0 at ``total_steps`` (or constant)."""
-    from lowmem.optim import warmup_schedule
-
-    # --warmup_steps as given, as transformers' schedules take it: the rate of each warmup step does not
-    # depend on the run's length, and a run shorter than its warmup ends before the peak. (Squeezing the ramp
-    # into a short run took a fresh model to the peak within a few steps: loss spikes, docs/correctness.md.)
-    return warmup_schedule(optimizer, cfg.lr_scheduler, cfg.warmup_steps, total_steps)
 
 
 def check_init_from(cfg: TrainConfig) -> None:

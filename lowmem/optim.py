@@ -18,7 +18,9 @@ from functools import partial
 
 import torch
 
+from config import TrainConfig
 from lowmem.adafactor_slices import Layout, apply_update, summed, update_flat
+from lowmem.memory import optional_import
 from lowmem.sharding import plain, shard_group
 
 
@@ -210,3 +212,27 @@ def resume_schedule(optimizer, scheduler, lr: float, weight_decay: float) -> Non
     for group, rate in zip(optimizer.param_groups, rates):
         group.update(lr=rate, initial_lr=lr, weight_decay=0.0 if group.get("decay_exempt") else weight_decay)
     scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": [lr] * len(rates), "_last_lr": rates})
+
+
+def build_optimizer(cfg: TrainConfig, params):
+    """The optimizer of ``--optimizer`` over ``params`` (tensors, or ``lowmem.optim.parameter_groups``, whose
+    weight decay wins over ``--weight_decay``), with the learning rate applied as given.
+
+    Adafactor: no relative step, no parameter scaling (the reference's ``relative_step=True`` ignored
+    the configured rate). adamw8bit keeps both moments in 8 bits (bitsandbytes, tensors of 4096+
+    elements; smaller ones stay 32-bit).
+    """
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw8bit":
+        bnb = optional_import("bitsandbytes", "--optimizer=adamw8bit")
+        return bnb.optim.AdamW8bit(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
+    return Adafactor(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
+    """Linear warmup, then linear / cosine decay to 0 at ``total_steps`` (or constant)."""
+    # --warmup_steps as given, as transformers' schedules take it: the rate of each warmup step does not
+    # depend on the run's length, and a run shorter than its warmup ends before the peak. (Squeezing the ramp
+    # into a short run took a fresh model to the peak within a few steps: loss spikes, docs/correctness.md.)
+    return warmup_schedule(optimizer, cfg.lr_scheduler, cfg.warmup_steps, total_steps)

@@ -52,7 +52,8 @@ SHARDING_NAMES = {"fsdp": "FSDP", "zero2": "DeepSpeed ZeRO-1/2", "zero3": "DeepS
 
 
 class RunFolder:
-    """Files of one run. Writes happen on the main process; the trainer adds the barriers."""
+    """Files of one run. The main process writes them, but for what each process must write itself (the
+    check that it can write there, a sharded checkpoint's own shard); the trainer adds the barriers."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

@@ -707,7 +707,7 @@ STEP_MEMORY = """
 import json, sys
 import torch
 from config import TrainConfig
-from lowmem.modeling import build_optimizer
+from lowmem.optim import build_optimizer
 from lowmem.tensor_bytes import optimizer_bytes
 cfg = TrainConfig(optimizer=sys.argv[1])
 warm = torch.nn.Parameter(torch.randn(64, 64))  # a first step's kernels and thread pools, made here

@@ -122,7 +122,8 @@ def test_logs_are_cut_back_to_a_checkpoint_and_its_record_written_again(tmp_path
 # ----------------------------------------------------------------------------- checkpointer
 def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path, tokenizer):
     from lowmem.checkpointer import Checkpointer
-    from lowmem.modeling import build_model, build_optimizer, build_scheduler
+    from lowmem.modeling import build_model
+    from lowmem.optim import build_optimizer, build_scheduler
     from lowmem.run_folder import RunFolder
 
     cfg = config(tmp_path, model_preset="tiny", optimizer="adamw")

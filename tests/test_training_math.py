@@ -265,8 +265,7 @@ def test_a_resume_applies_this_commands_rate_and_schedule_from_its_first_step():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_weight_decay_leaves_layer_norms_and_position_biases_alone(tokenizer, optimizer):
-    from lowmem.modeling import build_optimizer
-    from lowmem.optim import parameter_groups, resume_schedule, warmup_schedule
+    from lowmem.optim import build_optimizer, parameter_groups, resume_schedule, warmup_schedule
 
     cfg, _ = load_config({"optimizer": optimizer, "weight_decay": 0.5, "learn_rate": 0.1, "warmup_steps": 0})
     model = build_model(cfg, tokenizer)
