@@ -1,7 +1,7 @@
 """Which micro-batches a run will train on: token lengths sampled from, or replayed through, its stream.
 
-The planner (``lowmem.planner``) sizes activations from these lengths. Only lengths are kept: a replay
-of 10,000 rows holds a few hundred KB.
+The planner (``lowmem.planner``) sizes activations from these lengths. Only lengths are kept (rows are
+tokenized a chunk at a time): a replay of 10,000 rows holds a few hundred KB, however long its rows.
 """
 
 from __future__ import annotations
@@ -13,37 +13,42 @@ from pathlib import Path
 from config import TrainConfig
 
 REPLAY_ROWS = 10_000  # runs reading at most this many rows have their stream replayed (seconds)
+CHUNK_ROWS = 256  # rows tokenized at a time (a few MB of text even for long rows)
 
 
 def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     """Token lengths of the first training rows (capped): the longest batch sets the activation peak.
-    ``data``: the run's ``data.pipeline.TrainData``."""
+    ``data``: the run's ``data.pipeline.TrainData``. Rows are tokenized ``CHUNK_ROWS`` at a time and only
+    their lengths kept: RAM stays flat however long the rows."""
     from data.readers import TOKEN_COLUMNS
     from data.sources import iter_rows
 
     files, columns = data.files.train, data.files.columns
-    src, tgt, text_bytes = [], [], []
-    for index, path in enumerate(files):
-        for item in iter_rows(path, index, columns, 0, rows - len(src)):
-            if item is not None:
-                src.append(item.prompt)
-                tgt.append(item.response)
-                # held in the shuffle buffer as text, or as Python lists of ints (~36 bytes a token)
-                text_bytes.append(36 * (len(item.prompt) + len(item.response)) if columns == TOKEN_COLUMNS
-                                  else len(item.prompt.encode()) + len(item.response.encode()))
-        if len(src) >= rows:
-            break
-    if not src:
+    items = (item for index, path in enumerate(files) for item in iter_rows(path, index, columns, 0, rows)
+             if item is not None)
+    s, t, text_bytes = [], [], []
+    for chunk in chunked(itertools.islice(items, rows)):
+        # held in the shuffle buffer as text, or as Python lists of ints (~36 bytes a token)
+        text_bytes += [36 * (len(item.prompt) + len(item.response)) if columns == TOKEN_COLUMNS
+                       else len(item.prompt.encode()) + len(item.response.encode()) for item in chunk]
+        if not data.objective.chunk_length:
+            s += [len(x) for x in data.collator.token_ids([item.prompt for item in chunk], cfg.max_source_len)]
+            t += [len(x) for x in data.collator.token_ids([item.response for item in chunk], cfg.max_target_len)]
+    if not text_bytes:
         return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
                 "row_bytes": 0, "rows": 0, "pairs": []}
     if data.objective.chunk_length:  # packed chunks: planned at their longest (span corruption's
-        s, t = ([length] * len(src) for length in data.objective.longest)  # lengths are all the same)
-    else:
-        s = [len(x) for x in data.collator.token_ids(src, cfg.max_source_len)]
-        t = [len(x) for x in data.collator.token_ids(tgt, cfg.max_target_len)]
+        s, t = ([length] * len(text_bytes) for length in data.objective.longest)  # lengths are all the same)
     mean_row = sum(text_bytes) / len(text_bytes)
     return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
             "row_bytes": mean_row, "rows": estimated_rows(files, mean_row, columns), "pairs": list(zip(s, t))}
+
+
+def chunked(rows, size: int = 0):
+    """``rows`` in lists of ``size`` (default ``CHUNK_ROWS``)."""
+    rows = iter(rows)
+    while chunk := list(itertools.islice(rows, size or CHUNK_ROWS)):
+        yield chunk
 
 
 def run_lengths(cfg: TrainConfig, data, replay: bool = True) -> dict:
@@ -106,12 +111,14 @@ def replay_epochs(cfg: TrainConfig, data, window_rows: int) -> list[list[tuple[i
     out, windows_left = [], steps
     while windows_left > 0 and stream.epoch < epochs:
         take = None if windows_left == math.inf else windows_left * window_rows
-        rows = list(itertools.islice(stream.iter_epoch(), take))
-        if not rows:  # an epoch without a usable row: the trainer stops there too
+        lengths = []
+        for rows in chunked(itertools.islice(stream.iter_epoch(), take)):  # lengths kept, texts let go
+            sources = collator.token_ids([e.prompt for e in rows], cfg.max_source_len)
+            lengths += [(len(s), len(t)) for s, t in zip(sources, collator.targets(rows))]
+        if not lengths:  # an epoch without a usable row: the trainer stops there too
             break
-        sources = collator.token_ids([e.prompt for e in rows], cfg.max_source_len)
-        out.append([(len(s), len(t)) for s, t in zip(sources, collator.targets(rows))])
-        windows_left -= math.ceil(len(rows) / window_rows)  # an epoch's last window may be short
+        out.append(lengths)
+        windows_left -= math.ceil(len(lengths) / window_rows)  # an epoch's last window may be short
     return out
 
 

@@ -469,9 +469,10 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
     import psutil
     import torch  # noqa: F401
 
-    from lowmem.memory import import_extras
+    from lowmem.memory import free_memory, import_extras
     from lowmem.modeling import import_transformers_models
 
+    free_memory()  # what reading and replaying the data left behind goes back first (long rows: 100+ MiB)
     import_transformers_models()  # accelerate too
     from transformers import T5ForConditionalGeneration  # noqa: F401
 
