@@ -128,6 +128,9 @@ class SpanCorruptionObjective(PackedTextObjective):
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
         self.noise = (cfg.noise_density, cfg.mean_noise_span_length)
+        if cfg.max_source_len < 3:
+            raise UserError("--objective=span_corruption needs --max_source_len of at least 3 (a kept token, a "
+                            f"sentinel and the end of the sequence; got {cfg.max_source_len}): T5 uses 512")
         self.chunk_length, self.targets_length = span_corruption.corrupted_lengths(cfg.max_source_len, *self.noise)
         self.fixed_lengths = (cfg.max_source_len, self.targets_length)
         noise_tokens, spans = span_corruption.span_counts(self.chunk_length, *self.noise)

@@ -297,6 +297,9 @@ def test_settings_no_chunk_can_follow_are_refused_with_what_to_change():
     with pytest.raises(UserError, match="more than the 51 tokens kept to separate them"):
         objective(noise_density=0.6, mean_noise_span_length=1, max_target_len=512)
     objective(noise_density=0.5, mean_noise_span_length=1, max_target_len=512)  # one kept token between spans
+    for too_short in (1, 2):  # no room for a kept token, a sentinel and EOS (a ValueError traceback before)
+        with pytest.raises(UserError, match=f"needs --max_source_len of at least 3 .*got {too_short}"):
+            objective(max_source_len=too_short, max_target_len=8)
     # More spans than the tokenizer has sentinels: the longest source that fits is named, and fits
     tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
     with pytest.raises(UserError, match="gets 114 noise spans.* has 100 .* set --max_source_len=1809 or less"):
