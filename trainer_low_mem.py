@@ -389,12 +389,12 @@ class LowMemTrainer:
     def finish(self) -> dict:
         """Final log, evaluation, checkpoint and ``final/`` export."""
         self.maybe_log(force=True)
-        # This step is evaluated already when the run resumed from its own final checkpoint.
-        done = self.state.last_eval
-        metrics = done if done and done["step"] == self.state.step else self.evaluate_and_keep_best()
+        with self.meter.untimed():  # out of step_s; this step is evaluated already when the run resumed from
+            done = self.state.last_eval  # its own final checkpoint
+            metrics = done if done and done["step"] == self.state.step else self.evaluate_and_keep_best()
+            self.save_checkpoint()
         if self.state.step != self.total_steps:  # epochs planned from row counts, or from a sample's tokens
             self.say(schedule_note(self.state.step, self.total_steps, self.scheduler.get_last_lr()[0], self.data))
-        self.save_checkpoint()
         self.export(self.out / "final")
         self.telemetry.log_memory("end")
         fields, line = peak_against_plan(self.memory_plan)  # predicted and measured peak side by side

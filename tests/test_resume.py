@@ -271,6 +271,20 @@ def test_a_resume_after_a_kill_between_an_exports_renames_keeps_the_best_model(t
     assert not (run / ".old-best").exists() and "new best" not in done.stdout
 
 
+def test_a_finished_run_continued_times_only_its_training_steps(tmp_path):
+    # The final evaluation (generation with beams) and checkpoint ran outside untimed(): the checkpoint's
+    # training time counted them, and the continued run's summary step_s was 3x its records'
+    data = write_rows(tmp_path / "d.jsonl", synthetic_rows(60, seed=5))
+    common = [f"--train_file={data}", f"--eval_file={data}", f"--output_dir={tmp_path / 'run'}", "--eval_steps=0",
+              "--max_eval_samples=16", "--num_beams=3", "--gradient_accumulation_steps=1", "--logging_steps=1"]
+    for steps, more in ((2, []), (4, ["--is_keep_training=True"])):
+        done = run_cli("train", *common, f"--max_steps={steps}", *more)
+        assert done.returncode == 0, done.stderr[-2000:]
+    records = [r["step_s"] for r in metrics(tmp_path / "run") if r["event"] == "train"]
+    summary = float(re.search(r"step_s:\s+([\d.]+)", done.stdout).group(1))
+    assert len(records) == 4 and summary == pytest.approx(sum(records) / 4, rel=0.02)
+
+
 def test_keep_training_without_a_run_is_a_clear_error(tmp_path):
     proc = run_cli("train", f"--output_dir={tmp_path / 'nothing'}", "--is_keep_training=True")
     assert proc.returncode == 2 and "no run to continue" in proc.stderr
