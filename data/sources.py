@@ -315,7 +315,7 @@ def _check_file_columns(path: Path, columns: tuple[str, str], flag: str, sample:
     read = 0
     plain_text = kind == "txt"  # its one column is the one asked for
     for _, record in read_range(path, None, 0, sample, columns if plain_text else None):
-        read += 1
+        read += record != "blank_line"  # a file of blank lines holds no row
         if isinstance(record, dict):
             seen.update(dict.fromkeys(record))
             for c in columns:

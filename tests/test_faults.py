@@ -164,7 +164,7 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
     (tmp_path / "mixed").mkdir()  # a file past the first with other columns
     write_rows(tmp_path / "mixed" / "a.jsonl", synthetic_rows(3))
     (tmp_path / "mixed" / "m.csv").write_text("question,answer\na b,c d\n")
-    (tmp_path / "blank.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n  \n")  # blank lines only: no row (the run folder was made first)
     run = tmp_path / "run"
     run.mkdir()
     (run / MARKERS["run"]).write_text("t5-lowmem\n")
