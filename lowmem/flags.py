@@ -133,7 +133,12 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
     if profile in MEMORY_PROFILES:  # an unknown name is reported by validate()
         for name, value in MEMORY_PROFILES[profile].items():
             if name == "effective_batch_size" and "gradient_accumulation_steps" in converted:
-                continue  # the accumulation given explicitly sets the effective batch
+                if "effective_batch_size" not in converted:  # the accumulation given explicitly sets it
+                    notes.append(f"--memory_profile={profile}: --gradient_accumulation_steps="
+                                 f"{converted['gradient_accumulation_steps']} given explicitly replaces the profile's "
+                                 f"--effective_batch_size={value}: each optimizer step takes the micro-batch the "
+                                 "budget allows times it (pass --effective_batch_size to fix the rows per step)")
+                continue
             if name in converted and converted[name] != value:
                 notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
                              f"wins over the profile's {value!r}")

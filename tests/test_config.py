@@ -55,6 +55,15 @@ def test_host16g_caps_lower_requests_and_say_so():
         assert (cfg.batch_size, cfg.batch_size * cfg.gradient_accumulation_steps) == (micro, batch * accumulation)
 
 
+def test_a_gpu_profiles_effective_batch_given_way_to_an_explicit_accumulation_is_said():
+    cfg, notes = load_config({"memory_profile": "gpu8g", "gradient_accumulation_steps": 2})
+    assert (cfg.batch_size, cfg.gradient_accumulation_steps, cfg.effective_batch_size) == ("auto", 2, 0)
+    assert any("--gradient_accumulation_steps=2 given explicitly replaces the profile's --effective_batch_size=32"
+               in n for n in notes), notes
+    cfg, notes = load_config({"memory_profile": "gpu8g"})
+    assert cfg.effective_batch_size == 32 and not notes
+
+
 def test_low_memory_defaults():
     cfg = TrainConfig()
     assert (cfg.batch_size, cfg.eval_batch_size, cfg.gradient_accumulation_steps) == (2, 4, 16)
