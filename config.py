@@ -44,7 +44,6 @@ MODEL_PRESETS = {
     "base": dict(d_model=768, d_ff=3072, num_heads=12, d_kv=64, num_layers=10, num_decoder_layers=10),
 }
 
-
 OPTIMIZERS = ("adafactor", "adamw", "adamw8bit")
 # T5's linear layers by name: attention q, k, v, o; feed-forward wi, wo (wi_0 and wi_1 on gated models:
 # t5-v1_1, flan-t5, mT5, ByT5, where "wi" names both).
@@ -291,11 +290,12 @@ class TrainConfig:
         if self.init_from:
             unused.append(("model_preset", "with --init_from (that model's shape is trained)"))
         if self.effective_batch_size:
-            unused.append(("gradient_accumulation_steps", "with --effective_batch_size (accumulation follows the "
-                                                          "micro-batch)"))
+            unused.append(("gradient_accumulation_steps", "with --effective_batch_size (accumulation follows)"))
         if self.is_keep_training:
             unused.append(("overwrite_output_dir", "with --is_keep_training=True (the run is continued)"))
-        return unused
+        text_flags = {"pairs": ("text_column", "noise_density", "mean_noise_span_length"),  # raw text's, span
+                      "prefix_lm": ("noise_density", "mean_noise_span_length")}.get(self.objective, ())  # corruption's
+        return unused + [(name, f"with --objective={self.objective}") for name in text_flags]
 
     def apply_caps(self) -> list[str]:
         """Under a capped profile (host16g), lower values above the low-memory caps (``auto`` becomes

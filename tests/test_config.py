@@ -148,6 +148,15 @@ def test_flags_that_the_configuration_does_not_read_are_named():
     assert notes == ["note: --model_preset has no effect with --init_from (that model's shape is trained)"]
     _, notes = load_config({})  # defaults are never named
     assert not [n for n in notes if "has no effect" in n]
+    text = {"text_column": "body", "noise_density": 0.3, "mean_noise_span_length": 5.0}  # raw text's flags
+    _, notes = load_config(text)
+    assert [n for n in notes if "has no effect" in n] == [
+        f"note: --{k} has no effect with --objective=pairs" for k in text]
+    _, notes = load_config({**text, "objective": "prefix_lm"})  # reads the text column, masks no spans
+    assert [n for n in notes if "has no effect" in n] == [
+        f"note: --{k} has no effect with --objective=prefix_lm" for k in ("noise_density", "mean_noise_span_length")]
+    _, notes = load_config({**text, "objective": "span_corruption"})
+    assert not [n for n in notes if "has no effect" in n]
 
 
 def test_text_flags_reach_the_config_verbatim():
