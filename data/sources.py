@@ -314,14 +314,26 @@ def _check_file_columns(path: Path, columns: tuple[str, str], flag: str, sample:
     found: dict[str, set[str]] = {c: set() for c in columns}  # the value types met in each column
     read = 0
     plain_text = kind == "txt"  # its one column is the one asked for
+    first = None  # the first row's record (or its problem)
     for _, record in read_range(path, None, 0, sample, columns if plain_text else None):
         read += record != "blank_line"  # a file of blank lines holds no row
+        first = record if first is None else first
         if isinstance(record, dict):
             seen.update(dict.fromkeys(record))
             for c in columns:
                 if record.get(c) is not None:
                     found[c].add(type(record[c]).__name__)
+    if kind == "jsonl" and first == "malformed_json" and not seen:
+        with open(path, "rb") as fh:
+            first = fh.readline().strip(b"\xef\xbb\xbf \t\r\n")
+        if first == b"{":  # a pretty-printed JSON object: nothing in it is a row
+            raise UserError(f"{flag}: {path} holds one JSON object spread over lines, not rows: save the rows as a "
+                            "JSON array ([{...}, {...}]) or as JSON lines (one object per line)")
     missing = [c for c in columns if c not in seen]
+    if len(seen) == 1 and missing and isinstance(wrapped := first, dict) and isinstance(
+            next(iter(wrapped.values())), list):  # {"data": [rows]}: one row holding the rows
+        raise UserError(f"{flag}: {path} holds one JSON object whose '{next(iter(seen))}' holds a list: save those "
+                        "rows as a JSON array ([{...}, {...}]) or as JSON lines (one object per line)")
     if seen and missing:
         which = " and ".join(f"'{c}'" for c in missing)
         separator = next((s for s in ";\t|" if len(seen) == 1 and s in next(iter(seen))), None)

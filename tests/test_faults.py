@@ -143,12 +143,17 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train_tokenizer"], "holds a tokenizer already"),
     (["train", "--train_file={tmp}/empty.jsonl", "--output_dir={tmp}/run"], "is empty (no rows in 1 file(s))"),
     (["train", "--train_file={tmp}/semi.csv", "--output_dir={tmp}/run"], "separated by ';', not commas"),
+    (["train", "--train_file={tmp}/wrapped.json", "--output_dir={tmp}/run"], "whose 'data' holds a list: save"),
+    (["train", "--train_file={tmp}/pretty.json", "--output_dir={tmp}/run"], "one JSON object spread over lines"),
     (["train", "--train_file={tmp}/cut.parquet", "--output_dir={tmp}/run"], "cannot read"),
     (["prepare", "--train_file={tmp}/cut.parquet", "--prepared_dir={tmp}/prepared"], "cannot read"),
 ])
 def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
     (tmp_path / "empty.jsonl").write_bytes(b"")
     (tmp_path / "semi.csv").write_text("prompt;response\nhello;world\n")
+    rows = {"data": [{"prompt": "a b", "response": "c d"}] * 3}  # rows inside an object: not a row each
+    (tmp_path / "wrapped.json").write_text(json.dumps(rows))
+    (tmp_path / "pretty.json").write_text(json.dumps(rows, indent=2))
     (tmp_path / "cut.parquet").write_bytes(b"PAR1 a parquet file cut short")  # no footer
     proc = run_cli(*[a.format(tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc.stderr[-2000:]
