@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 
-from config import TrainConfig
+from config import TrainConfig, UserError
 from data.eval_set import eval_files_of
 from data.objectives import objective_for
 from data.packing import PackedStream
@@ -30,6 +30,7 @@ def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = Fal
         plain = data.fresh_stream()
         plain.make_example = lambda chunk, *_: chunk
         originals = plain.iter_epoch()
+    shown = 0
     for example in examples:
         input_ids, labels = (data.collator.token_ids([side], limit)[0] for side, limit in
                              ((example.prompt, cfg.max_source_len), (example.response, cfg.max_target_len)))
@@ -39,4 +40,15 @@ def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = Fal
         if decode:
             record.update({f"{key}_text": tokenizer.decode(record[key]) for key in list(record)})
         record.update(file=str(data.files.train[example.file_index]), row=example.row)
+        shown += 1
         yield record
+    problems = getattr(data.stream, "problems", None)
+    bad = problems.total if problems is not None else 0
+    reasons = ", ".join(f"{k} {v}" for k, v in problems.by_reason.items()) if bad else ""
+    if not shown:
+        detail = f" ({bad} bad: {reasons})" if bad else ""
+        raise UserError(f"--train_file has no usable row{detail}: fix the rows named above, or point --prompt_column "
+                        "/ --response_column (--text_column) at the text")
+    if bad:
+        report(f"{bad} bad row(s) among the rows read so far (the shuffle buffer reads ahead): {reasons}; train "
+               "counts and reports them too")

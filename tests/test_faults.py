@@ -161,6 +161,18 @@ def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
 
 
 
+def test_preview_counts_the_bad_rows_it_met_and_refuses_a_file_without_a_usable_one(tmp_path):
+    bad = [{"prompt": 1, "response": "x"}, {"prompt": "", "response": "x"}]
+    some = write_rows(tmp_path / "some.jsonl", [*bad, *synthetic_rows(3)])
+    shown = run_cli("preview", f"--train_file={some}", f"--eval_file={some}", "--shuffle_buffer_size=0")
+    assert shown.returncode == 0 and len(shown.stdout.splitlines()) == 3, shown.stderr[-2000:]
+    assert "2 bad row(s) among the rows read so far" in shown.stderr and "non_string_value 1" in shown.stderr
+    none = write_rows(tmp_path / "none.jsonl", bad)  # it printed the skipped rows, no example and exit 0
+    refused = run_cli("preview", f"--train_file={none}", f"--eval_file={some}")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines()[-1].startswith("error: --train_file has no usable row (2 bad: ")
+
+
 def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
     """A folder the run cannot start in, or data without the columns it reads, is refused by the command
     line itself, not after the trainer's imports (torch and transformers: several seconds before the line);
