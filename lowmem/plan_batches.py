@@ -22,12 +22,13 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     their lengths kept: RAM stays flat however long the rows."""
     from data.readers import TOKEN_COLUMNS
     from data.sources import iter_rows
+    from data.stream import batched
 
     files, columns = data.files.train, data.files.columns
     items = (item for index, path in enumerate(files) for item in iter_rows(path, index, columns, 0, rows)
              if item is not None)
     s, t, text_bytes = [], [], []
-    for chunk in chunked(itertools.islice(items, rows)):
+    for chunk in batched(itertools.islice(items, rows), CHUNK_ROWS):
         # held in the shuffle buffer as text, or as Python lists of ints (~36 bytes a token)
         text_bytes += [36 * (len(item.prompt) + len(item.response)) if columns == TOKEN_COLUMNS
                        else len(item.prompt.encode()) + len(item.response.encode()) for item in chunk]
@@ -42,13 +43,6 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     mean_row = sum(text_bytes) / len(text_bytes)
     return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
             "row_bytes": mean_row, "rows": estimated_rows(files, mean_row, columns), "pairs": list(zip(s, t))}
-
-
-def chunked(rows, size: int = 0):
-    """``rows`` in lists of ``size`` (default ``CHUNK_ROWS``)."""
-    rows = iter(rows)
-    while chunk := list(itertools.islice(rows, size or CHUNK_ROWS)):
-        yield chunk
 
 
 def run_lengths(cfg: TrainConfig, data, replay: bool = True) -> dict:
@@ -102,6 +96,8 @@ def replay_epochs(cfg: TrainConfig, data, window_rows: int) -> list[list[tuple[i
     of each file), so the planner replays a fresh copy of it (``TrainData.fresh_stream``) instead of
     guessing: the costliest micro-batch is then known exactly. Only lengths are kept.
     """
+    from data.stream import batched
+
     share = math.ceil(data.rows / data.world)
     steps = cfg.max_steps if cfg.max_steps > 0 else math.inf
     epochs = cfg.epochs if cfg.max_steps <= 0 else math.inf
@@ -112,7 +108,7 @@ def replay_epochs(cfg: TrainConfig, data, window_rows: int) -> list[list[tuple[i
     while windows_left > 0 and stream.epoch < epochs:
         take = None if windows_left == math.inf else windows_left * window_rows
         lengths = []
-        for rows in chunked(itertools.islice(stream.iter_epoch(), take)):  # lengths kept, texts let go
+        for rows in batched(itertools.islice(stream.iter_epoch(), take), CHUNK_ROWS):  # lengths kept, texts let go
             sources = collator.token_ids([e.prompt for e in rows], cfg.max_source_len)
             lengths += [(len(s), len(t)) for s, t in zip(sources, collator.targets(rows))]
         if not lengths:  # an epoch without a usable row: the trainer stops there too
