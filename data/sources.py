@@ -325,8 +325,8 @@ def _check_file_columns(path: Path, columns: tuple[str, str], flag: str, sample:
                     found[c].add(type(record[c]).__name__)
     if kind == "jsonl" and first == "malformed_json" and not seen:
         with open(path, "rb") as fh:
-            first = fh.readline().strip(b"\xef\xbb\xbf \t\r\n")
-        if first == b"{":  # a pretty-printed JSON object: nothing in it is a row
+            first_line = fh.readline().strip(b"\xef\xbb\xbf \t\r\n")
+        if first_line == b"{":  # a pretty-printed JSON object: nothing in it is a row
             raise UserError(f"{flag}: {path} holds one JSON object spread over lines, not rows: save the rows as a "
                             "JSON array ([{...}, {...}]) or as JSON lines (one object per line)")
     missing = [c for c in columns if c not in seen]
