@@ -76,13 +76,12 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
     from lowmem.flags import load_config
     from lowmem.modeling import (
         build_model,
-        build_optimizer,
         freeze_parts,
         frozen_encoder_states,
         target_index,
         token_loss_sum,
     )
-    from lowmem.optim import parameter_groups
+    from lowmem.optim import build_optimizer, parameter_groups
 
     cfg = load_config({"model_preset": preset, "is_finetune": True})[0]
     tokenizer = load_tokenizer(cfg.tokenizer_dir or SHIPPED_TOKENIZER_DIR)
