@@ -239,8 +239,9 @@ class _ArrayElements:
         return bool(chunk)
 
     def _fail(self, row: int, what: str, at: int | None = None):
+        """One error line naming the byte and the row (``row`` counts from 0; users count from 1)."""
         at = self.base + (self.pos if at is None else at)
-        raise UserError(f"{self.path} is not a valid JSON array: {what} at byte {at} (row {row}); "
+        raise UserError(f"{self.path} is not a valid JSON array: {what} at byte {at} (row {row + 1}); "
                         "fix the file, or write one JSON object per line as .jsonl so bad rows can be skipped "
                         "one by one")
 

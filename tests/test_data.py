@@ -95,10 +95,10 @@ def test_a_json_array_is_streamed_in_bounded_memory(tmp_path):
                     if i % 997 == 0 or not isinstance(r, dict)]
     assert list(read_range(path, index, 29_999, 30_002)) == [(i, rows[i]) for i in range(29_999, 30_002)]
 
-    for text, problem in [('[{"a": 1}, {"a": tru}]', "expecting value at byte 17 (row 1)"),
-                          ('[{"a": 1} {"a": 2}]', "expected ',' or the closing ']' at byte 10 (row 1)"),
-                          ('[{"a": 1},', "expecting value at byte 10 (row 1)"),
-                          ('[{"a": 1}] {}', "text after the closing ']' at byte 11 (row 1)")]:
+    for text, problem in [('[{"a": 1}, {"a": tru}]', "expecting value at byte 17 (row 2)"),
+                          ('[{"a": 1} {"a": 2}]', "expected ',' or the closing ']' at byte 10 (row 2)"),
+                          ('[{"a": 1},', "expecting value at byte 10 (row 2)"),
+                          ('[{"a": 1}] {}', "text after the closing ']' at byte 11 (row 2)")]:
         path.write_text(text)
         with pytest.raises(UserError, match=re.escape(f"{path} is not a valid JSON array: {problem}; fix the file")):
             index_file(path)
