@@ -249,6 +249,9 @@ def held_out_rows(cfg: TrainConfig, eval_files: list, train_files: list, held: i
     if cfg.max_eval_samples > held:
         say(f"note: evaluating the {held} rows training held out of --train_file (its last rows); "
             f"--max_eval_samples={cfg.max_eval_samples} asks for more, and the rows before them were trained on")
+    elif cfg.max_eval_samples < held:
+        say(f"note: evaluating the first {cfg.max_eval_samples} of the {held} rows training held out of --train_file "
+            f"(--max_eval_samples={cfg.max_eval_samples}): the run's own evaluations took all {held}")
     return rows[:cfg.max_eval_samples]
 
 
