@@ -22,7 +22,8 @@ from data.readers import MANIFEST, TOKEN_COLUMNS, manifest_of
 from data.sources import DataProblems, iter_rows, too_many_bad_rows
 
 GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
-SHARD_ROWS = 100_000  # rows per shard: several shards let each epoch visit them in a new order
+SHARD_ROWS = 25 * GROUP_ROWS  # 102,400 rows per shard (whole row groups): several shards let each epoch visit
+# them in a new order
 STAGING = ".partial"  # inside --prepared_dir: shards are written here, then moved into place
 
 

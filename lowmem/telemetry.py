@@ -295,6 +295,8 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     if parameters["frozen_8bit"]:
         features.append(f"{parameters['frozen_8bit']:,} frozen weights stored in {cfg.frozen_dtype} (optimum-quanto"
                         f"{', wo included' if cfg.quantize_wo else '; wo, embeddings and norms as loaded'})")
+    known = data.epoch_rows_known  # else the source says its count is unknown (a dataset without one)
+    rows = f" {data.rows:,}" if known else ""
     lines = [
         f"device {accelerator.device} x {world} process(es) | model {cfg.init_from or cfg.model_preset} | "
         f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,}",
@@ -302,9 +304,9 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}"
         + (f" | micro-batches of up to {cfg.max_tokens_per_batch:,} padded tokens" if cfg.max_tokens_per_batch else "")
         + f" | eval batch {cfg.eval_batch_size}",
-        (f"train rows {data.rows:,} from {data.source} | {per_epoch} optimizer steps per epoch | "
+        (f"train rows{rows} from {data.source} | " + (f"{per_epoch} optimizer steps per epoch | " if known else "")
          if not data.objective.chunk_length else
-         f"train documents {data.rows:,} from {data.source}, packed into chunks of "
+         f"train documents{rows} from {data.source}, packed into chunks of "
          f"{data.objective.chunk_length} tokens: {data.objective.describe()} | "
          + ("" if cfg.max_steps > 0 else f"{per_epoch} optimizer steps per epoch (tokens {data.epoch_tokens[1]}) | "))
         + f"total steps {total_steps} | start step {start_step}",
