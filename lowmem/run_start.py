@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from config import STARTED_MARKER, TrainConfig, UserError, saved_json
-from data.ownership import LEGACY_STARTED_MARKER, check_folder, claim_folder, is_run_folder
+from data.ownership import LEGACY_STARTED_MARKER, check_folder, claim_folder, is_ours, is_run_folder
 from lowmem import checkpoint
 from lowmem.metrics import read_metrics
 from lowmem.model_source import resolve_model_dir
@@ -49,7 +49,7 @@ def check_owned(cfg: TrainConfig, path: Path) -> None:
                         "write into the model it starts from; choose another --output_dir")
     for outer in path.resolve().parents:  # a run replaces its exports whole and removes old checkpoints
         run = outer.parent
-        if outer.name in ("best", "final", "checkpoints") and ((run / STARTED_MARKER).is_file() or is_run_folder(run)):
+        if outer.name in ("best", "final", "checkpoints") and is_ours(run, "run", is_run_folder):
             raise UserError(f"--output_dir={cfg.output_dir} is inside {outer}, which the run in {run} replaces or "
                             "removes as a whole, with what is inside; choose an --output_dir outside it")
     if (saved_json(path / "config.json") or {}).get("model_type"):  # a run's config.json has none
