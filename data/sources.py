@@ -15,7 +15,7 @@ from pathlib import Path
 
 from config import UserError
 from data.hf_datasets import DatasetRef, dataset_of, dataset_ref
-from data.ownership import MARKERS
+from data.ownership import is_ours
 from data.readers import (
     MANIFEST,
     REASONS,
@@ -117,7 +117,7 @@ def _expand(spec: str, flag: str, output_dir: str | None = None, formats: tuple[
                                                               Path(output_dir).resolve()]:
                 raise UserError(f"--output_dir={output_dir} is inside {flag}={part}: the run's own files "
                                 "(metrics.jsonl, ...) would be read as data; choose an --output_dir outside it")
-            if (path / MARKERS["prepared"]).is_file() and not (path / MANIFEST).is_file():
+            if is_ours(path, "prepared") and not (path / MANIFEST).is_file():
                 raise UserError(f"{flag}={part} holds an unfinished prepare (stopped before its "
                                 f"{MANIFEST} was written): run prepare into it again")
             found = [p for p in folder_files(path) if p.suffix.lower() in formats]
