@@ -26,7 +26,7 @@ if not sys.stderr.isatty():  # progress bars (weights written, files fetched) on
 from config import SHIPPED_CORPORA, UserError  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
 from lowmem.collector import imports_done  # noqa: E402
-from lowmem.flags import load_config, load_saved_model_config, to_bool  # noqa: E402
+from lowmem.flags import load_config, load_saved_model_config, to_bool, unused_answer_notes  # noqa: E402
 from lowmem.model_source import (  # noqa: E402
     check_weights,
     model_folder_config,
@@ -42,7 +42,7 @@ def train(config: str | None = None, **flags) -> dict:
     die_with_launcher()
     cfg, notes = load_config(flags, config)
     notes += [f"note: --{name} is read by generate, not by train" for name in GENERATE_ONLY
-              if name in flags]
+              if name in flags] + unused_answer_notes(cfg, flags)
     files, tokenizer_dir, tokenizer = claim_output_dir(cfg)  # before the heavy imports below: refusals come at
     # once, and a run killed this early can still be continued
     from lowmem.run_memory import StoppedForMemory
@@ -139,7 +139,7 @@ def evaluate(config: str | None = None, **flags) -> dict:
     from lowmem.evaluation import load_saved_model
 
     cfg, notes = load_saved_model_config(flags, config)
-    say_notes(notes)
+    say_notes(notes + unused_answer_notes(cfg, flags))
     saved = load_saved_model(cfg)
     result = saved.evaluate()
     where = cfg.eval_file or f"the rows held out of --train_file={cfg.train_file}"

@@ -151,6 +151,16 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
     return cfg, notes
 
 
+ANSWER_OPTIONS = ("num_beams", "no_repeat_ngram_size", "repetition_penalty")  # read only where answers are generated
+
+
+def unused_answer_notes(cfg: TrainConfig, flags: dict) -> list[str]:
+    """Notes for generation options given to an evaluation that generates nothing (train and evaluate read
+    --eval_generate; the generate command always generates, so it does not ask)."""
+    return [] if cfg.eval_generate else [f"note: --{name} has no effect with --eval_generate=False (no answers "
+                                         "are generated)" for name in ANSWER_OPTIONS if name in flags]
+
+
 # What a model's eval numbers depend on besides its weights and the eval rows, recorded in its exports'
 # training_info.json: evaluate and generate take them from there unless given (a span-corruption model was
 # scored as prompt/response pairs, its masks drawn with another seed, its chunks of other lengths).

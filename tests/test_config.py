@@ -9,7 +9,7 @@ import pytest
 from conftest import run_cli
 
 from config import LOW_MEMORY_CAPS, TrainConfig, UserError
-from lowmem.flags import help_text, load_config
+from lowmem.flags import help_text, load_config, unused_answer_notes
 
 
 def test_values_are_converted_to_declared_types():
@@ -157,6 +157,11 @@ def test_flags_that_the_configuration_does_not_read_are_named():
         f"note: --{k} has no effect with --objective=prefix_lm" for k in ("noise_density", "mean_noise_span_length")]
     _, notes = load_config({**text, "objective": "span_corruption"})
     assert not [n for n in notes if "has no effect" in n]
+    answers = {"num_beams": 4, "repetition_penalty": 1.2}  # read by the evaluation's generation only
+    assert unused_answer_notes(load_config(answers)[0], answers) == []
+    quiet = {**answers, "eval_generate": False}
+    assert unused_answer_notes(load_config(quiet)[0], quiet) == [
+        f"note: --{k} has no effect with --eval_generate=False (no answers are generated)" for k in answers]
 
 
 def test_text_flags_reach_the_config_verbatim():
