@@ -147,6 +147,8 @@ class TrainConfig:
     max_source_len: int = _f(128, "Truncate inputs to this many tokens. Lower saves activation memory.")
     max_target_len: int = _f(128, "Truncate targets to this many tokens. Lower saves activation and logits memory.")
     shuffle_buffer_size: int = _f(1000, "Rows held for shuffling (0 = no shuffle). Lower saves host RAM.")
+    shuffle_buffer_mb: int = _f(64, "Most text the shuffle buffer holds, in MiB (0: no bound), whatever its rows: "
+                                    "long rows shuffle among fewer. Bounds its host RAM and the checkpoints' size.")
     num_workers: int = _f(0, "Loader worker processes. Only 0: the data position must live in the trainer.")
     pin_memory: bool = _f(False, "Pin batches in page-locked host memory before a CUDA copy. False saves host RAM.")
 
@@ -337,16 +339,15 @@ class TrainConfig:
             value = getattr(self, name)
             if value != AUTO and (not isinstance(value, int) or value < 1):
                 problems.append(f"--{name} must be at least 1 or auto (got {value!r})")
-        positive = ["gradient_accumulation_steps", "max_source_len",
-                    "max_target_len", "epochs", "max_eval_samples", "logging_steps", "save_total_limit",
-                    "gc_every_steps", "num_beams", "max_new_tokens", "vocab_size", "tokenizer_max_sentences",
-                    "max_nonfinite_steps"]
+        positive = ["gradient_accumulation_steps", "max_source_len", "max_target_len", "epochs", "max_eval_samples",
+                    "logging_steps", "save_total_limit", "gc_every_steps", "num_beams", "max_new_tokens", "vocab_size",
+                    "tokenizer_max_sentences", "max_nonfinite_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be at least 1 (got {getattr(self, name)})")
-        for name in ["effective_batch_size", "max_tokens_per_batch", "shuffle_buffer_size", "eval_steps",
-                     "save_steps", "warmup_steps", "weight_decay",
-                     "max_grad_norm", "max_rss_gb", "no_repeat_ngram_size"]:
+        for name in ["effective_batch_size", "max_tokens_per_batch", "shuffle_buffer_size", "shuffle_buffer_mb",
+                     "eval_steps", "save_steps", "warmup_steps", "weight_decay", "max_grad_norm", "max_rss_gb",
+                     "no_repeat_ngram_size", "lora_r"]:
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must not be negative (got {getattr(self, name)})")
         if not 0 <= self.max_bad_rows_fraction <= 1:
@@ -413,8 +414,6 @@ class TrainConfig:
                             f"(got {self.memory_profile!r})")
         if self.optimizer not in OPTIMIZERS:
             problems.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
-        if self.lora_r < 0:
-            problems.append(f"--lora_r must not be negative (got {self.lora_r})")
         if self.lora_r and not self.init_from:
             problems.append("--lora_r needs a model to adapt (--init_from, or --is_finetune=True): pretraining from "
                             "scratch must train every weight")

@@ -33,17 +33,18 @@ class DatasetStream:
         columns: (prompt column, response column), or the one raw-text column.
         seed: seeds the shuffle buffer.
         buffer_size: rows held for shuffling; 0 streams in the dataset's order (one row held ahead).
+        buffer_bytes: the most text the shuffle buffer holds (0: no bound; ``through_buffer``).
         rank, world_size: this process's disjoint share (``process_share``).
         skip: rows at the start of the split that are not trained on (the eval set held out there).
         problems: counts the bad rows of the first epoch (later epochs read the same rows again).
     """
 
     def __init__(self, source: DatasetRef, columns: tuple[str, ...], seed: int, buffer_size: int, rank: int = 0,
-                 world_size: int = 1, skip: int = 0, problems: DataProblems | None = None):
+                 world_size: int = 1, skip: int = 0, problems: DataProblems | None = None, buffer_bytes: int = 0):
         self.source = source
         self.files = [source]  # the run's one "file": the consumed log and the preview name it
         self.columns = tuple(columns)
-        self.buffer_size = buffer_size
+        self.buffer_size, self.buffer_bytes = buffer_size, buffer_bytes
         self.rank, self.world_size = rank, world_size
         self.skip = skip
         self.share_of = process_share(source, skip, rank, world_size)
@@ -156,5 +157,5 @@ class DatasetStream:
         remains, so a checkpoint can be taken between any two examples.
         """
         epoch = self.epoch
-        yield from through_buffer(self._upstream(), self.buffer, self.rng, self.buffer_size)
+        yield from through_buffer(self._upstream(), self.buffer, self.rng, self.buffer_size, self.buffer_bytes)
         self.close_epoch(epoch)

@@ -219,11 +219,12 @@ def _documents(cfg: TrainConfig, files: DataFiles, indexes: list[FileIndex], ran
                problems: DataProblems | None = None):
     """Process ``rank``'s stream of training rows: of the files, or of the dataset (its first ``held`` rows,
     the eval set, left out)."""
+    buffer_bytes = cfg.shuffle_buffer_mb * 2**20
     if files.dataset is not None:
         return DatasetStream(files.dataset, files.columns, cfg.seed, cfg.shuffle_buffer_size, rank, world, held,
-                             problems)
+                             problems, buffer_bytes)
     return ExampleStream(files.train, files.columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank, world_size=world,
-                         indexes=indexes, problems=problems)
+                         indexes=indexes, problems=problems, buffer_bytes=buffer_bytes)
 
 
 def _dataset_note(cfg: TrainConfig, documents: DatasetStream) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class ExampleStream:
         columns: (prompt column, response column).
         seed: seeds the per-epoch file order and the shuffle buffer.
         buffer_size: rows held for shuffling; 0 streams in file order (one row held ahead). Bounds host RAM.
+        buffer_bytes: the most text the shuffle buffer holds (0: no bound; ``through_buffer``).
         rank, world_size: this process's share: the rank-th of world_size contiguous row ranges of
             every file. Each row goes to exactly one process per epoch, shares differ by at most one
             row per file, and a process seeks to its range instead of reading the rows before it.
@@ -36,11 +38,11 @@ class ExampleStream:
 
     def __init__(self, files: list[Path], columns: tuple[str, str], seed: int, buffer_size: int,
                  rank: int = 0, world_size: int = 1, indexes: list[FileIndex] | None = None,
-                 problems: DataProblems | None = None):
+                 problems: DataProblems | None = None, buffer_bytes: int = 0):
         self.files = list(files)
         self.columns = columns
         self.seed = seed
-        self.buffer_size = buffer_size
+        self.buffer_size, self.buffer_bytes = buffer_size, buffer_bytes
         self.rank, self.world_size = rank, world_size
         self.indexes = indexes if indexes is not None else [index_file(f) for f in self.files]
         self.total_rows = sum(i.rows for i in self.indexes)
@@ -150,31 +152,55 @@ class ExampleStream:
         Whenever an example has been handed out, ``state_dict()`` describes exactly the stream that
         remains, so a checkpoint can be taken between any two examples.
         """
-        yield from through_buffer(self._upstream(), self.buffer, self.rng, self.buffer_size)
+        yield from through_buffer(self._upstream(), self.buffer, self.rng, self.buffer_size, self.buffer_bytes)
         self.epoch, self.file_pos, self.row_pos = self.epoch + 1, 0, 0
 
 
 def through_buffer(upstream: Iterator[Example], buffer: list[Example], rng: random.Random,
-                   buffer_size: int) -> Iterator[Example]:
+                   buffer_size: int, max_bytes: int = 0) -> Iterator[Example]:
     """``upstream``'s examples through a shuffle buffer of ``buffer_size`` rows, then the buffer drained.
 
     ``buffer`` and ``rng`` are the stream's own (its state holds them), changed in place before each
     example is handed out. Without shuffling (0) one row is still held: reading up to the next usable
     row (past any bad ones) before handing one out is how the epoch's end is known with its last
-    usable row.
+    usable row. ``max_bytes`` (0: none) also bounds the buffer's text: past it, rows drawn at random
+    are handed out until it fits again (one row is always held), so long documents shuffle among fewer
+    rows instead of holding ``buffer_size`` of them. Where it never binds, the order is the rows' bound's alone.
     """
     capacity = max(buffer_size, 1)
-    for example in upstream:
+    held = sum(map(example_bytes, buffer))
+    while True:
+        # First: a buffer restored from a checkpoint taken inside this loop goes on as it would have
+        while max_bytes and held > max_bytes and len(buffer) > 1:
+            out = _pop_at_random(buffer, rng)
+            held -= example_bytes(out)
+            yield out
+        example = next(upstream, None)
+        if example is None:
+            break
+        held += example_bytes(example)
         if len(buffer) < capacity:
             buffer.append(example)
             continue
         slot = rng.randrange(capacity) if buffer_size else 0
         out, buffer[slot] = buffer[slot], example
+        held -= example_bytes(out)
         yield out
     while buffer:  # drain at the end of the epoch
-        slot = rng.randrange(len(buffer)) if buffer_size else 0
-        buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
-        yield buffer.pop()
+        yield _pop_at_random(buffer, rng) if buffer_size else buffer.pop()
+
+
+def _pop_at_random(buffer: list[Example], rng: random.Random) -> Example:
+    """Remove and return a row of ``buffer`` drawn with ``rng`` (the last row moved into its place)."""
+    slot = rng.randrange(len(buffer))
+    buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
+    return buffer.pop()
+
+
+def example_bytes(example: Example) -> int:
+    """Host bytes of an example's prompt and response: text, or token ids (a list, and an int object each)."""
+    return sum(sys.getsizeof(part) + (28 * len(part) if isinstance(part, list) else 0)
+               for part in (example.prompt, example.response))
 
 
 def steps_per_epoch(rows: int, batch_size: int, accumulation: int) -> int:

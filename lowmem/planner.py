@@ -298,9 +298,12 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
     act = activation_bytes(cfg, dims, *peak[:2], device, *peak[2:])
     before = activation_bytes(cfg, dims, *runner_up[:2], device, *runner_up[2:])
     mmap_threshold = SHARDED_MMAP_THRESHOLD if sharding else MMAP_THRESHOLD
-    # The shuffle buffer never holds more than a process's share of the corpus.
+    # The shuffle buffer never holds more than a process's share of the corpus, nor more text than
+    # --shuffle_buffer_mb and the row that came in over it (data.stream.through_buffer).
     rows_share = lengths["rows"] / world
     buffered = min(cfg.shuffle_buffer_size, math.ceil(rows_share)) if lengths["rows"] else cfg.shuffle_buffer_size
+    if cfg.shuffle_buffer_mb and lengths["row_bytes"]:
+        buffered = min(buffered, math.ceil(cfg.shuffle_buffer_mb * MB / lengths["row_bytes"]) + 1)
     # Under DDP (world > 1) the gradients live in its all-reduce buckets (as views), which stay
     # allocated between steps. Between all-reduces (no_sync micro-steps) autograd accumulates into
     # fresh tensors beside them: one more copy of the gradients whenever accumulation > 1.

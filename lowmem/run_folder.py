@@ -37,7 +37,7 @@ SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "to
 # each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), the stream
 # that position belongs to (pairs count rows, the text objectives documents and packed tokens), and the
 # metric its best model was chosen by.
-FIXED_ON_RESUME = ("seed", "shuffle_buffer_size", "objective", "metric_for_best")
+FIXED_ON_RESUME = ("seed", "shuffle_buffer_size", "shuffle_buffer_mb", "objective", "metric_for_best")
 FIXED_WHY = {"metric_for_best": "its best model was chosen by that metric, whose values the new one's cannot be "
                                 "compared with",
              "objective": "its data position is one in that objective's stream, which another one reads differently"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections import Counter
 
@@ -13,8 +14,8 @@ from config import UserError
 from data.collate import Seq2SeqCollator
 from data.eval_set import hold_out, read_ranges, take_examples
 from data.readers import index_file, read_range
-from data.sources import DataProblems, check_columns, iter_rows, repeated_files, resolve_files
-from data.stream import ExampleStream, largest_share
+from data.sources import DataProblems, Example, check_columns, iter_rows, repeated_files, resolve_files
+from data.stream import ExampleStream, example_bytes, largest_share
 
 COLS = ("prompt", "response")
 
@@ -292,8 +293,42 @@ def test_stream_state_resumes_exactly_including_the_shuffle_buffer(tmp_path, cut
     assert head + _drain(resumed) == straight
 
 
+@pytest.mark.parametrize("cut", [1, 60, 200])
+def test_a_byte_bounded_shuffle_buffer_holds_long_rows_few_at_a_time_and_resumes_exactly(tmp_path, cut):
+    """Rows of 1 to 30 KB through a 50-row buffer bounded at 64 KB: it never holds more than the bound and the
+    row that came in over it, every row comes out once, and a stream restored mid-epoch continues exactly."""
+    rng = random.Random(5)
+    rows = [{"prompt": "x" * rng.randint(1_000, 30_000), "response": "y"} for _ in range(120)]
+    files = [write_rows(tmp_path / "long.jsonl", rows), write_rows(tmp_path / "short.jsonl", synthetic_rows(97))]
+    bound, most = 64_000, max(example_bytes(Example(r["prompt"], "y", 0, 0)) for r in rows)
+
+    def stream():
+        return ExampleStream(files, COLS, seed=7, buffer_size=50, buffer_bytes=bound)
+
+    watched, held = stream(), []
+    for _ in watched.iter_epoch():
+        held.append((len(watched.buffer), sum(map(example_bytes, watched.buffer))))
+    straight = _drain(stream())
+    assert sorted(straight) == sorted((f, r) for f, n in ((0, 120), (1, 97)) for r in range(n))
+    assert max(b for _, b in held) <= bound + most and min(n for n, _ in held[:150]) < 10  # long rows: a few
+    assert max(n for n, _ in held) == 50  # short rows: the rows' bound
+    assert _drain(ExampleStream(files, COLS, seed=7, buffer_size=50)) != straight
+    first = stream()
+    head = _drain(first, limit=cut)
+    resumed = stream()
+    resumed.load_state_dict(first.state_dict())
+    assert head + _drain(resumed) == straight
+
+
+def test_a_byte_bound_that_never_binds_keeps_the_rows_bounds_order(tmp_path):
+    """Short rows under the default bound shuffle exactly as before the bound existed (runs resume alike)."""
+    files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(97, seed=i)) for i in range(3)]
+    plain = ExampleStream(files, COLS, seed=7, buffer_size=50)
+    bounded = ExampleStream(files, COLS, seed=7, buffer_size=50, buffer_bytes=64 * 2**20)
+    assert _drain(bounded) == _drain(plain) and _drain(bounded) == _drain(plain)  # two epochs
+
+
 def test_collator_truncates_pads_dynamically_and_masks_labels(tokenizer):
-    from data.sources import Example
 
     collate = Seq2SeqCollator(tokenizer, max_source_len=8, max_target_len=6)
     long_text = "the quick brown fox jumps over the lazy dog " * 50

@@ -275,6 +275,21 @@ def test_profile_trains_on_the_cpu(tmp_path, profile):
     assert ("is a GPU profile but this run is on the CPU" in done.stdout) == (profile == "gpu8g")
 
 
+def test_the_shuffle_buffer_is_planned_within_its_text_bound():
+    from lowmem import planner
+
+    def buffers(row_bytes, **flags):
+        lengths = {"max_source": 128, "max_target": 128, "mean_source": 128, "row_bytes": row_bytes, "rows": 1500,
+                   "pairs": [(128, 128)] * 1500}
+        return planner.predict(load_config({"max_eval_samples": 4, **flags})[0], 8000, lengths, 300.0)[
+            "host_mb"]["data_buffers"]
+
+    # 320 KB rows: 64 MiB hold 210 of them (and the one that came in over it), not 1,000; short rows: 1,000
+    assert buffers(320_000) == pytest.approx((210 + 1 + 4) * (640_000 + 400) / 2**20, abs=0.1)
+    assert buffers(320_000, shuffle_buffer_mb=0) == pytest.approx(1004 * 640_400 / 2**20, abs=0.1)
+    assert buffers(500) == buffers(500, shuffle_buffer_mb=0) == pytest.approx(1004 * 1400 / 2**20, abs=0.1)
+
+
 def test_a_one_step_run_has_no_optimizer_state_in_its_backward():
     from lowmem import planner
 
