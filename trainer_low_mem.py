@@ -67,7 +67,7 @@ class TrainState:
     step: int = 0
     epoch: int = 0  # epochs every process has finished
     examples: int = 0
-    tokens: int = 0
+    target_tokens: int = 0  # non-pad target tokens trained on: what the losses are averaged over
     best_metric: float | None = None
     best_step: int | None = None
     best_eval_loss: float | None = None  # of the best model (breaks BLEU ties)
@@ -80,8 +80,8 @@ class TrainState:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        for key, value in state.items():  # "tokens": the name in checkpoints before 2026-11-28
+            setattr(self, {"tokens": "target_tokens"}.get(key, key), value)
 
 
 class LowMemTrainer:
@@ -333,7 +333,7 @@ class LowMemTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
-        self.state.tokens += counts["tokens"]
+        self.state.target_tokens += counts["tokens"]
         self.state.examples += counts["examples"]
         self.meter.add(loss_sum, counts["local_tokens"], counts["local_all_tokens"], counts["local_padded_tokens"])
         self.bar.update()
@@ -397,7 +397,7 @@ class LowMemTrainer:
             self.say(schedule_note(self.state.step, self.total_steps, self.scheduler.get_last_lr()[0], self.data))
         self.export(self.out / "final")
         self.telemetry.log_memory("end")
-        fields, line = peak_against_plan(self.memory_plan)  # predicted and measured peak side by side
+        fields, line = peak_against_plan(self.memory_plan, self.accelerator)  # predicted and measured peak side by side
         self.telemetry.record("memory_peak", **fields)
         self.say(line)
         errors = report_data_errors(self.telemetry, self.data)

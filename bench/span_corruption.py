@@ -329,8 +329,8 @@ def our_steps(run_dir: Path) -> list[dict]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps, seen = [], 0
     for r in sorted((r for r in records if r["event"] == "train"), key=lambda r: r["step"]):
-        targets = r["tokens"] - seen
-        seen = r["tokens"]
+        targets = r["target_tokens"] - seen
+        seen = r["target_tokens"]
         steps.append({"time": r["time"], "seconds": r["step_s"], "targets": targets,
                       "inputs": r["tokens_per_s"] * r["step_s"] - targets, "peak_rss_mb": r["peak_rss_mb"]})
     return steps

@@ -40,18 +40,30 @@ def plan_run(cfg: TrainConfig, data, device: str, resuming: bool, sharding: str 
     return plan
 
 
-def peak_against_plan(plan: dict) -> tuple[dict, str]:
-    """Predicted and measured peaks side by side: (the ``memory_peak`` event's fields, its log line)."""
+def peak_against_plan(plan: dict, accelerator=None) -> tuple[dict, str]:
+    """Predicted and measured peaks side by side: (the ``memory_peak`` event's fields, its log line). With
+    several processes (``accelerator``; a collective) each figure is the largest of any process's, and the
+    measured peaks are also listed per process: one process can peak above the main one."""
     snap = memory_snapshot()
-    fields = {"predicted_host_peak_mb": plan["host_peak_mb"], "measured_host_peak_mb": snap["peak_rss_mb"],
-              "host_ratio": round(plan["host_peak_mb"] / max(snap["peak_rss_mb"], 1), 3)}
-    line = (f"peak host RAM: predicted {plan['host_peak_mb']:,.0f} MiB, measured {snap['peak_rss_mb']:,.0f} MiB "
-            f"(ratio {fields['host_ratio']:.2f})")
+    measured_gpu = snap["cuda_reserved_peak_mb"] + planner.CUDA_CONTEXT_MB if "cuda_peak_mb" in snap else 0.0
+    figures = [plan["host_peak_mb"], snap["peak_rss_mb"], plan.get("gpu_peak_mb", 0.0), measured_gpu]
+    world = accelerator.num_processes if accelerator is not None else 1
+    if world > 1:
+        import torch
+
+        every = accelerator.gather(torch.tensor([figures], dtype=torch.float64, device=accelerator.device)).cpu()
+        figures, host_peaks = every.max(dim=0).values.tolist(), [round(v, 1) for v in every[:, 1].tolist()]
+    predicted, measured, predicted_gpu, measured_gpu = figures
+    fields = {"predicted_host_peak_mb": predicted, "measured_host_peak_mb": measured,
+              "host_ratio": round(predicted / max(measured, 1), 3)}
+    line = (f"peak host RAM: predicted {predicted:,.0f} MiB, measured {measured:,.0f} MiB "
+            f"(ratio {fields['host_ratio']:.2f}" + (f"; the most of {world} processes" if world > 1 else "") + ")")
+    if world > 1:
+        fields["measured_host_peak_mb_per_process"] = host_peaks
     if "cuda_peak_mb" in snap:
-        measured = snap["cuda_reserved_peak_mb"] + planner.CUDA_CONTEXT_MB
-        fields.update(predicted_gpu_peak_mb=plan["gpu_peak_mb"], measured_gpu_peak_mb=measured,
-                      gpu_ratio=round(plan["gpu_peak_mb"] / max(measured, 1), 3))
-        line += (f"; GPU: predicted {plan['gpu_peak_mb']:,.0f} MiB, measured {measured:,.0f} MiB "
+        fields.update(predicted_gpu_peak_mb=predicted_gpu, measured_gpu_peak_mb=measured_gpu,
+                      gpu_ratio=round(predicted_gpu / max(measured_gpu, 1), 3))
+        line += (f"; GPU: predicted {predicted_gpu:,.0f} MiB, measured {measured_gpu:,.0f} MiB "
                  "(torch's reserved peak + CUDA context)")
     return fields, line
 

@@ -232,7 +232,8 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
     interval = meter.close(accelerator)
     fields = dict(loss=interval["loss"], lr=lr, tokens_per_s=interval["tokens_per_s"], step_s=interval["step_s"],
                   padding_pct=interval["padding_pct"],
-                  elapsed_s=round(elapsed, 2), epoch=state.epoch, examples=state.examples, tokens=state.tokens, **mem)
+                  elapsed_s=round(elapsed, 2), epoch=state.epoch, examples=state.examples,
+                  target_tokens=state.target_tokens, **mem)
     if accelerator.num_processes > 1:  # every process's own RSS: N processes should cost about N x one
         rss = accelerator.gather(torch.tensor([mem["rss_mb"]], device=accelerator.device))
         fields["rss_mb_per_process"] = [round(v, 1) for v in rss.tolist()]

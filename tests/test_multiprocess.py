@@ -103,6 +103,9 @@ def test_two_processes_give_the_gradient_of_one_big_batch_and_sft_runs(tmp_path)
     peak = next(r for r in metrics(tmp_path / "two") if r["event"] == "memory_peak")
     assert plan["host_mb"]["ddp_gradient_copy"] == plan["host_mb"]["weights"] > 0  # pretraining: every weight
     assert 0.6 <= peak["host_ratio"] <= 1.4, peak  # a sanity band; bench/memory_modes.py checks +-15%
+    assert len(peak["measured_host_peak_mb_per_process"]) == 2  # the figure is the larger process's
+    assert peak["measured_host_peak_mb"] == max(peak["measured_host_peak_mb_per_process"])
+    assert two_step["target_tokens"] == one_step["target_tokens"] > 0  # the same window's targets, all processes'
 
     # SFT from that model on two processes: frozen encoder, decoder trains, best/ exported.
     sft = tmp_path / "sft"

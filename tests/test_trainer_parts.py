@@ -100,6 +100,14 @@ def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
     assert meter.close(acc)["loss"] == pytest.approx(12.0 / 8)
 
 
+def test_a_checkpoint_from_before_target_tokens_was_named_restores_the_count():
+    from trainer_low_mem import TrainState
+
+    state = TrainState()
+    state.load_state_dict({"step": 3, "tokens": 517})  # the counter's name in checkpoints before 2026-11-28
+    assert (state.step, state.target_tokens) == (3, 517) and "tokens" not in state.state_dict()
+
+
 def test_logs_are_cut_back_to_a_checkpoint_and_its_record_written_again(tmp_path):
     cfg = config(tmp_path, dump_consumed=True)
     (tmp_path / "run").mkdir()
