@@ -39,7 +39,7 @@ from lowmem.collector import freeze_long_lived, imports_done, thaw_long_lived
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
 from lowmem.evaluation import eval_log_line, evaluate_model, is_better
 from lowmem.flags import TRAINED_WITH
-from lowmem.memory import free_memory, process_rss_bytes
+from lowmem.memory import free_memory, peak_rss_bytes
 from lowmem.model_source import check_vocabulary, tokenizer_folder, tokenizer_for_model
 from lowmem.modeling import build_model, check_init_from, load_model, ready_to_train
 from lowmem.optim import build_optimizer, build_scheduler, parameter_group_sizes, parameter_groups
@@ -382,7 +382,7 @@ class LowMemTrainer:
 
     def stop_for_memory(self) -> None:
         self.bar.close()
-        folder, rss = self.save_checkpoint(), process_rss_bytes() / 2**30
+        rss, folder = peak_rss_bytes() / 2**30, self.save_checkpoint()  # the peak: at least what tripped the guard
         self.telemetry.record("memory_guard", rss_gb=rss, max_rss_gb=self.cfg.max_rss_gb)
         raise guard_stop(rss, self.cfg.max_rss_gb, self.state.step, folder)
 

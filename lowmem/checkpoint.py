@@ -27,6 +27,15 @@ from data.ownership import fsync_path, open_own
 
 MANIFEST = "manifest.json"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+# Write failures the user can fix: (errnos, what happened, what to do). Rust libraries (safetensors,
+# tokenizers) raise their own exceptions, naming the errno as "(os error N)".
+WRITE_FAILURES = ((DISK_FULL, "no space left on the device", "free space"),
+                  ((errno.EFBIG,), "a file grew past the size limit (ulimit -f, or the file system's largest file)",
+                   "raise the limit or write to another file system"),
+                  (NOT_WRITABLE, "the folder cannot be written (permission denied, or read-only)",
+                   "make it writable"))
+CONTINUE = "continue with --is_keep_training=True"
 LATEST = "latest"
 PREFIX = "step_"
 
@@ -67,11 +76,13 @@ def restore_cut_swap(final: Path) -> Path:
 
 
 @contextmanager
-def atomic_folder(final: Path, staged: bool = False):
+def atomic_folder(final: Path, staged: bool = False, then=None):
     """Yield a temporary folder; on success make it ``final`` in one rename (replacing an old one).
     ``staged``: other processes have written their parts into ``new_staging(final)`` already.
 
-    On an exception the temporary folder is removed and ``final`` is left as it was.
+    On an exception the temporary folder is removed and ``final`` is left as it was; a write the user can
+    make possible (``WRITE_FAILURES``) becomes a ``UserError`` saying what to do, then what ``then()`` says
+    (default: ``CONTINUE``).
     """
     final = Path(final)
     old = restore_cut_swap(final)
@@ -93,14 +104,29 @@ def atomic_folder(final: Path, staged: bool = False):
             tmp.rename(final)
         fsync_path(final.parent)
     except BaseException as exc:
-        full = disk_full(exc, tmp)
+        failure = write_failure(exc, final.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         restore_cut_swap(final)  # interrupted between the two renames (a second Ctrl-C): the previous one back
-        if full:
-            raise UserError(f"no space left on the device while writing {final}; it was not written and what "
-                            "was there before is intact. Free space (or lower --save_total_limit), then "
-                            "continue with --is_keep_training=True") from exc
+        if failure:
+            raise UserError(f"{failure[0]} while writing {final}; it was not written and what was there before is "
+                            f"intact: {failure[1]}, then {then() if then else CONTINUE}") from exc
         raise
+
+
+def write_failure(exc: BaseException, folder: Path | None) -> tuple[str, str] | None:
+    """(what happened, what to do) when a write failed in a way the user can fix, else None. A permission
+    error counts only on a path in ``folder`` (the one being written; not a file read into it; None: never)."""
+    if isinstance(exc, OSError):
+        code = exc.errno
+        if code in NOT_WRITABLE and (folder is None or not str(exc.filename or "").startswith(str(folder))):
+            return None  # a file read into the folder (a source tokenizer's), not the folder
+    else:
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        code = int(found[1]) if found else None
+    for codes, what, fix in WRITE_FAILURES:
+        if code in codes:
+            return what, fix
+    return WRITE_FAILURES[0][1:] if disk_full(exc, folder or Path(".")) else None
 
 
 def disk_full(exc: BaseException, path: Path) -> bool:

@@ -114,7 +114,8 @@ class Checkpointer:
             whole = (deepspeed_engine.full_state_dict(core, self.accelerator.is_main_process)
                      if self.engine == "deepspeed" else full_state_dict(core))
             if self.accelerator.is_main_process:
-                self.folder.export(folder, core, tokenizer, info, state_dict=whole, tokenizer_source=tokenizer_source)
+                self.folder.export(folder, core, tokenizer, info, state_dict=whole, tokenizer_source=tokenizer_source,
+                                   then=self.folder.how_to_continue)
             del whole
         elif self.accelerator.is_main_process:
             # One dtype and no adapters: on the CPU bf16-stored weights turn float32 in place; from a
@@ -122,7 +123,8 @@ class Checkpointer:
             on_gpu = self.accelerator.device.type == "cuda"
             with contextlib.nullcontext() if on_gpu else weights_in_float32(core):
                 plain = export_state_dict(core, to_host=on_gpu)
-                self.folder.export(folder, core, tokenizer, info, state_dict=plain, tokenizer_source=tokenizer_source)
+                self.folder.export(folder, core, tokenizer, info, state_dict=plain, tokenizer_source=tokenizer_source,
+                                   then=self.folder.how_to_continue)
                 del plain
             # The export's new host tensors (LoRA's merged matrices, a GPU model's float32 copies) come
             # from the C heap, which keeps them resident once freed: trimmed, an export in mid-run does

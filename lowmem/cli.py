@@ -101,20 +101,6 @@ def run_cli(commands: dict, argv: list[str]) -> None:
             raise
         print_error(str(err))
         sys.exit(2)
-    except OSError as err:
-        import errno
-
-        from lowmem.checkpoint import DISK_FULL  # torch is already loaded by any run that writes
-
-        if debug or err.errno not in (*DISK_FULL, errno.ENAMETOOLONG):
-            raise
-        if err.errno == errno.ENAMETOOLONG:  # a path given on the command line, or one made from it
-            print_error(f"file name too long: {str(err.filename)[:120]}...; shorten the path you passed")
-        else:
-            print_error(f"no space left on the device ({err.filename or 'output'}); checkpoints are written "
-                        "atomically, so the last one is intact: free space, then continue with "
-                        "--is_keep_training=True")
-        sys.exit(2)
     except RuntimeError as err:  # under a launcher: another process died in the middle of a collective
         if debug or "LOCAL_RANK" not in os.environ or not any(sign in str(err) for sign in PEER_LOST):
             raise
@@ -122,6 +108,22 @@ def run_cli(commands: dict, argv: list[str]) -> None:
                     "was waiting in; checkpoints are written whole, so the last one is intact: continue with "
                     "--is_keep_training=True")
         sys.exit(1)
+    except Exception as err:  # a write the user can make possible (an OSError, or a Rust library's "(os error N)")
+        import errno
+
+        from lowmem.checkpoint import write_failure
+
+        where = getattr(err, "filename", None)
+        failure = None if debug else write_failure(err, None)
+        if debug or not (failure or getattr(err, "errno", None) == errno.ENAMETOOLONG):
+            raise
+        if not failure:  # a path given on the command line, or one made from it
+            print_error(f"file name too long: {str(where)[:120]}...; shorten the path you passed")
+        else:  # (checkpoints and exports say so themselves, naming the folder: lowmem.checkpoint.atomic_folder)
+            again = ("continue it with --is_keep_training=True (its checkpoints are written whole)"
+                     if argv[0] == "train" else "run the command again")
+            print_error(f"{failure[0]}" + (f" ({where})" if where else "") + f": {failure[1]}, then {again}")
+        sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C where no handler checkpoints (train's loop has one): a line, not a traceback
         if debug:
             raise

@@ -135,6 +135,12 @@ class RunFolder:
             f"run replaces; moved to {aside}")
 
     # ------------------------------------------------------------------ checkpoints
+    def how_to_continue(self) -> str:
+        """What continues this run after a failed write: its last checkpoint, when it has one."""
+        if checkpoint.find_latest_valid(self.checkpoints, warn=lambda _: None) is None:
+            return "start the run again with --overwrite_output_dir=True (it has no checkpoint to continue from)"
+        return checkpoint.CONTINUE + " (a lower --save_total_limit keeps fewer checkpoints)"
+
     def checkpoint_path(self, step: int) -> Path:
         return self.checkpoints / f"{checkpoint.PREFIX}{step:06d}"
 
@@ -145,7 +151,7 @@ class RunFolder:
         from safetensors.torch import save_model
 
         folder = self.checkpoint_path(step)
-        with checkpoint.atomic_folder(folder, staged=staged) as tmp:
+        with checkpoint.atomic_folder(folder, staged=staged, then=self.how_to_continue) as tmp:
             if not staged:
                 save_model(model, str(tmp / "model.safetensors"))
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -214,17 +220,18 @@ class RunFolder:
     # ------------------------------------------------------------------ exports
     @staticmethod
     def export(folder: Path, model, tokenizer, info: dict, state_dict: dict | None = None,
-               tokenizer_source: Path | None = None) -> None:
+               tokenizer_source: Path | None = None, then=None) -> None:
         """A plain transformers model folder: safetensors weights, config, generation config, tokenizer.
 
         ``state_dict`` replaces the model's own weights (LoRA: the merged plain weights; 8-bit ones:
         dequantized, written in shards). The source
-        tokenizer's own files (``spiece.model``) are kept beside the saved tokenizer.
+        tokenizer's own files (``spiece.model``) are kept beside the saved tokenizer. ``then``: what a failed
+        write says to do next (``checkpoint.atomic_folder``).
         """
         from lowmem.model_source import copy_tokenizer_files
         from lowmem.quantize import Later, save_in_shards
 
-        with checkpoint.atomic_folder(folder) as tmp, deepspeed_engine.unwrapped_without_import():
+        with checkpoint.atomic_folder(folder, then=then) as tmp, deepspeed_engine.unwrapped_without_import():
             if state_dict is not None and any(isinstance(v, Later) for v in state_dict.values()):
                 save_in_shards(tmp, model, state_dict)  # 8-bit weights dequantized a shard at a time
             else:

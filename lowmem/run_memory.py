@@ -76,7 +76,7 @@ def near_limit(max_rss_gb: float) -> bool:
 def guard_stop(rss_gb: float, max_rss_gb: float, step: int, checkpoint: Path) -> StoppedForMemory:
     """The exception that ends a run stopped by the guard, naming the flags that lower memory."""
     return StoppedForMemory(
-        f"memory guard: RSS {rss_gb:.2f} GiB reached {MEMORY_GUARD_AT:.0%} of --max_rss_gb={max_rss_gb} "
+        f"memory guard: RSS (peak {rss_gb:.2f} GiB) reached {MEMORY_GUARD_AT:.0%} of --max_rss_gb={max_rss_gb} "
         f"at step {step}; checkpoint {checkpoint}. Lower memory with --shuffle_buffer_size, "
         "--batch_size (raise --gradient_accumulation_steps to keep the batch), --max_source_len / "
         "--max_target_len, --eval_batch_size or a smaller --model_preset (or raise --max_rss_gb; `python "

@@ -123,8 +123,9 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
         raise UserError(f"--is_keep_training: no run to continue in {cfg.output_dir} (no checkpoint); "
                         "run without --is_keep_training to start one")
     if has_trained_models(path):
-        raise UserError(f"--is_keep_training: no checkpoint of the run in {cfg.output_dir} is usable (damaged or "
-                        "removed), and starting it again would replace the models it trained (best/, final/); "
+        why = "damaged or removed" if checkpoint.step_folders(checkpoints) else "none was written"
+        raise UserError(f"--is_keep_training: no checkpoint of the run in {cfg.output_dir} is usable ({why}), "
+                        "and starting it again would replace the models it trained (best/, final/); "
                         "start over with --overwrite_output_dir=True, or train into another --output_dir")
     # Stopped before its first checkpoint, or every checkpoint damaged before any trained model was
     # exported: the same seed replays the run exactly, and nothing is lost.

@@ -37,8 +37,15 @@ class SignalWatch:
         self.say = say
         self.received: str | None = None  # the signal's name
 
+        def interrupt(signum, _frame):  # until install(): Ctrl-C interrupts setup at once, as by default, and
+            self.received = signal.Signals(signum).name  # is remembered, for Python discards the exception
+            raise KeyboardInterrupt  # when it lands in a finalizer (setup's gc.collect runs regex's)
+
+        signal.signal(signal.SIGINT, interrupt)
+
     def install(self) -> None:
-        self.received = None
+        if self.received is not None:  # a Ctrl-C during setup whose KeyboardInterrupt was lost
+            raise KeyboardInterrupt
 
         def request_stop(signum, _frame):
             if self.received is not None:  # a second signal: stop now

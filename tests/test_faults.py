@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -340,6 +341,8 @@ def test_memory_guard_checkpoints_and_the_run_resumes(tmp_path):
     [saved] = checkpoint.step_folders(out / "checkpoints")
     assert checkpoint.validate(saved) is None and saved.name == "step_000001"
     assert "raise --max_rss_gb" in line
+    said = float(re.search(r"peak ([0-9.]+) GiB\) reached 90%", line)[1])  # what tripped it, not what was left
+    assert said >= 0.9 * 0.2
     # resumed under the same budget, at the sizes it began with: a note says the plan is above the guard
     proc = run_cli("train", *common, "--is_keep_training=True", "--max_rss_gb=0.2")
     assert proc.returncode == 3 and "above the memory guard" in proc.stdout, proc.stdout[-2000:]
@@ -425,3 +428,31 @@ def test_an_epoch_ending_in_bad_rows_evaluates_its_last_step_once(tmp_path):
     steps = [r["step"] for r in metrics(out) if r["event"] == "eval"]
     assert steps == list(range(11))  # the last step (10) once, not twice
     assert json.loads((out / "final" / "training_info.json").read_text())["epoch"] == 2
+
+
+def test_a_ctrl_c_lost_in_a_finalizer_during_setup_still_stops_the_run():
+    """Python discards an exception raised in a finalizer: a Ctrl-C whose KeyboardInterrupt lands in one
+    (setup's gc.collect runs regex's) would let the run go on to train. The watch remembers it."""
+    import os
+    import signal
+
+    from lowmem.stopping import SignalWatch
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        watch = SignalWatch(say=lambda _line: None)
+
+        class Finalized:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs here: its KeyboardInterrupt is discarded
+
+        Finalized()
+        assert watch.received == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            watch.install()  # where training would begin
+        untouched = SignalWatch(say=lambda _line: None)
+        untouched.install()  # no signal: training begins
+        assert untouched.received is None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

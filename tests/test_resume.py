@@ -233,6 +233,48 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path):
     assert (final / "a.txt").read_text() == "old" and not (tmp_path / ".old-best").exists()
 
 
+def test_writes_the_user_can_make_possible_say_what_to_do_and_the_rest_are_raised(tmp_path):
+    from lowmem.run_folder import RunFolder
+
+    final = tmp_path / "best"
+    with checkpoint.atomic_folder(final) as tmp:
+        (tmp / "a.txt").write_text("old")
+    said = "a file grew past the size limit .* then start over"  # safetensors and tokenizers name the errno so
+    with pytest.raises(UserError, match=said), checkpoint.atomic_folder(final, then=lambda: "start over"):
+        raise Exception("Error while serializing: IoError(File too large (os error 27))")
+    with pytest.raises(UserError, match="cannot be written .* then continue with --is_keep_training=True"), \
+            checkpoint.atomic_folder(final) as tmp:
+        raise PermissionError(13, "Permission denied", str(tmp / "model.safetensors"))
+    with pytest.raises(PermissionError), checkpoint.atomic_folder(final):  # reading a file of the user's: raised
+        raise PermissionError(13, "Permission denied", str(tmp_path.parent / "source" / "spiece.model"))
+    with pytest.raises(RuntimeError), checkpoint.atomic_folder(final):
+        raise RuntimeError("a bug, not a write")
+    assert (final / "a.txt").read_text() == "old" and not (tmp_path / ".tmp-best").exists()
+    run = RunFolder(tmp_path / "run")  # a run without a checkpoint cannot be continued from one
+    assert "--overwrite_output_dir=True" in run.how_to_continue()
+    with checkpoint.atomic_folder(run.checkpoint_path(3)) as tmp:
+        (tmp / "a.txt").write_text("state")
+    assert run.how_to_continue().startswith("continue with --is_keep_training=True")
+
+
+def test_a_file_size_limit_stops_the_run_with_one_line_and_it_starts_again(tmp_path):
+    import resource
+
+    corpus = write_rows(tmp_path / "c.jsonl", synthetic_rows(120))
+    args = [sys.executable, str(REPO / "train_low_mem.py"), "train", f"--train_file={corpus}", "--max_steps=2",
+            f"--output_dir={tmp_path / 'run'}", "--save_steps=0", "--eval_steps=1", "--max_eval_samples=4",
+            "--eval_generate=False", "--gradient_accumulation_steps=2"]
+    limit = 2**20  # best/'s weights (8 MB) cannot be written; metrics.jsonl and config.json can
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, preexec_fn=lambda: resource.setrlimit(
+        resource.RLIMIT_FSIZE, (limit, limit)))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[-1].startswith("error: a file grew past the size limit") and "--overwrite_output_dir=True" in lines[-1]
+    assert not (tmp_path / "run" / "best").exists()
+    again = run_cli(*args[2:], "--overwrite_output_dir=True")  # as the line says
+    assert again.returncode == 0 and (tmp_path / "run" / "final" / "model.safetensors").is_file(), again.stderr[-2000:]
+
+
 def test_an_export_interrupted_between_its_two_renames_puts_the_previous_one_back(tmp_path, monkeypatch):
     final = tmp_path / "best"
     with checkpoint.atomic_folder(final) as tmp:
