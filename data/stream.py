@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 import random
-import sys
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from config import UserError
 from data.readers import FileIndex, index_file
 from data.sources import DataProblems, Example, iter_rows
+
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")  # a character Python stores in 4 bytes (and every other then)
+_TWO_BYTES = re.compile("[\u0100-\uffff]")
 
 
 class ExampleStream:
@@ -198,9 +201,20 @@ def _pop_at_random(buffer: list[Example], rng: random.Random) -> Example:
 
 
 def example_bytes(example: Example) -> int:
-    """Host bytes of an example's prompt and response: text, or token ids (a list, and an int object each)."""
-    return sum(sys.getsizeof(part) + (28 * len(part) if isinstance(part, list) else 0)
+    """What an example's prompt and response cost the shuffle buffer, from their content alone. Not
+    ``sys.getsizeof``: a list's spare capacity and a string's cached UTF-8 differ between a row as read and
+    the same row restored from a checkpoint, and a resumed run would then shuffle otherwise."""
+    return sum(_text_bytes(part) if isinstance(part, str) else 56 + 36 * len(part)  # token ids: int objects
                for part in (example.prompt, example.response))
+
+
+def _text_bytes(text: str) -> int:
+    """The larger of a string's size in Python (1, 2 or 4 bytes a character, by its widest: one emoji makes
+    every character 4) and in UTF-8 (as files and a checkpoint's data position hold it)."""
+    if text.isascii():
+        return 49 + len(text)
+    width = 4 if _ASTRAL.search(text) else 2 if _TWO_BYTES.search(text) else 1
+    return 74 + max(width * len(text), len(text.encode("utf-8", "surrogatepass")))
 
 
 def steps_per_epoch(rows: int, batch_size: int, accumulation: int) -> int:
@@ -228,13 +242,19 @@ def share_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return rows * rank // world_size, rows * (rank + 1) // world_size
 
 
-def batched(items, size: int):
-    """Group an iterable into lists of ``size`` (the last one may be shorter)."""
-    batch = []
+def batched(items, size: int, max_bytes: int = 0):
+    """Group an iterable into lists of ``size`` (the last one may be shorter); with ``max_bytes``, of examples
+    whose ``example_bytes`` stay within it (or one example alone): long rows are then grouped fewer at a time."""
+    batch, held = [], 0
     for item in items:
+        weight = example_bytes(item) if max_bytes else 0
+        if batch and held + weight > max_bytes > 0:
+            yield batch
+            batch, held = [], 0
         batch.append(item)
+        held += weight
         if len(batch) == size:
             yield batch
-            batch = []
+            batch, held = [], 0
     if batch:
         yield batch

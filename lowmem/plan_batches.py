@@ -13,25 +13,25 @@ from pathlib import Path
 from config import TrainConfig
 
 REPLAY_ROWS = 10_000  # runs reading at most this many rows have their stream replayed (seconds)
-CHUNK_ROWS = 256  # rows tokenized at a time (a few MB of text even for long rows)
+CHUNK_ROWS = 256  # rows tokenized at a time, and at most CHUNK_BYTES of them (long rows fewer at a time)
+CHUNK_BYTES = 4 * 2**20
 
 
 def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     """Token lengths of the first training rows (capped): the longest batch sets the activation peak.
     ``data``: the run's ``data.pipeline.TrainData``. Rows are tokenized ``CHUNK_ROWS`` at a time and only
     their lengths kept: RAM stays flat however long the rows."""
-    from data.readers import TOKEN_COLUMNS
     from data.sources import iter_rows
-    from data.stream import batched
+    from data.stream import batched, example_bytes
 
     files, columns = data.files.train, data.files.columns
     items = (item for index, path in enumerate(files) for item in iter_rows(path, index, columns, 0, rows)
              if item is not None)
-    s, t, text_bytes = [], [], []
-    for chunk in batched(itertools.islice(items, rows), CHUNK_ROWS):
-        # held in the shuffle buffer as text, or as Python lists of ints (~36 bytes a token)
-        text_bytes += [36 * (len(item.prompt) + len(item.response)) if columns == TOKEN_COLUMNS
-                       else len(item.prompt.encode()) + len(item.response.encode()) for item in chunk]
+    s, t, held, text_bytes = [], [], [], []  # what each row costs the shuffle buffer; its text in the file
+    for chunk in batched(itertools.islice(items, rows), CHUNK_ROWS, CHUNK_BYTES):
+        held += [example_bytes(item) for item in chunk]
+        text_bytes += [sum(len(p.encode()) if isinstance(p, str) else 0 for p in (item.prompt, item.response))
+                       for item in chunk]
         if not data.objective.chunk_length:
             s += [len(x) for x in data.collator.token_ids([item.prompt for item in chunk], cfg.max_source_len)]
             t += [len(x) for x in data.collator.token_ids([item.response for item in chunk], cfg.max_target_len)]
@@ -40,9 +40,10 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
                 "row_bytes": 0, "rows": 0, "pairs": []}
     if data.objective.chunk_length:  # packed chunks: planned at their longest (span corruption's
         s, t = ([length] * len(text_bytes) for length in data.objective.longest)  # lengths are all the same)
-    mean_row = sum(text_bytes) / len(text_bytes)
+    mean_text = sum(text_bytes) / len(text_bytes)
     return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
-            "row_bytes": mean_row, "rows": estimated_rows(files, mean_row, columns), "pairs": list(zip(s, t))}
+            "row_bytes": sum(held) / len(held), "rows": estimated_rows(files, mean_text, columns),
+            "pairs": list(zip(s, t))}
 
 
 def run_lengths(cfg: TrainConfig, data, replay: bool = True) -> dict:
@@ -108,7 +109,7 @@ def replay_epochs(cfg: TrainConfig, data, window_rows: int) -> list[list[tuple[i
     while windows_left > 0 and stream.epoch < epochs:
         take = None if windows_left == math.inf else windows_left * window_rows
         lengths = []
-        for rows in batched(itertools.islice(stream.iter_epoch(), take), CHUNK_ROWS):  # lengths kept, texts let go
+        for rows in batched(itertools.islice(stream.iter_epoch(), take), CHUNK_ROWS, CHUNK_BYTES):  # lengths kept
             sources = collator.token_ids([e.prompt for e in rows], cfg.max_source_len)
             lengths += [(len(s), len(t)) for s, t in zip(sources, collator.targets(rows))]
         if not lengths:  # an epoch without a usable row: the trainer stops there too

@@ -40,7 +40,11 @@ SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "to
 FIXED_ON_RESUME = ("seed", "shuffle_buffer_size", "shuffle_buffer_mb", "objective", "metric_for_best")
 FIXED_WHY = {"metric_for_best": "its best model was chosen by that metric, whose values the new one's cannot be "
                                 "compared with",
-             "objective": "its data position is one in that objective's stream, which another one reads differently"}
+             "objective": "its data position is one in that objective's stream, which another one reads differently",
+             "shuffle_buffer_mb": "the rows its data position holds would come out in another order (the same rows: "
+                                  "the run would not be the one it began as)"}
+# Settings added since runs began to be written, with the value in effect before: a checkpoint without one had it
+BEFORE_IT_EXISTED = {"shuffle_buffer_mb": 0}
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 # What an evaluation's numbers depend on besides the model: a best/ chosen under other values is not comparable
 EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_len")
@@ -288,11 +292,12 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
         raise UserError(f"checkpoint {folder} holds {current['frozen_dtype']} weights with scales in the dtype of "
                         f"--mixed_precision={saved['mixed_precision']}; resume with it, or use a new --output_dir")
     for key in FIXED_ON_RESUME:
-        if key in saved and saved[key] != current[key]:
+        was = saved.get(key, BEFORE_IT_EXISTED.get(key, current.get(key)))
+        if key in current and was != current[key]:
             why = FIXED_WHY.get(key, "its data position counts rows in the order that gave: another order would "
                                      "repeat some rows and skip others")
-            raise UserError(f"checkpoint {folder} was written with --{key}={saved[key]}, and {why}; resume with "
-                            f"--{key}={saved[key]}, or use a new --output_dir")
+            raise UserError(f"checkpoint {folder} was written with --{key}={was}, and {why}; resume with "
+                            f"--{key}={was}, or use a new --output_dir")
     for key, value in current.items():
         if key not in SHAPE_SETTINGS + FIXED_ON_RESUME + RUN_ONLY_SETTINGS + NOT_FLAGS and key in saved \
                 and saved[key] != value:

@@ -283,8 +283,8 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
     features = [f"mixed_precision={cfg.mixed_precision}", f"optimizer={cfg.optimizer}",
                 f"gradient_checkpointing={cfg.gradient_checkpointing}",
-                f"shuffle_buffer={cfg.shuffle_buffer_size} rows", "dynamic padding", "streamed data",
-                f"gc every {cfg.gc_every_steps} steps"]
+                f"shuffle_buffer={cfg.shuffle_buffer_size} rows / {cfg.shuffle_buffer_mb} MiB", "dynamic padding",
+                "streamed data", f"gc every {cfg.gc_every_steps} steps"]
     if cfg.lora_r:
         features.append(f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on {' and '.join(lora_stacks(cfg))} "
                         f"{cfg.lora_target_modules}")

@@ -320,6 +320,40 @@ def test_a_byte_bounded_shuffle_buffer_holds_long_rows_few_at_a_time_and_resumes
     assert head + _drain(resumed) == straight
 
 
+def test_a_byte_bounded_buffer_of_token_ids_resumes_exactly_through_a_saved_checkpoint(tmp_path):
+    """Token ids (a prepared corpus) restored by torch.load are lists of another capacity than as read: the
+    bound counts their content, so a resumed stream hands them out in the same order."""
+    import torch
+
+    from data.readers import TOKEN_COLUMNS
+    from lowmem.checkpoint import load_state
+
+    rng = random.Random(3)
+    rows = [{"input_ids": [rng.randrange(300, 8000) for _ in range(rng.randint(50, 2000))], "labels": [5, 6]}
+            for _ in range(150)]
+    files = [write_rows(tmp_path / "prepared.parquet", rows)]
+
+    def stream():
+        return ExampleStream(files, TOKEN_COLUMNS, seed=7, buffer_size=50, buffer_bytes=400_000)
+
+    straight = _drain(stream())
+    assert straight != _drain(ExampleStream(files, TOKEN_COLUMNS, seed=7, buffer_size=50))  # the bound binds
+    for cut in (1, 40, 90):
+        first = stream()
+        head = _drain(first, limit=cut)
+        torch.save(first.state_dict(), tmp_path / "process_0.pt")
+        resumed = stream()
+        resumed.load_state_dict(load_state(tmp_path / "process_0.pt"))  # as a resume reads it
+        assert head + _drain(resumed) == straight, cut
+    grown = []
+    for token in rows[0]["input_ids"]:
+        grown.append(token)  # a list grown by appends holds spare capacity
+    assert example_bytes(Example(grown, [5, 6], 0, 0)) == example_bytes(Example(list(rows[0]["input_ids"]), [5, 6],
+                                                                                 0, 0))
+    emoji = "a" * 1000 + "\U0001f600"  # one emoji makes Python store every character in 4 bytes
+    assert example_bytes(Example(emoji, "", 0, 0)) >= 4 * 1001 > example_bytes(Example("a" * 1001, "", 0, 0))
+
+
 def test_a_byte_bound_that_never_binds_keeps_the_rows_bounds_order(tmp_path):
     """Short rows under the default bound shuffle exactly as before the bound existed (runs resume alike)."""
     files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(97, seed=i)) for i in range(3)]

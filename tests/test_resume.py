@@ -377,7 +377,8 @@ def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resume
 
 @pytest.mark.parametrize("key, saved_value, value", [("seed", 1, 2), ("shuffle_buffer_size", 3, 0),
                                                      ("metric_for_best", "eval_loss", "bleu"),
-                                                     ("objective", "pairs", "prefix_lm")])
+                                                     ("objective", "pairs", "prefix_lm"),
+                                                     ("shuffle_buffer_mb", 64, 1)])
 def test_a_resume_refuses_another_row_order_or_best_metric(tmp_path, key, saved_value, value):
     """The checkpoint's data position counts rows in the order its seed and shuffle gave (another order
     repeated one file's rows and skipped another's), its best model was chosen by its metric (a BLEU was
@@ -392,6 +393,11 @@ def test_a_resume_refuses_another_row_order_or_best_metric(tmp_path, key, saved_
         compare_settings(saved, {**saved, key: value}, tmp_path, notes.append)
     compare_settings(saved, {**saved, "learn_rate": 2e-3}, tmp_path, notes.append)
     assert notes == ["resume: --learn_rate was 0.001 in the checkpoint; using 0.002 from this command"]
+    # a run begun before --shuffle_buffer_mb existed shuffled without a text bound: it resumes with 0 only
+    before = {k: v for k, v in saved.items() if k != "shuffle_buffer_mb"}
+    with pytest.raises(UserError, match="resume with --shuffle_buffer_mb=0"):
+        compare_settings(before, {**before, "shuffle_buffer_mb": 64}, tmp_path)
+    compare_settings(before, {**before, "shuffle_buffer_mb": 0}, tmp_path)
 
 
 def test_a_resume_refuses_another_lora_scale_or_another_compute_dtype_for_8_bit_weights(tmp_path):
