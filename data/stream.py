@@ -201,11 +201,13 @@ def _pop_at_random(buffer: list[Example], rng: random.Random) -> Example:
 
 
 def example_bytes(example: Example) -> int:
-    """What an example's prompt and response cost the shuffle buffer, from their content alone. Not
-    ``sys.getsizeof``: a list's spare capacity and a string's cached UTF-8 differ between a row as read and
-    the same row restored from a checkpoint, and a resumed run would then shuffle otherwise."""
+    """What an example's prompt and response cost the shuffle buffer, from their content alone (a raw-text
+    row's one document, its prompt and response alike, once). Not ``sys.getsizeof``: a list's spare capacity
+    and a string's cached UTF-8 differ between a row as read and the same row restored from a checkpoint, and
+    a resumed run would then shuffle otherwise."""
+    parts = (example.prompt,) if example.response == example.prompt else (example.prompt, example.response)
     return sum(_text_bytes(part) if isinstance(part, str) else 56 + 36 * len(part)  # token ids: int objects
-               for part in (example.prompt, example.response))
+               for part in parts)
 
 
 def _text_bytes(text: str) -> int:

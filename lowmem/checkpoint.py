@@ -114,19 +114,20 @@ def atomic_folder(final: Path, staged: bool = False, then=None):
 
 
 def write_failure(exc: BaseException, folder: Path | None) -> tuple[str, str] | None:
-    """(what happened, what to do) when a write failed in a way the user can fix, else None. A permission
-    error counts only on a path in ``folder`` (the one being written; not a file read into it; None: never)."""
+    """(what happened, what to do) when a write failed in a way the user can fix, else None.
+
+    ``folder``: the one being written (``atomic_folder``'s), where a permission error counts on a path in it
+    (not on a file read into it) or from a Rust library (which writes there and names no path), and a failure
+    without an errno counts when its disk is full. None (anywhere else): errnos alone, permissions never."""
     if isinstance(exc, OSError):
-        code = exc.errno
-        if code in NOT_WRITABLE and (folder is None or not str(exc.filename or "").startswith(str(folder))):
-            return None  # a file read into the folder (a source tokenizer's), not the folder
+        code, ours = exc.errno, folder is not None and str(exc.filename or "").startswith(str(folder))
     else:
         found = re.search(r"\(os error (\d+)\)", str(exc))
-        code = int(found[1]) if found else None
+        code, ours = (int(found[1]) if found else None), folder is not None
     for codes, what, fix in WRITE_FAILURES:
-        if code in codes:
+        if code in codes and (ours or codes is not NOT_WRITABLE):
             return what, fix
-    return WRITE_FAILURES[0][1:] if disk_full(exc, folder or Path(".")) else None
+    return WRITE_FAILURES[0][1:] if folder is not None and disk_full(exc, folder) else None
 
 
 def disk_full(exc: BaseException, path: Path) -> bool:

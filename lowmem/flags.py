@@ -151,7 +151,8 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
     return cfg, notes
 
 
-ANSWER_OPTIONS = ("num_beams", "no_repeat_ngram_size", "repetition_penalty")  # read only where answers are generated
+# Read only where answers are generated (--num_beams also goes into the exports' generation_config.json)
+ANSWER_OPTIONS = ("no_repeat_ngram_size", "repetition_penalty")
 
 
 def unused_answer_notes(cfg: TrainConfig, flags: dict) -> list[str]:

@@ -30,7 +30,8 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     s, t, held, text_bytes = [], [], [], []  # what each row costs the shuffle buffer; its text in the file
     for chunk in batched(itertools.islice(items, rows), CHUNK_ROWS, CHUNK_BYTES):
         held += [example_bytes(item) for item in chunk]
-        text_bytes += [sum(len(p.encode()) if isinstance(p, str) else 0 for p in (item.prompt, item.response))
+        text_bytes += [sum(len(p.encode()) if isinstance(p, str) else 0  # raw text: one document, not two
+                           for p in ((item.prompt,) if item.response == item.prompt else (item.prompt, item.response)))
                        for item in chunk]
         if not data.objective.chunk_length:
             s += [len(x) for x in data.collator.token_ids([item.prompt for item in chunk], cfg.max_source_len)]

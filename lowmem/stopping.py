@@ -6,6 +6,7 @@ nears ``--max_rss_gb``, is in ``lowmem.run_memory``.)"""
 from __future__ import annotations
 
 import signal
+import threading
 
 from config import UserError
 from lowmem.distributed import any_process
@@ -41,7 +42,8 @@ class SignalWatch:
             self.received = signal.Signals(signum).name  # is remembered, for Python discards the exception
             raise KeyboardInterrupt  # when it lands in a finalizer (setup's gc.collect runs regex's)
 
-        signal.signal(signal.SIGINT, interrupt)
+        if threading.current_thread() is threading.main_thread():  # (signals reach the main thread only)
+            signal.signal(signal.SIGINT, interrupt)
 
     def install(self) -> None:
         if self.received is not None:  # a Ctrl-C during setup whose KeyboardInterrupt was lost

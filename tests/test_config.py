@@ -157,7 +157,7 @@ def test_flags_that_the_configuration_does_not_read_are_named():
         f"note: --{k} has no effect with --objective=prefix_lm" for k in ("noise_density", "mean_noise_span_length")]
     _, notes = load_config({**text, "objective": "span_corruption"})
     assert not [n for n in notes if "has no effect" in n]
-    answers = {"num_beams": 4, "repetition_penalty": 1.2}  # read by the evaluation's generation only
+    answers = {"no_repeat_ngram_size": 3, "repetition_penalty": 1.2}  # read by the evaluation's generation only
     assert unused_answer_notes(load_config(answers)[0], answers) == []
     quiet = {**answers, "eval_generate": False}
     assert unused_answer_notes(load_config(quiet)[0], quiet) == [

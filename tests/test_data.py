@@ -354,6 +354,21 @@ def test_a_byte_bounded_buffer_of_token_ids_resumes_exactly_through_a_saved_chec
     assert example_bytes(Example(emoji, "", 0, 0)) >= 4 * 1001 > example_bytes(Example("a" * 1001, "", 0, 0))
 
 
+def test_a_raw_text_document_counts_once_against_the_bound(tmp_path):
+    """Raw text is one column, read as prompt and response alike: the bound holds as many documents as it
+    holds pairs of the same text and a one-word answer."""
+    docs = [{"text": f"{i} " + "x" * 10_000, "answer": "y"} for i in range(60)]
+    path = write_rows(tmp_path / "docs.jsonl", docs)
+
+    def most_held(columns):
+        stream, held = ExampleStream([path], columns, seed=7, buffer_size=50, buffer_bytes=100_000), []
+        for _ in stream.iter_epoch():
+            held.append(len(stream.buffer))
+        return max(held)
+
+    assert most_held(("text",)) == most_held(("text", "answer")) == 9  # 100 KB of 10 KB rows (twice each: 4)
+
+
 def test_a_byte_bound_that_never_binds_keeps_the_rows_bounds_order(tmp_path):
     """Short rows under the default bound shuffle exactly as before the bound existed (runs resume alike)."""
     files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(97, seed=i)) for i in range(3)]

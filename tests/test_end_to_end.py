@@ -139,8 +139,9 @@ def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path):
     assert "eval_examples: 12" in proc.stdout and "evaluating the 12 rows training held out" in proc.stdout
     assert f"eval_file:     the rows held out of --train_file={train}" in proc.stdout
     fewer = run_cli("evaluate", f"--init_from={out / 'best'}", f"--train_file={train}", *SMALL[:2],
-                    "--max_eval_samples=4", "--eval_generate=False")  # the first of them, said
+                    "--max_eval_samples=4", "--eval_generate=False", "--repetition_penalty=1.2")  # the first 4, said
     assert fewer.returncode == 0 and "eval_examples: 4" in fewer.stdout, fewer.stderr[-3000:]
+    assert "--repetition_penalty has no effect with --eval_generate=False" in fewer.stdout + fewer.stderr
     assert "evaluating the first 4 of the 12 rows training held out" in fewer.stdout
     bad = tmp_path / "bad_eval.jsonl"  # a broken line among an --eval_file's rows is said and counted
     bad.write_text(write_rows(tmp_path / "good.jsonl", synthetic_rows(2, seed=3)).read_text() + "{not json\n")

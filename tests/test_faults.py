@@ -342,7 +342,7 @@ def test_memory_guard_checkpoints_and_the_run_resumes(tmp_path):
     assert checkpoint.validate(saved) is None and saved.name == "step_000001"
     assert "raise --max_rss_gb" in line
     said = float(re.search(r"peak ([0-9.]+) GiB\) reached 90%", line)[1])  # what tripped it, not what was left
-    assert said >= 0.9 * 0.2
+    assert said * 1024 >= max(r["rss_mb"] for r in metrics(out) if "rss_mb" in r) - 6  # (its 2 decimals)
     # resumed under the same budget, at the sizes it began with: a note says the plan is above the guard
     proc = run_cli("train", *common, "--is_keep_training=True", "--max_rss_gb=0.2")
     assert proc.returncode == 3 and "above the memory guard" in proc.stdout, proc.stdout[-2000:]
