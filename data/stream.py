@@ -200,14 +200,17 @@ def _pop_at_random(buffer: list[Example], rng: random.Random) -> Example:
     return buffer.pop()
 
 
+def example_parts(example: Example) -> tuple:
+    """The prompt and the response; a raw-text row's one document (read as both) once."""
+    return (example.prompt,) if example.response == example.prompt else (example.prompt, example.response)
+
+
 def example_bytes(example: Example) -> int:
-    """What an example's prompt and response cost the shuffle buffer, from their content alone (a raw-text
-    row's one document, its prompt and response alike, once). Not ``sys.getsizeof``: a list's spare capacity
-    and a string's cached UTF-8 differ between a row as read and the same row restored from a checkpoint, and
-    a resumed run would then shuffle otherwise."""
-    parts = (example.prompt,) if example.response == example.prompt else (example.prompt, example.response)
+    """What an example's ``example_parts`` cost the shuffle buffer, from their content alone. Not
+    ``sys.getsizeof``: a list's spare capacity and a string's cached UTF-8 differ between a row as read and
+    the same row restored from a checkpoint, and a resumed run would then shuffle otherwise."""
     return sum(_text_bytes(part) if isinstance(part, str) else 56 + 36 * len(part)  # token ids: int objects
-               for part in parts)
+               for part in example_parts(example))
 
 
 def _text_bytes(text: str) -> int:

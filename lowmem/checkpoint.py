@@ -104,7 +104,7 @@ def atomic_folder(final: Path, staged: bool = False, then=None):
             tmp.rename(final)
         fsync_path(final.parent)
     except BaseException as exc:
-        failure = write_failure(exc, final.parent)
+        failure = write_failure(exc, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         restore_cut_swap(final)  # interrupted between the two renames (a second Ctrl-C): the previous one back
         if failure:

@@ -22,7 +22,7 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     ``data``: the run's ``data.pipeline.TrainData``. Rows are tokenized ``CHUNK_ROWS`` at a time and only
     their lengths kept: RAM stays flat however long the rows."""
     from data.sources import iter_rows
-    from data.stream import batched, example_bytes
+    from data.stream import batched, example_bytes, example_parts
 
     files, columns = data.files.train, data.files.columns
     items = (item for index, path in enumerate(files) for item in iter_rows(path, index, columns, 0, rows)
@@ -30,9 +30,7 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     s, t, held, text_bytes = [], [], [], []  # what each row costs the shuffle buffer; its text in the file
     for chunk in batched(itertools.islice(items, rows), CHUNK_ROWS, CHUNK_BYTES):
         held += [example_bytes(item) for item in chunk]
-        text_bytes += [sum(len(p.encode()) if isinstance(p, str) else 0  # raw text: one document, not two
-                           for p in ((item.prompt,) if item.response == item.prompt else (item.prompt, item.response)))
-                       for item in chunk]
+        text_bytes += [sum(len(p.encode()) for p in example_parts(item) if isinstance(p, str)) for item in chunk]
         if not data.objective.chunk_length:
             s += [len(x) for x in data.collator.token_ids([item.prompt for item in chunk], cfg.max_source_len)]
             t += [len(x) for x in data.collator.token_ids([item.response for item in chunk], cfg.max_target_len)]
