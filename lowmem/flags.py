@@ -166,7 +166,8 @@ def unused_answer_notes(cfg: TrainConfig, flags: dict) -> list[str]:
 # training_info.json: evaluate and generate take them from there unless given (a span-corruption model was
 # scored as prompt/response pairs, its masks drawn with another seed, its chunks of other lengths).
 TRAINED_WITH = ("objective", "seed", "max_source_len", "max_target_len", "noise_density", "mean_noise_span_length",
-                "text_column")
+                "text_column", "prompt_column", "response_column")
+PAIRS_TRAINED_WITH = ("max_source_len", "max_target_len", "prompt_column", "response_column")  # what pairs read
 
 
 def load_saved_model_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig, list[str]]:
@@ -179,7 +180,7 @@ def load_saved_model_config(flags: dict, yaml_path: str | None = None) -> tuple[
     trained = info.get("trained_with") or {}
     raw_text = trained.get("objective", "pairs") != "pairs"  # else the masks' seed and shape read nothing
     adopt = {key: value for key, value in trained.items() if key in TRAINED_WITH and key not in given
-             and getattr(cfg, key) != value and (raw_text or key in ("max_source_len", "max_target_len"))}
+             and getattr(cfg, key) != value and (raw_text or key in PAIRS_TRAINED_WITH)}
     if not adopt:
         return cfg, notes
     cfg, notes = _saved_model_config({**adopt, **flags}, yaml_path)

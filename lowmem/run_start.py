@@ -115,10 +115,10 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
         problem = checkpoint.validate(Path(cfg.resume_from))
         if problem:
             raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")
-        return Path(cfg.resume_from), []
+        return _steps_left(cfg, Path(cfg.resume_from)), []
     found = checkpoint.find_latest_valid(checkpoints, warn=say)
     if found is not None:
-        return found, []
+        return _steps_left(cfg, found), []
     if not any((path / name).is_file() for name in ("config.json", STARTED_MARKER, LEGACY_STARTED_MARKER)):
         raise UserError(f"--is_keep_training: no run to continue in {cfg.output_dir} (no checkpoint); "
                         "run without --is_keep_training to start one")
@@ -131,6 +131,16 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
     # exported: the same seed replays the run exactly, and nothing is lost.
     say(f"no usable checkpoint in {checkpoints}: starting the run again from step 0")
     return None, removable(cfg, used)
+
+
+def _steps_left(cfg: TrainConfig, folder: Path) -> Path:
+    """``folder``, the checkpoint a run continues from, unless --max_steps ends the run before its step: it
+    would train nothing and export that checkpoint's weights again as the final model."""
+    step = checkpoint.step_number(folder)
+    if 0 < cfg.max_steps < step:
+        raise UserError(f"--max_steps={cfg.max_steps} is below step {step}, where the run continues from ({folder}); "
+                        f"pass a --max_steps above {step} to train on, or use a new --output_dir")
+    return folder
 
 
 def has_trained_models(path: Path) -> bool:

@@ -227,3 +227,9 @@ def test_evaluate_and_generate_take_the_objective_and_lengths_the_model_was_trai
     (model / "training_info.json").write_text(json.dumps({"trained_with": {**trained, "objective": "pairs"}}))
     cfg, notes = load_saved_model_config({"init_from": str(model)})  # pairs: no masks, the lengths alone
     assert cfg.objective == "pairs" and cfg.seed != 7 and cfg.max_source_len == 64
+    # ... and the columns it read (evaluate on the rows training held out blamed the data for missing 'prompt')
+    columns = {"objective": "pairs", "prompt_column": "question", "response_column": "answer"}
+    (model / "training_info.json").write_text(json.dumps({"trained_with": columns}))
+    cfg, notes = load_saved_model_config({"init_from": str(model)})
+    assert (cfg.prompt_column, cfg.response_column) == ("question", "answer")
+    assert "--prompt_column=question --response_column=answer" in notes[-1]

@@ -142,6 +142,8 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["preview", "--num_examples=abc"], "--num_examples expects a positive whole number"),
     (["preview", "--num_example=3"], "did you mean --num_examples"),
     (["train_tokenizer"], "holds a tokenizer already"),
+    (["train_tokenizer", "--train_file={tmp}/semi.csv", "--tokenizer_dir={tmp}/tok", "--prompt_column=q"],
+     "has no column 'q'"),  # (it was sentencepiece's "INTERNAL: ... [!sentences_.empty()]")
     (["train", "--train_file={tmp}/empty.jsonl", "--output_dir={tmp}/run"], "is empty (no rows in 1 file(s))"),
     (["train", "--train_file={tmp}/semi.csv", "--output_dir={tmp}/run"], "separated by ';', not commas"),
     (["train", "--train_file={tmp}/wrapped.json", "--output_dir={tmp}/run"], "whose 'data' holds a list: save"),
