@@ -122,7 +122,9 @@ def _expand(spec: str, flag: str, output_dir: str | None = None, formats: tuple[
                                 f"{MANIFEST} was written): run prepare into it again")
             found = [p for p in folder_files(path) if p.suffix.lower() in formats]
             if not found:
-                raise UserError(f"{flag}={part} is a folder with no {'/'.join(formats)} files")
+                text = ".txt" not in formats and any(p.suffix.lower() == ".txt" for p in folder_files(path))
+                raise UserError(f"{flag}={part} is a folder with no {'/'.join(formats)} files" + (
+                    " (its .txt files are raw text, read by --objective=span_corruption or prefix_lm)" if text else ""))
         elif any(ch in part for ch in "*?["):
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(part), recursive=True) if Path(p).is_file())
             if not found:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import TrainConfig, UserError
+from config import SHIPPED_TOKENIZER_DIR, TrainConfig, UserError
 from data.ownership import open_own
 from data.sources import bad_rows_report, too_many_bad_rows
 from lowmem.memory import memory_snapshot
@@ -298,9 +298,12 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
                         f"{', wo included' if cfg.quantize_wo else '; wo, embeddings and norms as loaded'})")
     known = data.epoch_rows_known  # else the source says its count is unknown (a dataset without one)
     rows = f" {data.rows:,}" if known else ""
+    tokenizer = ("the shipped one" if cfg.tokenizer_dir == str(SHIPPED_TOKENIZER_DIR) else cfg.tokenizer_dir
+                 or "the model's own")  # (a run without --tokenizer_dir used the shipped one silently)
     lines = [
         f"device {accelerator.device} x {world} process(es) | model {cfg.init_from or cfg.model_preset} | "
-        f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,}",
+        f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,} | tokenizer {tokenizer} "
+        f"({len(data.collator.tokenizer):,} tokens)",
         f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
         f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}"
         + (f" | micro-batches of up to {cfg.max_tokens_per_batch:,} padded tokens" if cfg.max_tokens_per_batch else "")

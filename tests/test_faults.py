@@ -145,6 +145,7 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train_tokenizer", "--train_file={tmp}/semi.csv", "--tokenizer_dir={tmp}/tok", "--prompt_column=q"],
      "has no column 'q'"),  # (it was sentencepiece's "INTERNAL: ... [!sentences_.empty()]")
     (["train", "--train_file={tmp}/empty.jsonl", "--output_dir={tmp}/run"], "is empty (no rows in 1 file(s))"),
+    (["train", "--train_file={tmp}/texts", "--output_dir={tmp}/run"], "its .txt files are raw text"),
     (["train", "--train_file={tmp}/semi.csv", "--output_dir={tmp}/run"], "separated by ';', not commas"),
     (["train", "--train_file={tmp}/wrapped.json", "--output_dir={tmp}/run"], "whose 'data' holds a list: save"),
     (["train", "--train_file={tmp}/pretty.json", "--output_dir={tmp}/run"], "one JSON object spread over lines"),
@@ -153,6 +154,8 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
 ])
 def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
     (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("a document of raw text\n")
     (tmp_path / "semi.csv").write_text("prompt;response\nhello;world\n")
     rows = {"data": [{"prompt": "a b", "response": "c d"}] * 3}  # rows inside an object: not a row each
     (tmp_path / "wrapped.json").write_text(json.dumps(rows))

@@ -325,6 +325,7 @@ def test_a_finished_run_continued_times_only_its_training_steps(tmp_path):
     records = [r["step_s"] for r in metrics(tmp_path / "run") if r["event"] == "train"]
     summary = float(re.search(r"step_s:\s+([\d.]+)", done.stdout).group(1))
     assert len(records) == 4 and summary == pytest.approx(sum(records) / 4, rel=0.02)
+    assert "| tokenizer the shipped one (8,100 tokens)" in done.stdout  # the default, named
     # A --max_steps below the checkpoint's step would train nothing (it exited 0, blaming a token estimate)
     fewer = run_cli("train", *common, "--max_steps=3", "--is_keep_training=True")
     assert fewer.returncode == 2 and "--max_steps=3 is below step 4" in fewer.stderr, fewer.stderr[-2000:]
