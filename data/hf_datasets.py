@@ -70,6 +70,8 @@ def dataset_ref(spec: str, flag: str = "--train_file", config: str | None = None
         return DatasetRef(spec, kind, config, flag=flag) if kind else None
     if path.exists() or spec.lower().endswith(FILE_ENDINGS) or not HUB_ID.fullmatch(spec):
         return None
+    if path.suffix and path.parent != Path(".") and path.parent.is_dir():  # data/trans.cvs: a local file's typo,
+        return None  # not a hub id (which the hub was asked for, retrying for half a minute)
     return DatasetRef(spec, "hub", config, flag=flag)
 
 

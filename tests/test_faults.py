@@ -127,6 +127,7 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train", "--max_bad_rows_fraction=2"], "--max_bad_rows_fraction"),
     (["train", "--train_file=/nonexistent/x.jsonl"], "does not exist"),
     (["train", "--train_file=/nonexistent/*.jsonl"], "matches no file"),
+    (["train", "--train_file=data/trans.cvs"], "trans.cvs does not exist"),  # (run in the repo) a typo, not a hub id
     (["train", "--is_finetune=True", "--init_from={tmp}"], "is not a model folder"),
     (["train", "--is_keep_training=True", "--output_dir={tmp}/never_run"], "no run to continue"),
     (["train", "--output_dir=/proc/t5-lowmem-run"], "not writable"),
