@@ -269,6 +269,11 @@ def _setting(key: str, value):
 def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> None:
     """Refuse a resume whose model shape or tokenizer differ; say which value wins for the others."""
     held, holds = saved.get("held_out_rows", 0), current.get("held_out_rows", 0)
+    if held != holds and all(saved.get(k) == current.get(k) for k in ("eval_file", "max_eval_samples")):
+        raise UserError(f"checkpoint {folder} held out {held} rows of --train_file={saved.get('train_file')} for "
+                        f"evaluation, and the same eval flags hold out {holds} of --train_file="
+                        f"{current.get('train_file')}: the training data is not the run's; resume on the data it "
+                        "began with, or use a new --output_dir")
     if held != holds:  # the rows the run trains on would change
         same = (f"--eval_file={saved.get('eval_file')}" if not held else
                 f"no --eval_file and --max_eval_samples={saved.get('max_eval_samples')}")

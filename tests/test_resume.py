@@ -398,6 +398,11 @@ def test_a_resume_refuses_another_row_order_or_best_metric(tmp_path, key, saved_
     compare_settings(saved, {**saved, "learn_rate": 2e-3}, tmp_path, notes.append)
     assert notes == ["resume: --learn_rate was 0.001 in the checkpoint; using 0.002 from this command"]
     # a run begun before --shuffle_buffer_mb existed shuffled without a text bound: it resumes with 0 only
+    # other training data under the same eval flags: said so (it read "resume with --max_eval_samples=8", as given)
+    eval_flags = {"eval_file": None, "max_eval_samples": 8}
+    with pytest.raises(UserError, match="the training data is not the run's"):
+        compare_settings({**saved, **eval_flags, "held_out_rows": 3, "train_file": "data/txt"},
+                         {**saved, **eval_flags, "held_out_rows": 8, "train_file": "trans.csv"}, tmp_path)
     before = {k: v for k, v in saved.items() if k != "shuffle_buffer_mb"}
     with pytest.raises(UserError, match="resume with --shuffle_buffer_mb=0"):
         compare_settings(before, {**before, "shuffle_buffer_mb": 64}, tmp_path)
