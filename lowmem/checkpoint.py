@@ -86,8 +86,10 @@ def atomic_folder(final: Path, staged: bool = False, then=None):
     """
     final = Path(final)
     old = restore_cut_swap(final)
-    tmp = staging_path(final) if staged else new_staging(final)
+    tmp = staging_path(final)
     try:
+        if not staged:
+            new_staging(final)  # inside: a folder made unwritable mid-run fails here first
         yield tmp
         files = {}
         for f in sorted(tmp.rglob("*")):

@@ -6,6 +6,7 @@ nears ``--max_rss_gb``, is in ``lowmem.run_memory``.)"""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 from config import UserError
@@ -44,6 +45,13 @@ class SignalWatch:
 
         if threading.current_thread() is threading.main_thread():  # (signals reach the main thread only)
             signal.signal(signal.SIGINT, interrupt)
+            shown = sys.unraisablehook
+
+            def quiet(unraisable):  # that lost KeyboardInterrupt is remembered: no "Exception ignored" traceback
+                if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+                    shown(unraisable)
+
+            sys.unraisablehook = quiet
 
     def install(self) -> None:
         if self.received is not None:  # a Ctrl-C during setup whose KeyboardInterrupt was lost

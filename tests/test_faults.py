@@ -445,6 +445,8 @@ def test_a_ctrl_c_lost_in_a_finalizer_during_setup_still_stops_the_run():
     from lowmem.stopping import SignalWatch
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    hook, shown = sys.unraisablehook, []
+    sys.unraisablehook = shown.append  # Python's "Exception ignored in ..." report
     try:
         watch = SignalWatch(say=lambda _line: None)
 
@@ -452,13 +454,20 @@ def test_a_ctrl_c_lost_in_a_finalizer_during_setup_still_stops_the_run():
             def __del__(self):
                 os.kill(os.getpid(), signal.SIGINT)  # the handler runs here: its KeyboardInterrupt is discarded
 
+        class Broken:
+            def __del__(self):
+                raise ValueError("a finalizer's own bug")
+
         Finalized()
+        Broken()
         assert watch.received == "SIGINT"
+        assert [type(u.exc_value) for u in shown] == [ValueError]  # the remembered Ctrl-C is not shown
         with pytest.raises(KeyboardInterrupt):
             watch.install()  # where training would begin
         untouched = SignalWatch(say=lambda _line: None)
         untouched.install()  # no signal: training begins
         assert untouched.received is None
     finally:
+        sys.unraisablehook = hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)

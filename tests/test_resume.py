@@ -233,7 +233,7 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path):
     assert (final / "a.txt").read_text() == "old" and not (tmp_path / ".old-best").exists()
 
 
-def test_writes_the_user_can_make_possible_say_what_to_do_and_the_rest_are_raised(tmp_path):
+def test_writes_the_user_can_make_possible_say_what_to_do_and_the_rest_are_raised(tmp_path, monkeypatch):
     from lowmem.run_folder import RunFolder
 
     final = tmp_path / "best"
@@ -249,6 +249,17 @@ def test_writes_the_user_can_make_possible_say_what_to_do_and_the_rest_are_raise
         raise PermissionError(13, "Permission denied", str(tmp_path.parent / "source" / "spiece.model"))
     with pytest.raises(RuntimeError), checkpoint.atomic_folder(final):
         raise RuntimeError("a bug, not a write")
+    mkdir = Path.mkdir
+
+    def unwritable(path, *args, **kwargs):  # the run's folder made read-only mid-run: the staging folder fails
+        if path.name.startswith(".tmp-"):
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", unwritable)
+    with pytest.raises(UserError, match="cannot be written"), checkpoint.atomic_folder(final):
+        pass
+    monkeypatch.undo()
     assert (final / "a.txt").read_text() == "old" and not (tmp_path / ".tmp-best").exists()
     run = RunFolder(tmp_path / "run")  # a run without a checkpoint cannot be continued from one
     assert "--overwrite_output_dir=True" in run.how_to_continue()
