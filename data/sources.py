@@ -120,9 +120,10 @@ def _expand(spec: str, flag: str, output_dir: str | None = None, formats: tuple[
             if is_ours(path, "prepared") and not (path / MANIFEST).is_file():
                 raise UserError(f"{flag}={part} holds an unfinished prepare (stopped before its "
                                 f"{MANIFEST} was written): run prepare into it again")
-            found = [p for p in folder_files(path) if p.suffix.lower() in formats]
+            inside = folder_files(path)
+            found = [p for p in inside if p.suffix.lower() in formats]
             if not found:
-                text = ".txt" not in formats and any(p.suffix.lower() == ".txt" for p in folder_files(path))
+                text = ".txt" not in formats and any(p.suffix.lower() == ".txt" for p in inside)
                 raise UserError(f"{flag}={part} is a folder with no {'/'.join(formats)} files" + (
                     " (its .txt files are raw text, read by --objective=span_corruption or prefix_lm)" if text else ""))
         elif any(ch in part for ch in "*?["):
