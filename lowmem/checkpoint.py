@@ -133,9 +133,10 @@ def write_failure(exc: BaseException, folder: Path | None) -> tuple[str, str] | 
 
 
 def disk_full(exc: BaseException, path: Path) -> bool:
-    """Whether a failed write ran out of space. torch.save reports a full disk as a RuntimeError
-    without an errno, so the free space is checked too (before the partial files are removed)."""
-    if (isinstance(exc, OSError) and exc.errno in DISK_FULL) or "No space left" in str(exc):
+    """Whether a failed write without an errno (``write_failure`` reads those) ran out of space. torch.save
+    reports a full disk as a RuntimeError without one, so the free space is checked too (before the partial
+    files are removed)."""
+    if "No space left" in str(exc):
         return True
     try:
         return isinstance(exc, (OSError, RuntimeError)) and shutil.disk_usage(path).free < 4 * 2**20
