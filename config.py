@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lowmem.presets import AUTO, CAPPED_PROFILES, FEED_FORWARD_WIDTHS, LOW_MEMORY_CAPS, MEMORY_PROFILES, MODEL_PRESETS
+
 REPO_DIR = Path(__file__).resolve().parent
 SHIPPED_DATA_DIR = REPO_DIR / "data"
 SHIPPED_TOKENIZER_DIR = SHIPPED_DATA_DIR / "tokenizer"
@@ -28,21 +30,6 @@ SHIPPED_CORPORA = {
 }
 
 STARTED_MARKER = ".t5-lowmem-run"  # left in an output folder as soon as a run begins there
-
-# The reference's caps, kept by --memory_profile=host16g (a 16 GB host with nothing to spare): a request
-# above a cap is lowered with a log line (a training batch then becomes more accumulation steps of
-# micro-batches within the cap: the same batch per step). Elsewhere --batch_size and --eval_batch_size
-# are budgets the planner checks (lowmem.batch_budget).
-LOW_MEMORY_CAPS = {"batch_size": 2, "eval_batch_size": 4}
-CAPPED_PROFILES = ("host16g",)
-AUTO = "auto"  # --batch_size / --eval_batch_size: the largest that fits the memory budget
-
-MODEL_PRESETS = {
-    # d_model, d_ff, heads, d_kv, encoder layers, decoder layers. Smaller saves memory.
-    "tiny": dict(d_model=128, d_ff=512, num_heads=4, d_kv=32, num_layers=2, num_decoder_layers=2),
-    "small": dict(d_model=512, d_ff=2048, num_heads=8, d_kv=64, num_layers=6, num_decoder_layers=6),
-    "base": dict(d_model=768, d_ff=3072, num_heads=12, d_kv=64, num_layers=10, num_decoder_layers=10),
-}
 
 OPTIMIZERS = ("adafactor", "adamw", "adamw8bit")
 # T5's linear layers by name: attention q, k, v, o; feed-forward wi, wo (wi_0 and wi_1 on gated models:
@@ -55,33 +42,6 @@ QUANTIZED_DTYPES = ("int8", "float8")  # optimum-quanto weights (lowmem.quantize
 FREEZE_CHOICES = ("encoder", "embeddings", "none")
 OBJECTIVE_CHOICES = ("pairs", "span_corruption", "prefix_lm")
 REPORT_TO = ("none", "tensorboard")  # accelerate trackers we test; each is an optional package
-
-# Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
-# docs/memory.md, 'Memory modes, profiles and the planner' (python bench/profile_table.py).
-MEMORY_PROFILES = {
-    # A 16 GB host, no GPU: fp32 on the CPU, the smallest optimizer state, and the memory guard
-    # checkpoints and stops before the OOM killer would.
-    "host16g": dict(cpu=True, mixed_precision="no", optimizer="adafactor", gradient_checkpointing=False,
-                    batch_size=2, gradient_accumulation_steps=16, max_rss_gb=14.0),
-    # Consumer GPUs: bf16 autocast everywhere, checkpointing where memory is tightest, and the largest
-    # micro-batches the GPU holds for an effective batch of 32 (accumulation follows).
-    "gpu8g": dict(mixed_precision="bf16", optimizer="adafactor", gradient_checkpointing=True,
-                  batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
-    "gpu12g": dict(mixed_precision="bf16", optimizer="adafactor", gradient_checkpointing=True,
-                   batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
-    "gpu16g": dict(mixed_precision="bf16", optimizer="adafactor", gradient_checkpointing=False,
-                   batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
-    # Enough memory for full AdamW state: the fastest settings.
-    "gpu24g": dict(mixed_precision="bf16", optimizer="adamw", gradient_checkpointing=False,
-                   batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
-    "gpu80g": dict(mixed_precision="bf16", optimizer="adamw", gradient_checkpointing=False,
-                   batch_size=AUTO, eval_batch_size=AUTO, effective_batch_size=32),
-}
-
-
-def gpu_profile_gib(name: str) -> float:
-    """The GPU memory a GPU profile is named for (gpu8g: 8 GiB)."""
-    return float(name.removeprefix("gpu").removesuffix("g"))
 
 
 class UserError(Exception):
@@ -156,6 +116,9 @@ class TrainConfig:
     model_preset: str = _f("tiny", "Model shape: tiny (2M with the shipped 8.1k vocabulary, for CPU demos), "
                                    "small (T5-small shape: 48M; 60M with a 32k vocabulary), base (the reference "
                                    "project's shape: 171M; 188M with a 29k vocabulary). Smaller saves memory.")
+    feed_forward_proj: str = _f("gated-gelu", "Feed-forward of a --model_preset model: gated-gelu (T5 v1.1, flan-t5, "
+                                              "mT5) or relu (the original T5); the same weights either way. "
+                                              "gated-gelu's smooth gradients make runs reproducible to float error.")
     dropout_rate: float = _f(0.1, "Dropout inside the T5 blocks.")
 
     # --- batch and optimisation ---
@@ -290,7 +253,8 @@ class TrainConfig:
         if self.encoder_cache == "off":
             unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
         if self.init_from:
-            unused.append(("model_preset", "with --init_from (that model's shape is trained)"))
+            unused += [(name, "with --init_from (that model's shape is trained)")
+                       for name in ("model_preset", "feed_forward_proj")]
         if self.effective_batch_size:
             unused.append(("gradient_accumulation_steps", "with --effective_batch_size (accumulation follows)"))
         if self.is_keep_training:
@@ -364,6 +328,9 @@ class TrainConfig:
             problems.append(f"--max_steps must be -1 (use --epochs) or at least 1 (got {self.max_steps})")
         if self.model_preset not in MODEL_PRESETS:
             problems.append(f"--model_preset must be one of {', '.join(MODEL_PRESETS)} (got {self.model_preset!r})")
+        if self.feed_forward_proj not in FEED_FORWARD_WIDTHS:
+            problems.append(f"--feed_forward_proj must be one of {', '.join(FEED_FORWARD_WIDTHS)} "
+                            f"(got {self.feed_forward_proj!r})")
         if self.mixed_precision == "fp16":
             problems.append("--mixed_precision=fp16 overflows in T5 (known upstream); use --mixed_precision=bf16 or no")
         elif self.mixed_precision not in ("no", "bf16"):

@@ -142,11 +142,11 @@ def sweep(preset: str, micro_batches: list[int], length: int, repeats: int) -> d
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from config import MODEL_PRESETS
+    from lowmem.presets import preset_shape
 
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(vocab_size=32128, decoder_start_token_id=0, dropout_rate=0.0,
-                                                **MODEL_PRESETS[preset])).cuda()
+                                                **preset_shape(preset, "gated-gelu"))).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     result = {}
     for micro in micro_batches:

@@ -3,6 +3,7 @@ the order of their additions differs.
 
     python bench/order_noise.py                                    # small preset, 6 steps, shipped chat rows
     python bench/order_noise.py --preset=tiny --steps=8 --train_file=rows.jsonl
+    python bench/order_noise.py --feed_forward_proj=relu                 # the original T5's feed-forward
 
 Plain transformers and torch, none of the trainer: a T5 of the preset from one seed (dropout 0, fp32),
 windows of 32 rows of ``--train_file`` taken in file order, the loss summed over target tokens and divided
@@ -19,7 +20,7 @@ by the window's count (as the trainer normalises it), clipping at 1.0, the train
 Printed: the largest weight difference from the reference after each step. The reordered and padded runs
 are the floor: no batching or engine can be expected to end closer to the reference than the same
 computation with its additions reordered or its shapes changed.
-Figures: docs/correctness.md ("The float noise floor").
+Figures: docs/throughput.md ("The noise floor").
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from config import MODEL_PRESETS  # noqa: E402
 from data.collate import pad  # noqa: E402
 from lowmem.optim import Adafactor  # noqa: E402
+from lowmem.presets import FEED_FORWARD_WIDTHS, MODEL_PRESETS, preset_shape  # noqa: E402
 
 WINDOW, PEAK_LR, WARMUP = 32, 3e-3, 30
 
@@ -58,14 +59,14 @@ def token_rows(path: Path, count: int) -> tuple[list[tuple[list[int], list[int]]
     return rows, len(tokenizer)
 
 
-def train(rows: list, vocab: int, preset: str, optimizer: str, micro: int, steps: int,
+def train(rows: list, vocab: int, shape: dict, optimizer: str, micro: int, steps: int,
           multiple: int = 1) -> list[dict]:
     """The weights after each step."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(vocab_size=vocab, decoder_start_token_id=0, pad_token_id=0,
-                                                eos_token_id=1, dropout_rate=0.0, **MODEL_PRESETS[preset]))
+                                                eos_token_id=1, dropout_rate=0.0, **shape))
     opt = (Adafactor(model.parameters(), lr=PEAK_LR) if optimizer == "adafactor"
            else torch.optim.AdamW(model.parameters(), lr=PEAK_LR, weight_decay=0.0))
     weights = []
@@ -105,6 +106,7 @@ def largest_difference(a: dict, b: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", choices=sorted(MODEL_PRESETS))
+    parser.add_argument("--feed_forward_proj", default="gated-gelu", choices=sorted(FEED_FORWARD_WIDTHS))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--train_file", default=str(REPO / "data/chatterbot/train.jsonl"))
     parser.add_argument("--optimizers", default="adafactor,adamw")
@@ -113,14 +115,16 @@ def main() -> None:
     rows, vocab = token_rows(Path(options.train_file), WINDOW * options.steps)
     if len(rows) < WINDOW * options.steps:
         raise SystemExit(f"error: --train_file has {len(rows)} rows; {WINDOW * options.steps} are needed")
-    print(f"{options.preset} preset, {options.steps} steps of {WINDOW} rows from {options.train_file}")
+    shape = preset_shape(options.preset, options.feed_forward_proj)
+    print(f"{options.preset} preset ({options.feed_forward_proj}), {options.steps} steps of {WINDOW} rows from "
+          f"{options.train_file}")
     print("| optimizer | run | " + " | ".join(f"step {s + 1}" for s in range(options.steps)) + " |")
     print("|---|---|" + "---:|" * options.steps, flush=True)
     for optimizer in options.optimizers.split(","):
-        reference = train(rows, vocab, options.preset, optimizer, 2, options.steps)
+        reference = train(rows, vocab, shape, optimizer, 2, options.steps)
         runs = [(f"2 x 16 reordered ({seed})", reordered(rows, seed), 2, 1) for seed in range(options.orders)]
         for name, run_rows, micro, multiple in [*runs, ("2 x 16 padded to 16s", rows, 2, 16), ("16 x 2", rows, 16, 1)]:
-            other = train(run_rows, vocab, options.preset, optimizer, micro, options.steps, multiple)
+            other = train(run_rows, vocab, shape, optimizer, micro, options.steps, multiple)
             print(f"| {optimizer} | {name} | " + " | ".join(
                 f"{largest_difference(a, b):.1e}" for a, b in zip(reference, other)) + " |", flush=True)
 

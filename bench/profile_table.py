@@ -18,11 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import MEMORY_PROFILES, MODEL_PRESETS, SHIPPED_TOKENIZER_DIR, gpu_profile_gib  # noqa: E402
+from config import SHIPPED_TOKENIZER_DIR  # noqa: E402
 from data.tokenization import load_tokenizer  # noqa: E402
 from lowmem import plan_command, planner  # noqa: E402
 from lowmem.batch_budget import choose  # noqa: E402
 from lowmem.flags import load_config  # noqa: E402
+from lowmem.presets import MEMORY_PROFILES, MODEL_PRESETS, gpu_profile_gib  # noqa: E402
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from config import MODEL_PRESETS  # noqa: E402
+from lowmem.presets import preset_shape  # noqa: E402
 
 
 def shapes(varying: bool, steps: int, batch: int, seed: int) -> list[tuple[int, int, int]]:
@@ -44,7 +44,7 @@ def step_ms(preset: str, plan: list[tuple[int, int, int]], bf16: bool, cudnn: bo
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(vocab_size=32128, decoder_start_token_id=0, dropout_rate=0.0,
-                                                **MODEL_PRESETS[preset])).cuda()
+                                                **preset_shape(preset, "gated-gelu"))).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     started = 0.0
     for i, (rows, source, target) in enumerate(plan):

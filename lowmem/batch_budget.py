@@ -20,7 +20,8 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 
-from config import AUTO, TrainConfig, UserError, gpu_profile_gib
+from config import TrainConfig, UserError
+from lowmem.presets import AUTO, gpu_profile_gib
 from lowmem.run_memory import MEMORY_GUARD_AT
 
 MB = 2**20

@@ -14,7 +14,8 @@ import os
 import typing
 from pathlib import Path
 
-from config import AUTO, MEMORY_PROFILES, SHIPPED_TOKENIZER_DIR, TrainConfig, UserError, saved_json
+from config import SHIPPED_TOKENIZER_DIR, TrainConfig, UserError, saved_json
+from lowmem.presets import AUTO, MEMORY_PROFILES
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)

@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from config import MODEL_PRESETS, TrainConfig, UserError
+from config import TrainConfig, UserError
 from lowmem.memory import hidden, import_accelerate, import_while_replaced, optional_import
 from lowmem.model_source import check_weights, model_folder_config, resolve_model_dir
+from lowmem.presets import preset_shape
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
 # warns that it cannot fetch an optional 4-bit CPU kernel from the hub (nothing here uses it): one
@@ -43,7 +44,7 @@ def build_model(cfg: TrainConfig, tokenizer):
     t5_config = T5Config(vocab_size=len(tokenizer), dropout_rate=cfg.dropout_rate,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-                         **MODEL_PRESETS[cfg.model_preset])
+                         **preset_shape(cfg.model_preset, cfg.feed_forward_proj))
     model = T5ForConditionalGeneration(t5_config)
     model.generation_config = GenerationConfig(
         decoder_start_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

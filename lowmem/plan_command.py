@@ -14,11 +14,12 @@ import math
 import sys
 from dataclasses import replace
 
-from config import MODEL_PRESETS, QUANTIZED_DTYPES, TrainConfig, UserError, installed
+from config import QUANTIZED_DTYPES, TrainConfig, UserError, installed
 from data.stream import total_steps
 from lowmem import planner
 from lowmem.plan_batches import run_lengths
 from lowmem.plan_sharding import SHARDINGS
+from lowmem.presets import MODEL_PRESETS
 from lowmem.tensor_bytes import frozen_parts
 
 RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: peaks measured up to ~8 % over plan

@@ -31,8 +31,9 @@ SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
 # The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
-SHAPE_SETTINGS = ("model_preset", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1", "tokenizer_json_sha1",
-                  "optimizer", "lora_r", "lora_alpha", "lora_target_modules", "frozen_dtype", "quantize_wo")
+SHAPE_SETTINGS = ("model_preset", "feed_forward_proj", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1",
+                  "tokenizer_json_sha1", "optimizer", "lora_r", "lora_alpha", "lora_target_modules", "frozen_dtype",
+                  "quantize_wo")
 # What a checkpoint's state is counted in: the order of the rows its data position counts (the seed shuffles
 # each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), the stream
 # that position belongs to (pairs count rows, the text objectives documents and packed tokens), and the
@@ -44,7 +45,7 @@ FIXED_WHY = {"metric_for_best": "its best model was chosen by that metric, whose
              "shuffle_buffer_mb": "the rows its data position holds would come out in another order (the same rows: "
                                   "the run would not be the one it began as)"}
 # Settings added since runs began to be written, with the value in effect before: a checkpoint without one had it
-BEFORE_IT_EXISTED = {"shuffle_buffer_mb": 0}
+BEFORE_IT_EXISTED = {"shuffle_buffer_mb": 0, "feed_forward_proj": "relu"}
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 # What an evaluation's numbers depend on besides the model: a best/ chosen under other values is not comparable
 EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_len")
@@ -280,11 +281,12 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
         raise UserError(f"checkpoint {folder} held out {held} rows of --train_file for evaluation, this run would hold "
                         f"out {holds}; resume with {same} as before, or use a new --output_dir")
     for key in SHAPE_SETTINGS:
-        if key == "lora_alpha" and not current.get("lora_r"):
-            continue  # read only with adapters
-        if key in saved and _setting(key, saved[key]) != _setting(key, current[key]):
+        if key == "lora_alpha" and not current.get("lora_r") or key == "feed_forward_proj" and current.get("init_from"):
+            continue  # read only with adapters; a preset's, not --init_from's
+        was = saved.get(key, BEFORE_IT_EXISTED.get(key))
+        if (key in saved or key in BEFORE_IT_EXISTED) and _setting(key, was) != _setting(key, current[key]):
             flag = "tokenizer_dir" if key.startswith("tokenizer_") else key
-            raise UserError(f"checkpoint {folder} was written with {key}={saved[key]} but this run has "
+            raise UserError(f"checkpoint {folder} was written with {key}={was} but this run has "
                             f"{current[key]}; resume with the --{flag} the run began with (model, tokenizer, "
                             "optimizer and LoRA shape cannot change), or use a new --output_dir")
     if "sharding" in saved and saved["sharding"] != current.get("sharding"):  # each engine its own files

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 
-from config import MODEL_PRESETS, TrainConfig
+from config import TrainConfig
 from lowmem.model_source import model_folder_config
+from lowmem.presets import preset_shape
 
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
 # Values a token's feed-forward saves for backward, in units of d_ff (saved-tensor hooks on T5LayerFF):
@@ -38,12 +39,14 @@ def model_dims(cfg: TrainConfig, vocab_size: int) -> dict:
     (umT5: each layer's self-attention has its own position table, not only the first layer's).
 
     From the ``--init_from`` model's config.json (whose embedding may have more rows than the
-    tokenizer: Google pads it), else the preset's, which ``build_model`` makes tied with ReLU.
+    tokenizer: Google pads it), else the preset's, which ``build_model`` makes tied.
     """
     if cfg.init_from:
         return dict(folder_dims(str(cfg.init_from)))
-    return {**MODEL_PRESETS[cfg.model_preset], "vocab_size": vocab_size, "gated": False, "tied": True,
-            "buckets": 32, "table_every_layer": False}
+    shape = preset_shape(cfg.model_preset, cfg.feed_forward_proj)
+    gated = shape.pop("feed_forward_proj").startswith("gated-")
+    return {**shape, "vocab_size": vocab_size, "gated": gated, "tied": True, "buckets": 32,
+            "table_every_layer": False}
 
 
 @functools.cache

@@ -13,8 +13,9 @@ import pytest
 import torch
 from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
 
-from config import MEMORY_PROFILES, installed
+from config import installed
 from lowmem.flags import load_config
+from lowmem.presets import MEMORY_PROFILES
 
 FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5", "--eval_generate=False"]
 
@@ -490,9 +491,9 @@ def preset_shaped_model(folder, preset: str):
     for the planner, which reads the ``--init_from`` model's shape from it."""
     from transformers import T5Config
 
-    from config import MODEL_PRESETS
+    from lowmem.presets import preset_shape
 
-    T5Config(**MODEL_PRESETS[preset], vocab_size=8000).save_pretrained(folder)
+    T5Config(**preset_shape(preset, "gated-gelu"), vocab_size=8000).save_pretrained(folder)
     return str(folder)
 
 

@@ -101,8 +101,18 @@ def test_plan_counts_the_weights_stored_in_bf16(family_models, family):
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_plan_counts_a_new_model_from_a_preset(tokenizer, preset):
-    cfg = load_config({"model_preset": preset})[0]
-    assert planned(cfg, len(tokenizer)) == counts(built(cfg, tokenizer))
+    """Each feed-forward as built (gated-gelu's wi_0 and wi_1, ReLU's wi), with about the same weights."""
+    from lowmem import tensor_bytes
+
+    sizes = {}
+    for proj, layers in (("gated-gelu", {"wi_0", "wi_1", "wo"}), ("relu", {"wi", "wo"})):
+        cfg = load_config({"model_preset": preset, "feed_forward_proj": proj})[0]
+        model = built(cfg, tokenizer)
+        assert {name.split(".")[-2] for name, _ in model.named_parameters() if ".DenseReluDense." in name} == layers
+        assert tensor_bytes.model_dims(cfg, len(tokenizer))["gated"] == (proj == "gated-gelu")
+        assert planned(cfg, len(tokenizer)) == counts(model)
+        sizes[proj] = counts(model)[0]
+    assert sizes["gated-gelu"] == pytest.approx(sizes["relu"], rel=0.05)
 
 
 def test_plan_reads_the_shape_the_family_builds(family_models):

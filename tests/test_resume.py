@@ -420,6 +420,23 @@ def test_a_resume_refuses_another_row_order_or_best_metric(tmp_path, key, saved_
     compare_settings(before, {**before, "shuffle_buffer_mb": 0}, tmp_path)
 
 
+def test_a_run_begun_with_relu_presets_resumes_only_with_relu(tmp_path):
+    """The presets' feed-forward became gated-gelu after runs had begun with ReLU ones, whose checkpoints hold
+    wi, not wi_0 and wi_1: such a run is told the flag to resume with. --init_from's model keeps its own."""
+    from lowmem.run_folder import compare_settings
+
+    before = {"model_preset": "tiny", "init_from": None}
+    with pytest.raises(UserError, match="written with feed_forward_proj=relu but this run has gated-gelu; resume "
+                                        "with the --feed_forward_proj the run began with"):
+        compare_settings(before, {**before, "feed_forward_proj": "gated-gelu"}, tmp_path)
+    compare_settings(before, {**before, "feed_forward_proj": "relu"}, tmp_path)
+    now = {**before, "feed_forward_proj": "gated-gelu"}
+    with pytest.raises(UserError, match="feed_forward_proj=gated-gelu but this run has relu"):
+        compare_settings(now, {**now, "feed_forward_proj": "relu"}, tmp_path)
+    tuned = {**before, "init_from": "runs/pretrain/final"}
+    compare_settings(tuned, {**tuned, "feed_forward_proj": "gated-gelu"}, tmp_path)
+
+
 def test_a_resume_refuses_another_lora_scale_or_another_compute_dtype_for_8_bit_weights(tmp_path):
     """The adapters were trained under alpha / r (another alpha changed the next loss from 6.84 to 8.43), and
     8-bit weights keep their scales in the compute dtype (another one crashed in the first matmul)."""

@@ -110,7 +110,7 @@ def test_fsdp_steps_adafactor_like_ddp_checkpoints_shards_exports_plainly_and_re
     # Adafactor shard-aware: the column statistics and update RMS span the processes
     trained("fsdp_cpu", [*common, f"--output_dir={fsdp_run}"], 29622)
     ddp, fsdp = weights(ddp_run), weights(fsdp_run)
-    assert max_difference(ddp, fsdp) <= 8 * 1e-5  # 8 steps, float summation order only
+    assert max_difference(ddp, fsdp) <= 1e-5  # 8 steps, float summation order only (gated-gelu: no ReLU edge)
     for a, b in zip(train_records(ddp_run), train_records(fsdp_run)):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"],
                                                                                                      rel=1e-5)
@@ -156,7 +156,7 @@ def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenize
     trained("cpu_2proc", [*sft, f"--output_dir={tmp_path / 'sft_ddp'}"], 29623)
     trained("fsdp_cpu", [*sft, f"--output_dir={tmp_path / 'sft_fsdp'}"], 29624)
     tuned, tuned_ddp = weights(tmp_path / "sft_fsdp"), weights(tmp_path / "sft_ddp")
-    assert max_difference(tuned, tuned_ddp) <= 8 * 1e-5
+    assert max_difference(tuned, tuned_ddp) <= 1e-5
     norms = [r["grad_norm"] for r in train_records(tmp_path / "sft_fsdp")]
     assert max(norms) > 1  # clipped at 1.0 (the same norms and weights as DDP's)
     before = load_file(str(base / "model.safetensors"))
@@ -253,7 +253,7 @@ def test_deepspeed_adafactor_steps_whole_weights_like_ddp_and_resumes_exactly(tm
     # Adafactor's row and column statistics and update RMS over whole weights, summed from the partitions'
     # slices (a slice stepped as a vector of its own is ~1e-2 off after one step; ZeRO-2's layout is checked
     # in tests/test_adafactor_slices.py)
-    assert max_difference(weights(zero3), weights(ddp)) <= 8 * 1e-5
+    assert max_difference(weights(zero3), weights(ddp)) <= 1e-5
     # SIGKILL after the first checkpoint and resume: the uninterrupted run's weights (the statistics are in
     # DeepSpeed's partition files), each row once
     killed_and_resumed("deepspeed_zero3_cpu", common, tmp_path / "broken", (29640, 29641))
