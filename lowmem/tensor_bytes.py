@@ -19,10 +19,12 @@ from lowmem.presets import preset_shape
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
 # Values a token's feed-forward saves for backward, in units of d_ff (saved-tensor hooks on T5LayerFF):
 # ReLU 3 (its output, the CPU dropout's float mask, wo's input; 3.25 as calibrated on the whole model),
-# and what gated-gelu adds: 5 (wi_0's and wi_1's outputs, the activation's output and three of gelu_new's
-# intermediates, less ReLU's output). A fused activation (gated-silu) saves less: the plan errs high.
+# and what a gated one adds, its activation fused (lowmem.modeling.fuse_gelu; silu is): 2 (wi_0's and
+# wi_1's outputs and the activation's output, less ReLU's output), 3 without dropout (their product, wo's
+# input, is then kept too).
 FF_SAVED = 3.25
-GATED_FF_SAVED = 5.0
+GATED_FF_SAVED = 2.0
+GATED_FF_SAVED_NO_DROPOUT = 3.0
 # Without dropout (--dropout_rate=0) no masks or dropout outputs are saved (hooks on tiny and small):
 # the feed-forward keeps ReLU's output only (wo reads it), a block 2 fewer d_model-wide values per token
 # (the masks after attention and feed-forward), and attention 1 value per pair instead of 3 (the
@@ -245,7 +247,8 @@ def cpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
     b, s, t = rows, source_len, target_len
     d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
     dropout = cfg.dropout_rate > 0
-    ff = ((FF_SAVED if dropout else FF_SAVED_NO_DROPOUT) + (GATED_FF_SAVED if dims["gated"] else 0)) * f
+    gated = (GATED_FF_SAVED if dropout else GATED_FF_SAVED_NO_DROPOUT) if dims["gated"] else 0
+    ff = ((FF_SAVED if dropout else FF_SAVED_NO_DROPOUT) + gated) * f
     block = (8 if dropout else 6) * d + 4 * i + ff  # per token: norms, q k v o, feed-forward, dropout masks
     # Attention keeps 3 values per head and (query, key) pair (softmax output, dropout output and its
     # batched-matmul copy; 1 without dropout), and the backward of one layer holds ATTENTION_GRADS more
@@ -260,15 +263,14 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
     """Bytes one encoder layer and one decoder layer save for backward on a CUDA GPU (micro-batch of
     ``rows`` rows padded to these lengths), dtype by dtype.
 
-    A GPU's layer differs from ``cpu_layer_bytes`` in four ways. Attention runs in a fused kernel
+    A GPU's layer differs from ``cpu_layer_bytes`` in three ways. Attention runs in a fused kernel
     (transformers' T5 uses SDPA; with T5's position-bias mask that is the memory-efficient kernel), which
     keeps q, k, v, its output, a log-sum-exp per query and head, and the bias mask it was given (per head
     and pair: in bf16 autocast the mask's bf16 cast), never the softmax. Dropout keeps a bool mask, not a
-    float one. CUDA's autocast runs ``pow`` in float32 (gated-gelu's ``gelu_new`` calls it). Under bf16 autocast
-    every linear layer keeps its own bf16 cast of its input, while the norms keep their float32 input
-    and normalised value; in float32 the linear layers reading one norm share its output.
-    tests/test_gpu_activations.py checks every layer kind within 0.1 % against a T5's saved tensors on
-    the CPU with the first three put in (CPU autocast casts the same way); docs/benchmarks.md has the
+    float one. Under bf16 autocast every linear layer keeps its own bf16 cast of its input, while the norms
+    keep their float32 input and normalised value; in float32 the linear layers reading one norm share its
+    output. tests/test_gpu_activations.py checks every layer kind within 0.1 % against a T5's saved tensors
+    on the CPU with the first two put in (CPU autocast casts the same way); docs/benchmarks.md has the
     GPU's measured peaks against the plan.
     """
     d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
@@ -283,11 +285,9 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
         return norm(readers) + (readers + 2) * w * i + 4 * h + mask * d + w * h * keys
 
     # feed-forward per token
-    if dims["gated"] and half:  # CUDA autocast runs gelu_new's power in float32, so the rest of it too:
-        # 14 bytes a value inside gelu_new, its float output, wi_1's output, the mask, wo's input cast
-        ff = norm(2) + (14 + 4 + 2 + mask + 2) * f + mask * d
-    elif dims["gated"]:
-        ff = norm(2) + (2 * w + mask + 4 * GATED_FF_SAVED) * f + mask * d
+    if dims["gated"]:  # the fused activation's input (wi_0's output), its output, wi_1's output, the mask,
+        # wo's input (its bf16 cast, the dropout's output, or the product)
+        ff = norm(2) + (4 * w + mask) * f + mask * d
     else:  # ReLU's output, the dropout's mask, wo's input (a bf16 cast, or the dropout's float output;
         # without either, ReLU's output itself)
         ff = norm(1) + w * f + mask * f + (w * f if half or mask else 0) + mask * d

@@ -3,9 +3,9 @@
 No GPU here, so the forward runs on the CPU with the two things a CUDA GPU does differently put in
 (what the planner's docstring names): attention as a fused kernel that saves q, k, v, the bias mask
 (cast to bf16 under autocast), its output and a log-sum-exp, never the softmax; dropout keeping a
-bool mask (the CPU keeps a float one, counted here at a byte a value); and ``pow``, which CUDA's
-autocast runs in float32 and the CPU's does not (gated-gelu's ``gelu_new`` calls it). The rest,
-autocast's casts and every other saved tensor, is the CPU's own and the same as CUDA's.
+bool mask (the CPU keeps a float one, counted here at a byte a value). The rest, autocast's casts and
+every other saved tensor, is the CPU's own and the same as CUDA's (gated-gelu's activation is fused, as
+the trainer runs it: no ``pow``, which CUDA's autocast would run in float32).
 """
 
 import pytest
@@ -14,6 +14,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 from transformers.integrations import sdpa_attention
 
 from config import TrainConfig
+from lowmem.modeling import fuse_gelu
 from lowmem.tensor_bytes import gpu_layer_bytes
 
 DROPOUT = 0.1
@@ -44,14 +45,6 @@ def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, is_causal=Fal
     return FusedAttention.apply(q, k, v, attn_mask, scale)
 
 
-def float32_pow(pow_):
-    def cuda_pow(x, exponent):
-        if torch.is_autocast_enabled("cpu") and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
-            x = x.float()
-        return pow_(x, exponent)
-    return cuda_pow
-
-
 def saved_bytes(layers: int, decoder_layers: int, bf16: bool, dropout: float, monkeypatch, gated: bool = False) -> int:
     """Bytes a padded micro-batch's forward saves for backward, weights and logits excluded."""
     torch.manual_seed(0)
@@ -60,6 +53,7 @@ def saved_bytes(layers: int, decoder_layers: int, bf16: bool, dropout: float, mo
     model = T5ForConditionalGeneration(T5Config(vocab_size=vocab, decoder_start_token_id=0, dropout_rate=dropout,
                                                 num_layers=layers, num_decoder_layers=decoder_layers, **SHAPE,
                                                 **family))
+    fuse_gelu(model)
     model.train()
     rows, source, target = 4, 48, 24
     src, tgt = torch.randint(2, vocab, (rows, source)), torch.randint(2, vocab, (rows, target))
@@ -67,7 +61,6 @@ def saved_bytes(layers: int, decoder_layers: int, bf16: bool, dropout: float, mo
     src_mask[0, -5:] = 0  # padded rows, as in training: the bias mask is then one per row
     tgt_mask[0, -3:] = 0
     monkeypatch.setattr(sdpa_attention.torch.nn.functional, "scaled_dot_product_attention", fused_sdpa)
-    monkeypatch.setattr(torch, "pow", float32_pow(torch.pow))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 

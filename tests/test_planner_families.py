@@ -169,15 +169,21 @@ def test_the_gated_feed_forward_term_is_what_torch_saves():
     from transformers.models.t5.modeling_t5 import T5LayerFF
 
     from lowmem import tensor_bytes
+    from lowmem.modeling import fuse_gelu
 
-    def saved(proj):
+    def saved(proj, dropout, fused=True):
         torch.manual_seed(0)
-        layer = T5LayerFF(T5Config(d_model=64, d_ff=1024, feed_forward_proj=proj, dropout_rate=0.1)).train()
-        return saved_activation_bytes(layer, torch.randn(2, 100, 64, requires_grad=True))
+        layer = T5LayerFF(T5Config(d_model=64, d_ff=1024, feed_forward_proj=proj, dropout_rate=dropout)).train()
+        if fused:  # as the trainer runs it (ready_to_train)
+            assert fuse_gelu(layer) == (proj == "gated-gelu")
+        return saved_activation_bytes(layer, torch.randn(2, 100, 64, requires_grad=True)) / (2 * 100 * 1024 * 4)
 
-    per_token = {proj: saved(proj) / (2 * 100 * 1024 * 4) for proj in ("relu", "gated-gelu")}  # d_ff values
-    assert per_token["relu"] == pytest.approx(tensor_bytes.FF_SAVED, abs=0.3)
-    assert per_token["gated-gelu"] - per_token["relu"] == pytest.approx(tensor_bytes.GATED_FF_SAVED, abs=0.05)
+    for dropout, gated in ((0.1, tensor_bytes.GATED_FF_SAVED), (0.0, tensor_bytes.GATED_FF_SAVED_NO_DROPOUT)):
+        relu = saved("relu", dropout)  # in d_ff values a token
+        assert relu == pytest.approx(tensor_bytes.FF_SAVED if dropout else tensor_bytes.FF_SAVED_NO_DROPOUT, abs=0.3)
+        assert saved("gated-gelu", dropout) - relu == pytest.approx(gated, abs=0.05)
+    # transformers' own gelu_new keeps 3 more values a unit and token: what fusing it saves
+    assert saved("gated-gelu", 0.1, fused=False) - saved("gated-gelu", 0.1) == pytest.approx(3.0, abs=0.05)
 
 
 def test_plan_json_and_table_for_an_init_from_model(family_models):
