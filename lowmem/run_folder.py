@@ -284,7 +284,8 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
         if key == "lora_alpha" and not current.get("lora_r") or key == "feed_forward_proj" and current.get("init_from"):
             continue  # read only with adapters; a preset's, not --init_from's
         was = saved.get(key, BEFORE_IT_EXISTED.get(key))
-        if (key in saved or key in BEFORE_IT_EXISTED) and _setting(key, was) != _setting(key, current[key]):
+        known = key in saved or key in BEFORE_IT_EXISTED
+        if known and key in current and _setting(key, was) != _setting(key, current[key]):
             flag = "tokenizer_dir" if key.startswith("tokenizer_") else key
             raise UserError(f"checkpoint {folder} was written with {key}={was} but this run has "
                             f"{current[key]}; resume with the --{flag} the run began with (model, tokenizer, "

@@ -123,7 +123,9 @@ def test_padding_to_multiples_changes_no_loss_and_no_encoder_state(tokenizer):
         states = frozen_encoder_states(model.encoder, plain["input_ids"], plain["attention_mask"])
         states_padded = frozen_encoder_states(model.encoder, padded["input_ids"], padded["attention_mask"], 16)
     width = states.shape[1]
-    assert torch.allclose(states_padded[:, :width], states, atol=1e-6) and not states_padded[:, width:].any()
+    # to rounding: a few units in the last place of states up to about 4 (2.4e-7 each); padding changes the
+    # shapes of the matrix products, and so their order of additions
+    assert torch.allclose(states_padded[:, :width], states, atol=4e-6) and not states_padded[:, width:].any()
 
 
 def test_sft_trains_only_the_decoder(tmp_path, tokenizer):
