@@ -321,3 +321,27 @@ def test_a_signal_stops_an_evaluation_at_its_next_batch_and_checkpoints(tmp_path
         trainer.evaluate_and_keep_best()
     assert stop.value.exit_code == 143 and trainer.state.last_eval is None
     assert (tmp_path / "run" / "checkpoints" / "step_000000").is_dir() and not (tmp_path / "run" / "best").exists()
+
+
+def test_the_fused_gelu_computes_the_models_own_activation(tokenizer):
+    """ready_to_train runs gated-gelu's gelu_new as torch's fused tanh-GELU: the same function to rounding, so
+    the model the trainer trains is the one its config (and export) names; ReLU models are left alone."""
+    import copy
+
+    from lowmem.modeling import fuse_gelu
+    from lowmem.presets import MODEL_PRESETS
+
+    cfg, _ = load_config({"dropout_rate": 0.0, "model_preset": "tiny"})
+    model = build_model(cfg, tokenizer).eval()
+    fused = copy.deepcopy(model)
+    shape = MODEL_PRESETS[cfg.model_preset]
+    assert fuse_gelu(fused) == shape["num_layers"] + shape["num_decoder_layers"]  # one per block
+    assert fuse_gelu(fused) == 0
+    assert fused.config.feed_forward_proj == "gated-gelu"
+    ids = torch.randint(2, len(tokenizer), (3, 20))
+    with torch.no_grad():
+        plain, fast = (m(input_ids=ids, decoder_input_ids=ids).logits for m in (model, fused))
+    assert (plain - fast).abs().max().item() <= 1e-5  # rounding, not another function
+    relu = build_model(load_config({"feed_forward_proj": "relu"})[0], tokenizer)
+    assert fuse_gelu(relu) == 0
+
