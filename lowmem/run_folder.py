@@ -34,6 +34,7 @@ SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 SHAPE_SETTINGS = ("model_preset", "feed_forward_proj", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1",
                   "tokenizer_json_sha1", "optimizer", "lora_r", "lora_alpha", "lora_target_modules", "frozen_dtype",
                   "quantize_wo")
+PRESET_SHAPE = ("model_preset", "feed_forward_proj")  # the model's shape when there is no --init_from
 # What a checkpoint's state is counted in: the order of the rows its data position counts (the seed shuffles
 # each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), the stream
 # that position belongs to (pairs count rows, the text objectives documents and packed tokens), and the
@@ -281,8 +282,8 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
         raise UserError(f"checkpoint {folder} held out {held} rows of --train_file for evaluation, this run would hold "
                         f"out {holds}; resume with {same} as before, or use a new --output_dir")
     for key in SHAPE_SETTINGS:
-        if key == "lora_alpha" and not current.get("lora_r") or key == "feed_forward_proj" and current.get("init_from"):
-            continue  # read only with adapters; a preset's, not --init_from's
+        if key == "lora_alpha" and not current.get("lora_r") or key in PRESET_SHAPE and current.get("init_from"):
+            continue  # read only with adapters; only a preset's shape (--init_from's model has its own)
         was = saved.get(key, BEFORE_IT_EXISTED.get(key))
         known = key in saved or key in BEFORE_IT_EXISTED
         if known and key in current and _setting(key, was) != _setting(key, current[key]):
