@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from config import UserError, saved_json
-from data.ownership import MARKERS, check_folder, claim_folder, move_in, remove_ours
+from data.ownership import MARKERS, check_folder, claim_folder, is_run_folder, move_in, remove_ours
 from data.packing import text_slices
 from data.sources import iter_rows
 
@@ -194,8 +194,24 @@ def has_tokenizer(folder: str | Path) -> bool:
         None, "", "TokenizersBackend", "PreTrainedTokenizerFast")
 
 
+def not_a_run_folder(folder: str | Path) -> None:
+    """Refuse a run folder given as ``--tokenizer_dir``: its tokenizer is in its exports, and a run would
+    otherwise train a new one there (refused as a folder of other files, ours among them).
+
+    Raises:
+        UserError: one line naming the export to pass instead.
+    """
+    folder = Path(folder)
+    if (folder / MARKERS["run"]).is_file() or is_run_folder(folder):
+        exports = [folder / name for name in ("final", "best") if has_tokenizer(folder / name)]
+        where = f"its tokenizer is in its exports: pass --tokenizer_dir={exports[0]}" if exports else \
+            "it exported no tokenizer yet: pass a tokenizer folder, or a new one to train one in"
+        raise UserError(f"--tokenizer_dir={folder} is a training run's folder; {where}")
+
+
 def load_trained_tokenizer(folder: str | Path):
     """The tokenizer in ``--tokenizer_dir``, for commands that need one and do not train it."""
+    not_a_run_folder(folder)
     if not has_tokenizer(folder):
         raise UserError(f"no tokenizer in --tokenizer_dir={folder}; train one first (python train_low_mem.py "
                         "train_tokenizer, same flags) or pass the folder that has it")
@@ -241,6 +257,7 @@ def tokenizer_for_run(cfg, folder: Path, files, is_main: bool = True, wait=lambd
     """
     if has_tokenizer(folder):
         return load_tokenizer(folder)
+    not_a_run_folder(folder)
     if cfg.init_from:
         raise UserError(f"no tokenizer in --tokenizer_dir={folder}; pass the folder of the tokenizer the "
                         f"--init_from model was trained with (or leave --tokenizer_dir out to use its own)")

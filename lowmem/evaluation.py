@@ -20,7 +20,7 @@ from data.eval_set import eval_files_of, eval_split
 from data.objectives import objective_for
 from data.sources import DataProblems, formats_for, resolve_files
 from data.stream import batched
-from data.tokenization import has_tokenizer, load_tokenizer
+from data.tokenization import has_tokenizer, load_tokenizer, load_trained_tokenizer
 from lowmem.batch_budget import saved_model_eval_size
 from lowmem.collector import imports_done
 from lowmem.distributed import any_process, inner_model, start_accelerator
@@ -275,7 +275,7 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     # The model's own tokenizer unless --tokenizer_dir names one (without --init_from it holds the
     # shipped default, which OUTPUT_DIR/best's own wins over).
     own = has_tokenizer(model_dir) and not (cfg.init_from and cfg.tokenizer_dir)
-    tokenizer = load_tokenizer(model_dir if own else tokenizer_folder(cfg))
+    tokenizer = load_tokenizer(model_dir) if own else load_trained_tokenizer(tokenizer_folder(cfg))
     check_vocabulary(cfg, model.get_input_embeddings().num_embeddings, tokenizer, model_dir)
     model = accelerator.prepare(model)
     multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
