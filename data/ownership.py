@@ -32,6 +32,8 @@ from config import STARTED_MARKER, UserError, saved_json
 
 MARKERS = {"run": STARTED_MARKER, "tokenizer": ".t5-lowmem-tokenizer", "prepared": ".t5-lowmem-prepared",
            "plots": ".t5-lowmem-plots", "encoder_cache": ".t5-lowmem-encoder-cache"}
+KIND_NAMES = {"run": "training run", "tokenizer": "tokenizer", "prepared": "prepared-data", "plots": "plots",
+              "encoder_cache": "encoder-cache"}
 MARKER_TEXT = "written by t5-lowmem: this folder is its own, and its next run may replace the files it wrote here\n"
 SHOWN = 3  # entries named in a refusal
 
@@ -72,9 +74,22 @@ def check_folder(path: str | Path, flag: str, kind: str, recognise: Recogniser |
     # (it claimed the folder new or empty): then it is ours.
     if not names or is_ours(path, kind, recognise):
         return path
+    other = other_kind(path, kind)
+    if other:
+        raise UserError(f"{where} is a t5-lowmem {KIND_NAMES[other]} folder, not a {KIND_NAMES[kind]} folder "
+                        f"(each command writes only into a new or empty folder or one of its own kind): {hint}")
     listed = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
     raise UserError(f"{where} holds files t5-lowmem did not write ({listed}), and it writes only into a new or "
                     f"empty folder or one of its own: {hint}")
+
+
+def other_kind(path: Path, kind: str) -> str | None:
+    """The kind of folder of ours ``path`` is, other than ``kind`` (its marker, or a run folder of an
+    earlier version), so a refusal can name it instead of calling our own files someone else's."""
+    for other, marker in MARKERS.items():
+        if other != kind and (path / marker).is_file():
+            return other
+    return "run" if kind != "run" and is_run_folder(path) else None
 
 
 def claim_folder(path: str | Path, flag: str, kind: str, recognise: Recogniser | None = None,

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import metrics, run_cli, synthetic_rows, write_rows
 
+from config import UserError
 from data.ownership import MARKERS
 from lowmem import checkpoint
 
@@ -373,3 +374,24 @@ def test_files_of_ours_are_never_written_through_a_link_planted_under_their_name
     log.write("a line\n")
     log.close()
     assert (run / "new.log").read_text() == "a line\n"
+
+
+@pytest.mark.parametrize("given", sorted(MARKERS))
+@pytest.mark.parametrize("found", sorted(MARKERS))
+def test_a_folder_of_ours_of_another_kind_is_named_as_such(tmp_path, given, found):
+    # A tokenizer folder given as --output_dir (and every other pairing) is refused by the kind it is,
+    # not as "files t5-lowmem did not write" with its own marker listed among them.
+    from data.ownership import KIND_NAMES, check_folder
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / MARKERS[found]).write_text("")
+    (folder / "held.bin").write_text("kept\n")
+    if given == found:
+        assert check_folder(folder, "--some_dir", given) == folder
+        return
+    with pytest.raises(UserError) as refused:
+        check_folder(folder, "--some_dir", given)
+    assert f"is a t5-lowmem {KIND_NAMES[found]} folder, not a {KIND_NAMES[given]} folder" in str(refused.value)
+    assert "did not write" not in str(refused.value)
+    assert (folder / "held.bin").read_text() == "kept\n"
