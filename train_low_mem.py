@@ -26,7 +26,13 @@ if not sys.stderr.isatty():  # progress bars (weights written, files fetched) on
 from config import SHIPPED_CORPORA, UserError  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
 from lowmem.collector import imports_done  # noqa: E402
-from lowmem.flags import load_config, load_saved_model_config, to_bool, unused_answer_notes  # noqa: E402
+from lowmem.flags import (  # noqa: E402
+    load_config,
+    load_saved_model_config,
+    to_bool,
+    unread_flag_notes,
+    unused_answer_notes,
+)
 from lowmem.model_source import (  # noqa: E402
     check_weights,
     model_folder_config,
@@ -34,15 +40,12 @@ from lowmem.model_source import (  # noqa: E402
     tokenizer_for_model,
 )
 
-GENERATE_ONLY = ("prompt", "max_new_tokens")  # options train accepts (one config for every command) but never reads
-
 
 def train(config: str | None = None, **flags) -> dict:
     """Pretrain (default) or fine-tune (--is_finetune=True); resume with --is_keep_training=True."""
     die_with_launcher()
     cfg, notes = load_config(flags, config)
-    notes += [f"note: --{name} is read by generate, not by train" for name in GENERATE_ONLY
-              if name in flags] + unused_answer_notes(cfg, flags)
+    notes += unread_flag_notes("train", flags) + unused_answer_notes(cfg, flags)
     files, tokenizer_dir, tokenizer = claim_output_dir(cfg)  # before the heavy imports below: refusals come at
     # once, and a run killed this early can still be continued
     from lowmem.run_memory import StoppedForMemory
@@ -120,18 +123,18 @@ def plan(config: str | None = None, **flags) -> None:
     cfg, notes = load_config(flags, config)
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    for note in notes:
-        print(note, file=sys.stderr)
+    say_notes(notes + unread_flag_notes("plan", flags), sys.stderr)
     result = plan_command(cfg, as_json, budget_gb, device, num_processes, num_machines, sharding)
     if budget_gb is not None and result["recommendation"] is None:
         sys.exit(1)  # scripts can test it: `plan --budget_gb=X ... && train ...`
 
 
-def say_notes(notes: list[str]) -> None:
-    """The notes of the flags (the main process's: evaluate and generate may run under a launcher)."""
+def say_notes(notes: list[str], stream=None) -> None:
+    """The notes of the flags (the main process's: evaluate and generate may run under a launcher), on standard
+    output or ``stream`` (standard error where standard output carries the command's result)."""
     if int(os.environ.get("RANK", 0)) == 0:
         for note in notes:
-            print(note, flush=True)
+            print(note, file=stream or sys.stdout, flush=True)
 
 
 def evaluate(config: str | None = None, **flags) -> dict:
@@ -139,7 +142,7 @@ def evaluate(config: str | None = None, **flags) -> dict:
     from lowmem.evaluation import load_saved_model
 
     cfg, notes = load_saved_model_config(flags, config)
-    say_notes(notes + unused_answer_notes(cfg, flags))
+    say_notes(notes + unread_flag_notes("evaluate", flags) + unused_answer_notes(cfg, flags))
     saved = load_saved_model(cfg)
     result = saved.evaluate()
     where = cfg.eval_file or f"the rows held out of --train_file={cfg.train_file}"
@@ -151,7 +154,7 @@ def generate(config: str | None = None, **flags) -> None:
     from lowmem.evaluation import answer_text, load_saved_model
 
     cfg, notes = load_saved_model_config(flags, config)
-    say_notes(notes)
+    say_notes(notes + unread_flag_notes("generate", flags))
     if cfg.prompt is not None and not cfg.prompt.strip():
         raise UserError("--prompt is empty: give the text to answer, or leave --prompt out to answer eval prompts")
     saved = load_saved_model(cfg, eval_set=not cfg.prompt)
@@ -169,7 +172,8 @@ def train_tokenizer(config: str | None = None, **flags) -> dict:
     from data.tokenization import train_tokenizer as train_spm
     from data.tokenization import vocab_shortfall
 
-    cfg, _ = load_config(flags, config)
+    cfg, notes = load_config(flags, config)
+    say_notes(notes + unread_flag_notes("train_tokenizer", flags), sys.stderr)
     if (Path(cfg.tokenizer_dir) / "tokenizer.json").is_file():  # models trained with it need it as it is
         raise UserError(f"--tokenizer_dir={cfg.tokenizer_dir} holds a tokenizer already; pass a new folder, or "
                         "remove that one first")
@@ -190,7 +194,8 @@ def prepare(config: str | None = None, **flags) -> dict:
     from lowmem.model_source import tokenizer_folder
 
     out_dir = flags.pop("prepared_dir", "runs/prepared")
-    cfg, _ = load_config(flags, config)
+    cfg, notes = load_config(flags, config)
+    say_notes(notes + unread_flag_notes("prepare", flags), sys.stderr)
     imports_done()  # a corpus of any size streams from here: the usual collections keep its garbage bounded
     return prepare_command(cfg, Path(out_dir), tokenizer_folder(cfg))
 
@@ -209,8 +214,7 @@ def preview(config: str | None = None, **flags) -> None:
         raise UserError(f"--num_examples expects a positive whole number (got {count!r})")
     decode = to_bool("decode", flags.pop("decode", False))
     cfg, notes = load_config(flags, config)
-    for note in notes:
-        print(note, file=sys.stderr)
+    say_notes(notes + unread_flag_notes("preview", flags), sys.stderr)
     tokenizer = load_trained_tokenizer(tokenizer_folder(cfg))
     for record in preview_examples(cfg, tokenizer, count, decode, report=lambda line: print(line, file=sys.stderr)):
         print(json.dumps(record, ensure_ascii=False))
@@ -222,7 +226,8 @@ def plot(config: str | None = None, **flags) -> dict:
     from lowmem.plots import plot_run
 
     plot_dir = flags.pop("plot_dir", None)
-    cfg, _ = load_config(flags, config)
+    cfg, notes = load_config(flags, config)
+    say_notes(notes + unread_flag_notes("plot", flags), sys.stderr)
     return plot_run(cfg.output_dir, plot_dir)
 
 

@@ -187,6 +187,24 @@ def open_own(path: Path, mode: str, encoding: str | None = None):
     return os.fdopen(fd, mode, encoding=encoding)
 
 
+def write_atomic(path: Path, content: str | bytes) -> None:
+    """Replace ``path`` with ``content`` so readers see the old file or the new one whole, never a part: a failed
+    write (a full disk) leaves the old file as it was, and its temporary is removed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    binary = isinstance(content, bytes)
+    try:
+        with open_own(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if not tmp.is_symlink():
+            tmp.unlink(missing_ok=True)  # ours: made just now under a name only we write
+        raise
+    fsync_path(path.parent)
+
+
 def fsync_path(path: Path) -> None:
     """Put a file's content, or a folder's entries, on disk."""
     fd = os.open(path, os.O_RDONLY)

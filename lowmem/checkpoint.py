@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import random
 import re
 import shutil
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from config import UserError
-from data.ownership import fsync_path, open_own
+from data.ownership import fsync_path, write_atomic
 
 # torch is imported where tensors are read or drawn: the folder checks (validate, find_latest_valid) run
 # before the command line imports it (lowmem/run_start.py)
@@ -38,17 +37,6 @@ WRITE_FAILURES = ((DISK_FULL, "no space left on the device", "free space"),
 CONTINUE = "continue with --is_keep_training=True"
 LATEST = "latest"
 PREFIX = "step_"
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open_own(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def staging_path(final: Path) -> Path:
@@ -96,7 +84,7 @@ def atomic_folder(final: Path, staged: bool = False, then=None):
             if f.is_file():
                 fsync_path(f)
                 files[str(f.relative_to(tmp))] = f.stat().st_size
-        write_text_atomic(tmp / MANIFEST, json.dumps({"files": files}, indent=1))
+        write_atomic(tmp / MANIFEST, json.dumps({"files": files}, indent=1))
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)

@@ -38,11 +38,10 @@ import torch
 from tqdm import tqdm
 
 from config import QUANTIZED_DTYPES, UserError, saved_json
-from data.ownership import MARKERS, claim_folder, open_own, remove_ours
+from data.ownership import MARKERS, claim_folder, open_own, remove_ours, write_atomic
 from data.readers import file_kind
 from data.sources import iter_rows, row_place
 from data.stream import batched
-from lowmem.checkpoint import write_text_atomic
 from lowmem.modeling import batch_to_device, frozen_encoder_states
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
@@ -182,7 +181,7 @@ def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tupl
             os.fsync(out.fileno())
     meta = {"d_model": d_model, "dtype": dtype, "tokens": offset,
             "bytes": offset * d_model * torch_dtype.itemsize}
-    write_text_atomic(folder / f"done-rank{rank}.json", json.dumps(meta))  # whole or absent, after the data
+    write_atomic(folder / f"done-rank{rank}.json", json.dumps(meta))  # whole or absent, after the data
 
 
 def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[int, int]], files: list[Path],

@@ -152,6 +152,37 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
     return cfg, notes
 
 
+# Options only training reads: the optimizer and its schedule, what trains and how, checkpoints, logs. Given on
+# the command line of another command they change nothing, and a note says so (a YAML file holds a whole run's
+# options, shared by the commands, so its keys are not noted).
+TRAINING_ONLY = ("is_keep_training", "resume_from", "overwrite_output_dir", "freeze", "dropout_rate",
+                 "gradient_accumulation_steps", "effective_batch_size", "epochs", "max_steps", "learn_rate",
+                 "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm", "max_nonfinite_steps",
+                 "gradient_checkpointing", "optimizer", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                 "encoder_cache", "encoder_cache_dtype", "frozen_dtype", "quantize_wo", "eval_steps", "metric_for_best",
+                 "logging_steps", "save_steps", "save_total_limit", "gc_every_steps", "report_to", "dump_consumed")
+GENERATE_ONLY = ("prompt", "max_new_tokens")  # every command accepts them (one config for all), generate reads them
+# The commands that read a few options only; the others read all but those of TRAINING_ONLY
+READ_ONLY = {"plot": ("output_dir", "debug"),
+             "train_tokenizer": ("train_file", "dataset_config", "tokenizer_dir", "vocab_size",
+                                 "tokenizer_max_sentences", "objective", "prompt_column", "response_column",
+                                 "text_column", "debug")}
+
+
+def unread_flag_notes(command: str, flags: dict) -> list[str]:
+    """Notes for the options on ``command``'s command line that it never reads (``plan`` plans a training run and
+    ``preview`` shows its stream, whose windows are sorted by length per optimizer step: both read what train
+    reads)."""
+    flags = [name.replace("-", "_") for name in flags]
+    if command in READ_ONLY:
+        unread = [name for name in flags if name not in READ_ONLY[command]]
+    else:
+        unread = [name for name in flags if name in GENERATE_ONLY and command != "generate"
+                  or name in TRAINING_ONLY and command not in ("train", "plan", "preview")]
+    reader = {name: "generate" if name in GENERATE_ONLY else "train" for name in unread}
+    return [f"note: --{name} has no effect on {command} (it is read by {reader[name]})" for name in unread]
+
+
 # Read only where answers are generated (--num_beams also goes into the exports' generation_config.json)
 ANSWER_OPTIONS = ("no_repeat_ngram_size", "repetition_penalty")
 

@@ -10,11 +10,12 @@ whose numbers the run has not logged (no evaluation yet, no BLEU) is skipped and
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
 from config import UserError
-from data.ownership import claim_folder, is_ours, is_run_folder, open_own
+from data.ownership import claim_folder, is_ours, is_run_folder, write_atomic
 from lowmem.metrics import read_metrics
 
 CHART_SIZE = (8, 4.5)  # inches at 100 dpi: 800 x 450 pixels
@@ -66,8 +67,13 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
         ax.legend(loc="best")
         fig.tight_layout()
         path = out / f"{name}.png"
-        with open_own(path, "wb") as fh:  # never through a link left under the chart's name
-            fig.savefig(fh, dpi=DPI, format="png")
+        png = io.BytesIO()  # rendered whole first: a failed write leaves the chart before it, not half of this one
+        fig.savefig(png, dpi=DPI, format="png")
+        try:
+            write_atomic(path, png.getvalue())
+        except OSError as err:
+            raise UserError(f"--plot_dir={out}: {path.name} could not be written ({err.strerror}); free space or "
+                            "choose another --plot_dir (the charts already there are kept whole)") from None
         written.append(str(path))
     return {"plot_dir": str(out), "written": written, "skipped": skipped}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from config import QUANTIZED_DTYPES, TrainConfig, UserError, saved_json
-from data.ownership import open_own
+from data.ownership import open_own, write_atomic
 from lowmem import checkpoint, deepspeed_engine
 from lowmem.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.sharding import load_local_state
@@ -166,7 +166,7 @@ class RunFolder:
             (tmp / "run_config.json").write_text(json.dumps(run_config, indent=1))
             for rank, process_state in enumerate(process_states):
                 torch.save(process_state, tmp / f"process_{rank}.pt")
-        checkpoint.write_text_atomic(self.checkpoints / checkpoint.LATEST, folder.name)
+        write_atomic(self.checkpoints / checkpoint.LATEST, folder.name)
         checkpoint.prune(self.checkpoints, keep, protect=folder)
         return folder
 

@@ -233,3 +233,20 @@ def test_evaluate_and_generate_take_the_objective_and_lengths_the_model_was_trai
     cfg, notes = load_saved_model_config({"init_from": str(model)})
     assert (cfg.prompt_column, cfg.response_column) == ("question", "answer")
     assert "--prompt_column=question --response_column=answer" in notes[-1]
+
+
+def test_each_command_notes_the_options_it_does_not_read():
+    from lowmem.flags import READ_ONLY, TRAINING_ONLY, unread_flag_notes
+
+    assert unread_flag_notes("train", {"learn_rate": 1, "max-new-tokens": 4}) == [
+        "note: --max_new_tokens has no effect on train (it is read by generate)"]
+    assert unread_flag_notes("plan", {"optimizer": "adamw", "prompt": "x"}) == [
+        "note: --prompt has no effect on plan (it is read by generate)"]
+    assert unread_flag_notes("preview", {"gradient_accumulation_steps": 4}) == []  # its windows are sorted per step
+    for command in ("evaluate", "generate", "prepare"):
+        assert len(unread_flag_notes(command, dict.fromkeys(TRAINING_ONLY))) == len(TRAINING_ONLY), command
+        assert unread_flag_notes(command, {"max_source_len": 8, "tokenizer_dir": "t", "num_beams": 2}) == []
+    assert unread_flag_notes("generate", {"prompt": "x", "max_new_tokens": 4}) == []
+    assert unread_flag_notes("plot", {"output_dir": "r", "init_from": "m"}) == [
+        "note: --init_from has no effect on plot (it is read by train)"]
+    assert unread_flag_notes("train_tokenizer", dict.fromkeys(READ_ONLY["train_tokenizer"])) == []

@@ -79,8 +79,10 @@ def test_pretrain_sft_resume_and_export(tmp_path):
     steps = [r["step"] for r in metrics(sft) if r["event"] == "train"]
     assert steps[-1] == 30 and 25 in steps
 
-    proc = run_cli("generate", f"--init_from={sft / 'best'}", "--prompt=the dog jumps", f"--eval_file={sft_eval}")
+    proc = run_cli("generate", f"--init_from={sft / 'best'}", "--prompt=the dog jumps", f"--eval_file={sft_eval}",
+                   "--learn_rate=0.5")  # a training option: read by nothing here, and said so
     assert proc.returncode == 0 and "the dog jumps  ->" in proc.stdout
+    assert "note: --learn_rate has no effect on generate (it is read by train)" in proc.stdout
     # An SFT model answering the shipped pretraining eval prompts (no --is_finetune) is told so.
     proc = run_cli("generate", f"--init_from={sft / 'best'}", "--max_eval_samples=2", "--max_new_tokens=4")
     assert proc.returncode == 0 and proc.stdout.count("  ->  ") == 2
@@ -123,7 +125,7 @@ def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path):
               "--gradient_accumulation_steps=2", "--dump_consumed=True", *SMALL[:2], "--max_eval_samples=12"]
     proc = run_cli("train", *common, "--max_new_tokens=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "note: --max_new_tokens is read by generate, not by train" in proc.stdout
+    assert "note: --max_new_tokens has no effect on train (it is read by generate)" in proc.stdout
     assert "eval rows 12 from the last 12 rows of --train_file" in proc.stdout
     assert f"read once: 1 file(s) that --train_file reaches more than once: {train}" in proc.stdout
     records = metrics(out)

@@ -157,8 +157,9 @@ def test_sibling_folders_survive_and_a_tokenizer_folder_of_ours_is_reused(tmp_pa
         user_files(tmp_path / sibling)
     before = snapshot(tmp_path)
     proc = run_cli("train_tokenizer", f"--train_file={corpus}", f"--tokenizer_dir={tmp_path / 'tok'}",
-                   "--vocab_size=400")
+                   "--vocab_size=400", "--max_source_len=16")  # a length limit: the tokenizer reads none
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "note: --max_source_len has no effect on train_tokenizer (it is read by train)" in proc.stderr
     assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("tok/") and k != "tok"} == before
     assert has_tokenizer(tmp_path / "tok") and (tmp_path / "tok" / MARKERS["tokenizer"]).is_file()
     assert not (tmp_path / "tok" / ".saving").exists()
@@ -346,8 +347,7 @@ def test_the_encoder_cache_removes_only_cache_folders_in_a_root_of_ours(tmp_path
 
 def test_files_of_ours_are_never_written_through_a_link_planted_under_their_name(tmp_path):
     from config import UserError
-    from data.ownership import open_own
-    from lowmem.checkpoint import write_text_atomic
+    from data.ownership import open_own, write_atomic
     from lowmem.metrics import AppendLog, MetricsLog
     from lowmem.run_folder import RunFolder
     from lowmem.run_start import LOCK_FILE
@@ -368,7 +368,7 @@ def test_files_of_ours_are_never_written_through_a_link_planted_under_their_name
         assert (run / name).is_symlink() and mine.read_text() == "my notes\n", name
     (run / ".latest.tmp").symlink_to(mine)  # a rename-based write's temporary name
     with pytest.raises(UserError, match="symbolic link"):
-        write_text_atomic(run / "latest", "step_000002\n")
+        write_atomic(run / "latest", "step_000002\n")
     assert mine.read_text() == "my notes\n"
     log = AppendLog(run / "new.log")  # the files themselves are written as before
     log.write("a line\n")

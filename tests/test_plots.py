@@ -49,8 +49,9 @@ def test_plot_writes_one_png_per_chart(tiny_run):
     import numpy as np
 
     run, _ = tiny_run
-    proc = run_cli("plot", f"--output_dir={run}")
+    proc = run_cli("plot", f"--output_dir={run}", "--max_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "note: --max_steps has no effect on plot (it is read by train)" in proc.stderr
     assert {p.name for p in (run / "plots").iterdir()} == CHARTS | {".t5-lowmem-plots"}  # the charts and our marker
     for name in CHARTS:
         path = run / "plots" / name
@@ -74,6 +75,31 @@ def test_plot_skips_charts_without_data_and_keeps_last_of_a_repeated_step(tiny_r
     assert set(result["skipped"]) == {"bleu"} and "no eval records with bleu" in result["skipped"]["bleu"]
     assert {os.path.basename(p) for p in result["written"]} == CHARTS - {"bleu.png"}
     assert {p.name for p in (tmp_path / "charts").iterdir()} == CHARTS - {"bleu.png"} | {".t5-lowmem-plots"}
+
+
+@pytest.mark.slow
+def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tmp_path):
+    # A full disk, made real with a file-size limit: the write fails (EFBIG) after the PNG's first bytes.
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    run, _ = tiny_run
+    charts = tmp_path / "charts"
+    assert run_cli("plot", f"--output_dir={run}", f"--plot_dir={charts}").returncode == 0
+    before = {p.name: p.read_bytes() for p in charts.iterdir()}
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    proc = subprocess.run([sys.executable, str(REPO / "train_low_mem.py"), "plot", f"--output_dir={run}",
+                           f"--plot_dir={charts}"], capture_output=True, text=True, preexec_fn=small_files, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert "could not be written" in lines[0] and "--plot_dir" in lines[0]
+    assert {p.name: p.read_bytes() for p in charts.iterdir()} == before  # no part of a chart, no temporary
 
 
 @pytest.mark.parametrize("make", ["nothing", "empty metrics", "no train records", "a line not an object",
