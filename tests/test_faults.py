@@ -180,6 +180,15 @@ def test_preview_counts_the_bad_rows_it_met_and_refuses_a_file_without_a_usable_
     assert refused.stderr.strip().splitlines()[-1].startswith("error: --train_file has no usable row (2 bad: ")
 
 
+def test_preview_says_which_rows_it_holds_out_and_shows_every_other_one(tmp_path):
+    corpus = write_rows(tmp_path / "rows.jsonl", synthetic_rows(40, seed=5))
+    shown = run_cli("preview", f"--train_file={corpus}", "--max_eval_samples=4", "--num_examples=100")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    rows = sorted(json.loads(line)["row"] for line in shown.stdout.splitlines())
+    assert rows == list(range(36))  # the last 4 are the eval set, as train holds them out
+    assert "4 row(s) at the end of --train_file are held out as the eval set" in shown.stderr
+
+
 def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
     """A folder the run cannot start in, or data without the columns it reads, is refused by the command
     line itself, not after the trainer's imports (torch and transformers: several seconds before the line);
