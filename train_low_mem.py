@@ -15,8 +15,20 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
+
+
+def _interrupted_while_starting(_signum, _frame) -> None:
+    """Ctrl-C before a command begins (lowmem.cli.run_cli hands SIGINT back to Python there): nothing is written
+    yet, so leave at once with one line. Raised as KeyboardInterrupt inside an import, it could leave a module half
+    made, whose use at exit printed a traceback of its own."""
+    os.write(2, b"error: interrupted (Ctrl-C)\n")
+    os._exit(130)
+
+
+signal.signal(signal.SIGINT, _interrupted_while_starting)
 
 # The Hugging Face environment (HF_HUB_OFFLINE, HF_HOME, HF_TOKEN) is the user's: a hub id given to
 # --init_from resolves through the cache, then the hub when online, exactly as from_pretrained does.

@@ -5,6 +5,7 @@ printing an error once per machine and dying with the launcher."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -89,6 +90,7 @@ def run_cli(commands: dict, argv: list[str]) -> None:
     debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
     collector.during_imports()
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again, handled below
         fire.Fire(commands, command=verbatim_text(argv), name="train_low_mem.py")
         if "LOCAL_RANK" in os.environ:  # a launched worker whose work is done and flushed
             # Skip interpreter teardown: C++ threads of the gloo process group left to static
