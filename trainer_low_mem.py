@@ -281,7 +281,7 @@ class LowMemTrainer:
                 if last or self._finished():
                     break
             if not state.examples:
-                check_no_examples(self.telemetry, self.data, cfg, counts["bad_rows"], self._finished())
+                check_no_examples(self.telemetry, self.data, cfg, counts["rows_not_read"], self._finished())
         self.bar.close()
         return self.finish()
 

@@ -145,8 +145,9 @@ def _write_shards(files: list[Path], columns: tuple[str, str], collator, folder:
         writer.close()
     if not rows:
         raise UserError(f"--train_file holds no usable rows ({problems.total} bad); nothing to prepare")
-    if problems.total > max_bad_fraction * (rows + problems.total):
-        raise too_many_bad_rows(problems.total, rows + problems.total, max_bad_fraction, problems.by_reason, "rows")
+    if problems.counted > max_bad_fraction * (rows + problems.counted):
+        raise too_many_bad_rows(problems.counted, rows + problems.counted, max_bad_fraction, problems.by_reason,
+                                "rows")
     return {"rows": rows, "tokens": tokens, "shards": shards, "max_source_len": collator.max_source_len,
             "max_target_len": collator.max_target_len, "columns": list(columns),
             "sources": [{"path": str(f), "bytes": f.stat().st_size if isinstance(f, Path) else None} for f in files],

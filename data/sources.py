@@ -170,6 +170,9 @@ def ignored_in_folders(spec: str, formats: tuple[str, ...] = FORMATS) -> list[Pa
             if p.suffix.lower() not in formats and p.name != MANIFEST]
 
 
+NOT_ROWS = ("blank_line",)
+
+
 class DataProblems:
     """Bad rows counted by reason and by file; the first few are kept (and reported) with their place.
 
@@ -188,6 +191,12 @@ class DataProblems:
     @property
     def total(self) -> int:
         return sum(self.by_reason.values())
+
+    @property
+    def counted(self) -> int:
+        """The bad rows --max_bad_rows_fraction is taken against: not a JSONL file's blank lines (a trailing one
+        is common), which are shown in the counts but hold no row that was lost."""
+        return self.total - sum(self.by_reason[reason] for reason in NOT_ROWS)
 
     def add(self, path: Path, kind: str, row: int, reason: str, column: str) -> None:
         self.by_reason[reason] += 1
@@ -218,9 +227,10 @@ class DataProblems:
 
 def too_many_bad_rows(bad: int, rows: int, fraction: float, by_reason: dict, what: str = "training rows") -> UserError:
     """The error that stops a run (or ``prepare``) with more bad rows than --max_bad_rows_fraction allows."""
+    fix = "fix the data" if bad >= rows else "fix the data, or raise --max_bad_rows_fraction to skip them"
+    reasons = ", ".join(f"{k}: {v}" for k, v in by_reason.items() if k not in NOT_ROWS)
     return UserError(f"{bad} of {rows} {what} are bad, more than --max_bad_rows_fraction={fraction} allows "
-                     f"({', '.join(f'{k}: {v}' for k, v in by_reason.items())}); "
-                     "fix the data, or raise --max_bad_rows_fraction to skip them")
+                     f"({reasons}); {fix}")
 
 
 def bad_rows_report(train: dict, rows_read: int, train_rows: int, eval_problems: DataProblems,

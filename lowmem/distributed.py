@@ -143,15 +143,16 @@ def window_counts(accelerator, window: list[dict], stream, epoch: int, max_rss_g
     """
     local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
                           sum(mb["labels"].shape[0] for mb in window),
-                          stream.problems.total, int(near_limit(max_rss_gb)),
-                          int(not stream.finished_epoch(epoch))])
+                          stream.problems.counted, int(near_limit(max_rss_gb)),
+                          int(not stream.finished_epoch(epoch)), stream.problems.total])
     total = summed(accelerator, local)
     source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
     padded = sum(mb["labels"].numel() + mb["attention_mask"].numel() for mb in window)  # pads included
     return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
             "local_padded_tokens": padded,
             "tokens": int(total[0]), "examples": int(total[1]), "bad_rows": int(total[2]),
-            "memory": int(total[3]) > 0, "rows_left": int(total[4]) > 0}
+            "memory": int(total[3]) > 0, "rows_left": int(total[4]) > 0,
+            "rows_not_read": int(total[5])}  # the bad rows and the blank lines (bad_rows: those held against the limit)
 
 
 def smallest(accelerator, values: list[int]) -> list[int]:

@@ -96,6 +96,26 @@ def test_too_many_bad_rows_and_only_bad_rows_stop_with_one_line(tmp_path):
     assert "yields no usable rows" in error_line(proc)
 
 
+def test_blank_lines_are_counted_but_never_stop_a_run(tmp_path):
+    # A JSONL file ending in a blank line (or with blank lines between rows) loses no row: the blank lines are
+    # shown in the counts, never held against --max_bad_rows_fraction (1 of 61 lines here, above its 1 %).
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows(60, seed=3)) + "\n")
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(4, seed=9))
+    out = tmp_path / "run"
+    proc = run_cli("train", f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={out}", "--max_steps=2",
+                   *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [event] = [r for r in metrics(out) if r["event"] == "data_errors"]
+    assert event["by_reason"] == {"blank_line": 1}
+    # ... while a row lost in the same file still counts: 2 of 62 is above 1 %, and the fix is the data
+    train.write_text(train.read_text() + "{not json\n{not json either\n")
+    proc = run_cli("train", f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={tmp_path / 'b'}",
+                   "--max_steps=2", *SMALL)
+    line = error_line(proc)
+    assert proc.returncode == 2 and "2 of 63 training rows are bad" in line and "(malformed_json: 2)" in line
+
+
 def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_kept(tmp_path):
     """Stopped before its first step, a run leaves nothing worth keeping: the same command starts
     over once the data is fixed. A run that trained is never overwritten without being asked."""
