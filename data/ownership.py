@@ -74,22 +74,27 @@ def check_folder(path: str | Path, flag: str, kind: str, recognise: Recogniser |
     # (it claimed the folder new or empty): then it is ours.
     if not names or is_ours(path, kind, recognise):
         return path
-    other = other_kind(path, kind)
+    other = ours_as(path, kind)
     if other:
-        raise UserError(f"{where} is a t5-lowmem {KIND_NAMES[other]} folder, not a {KIND_NAMES[kind]} folder "
-                        f"(each command writes only into a new or empty folder or one of its own kind): {hint}")
+        raise UserError(f"{where} is {other}, not a {KIND_NAMES[kind]} folder (each command writes only into a "
+                        f"new or empty folder or one of its own kind): {hint}")
     listed = ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
     raise UserError(f"{where} holds files t5-lowmem did not write ({listed}), and it writes only into a new or "
                     f"empty folder or one of its own: {hint}")
 
 
-def other_kind(path: Path, kind: str) -> str | None:
-    """The kind of folder of ours ``path`` is, other than ``kind`` (its marker, or a run folder of an
-    earlier version), so a refusal can name it instead of calling our own files someone else's."""
+def ours_as(path: Path, kind: str) -> str | None:
+    """What folder of ours ``path`` is, when not one of ``kind``: another kind's (its marker, or a run folder of
+    an earlier version), or one inside a run folder (its checkpoints/, an export); so a refusal names it instead
+    of calling our own files someone else's."""
     for other, marker in MARKERS.items():
         if other != kind and (path / marker).is_file():
-            return other
-    return "run" if kind != "run" and is_run_folder(path) else None
+            return f"a t5-lowmem {KIND_NAMES[other]} folder"
+    if kind != "run" and is_run_folder(path):
+        return f"a t5-lowmem {KIND_NAMES['run']} folder"
+    if RUN_ENTRIES.fullmatch(path.name) and is_ours(path.parent, "run", is_run_folder):
+        return f"the {path.name}/ of the t5-lowmem {KIND_NAMES['run']} folder {path.parent}"
+    return None
 
 
 def claim_folder(path: str | Path, flag: str, kind: str, recognise: Recogniser | None = None,

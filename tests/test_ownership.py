@@ -395,3 +395,19 @@ def test_a_folder_of_ours_of_another_kind_is_named_as_such(tmp_path, given, foun
     assert f"is a t5-lowmem {KIND_NAMES[found]} folder, not a {KIND_NAMES[given]} folder" in str(refused.value)
     assert "did not write" not in str(refused.value)
     assert (folder / "held.bin").read_text() == "kept\n"
+
+
+def test_a_folder_a_run_wrote_inside_its_own_is_named_as_such(tmp_path):
+    from data.ownership import check_folder
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run / MARKERS["run"]).write_text("")
+    (run / "checkpoints" / "latest").write_text("step_000004\n")
+    (run / "mine").mkdir()  # a user's folder put in a run folder is not called the run's
+    (run / "mine" / "notes.txt").write_text("mine\n")
+    for flag, kind in (("--tokenizer_dir", "tokenizer"), ("--output_dir", "run"), ("--prepared_dir", "prepared")):
+        with pytest.raises(UserError, match=f"is the checkpoints/ of the t5-lowmem training run folder {run}, not a"):
+            check_folder(run / "checkpoints", flag, kind)
+        with pytest.raises(UserError, match="holds files t5-lowmem did not write"):
+            check_folder(run / "mine", flag, kind)
