@@ -86,6 +86,7 @@ def atomic_folder(final: Path, staged: bool = False, then=None):
                 files[str(f.relative_to(tmp))] = f.stat().st_size
         write_atomic(tmp / MANIFEST, json.dumps({"files": files}, indent=1))
         if final.exists():
+            carry_foreign(final, tmp)
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
             tmp.rename(final)
@@ -101,6 +102,40 @@ def atomic_folder(final: Path, staged: bool = False, then=None):
             raise UserError(f"{failure[0]} while writing {final}; it was not written and what was there before is "
                             f"intact: {failure[1]}, then {then() if then else CONTINUE}") from exc
         raise
+
+
+def foreign_entries(folder: Path) -> list[Path]:
+    """The entries of a folder of ours with a manifest that we did not write there (a model card a user put in
+    best/): neither in its manifest nor the manifest itself. None without a manifest (nothing to tell them by)."""
+    try:
+        listed = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    ours = {MANIFEST, *(Path(name).parts[0] for name in listed)}
+    return [entry for entry in sorted(folder.iterdir()) if entry.name not in ours]
+
+
+def carry_foreign(old: Path, new: Path) -> None:
+    """Move the user's entries of ``old`` into ``new`` (which replaces it), under their names, or beside ours
+    with ``.yours`` added where a new file of ours took the name: a folder we replace never takes them along."""
+    for entry in foreign_entries(old):
+        target = new / entry.name
+        while target.exists() or target.is_symlink():
+            target = target.with_name(target.name + ".yours")
+        entry.rename(target)
+
+
+def remove_ours_in(folder: Path) -> None:
+    """Remove ``folder`` (starting a run over), or where the user put entries of their own in it only what we
+    wrote there, the folder and their entries left."""
+    foreign = foreign_entries(folder)
+    if not foreign:
+        shutil.rmtree(folder)
+        return
+    for entry in folder.iterdir():
+        if entry not in foreign:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    write_atomic(folder / MANIFEST, json.dumps({"files": {}}))  # what is left is theirs: the next export keeps it
 
 
 def write_failure(exc: BaseException, folder: Path | None) -> tuple[str, str] | None:

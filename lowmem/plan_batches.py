@@ -45,6 +45,14 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
             "pairs": list(zip(s, t))}
 
 
+def eval_example_bytes(cfg: TrainConfig, lengths: dict) -> float:
+    """What one example of the eval set holds: a row of text like the training rows', or for raw text a packed
+    chunk's token ids (data.stream.example_bytes), however long the documents it was cut from."""
+    if cfg.objective == "pairs":
+        return lengths["row_bytes"] * 2 + 400
+    return 2 * 56 + 36 * (lengths["max_source"] + lengths["max_target"])
+
+
 def run_lengths(cfg: TrainConfig, data, replay: bool = True) -> dict:
     """Every length the plan of one process reads: the sampled rows, the replayed windows of its share
     (``replay``: a run from the start; a resumed one starts mid-stream) and its evaluation batches.

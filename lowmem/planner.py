@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from config import TrainConfig
 from data.stream import total_steps
 from lowmem.memory import SHARDED_MMAP_THRESHOLD
-from lowmem.plan_batches import micro_batch_lengths
+from lowmem.plan_batches import eval_example_bytes, micro_batch_lengths
 from lowmem.plan_sharding import sharded_sizes
 from lowmem.quantize import SHARD_BYTES
 from lowmem.tensor_bytes import (
@@ -328,7 +328,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         weights=weights, optimizer=opt_state,
         cast_cache=2 * n_train if cfg.mixed_precision == "bf16" else 0,
         cache=encoder_cache_in_ram(cfg, dims, lengths, world),
-        buffers=(buffered + cfg.max_eval_samples) * (lengths["row_bytes"] * 2 + 400),
+        buffers=buffered * (lengths["row_bytes"] * 2 + 400) + cfg.max_eval_samples * eval_example_bytes(cfg, lengths),
         alive=alive, peak_at=peak_at, act=act, before=before,
         churn=churn, mmap_threshold=mmap_threshold, fresh_gradients=fresh_gradients, first_step=first_step,
         optimizer_temp=opt_temp,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -118,7 +117,7 @@ class RunFolder:
     @staticmethod
     def remove(paths: list[Path]) -> None:
         for path in paths:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            checkpoint.remove_ours_in(path) if path.is_dir() else path.unlink()
 
     def set_aside_newer(self, resume_dir: Path | None, say=print) -> None:
         """Checkpoints newer than ``resume_dir`` (the one --resume_from names), and best/ and final/ when

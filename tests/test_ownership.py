@@ -411,3 +411,26 @@ def test_a_folder_a_run_wrote_inside_its_own_is_named_as_such(tmp_path):
             check_folder(run / "checkpoints", flag, kind)
         with pytest.raises(UserError, match="holds files t5-lowmem did not write"):
             check_folder(run / "mine", flag, kind)
+
+
+def test_files_a_user_puts_in_an_export_survive_the_next_export_and_a_start_over(tmp_path):
+    corpus = write_rows(tmp_path / "c.jsonl", synthetic_rows(80, seed=4))
+    evals = write_rows(tmp_path / "e.jsonl", synthetic_rows(4, seed=5))
+    run = tmp_path / "run"
+    common = [f"--train_file={corpus}", f"--eval_file={evals}", f"--output_dir={run}", "--save_steps=2",
+              "--eval_steps=2", "--warmup_steps=0", *TINY[2:]]
+    assert run_cli("train", *common, "--max_steps=2").returncode == 0
+    (run / "best" / "README.md").write_text("# my model card\n")
+    (run / "final" / "extra").mkdir()
+    (run / "final" / "extra" / "keep.txt").write_text("mine\n")
+    weights = (run / "final" / "model.safetensors").read_bytes()
+    proc = run_cli("train", *common, "--max_steps=4", "--is_keep_training=True")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / "final" / "model.safetensors").read_bytes() != weights  # the export was replaced ...
+    assert (run / "best" / "README.md").read_text() == "# my model card\n"  # ... and the user's files kept
+    assert (run / "final" / "extra" / "keep.txt").read_text() == "mine\n"
+    proc = run_cli("train", *common, "--max_steps=2", "--overwrite_output_dir=True")  # starting over
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / "best" / "README.md").read_text() == "# my model card\n"
+    assert (run / "final" / "extra" / "keep.txt").read_text() == "mine\n"
+    assert (run / "final" / "model.safetensors").is_file()

@@ -55,3 +55,21 @@ def test_span_corruption_peak_rss_is_flat_over_a_50x_larger_corpus(tmp_path, fmt
     assert large.stat().st_size >= FACTOR * 0.99 * small.stat().st_size
     assert rows[SMALL_MB * FACTOR] >= FACTOR * 0.95 * rows[SMALL_MB]  # every document of both was indexed
     assert abs(peaks[SMALL_MB * FACTOR] - peaks[SMALL_MB]) < BOUND_MIB, peaks
+
+
+def test_the_plan_counts_span_corruption_eval_examples_as_chunks_not_documents(tmp_path):
+    # The eval set of raw text is packed chunks (--max_source_len tokens each), whatever the documents' length:
+    # 100 eval examples of a corpus of 1 MB documents were planned as 100 documents (+200 MB).
+    rng = random.Random(3)
+    books = tmp_path / "books.txt"
+    books.write_text("\n\n".join(" ".join(rng.choices(WORDS, k=150_000)) for _ in range(4)) + "\n", encoding="utf-8")
+    evals = tmp_path / "eval.txt"
+    evals.write_text("\n\n".join(" ".join(rng.choices(WORDS, k=60)) for _ in range(50)), encoding="utf-8")
+    buffers = {}
+    for samples in (1, 100):
+        proc = run_cli("plan", "--objective=span_corruption", f"--train_file={books}", f"--eval_file={evals}",
+                       "--max_source_len=64", "--max_steps=2", f"--max_eval_samples={samples}", "--json=True")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        buffers[samples] = json.loads(proc.stdout)["host_mb"]["data_buffers"]
+    # 99 chunks more: 99 x 2 x (56 + 36 x ~80 token ids) = 0.6 MB, not 99 x 2 x 0.9 MB
+    assert 0 < buffers[100] - buffers[1] < 1.0, buffers
