@@ -110,7 +110,9 @@ def repeated_files(spec: str, formats: tuple[str, ...] = FORMATS) -> list[Path]:
 
 def _expand(spec: str, flag: str, output_dir: str | None = None, formats: tuple[str, ...] = FORMATS) -> list[Path]:
     files: list[Path] = []
-    for part in [p.strip() for p in str(spec).split(",") if p.strip()]:
+    whole = Path(str(spec).strip()).expanduser().exists()  # a name with a comma in it, taken as it is
+    parts = [str(spec).strip()] if whole else [p.strip() for p in str(spec).split(",") if p.strip()]
+    for part in parts:
         path = Path(part).expanduser()
         if path.is_dir():
             if output_dir is not None and path.resolve() in [*Path(output_dir).resolve().parents,
@@ -126,14 +128,15 @@ def _expand(spec: str, flag: str, output_dir: str | None = None, formats: tuple[
                 text = ".txt" not in formats and any(p.suffix.lower() == ".txt" for p in inside)
                 raise UserError(f"{flag}={part} is a folder with no {'/'.join(formats)} files" + (
                     " (its .txt files are raw text, read by --objective=span_corruption or prefix_lm)" if text else ""))
+        elif path.is_file():  # before the pattern test: c[1].jsonl is a file's name
+            found = [path]
         elif any(ch in part for ch in "*?["):
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(part), recursive=True) if Path(p).is_file())
             if not found:
                 raise UserError(f"{flag}={part} matches no file")
-        elif path.is_file():
-            found = [path]
         else:
-            raise UserError(f"{flag}={part} does not exist")
+            commas = " (commas separate files: pass a file whose name has one by its folder)" if len(parts) > 1 else ""
+            raise UserError(f"{flag}={part} does not exist{commas}")
         for p in found:
             if p.suffix.lower() not in formats:
                 raw = " (.txt: raw text, read by --objective=span_corruption or prefix_lm)" \

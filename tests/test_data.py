@@ -502,3 +502,18 @@ def test_a_stream_refuses_a_position_taken_on_other_files_and_a_file_that_shrank
     write_rows(files[1], synthetic_rows(12))  # rewritten shorter after the run indexed it
     with pytest.raises(UserError, match=r"f1.jsonl ended at row 12 of the 30 .* changed during training"):
         _drain(stream)
+
+
+def test_a_file_is_found_by_its_name_even_when_it_looks_like_a_pattern_or_a_list(tmp_path):
+    from data.sources import resolve_files
+
+    rows = synthetic_rows(3)
+    bracket = write_rows(tmp_path / "c[1].jsonl", rows)
+    comma = write_rows(tmp_path / "my file, v2.jsonl", rows)
+    other = write_rows(tmp_path / "b.jsonl", rows)
+    assert resolve_files(str(bracket), "--train_file") == [bracket]  # a name, not the pattern "c1.jsonl"
+    assert resolve_files(str(comma), "--train_file") == [comma]  # a name, not a list of two
+    assert resolve_files(f"{other},{bracket}", "--train_file") == [other, bracket]
+    assert len(resolve_files(str(tmp_path / "*.jsonl"), "--train_file")) == 3
+    with pytest.raises(UserError, match="commas separate files"):
+        resolve_files(f"{other},{tmp_path / 'nothing.jsonl'}", "--train_file")
