@@ -420,7 +420,7 @@ def _csv_range(path: Path, index: FileIndex | None, start: int, end: int | None)
             if end is not None and row >= end:
                 return
             if row >= start:
-                yield row, "invalid_utf8" if lines.bad else dict(zip(header, values))
+                yield row, "invalid_utf8" if lines.bad else dict(zip(header, values)) if values else "blank_line"
             lines.bad = False
             row += 1
 

@@ -517,3 +517,15 @@ def test_a_file_is_found_by_its_name_even_when_it_looks_like_a_pattern_or_a_list
     assert len(resolve_files(str(tmp_path / "*.jsonl"), "--train_file")) == 3
     with pytest.raises(UserError, match="commas separate files"):
         resolve_files(f"{other},{tmp_path / 'nothing.jsonl'}", "--train_file")
+
+
+def test_a_blank_line_is_one_reason_in_every_text_format(tmp_path):
+    from pathlib import Path
+
+    from data.readers import read_range
+
+    (tmp_path / "a.csv").write_text("prompt,response\na,b\n\nc,d\n")
+    (tmp_path / "a.jsonl").write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c", "response": "d"}\n')
+    for name in ("a.csv", "a.jsonl"):
+        records = [record for _, record in read_range(Path(tmp_path / name), None, 0, None)]
+        assert records[1] == "blank_line" and records[2] == {"prompt": "c", "response": "d"}, name
