@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import AUTO, SHIPPED_CORPORA, TrainConfig, saved_json
+from config import AUTO, SHIPPED_CORPORA, TrainConfig, UserError, saved_json
 from data.collate import by_source_length, length_groups, round_up, shape_multiple
 from data.eval_set import eval_files_of, eval_split
 from data.objectives import objective_for
@@ -261,10 +261,20 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     training on --train_file held out."""
     model_dir = Path(cfg.init_from) if cfg.init_from else Path(cfg.output_dir) / "best"
     objective = objective_for(cfg)
-    # Without --eval_file: the rows that training on --train_file held out
-    train_files = [] if cfg.eval_file is not None or not eval_set else resolve_files(
-        cfg.train_file, "--train_file", formats=formats_for(cfg), dataset_config=cfg.dataset_config)
-    eval_files = eval_files_of(cfg, train_files) if eval_set else []
+    info = saved_json(model_dir / "training_info.json") or {}
+    shipped_eval = cfg.eval_file == str(SHIPPED_CORPORA[cfg.kind][1]) and not cfg.prompt
+    own_data = info.get("train_file") not in (None, *(str(t) for t, _ in SHIPPED_CORPORA.values()))
+    try:  # Without --eval_file: the rows that training on --train_file held out
+        train_files = [] if cfg.eval_file is not None or not eval_set else resolve_files(
+            cfg.train_file, "--train_file", formats=formats_for(cfg), dataset_config=cfg.dataset_config)
+        eval_files = eval_files_of(cfg, train_files) if eval_set else []
+    except UserError as err:
+        if not (shipped_eval and own_data):
+            raise
+        why = str(err).split("; ")[0]  # (not its advice: the columns are the model's own, the rows are what to change)
+        raise UserError(f"{model_dir} was trained on --train_file={info['train_file']}, and the shipped {cfg.kind} "
+                        f"eval rows it would be scored on do not fit it ({why}): pass that --train_file (the rows its "
+                        "training held out) or an --eval_file of its own") from None
     import_transformers_models()
     imports_done()  # before the weights (lowmem.collector)
     model = load_model(model_dir)
@@ -280,7 +290,7 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     model = accelerator.prepare(model)
     multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
     collator = objective.collator(tokenizer, multiple)
-    info = saved_json(model_dir / "training_info.json") or {}
+    info = saved_json(model_dir / "training_info.json") or {}  # (model_dir resolved: a hub id's cached copy)
     main_says = say if accelerator.is_main_process else (lambda _line: None)  # every process reads the rows
     eval_rows = held_out_rows(cfg, eval_files, train_files, info.get("held_out_rows"), main_says) if eval_set else []
     eval_examples = objective.eval_examples(eval_rows, tokenizer, cfg.max_eval_samples) if eval_set else []
@@ -289,12 +299,10 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
             cfg, model_dir, collator, eval_examples[accelerator.process_index::accelerator.num_processes],
             "gpu" if accelerator.device.type == "cuda" else "cpu"))
     trained = info.get("kind")
-    shipped_eval = cfg.eval_file == str(SHIPPED_CORPORA[cfg.kind][1]) and not cfg.prompt
     if trained in SHIPPED_CORPORA and trained != cfg.kind and shipped_eval and accelerator.is_main_process:
         say(f"note: {model_dir} was trained by {trained}, and these are the shipped {cfg.kind} eval rows "
             f"({cfg.eval_file}); pass --is_finetune={trained == 'sft'} for the {trained} ones")
-    elif info.get("train_file") not in (None, *(str(t) for t, _ in SHIPPED_CORPORA.values())) and shipped_eval \
-            and accelerator.is_main_process:  # trained on the user's own data
+    elif own_data and shipped_eval and accelerator.is_main_process:  # trained on the user's own data
         say(f"note: {model_dir} was trained on --train_file={info['train_file']}, and these are the shipped "
             f"{cfg.kind} eval rows ({cfg.eval_file}); pass that --train_file (the rows its training held out) or "
             "an --eval_file of its own")

@@ -209,6 +209,19 @@ def test_preview_says_which_rows_it_holds_out_and_shows_every_other_one(tmp_path
     assert "4 row(s) at the end of --train_file are held out as the eval set" in shown.stderr
 
 
+def test_a_model_trained_on_its_own_data_is_not_scored_on_shipped_rows_that_do_not_fit_it(tmp_path):
+    docs = write_rows(tmp_path / "docs.jsonl", [{"body": " ".join(r.values())} for r in synthetic_rows(120, seed=2)])
+    run = tmp_path / "run"
+    proc = run_cli("train", "--objective=span_corruption", "--text_column=body", f"--train_file={docs}",
+                   f"--output_dir={run}", "--max_steps=1", "--eval_steps=0", "--max_source_len=32", *SMALL[2:])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = error_line(run_cli("evaluate", f"--output_dir={run}"))  # the shipped eval rows have no 'body'
+    assert f"was trained on --train_file={docs}" in line and "pass that --train_file" in line
+    assert "set --text_column" not in line  # the column is the model's own: the data is what to change
+    proc = run_cli("evaluate", f"--output_dir={run}", f"--train_file={docs}")
+    assert proc.returncode == 0 and "eval_loss" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
     """A folder the run cannot start in, or data without the columns it reads, is refused by the command
     line itself, not after the trainer's imports (torch and transformers: several seconds before the line);
