@@ -132,7 +132,7 @@ def remove_ours_in(folder: Path) -> None:
     if not foreign:
         shutil.rmtree(folder)
         return
-    for entry in folder.iterdir():
+    for entry in list(folder.iterdir()):  # (listed before any is removed)
         if entry not in foreign:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     write_atomic(folder / MANIFEST, json.dumps({"files": {}}))  # what is left is theirs: the next export keeps it
