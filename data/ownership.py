@@ -92,7 +92,8 @@ def ours_as(path: Path, kind: str) -> str | None:
             return f"a t5-lowmem {KIND_NAMES[other]} folder"
     if kind != "run" and is_run_folder(path):
         return f"a t5-lowmem {KIND_NAMES['run']} folder"
-    if RUN_ENTRIES.fullmatch(path.name) and is_ours(path.parent, "run", is_run_folder):
+    if RUN_ENTRIES.fullmatch(path.name) and RUN_ENTRY_KINDS.get(path.name) != kind \
+            and is_ours(path.parent, "run", is_run_folder):
         return f"the {path.name}/ of the t5-lowmem {KIND_NAMES['run']} folder {path.parent}"
     return None
 
@@ -133,6 +134,7 @@ def remove_ours(path: str | Path, kind: str, recognise: Recogniser | None = None
     return True
 
 
+RUN_ENTRY_KINDS = {"plots": "plots", "encoder_cache": "encoder_cache"}  # a run's folders of a kind of their own
 LEGACY_STARTED_MARKER = ".started"  # what versions before 2026-11-28 left instead (a name other tools use too)
 # What a run writes in OUTPUT_DIR (staging folders and an export's set-aside copy included)
 RUN_ENTRIES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|best|final|plots|tensorboard|encoder_cache|\.lock|"

@@ -19,7 +19,7 @@ from pathlib import Path
 from config import UserError
 from data.ownership import MARKERS, check_folder, claim_folder, move_in, remove_ours
 from data.readers import MANIFEST, TOKEN_COLUMNS, manifest_of
-from data.sources import DataProblems, iter_rows, too_many_bad_rows
+from data.sources import DataProblems, iter_rows, spec_parts, too_many_bad_rows
 
 GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
 SHARD_ROWS = 25 * GROUP_ROWS  # 102,400 rows per shard (whole row groups): several shards let each epoch visit
@@ -37,7 +37,7 @@ def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
         raise UserError(f"prepare tokenizes prompt/response pairs; --objective={cfg.objective} reads raw text, "
                         "which train tokenizes as it packs: train from the text corpus directly")
     check_prepared_dir(out_dir)  # before any work
-    for part in (Path(p.strip()).expanduser() for p in str(cfg.train_file).split(",") if p.strip()):
+    for part in (Path(p).expanduser() for p in spec_parts(cfg.train_file)):
         if part.is_dir() and part.resolve() in [out_dir.resolve(), *out_dir.resolve().parents]:
             raise UserError(f"--prepared_dir={out_dir} is inside --train_file={part}: its shards would be read as "
                             "training data; choose a --prepared_dir outside it")

@@ -85,9 +85,17 @@ def resolve_files(spec: str, flag: str = "--train_file", output_dir: str | None 
     return files
 
 
+def spec_parts(spec: str) -> list[str]:
+    """The paths (or patterns, or a dataset) a --train_file / --eval_file names: comma-separated, unless the whole
+    text names an existing file or folder (``my file, v2.jsonl``), which is then taken as it is."""
+    if Path(str(spec).strip()).expanduser().exists():
+        return [str(spec).strip()]
+    return [part.strip() for part in str(spec).split(",") if part.strip()]
+
+
 def _dataset(spec: str, flag: str, output_dir: str | None, config: str | None) -> DatasetRef | None:
     """The dataset ``spec`` names, if it names one (alone)."""
-    parts = [p.strip() for p in str(spec).split(",") if p.strip()]
+    parts = spec_parts(spec)
     found = [ref for ref in (dataset_ref(p, flag, config) for p in parts) if ref is not None]
     if not found:
         return None
@@ -110,8 +118,7 @@ def repeated_files(spec: str, formats: tuple[str, ...] = FORMATS) -> list[Path]:
 
 def _expand(spec: str, flag: str, output_dir: str | None = None, formats: tuple[str, ...] = FORMATS) -> list[Path]:
     files: list[Path] = []
-    whole = Path(str(spec).strip()).expanduser().exists()  # a name with a comma in it, taken as it is
-    parts = [str(spec).strip()] if whole else [p.strip() for p in str(spec).split(",") if p.strip()]
+    parts = spec_parts(spec)
     for part in parts:
         path = Path(part).expanduser()
         if path.is_dir():
@@ -168,7 +175,7 @@ def ignored_in_folders(spec: str, formats: tuple[str, ...] = FORMATS) -> list[Pa
     """The visible files of ``spec``'s folders that are not data files (told to the user, not read)."""
     if _dataset(spec, "--train_file", None, None) is not None:
         return []
-    folders = [Path(p.strip()).expanduser() for p in str(spec).split(",") if p.strip()]
+    folders = [Path(p).expanduser() for p in spec_parts(spec)]
     return [p for folder in folders if folder.is_dir() for p in folder_files(folder)
             if p.suffix.lower() not in formats and p.name != MANIFEST]
 

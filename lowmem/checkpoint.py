@@ -86,10 +86,12 @@ def atomic_folder(final: Path, staged: bool = False, then=None):
                 files[str(f.relative_to(tmp))] = f.stat().st_size
         write_atomic(tmp / MANIFEST, json.dumps({"files": files}, indent=1))
         if final.exists():
-            carry_foreign(final, tmp)
+            if old.is_dir():  # a swap cut after its renames: the user's files there go into the export first
+                carry_foreign(old, final)
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
             tmp.rename(final)
+            carry_foreign(old, final)  # the user's files move only once the new export is in place
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
@@ -123,6 +125,15 @@ def carry_foreign(old: Path, new: Path) -> None:
         while target.exists() or target.is_symlink():
             target = target.with_name(target.name + ".yours")
         entry.rename(target)
+
+
+def only_foreign(folder: Path) -> bool:
+    """Whether ``folder`` is an export a start-over emptied of ours (``remove_ours_in``): what is left is the
+    user's, so it is no model of the run's and nothing a later start-over would remove."""
+    try:
+        return json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"] == {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def remove_ours_in(folder: Path) -> None:

@@ -27,7 +27,7 @@ def run_files(path: Path) -> list[Path]:
     files = [path / "checkpoints", path / "best", path / "final", path / "metrics.jsonl",
              path / "tensorboard", path / "plots", *path.glob("consumed-rank*.tsv"),
              path / ".old-best", path / ".old-final"]  # (an export's swap cut between its two renames)
-    return [p for p in files if p.exists() or p.is_symlink()]
+    return [p for p in files if p.is_symlink() or p.exists() and not checkpoint.only_foreign(p)]
 
 
 def removable(cfg: TrainConfig, used: list[Path]) -> list[Path]:
@@ -147,7 +147,8 @@ def has_trained_models(path: Path) -> bool:
     """Whether the run exported a model trained past step 0 (final/, or a best/ from a later evaluation)."""
     # (.old-best, .old-final: an export's swap cut between its two renames holds the previous one there)
     best = saved_json(path / "best" / "training_info.json") or saved_json(path / ".old-best" / "training_info.json")
-    return (path / "final").exists() or (path / ".old-final").exists() or (best or {}).get("step", 0) > 0
+    exported = [path / "final", path / ".old-final"]
+    return any(p.exists() and not checkpoint.only_foreign(p) for p in exported) or (best or {}).get("step", 0) > 0
 
 
 def stopped_before_training(path: Path, used: list[Path]) -> bool:

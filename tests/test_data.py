@@ -504,7 +504,9 @@ def test_a_stream_refuses_a_position_taken_on_other_files_and_a_file_that_shrank
         _drain(stream)
 
 
-def test_a_file_is_found_by_its_name_even_when_it_looks_like_a_pattern_or_a_list(tmp_path):
+def test_a_file_is_found_by_its_name_even_when_it_looks_like_a_pattern_or_a_list(tmp_path, monkeypatch):
+    from pathlib import Path
+
     from data.sources import resolve_files
 
     rows = synthetic_rows(3)
@@ -513,6 +515,9 @@ def test_a_file_is_found_by_its_name_even_when_it_looks_like_a_pattern_or_a_list
     other = write_rows(tmp_path / "b.jsonl", rows)
     assert resolve_files(str(bracket), "--train_file") == [bracket]  # a name, not the pattern "c1.jsonl"
     assert resolve_files(str(comma), "--train_file") == [comma]  # a name, not a list of two
+    write_rows(tmp_path / "d" / "squad,v2.jsonl", rows)  # d/squad alone would be a hub dataset's id
+    monkeypatch.chdir(tmp_path)
+    assert resolve_files("d/squad,v2.jsonl", "--train_file") == [Path("d/squad,v2.jsonl")]
     assert resolve_files(f"{other},{bracket}", "--train_file") == [other, bracket]
     assert len(resolve_files(str(tmp_path / "*.jsonl"), "--train_file")) == 3
     with pytest.raises(UserError, match="commas separate files"):

@@ -411,6 +411,11 @@ def test_a_folder_a_run_wrote_inside_its_own_is_named_as_such(tmp_path):
             check_folder(run / "checkpoints", flag, kind)
         with pytest.raises(UserError, match="holds files t5-lowmem did not write"):
             check_folder(run / "mine", flag, kind)
+    for name, kind in (("plots", "plots"), ("encoder_cache", "encoder_cache")):  # the run's own of that kind,
+        (run / name).mkdir()  # holding a stranger's file: named as such, with the file
+        (run / name / "notes.txt").write_text("mine\n")
+        with pytest.raises(UserError, match=r"holds files t5-lowmem did not write \(notes.txt\)"):
+            check_folder(run / name, "--some_dir", kind)
 
 
 def test_files_a_user_puts_in_an_export_survive_the_next_export_and_a_start_over(tmp_path):
@@ -434,3 +439,13 @@ def test_files_a_user_puts_in_an_export_survive_the_next_export_and_a_start_over
     assert (run / "best" / "README.md").read_text() == "# my model card\n"
     assert (run / "final" / "extra" / "keep.txt").read_text() == "mine\n"
     assert (run / "final" / "model.safetensors").is_file()
+    # A start-over stopped by bad data before its first step leaves the user's files, and no model of the run's:
+    # the same command with the data fixed starts over, as it does where no user file was left
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(corpus.read_text() + "{not json\n" * 40)
+    stopped = run_cli("train", *[a for a in common if not a.startswith("--train_file")], f"--train_file={bad}",
+                      "--max_steps=2", "--overwrite_output_dir=True")
+    assert stopped.returncode == 2 and (run / "final" / "extra" / "keep.txt").is_file()
+    proc = run_cli("train", *common, "--max_steps=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "starting over" in proc.stdout and (run / "final" / "extra" / "keep.txt").read_text() == "mine\n"
