@@ -28,14 +28,17 @@ def _interrupted_while_starting(_signum, _frame) -> None:
     os._exit(130)
 
 
-signal.signal(signal.SIGINT, _interrupted_while_starting)
+# Run as a script only (an importer's Ctrl-C stays theirs), and where Ctrl-C is Python's (a background job's
+# ignored SIGINT stays ignored)
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
 
 # The Hugging Face environment (HF_HUB_OFFLINE, HF_HOME, HF_TOKEN) is the user's: a hub id given to
 # --init_from resolves through the cache, then the hub when online, exactly as from_pretrained does.
 if not sys.stderr.isatty():  # progress bars (weights written, files fetched) only where someone watches
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from config import SHIPPED_CORPORA, UserError  # noqa: E402
+from config import SHIPPED_CORPORA, SHIPPED_TOKENIZER_DIR, UserError  # noqa: E402
 from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
 from lowmem.collector import imports_done  # noqa: E402
 from lowmem.flags import (  # noqa: E402
@@ -186,15 +189,17 @@ def train_tokenizer(config: str | None = None, **flags) -> dict:
 
     cfg, notes = load_config(flags, config)
     say_notes(notes + unread_flag_notes("train_tokenizer", flags), sys.stderr)
-    if (Path(cfg.tokenizer_dir) / "tokenizer.json").is_file():  # models trained with it need it as it is
-        raise UserError(f"--tokenizer_dir={cfg.tokenizer_dir} holds a tokenizer already; pass a new folder, or "
+    # (with --init_from, or --is_finetune's default one, the config leaves it to the model's own tokenizer)
+    tokenizer_dir = cfg.tokenizer_dir or str(SHIPPED_TOKENIZER_DIR)
+    if (Path(tokenizer_dir) / "tokenizer.json").is_file():  # models trained with it need it as it is
+        raise UserError(f"--tokenizer_dir={tokenizer_dir} holds a tokenizer already; pass a new folder, or "
                         "remove that one first")
     spec = cfg.train_file if "train_file" in flags else ",".join(str(t) for t, _ in SHIPPED_CORPORA.values())
     files = resolve_files(spec, "--train_file", formats=formats_for(cfg), dataset_config=cfg.dataset_config)
     check_columns(files, cfg.text_columns, "--train_file")  # (sentencepiece's own words for no text: "INTERNAL")
-    tokenizer = train_spm(files, cfg.tokenizer_dir, cfg.text_columns, cfg.vocab_size,
+    tokenizer = train_spm(files, tokenizer_dir, cfg.text_columns, cfg.vocab_size,
                           cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
-    summary = {"tokenizer_dir": cfg.tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}
+    summary = {"tokenizer_dir": tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}
     shortfall = vocab_shortfall(tokenizer, cfg.vocab_size)
     return {**summary, "note": shortfall} if shortfall else summary
 
@@ -248,7 +253,7 @@ COMMANDS = {"train": train, "plan": plan, "evaluate": evaluate, "generate": gene
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli(COMMANDS, sys.argv[1:] if argv is None else list(argv))
+    run_cli(COMMANDS, sys.argv[1:] if argv is None else list(argv), _interrupted_while_starting)
 
 
 if __name__ == "__main__":

@@ -72,9 +72,10 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def run_cli(commands: dict, argv: list[str]) -> None:
+def run_cli(commands: dict, argv: list[str], startup_handler=None) -> None:
     """Run ``argv``'s command through fire. A user's mistake (``UserError``, a full disk) prints one
-    ``error:`` line and exits with code 2; ``--debug`` shows the traceback instead."""
+    ``error:`` line and exits with code 2; ``--debug`` shows the traceback instead. ``startup_handler``: the
+    SIGINT handler of the imports before, replaced by Python's own as the command begins."""
     import fire
 
     if not argv or "--help" in argv or "-h" in argv:
@@ -90,7 +91,8 @@ def run_cli(commands: dict, argv: list[str]) -> None:
     debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
     collector.during_imports()
     try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again, handled below
+        if startup_handler is not None and signal.getsignal(signal.SIGINT) is startup_handler:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt, handled below
         fire.Fire(commands, command=verbatim_text(argv), name="train_low_mem.py")
         if "LOCAL_RANK" in os.environ:  # a launched worker whose work is done and flushed
             # Skip interpreter teardown: C++ threads of the gloo process group left to static

@@ -163,7 +163,7 @@ TRAINING_ONLY = ("is_keep_training", "resume_from", "overwrite_output_dir", "fre
                  "logging_steps", "save_steps", "save_total_limit", "gc_every_steps", "report_to", "dump_consumed")
 GENERATE_ONLY = ("prompt", "max_new_tokens")  # every command accepts them (one config for all), generate reads them
 # The commands that read a few options only; the others read all but those of TRAINING_ONLY
-READ_ONLY = {"plot": ("output_dir", "debug"),
+READ_ONLY = {"plot": ("output_dir", "is_finetune", "debug"),  # (--is_finetune: the default --output_dir, runs/sft)
              "train_tokenizer": ("train_file", "dataset_config", "tokenizer_dir", "vocab_size",
                                  "tokenizer_max_sentences", "objective", "prompt_column", "response_column",
                                  "text_column", "debug")}
