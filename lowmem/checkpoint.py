@@ -106,12 +106,19 @@ def atomic_folder(final: Path, staged: bool = False, then=None):
         raise
 
 
+def manifest_files(folder: Path) -> dict | None:
+    """The files (path: size) ``folder``'s manifest lists; None without a readable manifest."""
+    try:
+        return json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def foreign_entries(folder: Path) -> list[Path]:
     """The entries of a folder of ours with a manifest that we did not write there (a model card a user put in
     best/): neither in its manifest nor the manifest itself. None without a manifest (nothing to tell them by)."""
-    try:
-        listed = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+    listed = manifest_files(folder)
+    if listed is None:
         return []
     ours = {MANIFEST, *(Path(name).parts[0] for name in listed)}
     return [entry for entry in sorted(folder.iterdir()) if entry.name not in ours]
@@ -130,10 +137,7 @@ def carry_foreign(old: Path, new: Path) -> None:
 def only_foreign(folder: Path) -> bool:
     """Whether ``folder`` is an export a start-over emptied of ours (``remove_ours_in``): what is left is the
     user's, so it is no model of the run's and nothing a later start-over would remove."""
-    try:
-        return json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"] == {}
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    return manifest_files(folder) == {}
 
 
 def remove_ours_in(folder: Path) -> None:
