@@ -178,11 +178,15 @@ class TrainConfig:
     frozen_dtype: str = _f("float32", "SFT: storage of the frozen weight matrices (shared embedding and encoder; with "
                                       "LoRA the base decoder too). bfloat16 (needs --mixed_precision=bf16) halves "
                                       "their memory; int8 or float8 (pip install '.[quant]') store the frozen linear "
-                                      "layers in 8 bits, a quarter (embeddings, norms and wo stay as loaded); exports "
-                                      "are float32.")
+                                      "layers in 8 bits, a quarter, and keep the other frozen matrices (wo, "
+                                      "embeddings, a frozen head) in bfloat16; norms stay float32. The model is read "
+                                      "into this form a block at a time. Exports are float32.")
     quantize_wo: bool = _f(False, "With --frozen_dtype=int8|float8: quantize the feed-forward output layers (wo) "
                                   "too. Saves memory; T5's wo loses accuracy in 8 bits, so it stays as loaded by "
                                   "default.")
+    merge_lora: bool = _f(False, "With --lora_r: export best/ and final/ as whole models with the adapters merged "
+                                 "(float32, written a shard at a time) instead of peft adapter folders (a few MB, "
+                                 "loaded onto --init_from's model). Costs disk: 11 GB per export at flan-t5-xl.")
 
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")

@@ -33,6 +33,7 @@ from data.stream import batched
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
 from lowmem import deepspeed_engine, encoder_cache
 from lowmem.accumulation import window_backward
+from lowmem.adapters import base_form
 from lowmem.batch_budget import batch_request, size_run
 from lowmem.checkpointer import Checkpointer
 from lowmem.collector import freeze_long_lived, imports_done, thaw_long_lived
@@ -40,13 +41,14 @@ from lowmem.distributed import indexes_from_main, prepare_for_training, start_ac
 from lowmem.evaluation import eval_log_line, evaluate_model, is_better
 from lowmem.flags import TRAINED_WITH
 from lowmem.memory import free_memory, peak_rss_bytes
-from lowmem.model_source import check_vocabulary, tokenizer_folder, tokenizer_for_model
-from lowmem.modeling import build_model, check_init_from, load_model, ready_to_train
+from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder, tokenizer_for_model
+from lowmem.modeling import build_model, check_init_from, ready_to_train
 from lowmem.optim import build_optimizer, build_scheduler, parameter_group_sizes, parameter_groups
 from lowmem.run_folder import RunFolder
 from lowmem.run_memory import guard_stop, peak_against_plan, plan_run
 from lowmem.sharding import full_value, padded_window, planned_sharding, shard_model, weights_finite
 from lowmem.stopping import SignalWatch, StoppedBySignal, count_nonfinite_step
+from lowmem.streamed_load import base_model_identity, load_for_training
 from lowmem.telemetry import (
     IntervalMeter,
     Telemetry,
@@ -195,15 +197,21 @@ class LowMemTrainer:
     def _build_model(self) -> None:
         """Build (from scratch) or load (--init_from) the model, freeze what --freeze names, apply the memory modes."""
         cfg = self.cfg
+        stored = None  # (bf16, 8-bit) elements of a model read in its training form
         if self.model is None:
+            # One process's model goes straight to its device as it is read; sharded engines shard a host copy.
+            device = self.accelerator.device if self.engine is None else torch.device("cpu")
             with deepspeed_engine.loading_whole(self.accelerator):  # under ZeRO-3 too: not into partitions
-                self.model = (load_model(cfg.init_from, dropout_rate=cfg.dropout_rate) if cfg.init_from
-                              else build_model(cfg, self.tokenizer))
+                if cfg.init_from:
+                    self.model, *stored = load_for_training(cfg, resolve_model_dir(cfg.init_from), device)
+                else:
+                    self.model = build_model(cfg, self.tokenizer)
         else:  # a model handed in; --init_from's was checked in setup, and a new one is sized to the tokenizer
             check_vocabulary(cfg, self.model.get_input_embeddings().num_embeddings, self.tokenizer)
         self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request, "sharding": planned_sharding(
-            self.engine), **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows}
-        self.model, self.parameters = ready_to_train(self.model, cfg)
+            self.engine), **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows,
+            **base_model_identity(cfg)}
+        self.model, self.parameters = ready_to_train(self.model, cfg, stored)
         if self.engine == "fsdp":  # before the optimizer: sharding replaces the parameters
             self.model = shard_model(self.model, self.sharding, self.accelerator.device)
             free_memory()  # the whole weights each process built go back to the OS
@@ -444,7 +452,10 @@ class LowMemTrainer:
     def export(self, folder: Path) -> None:
         info = {"kind": self.cfg.kind, "train_file": self.cfg.train_file, "held_out_rows": self.data.held_out_rows,
                 "trained_with": {key: getattr(self.cfg, key) for key in TRAINED_WITH}, **self.state_now()}
-        self.checkpointer.export(folder, self.core, self.tokenizer, info, self.tokenizer_dir)
+        adapter_of = self.cfg.init_from if self.cfg.lora_r and not self.cfg.merge_lora else None
+        if adapter_of is not None:
+            info["base_form"] = base_form(self.cfg)  # evaluate and generate read the base as it trained
+        self.checkpointer.export(folder, self.core, self.tokenizer, info, self.tokenizer_dir, adapter_of)
 
     def _checkpointed(self) -> tuple:
         """What a checkpoint holds: (model, optimizer, scheduler, run_config); DeepSpeed saves through its engine."""

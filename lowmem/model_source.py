@@ -85,7 +85,12 @@ def model_folder_config(init_from: str | Path) -> dict:
     A training run's own folder also holds a config.json (the run's flags), so the file alone
     does not make a model folder: its ``model_type`` must be one of the T5 family.
     """
+    from lowmem.adapters import adapter_base
+
     folder = resolve_model_dir(str(init_from))
+    base = adapter_base(folder)
+    if base is not None:  # a LoRA run's export: the model is its base's
+        return model_folder_config(base)
     inside = [folder / name for name in ("best", "final") if (folder / name / "config.json").is_file()]
     fix = (f"it is a training run's folder: pass --init_from={inside[0]}" if inside
            else "point it at a model folder (a run's best/ or final/, a downloaded T5) or a hub id such as "
@@ -110,7 +115,15 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 def check_weights(init_from: str | Path) -> None:
     """Refuse a model folder without a weights file ``from_pretrained`` reads (a traceback otherwise). A hub
     id's cache holds one such when only its tokenizer or config was fetched."""
+    from lowmem.adapters import ADAPTER_WEIGHTS, adapter_base
+
     folder = resolve_model_dir(str(init_from))
+    base = adapter_base(folder)
+    if base is not None:
+        if not (folder / ADAPTER_WEIGHTS).is_file():
+            raise UserError(f"--init_from={init_from} is an adapter folder without {ADAPTER_WEIGHTS}; pass a "
+                            "complete export")
+        return check_weights(base)
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         hub = "" if Path(str(init_from)).expanduser().exists() else \
             " (its cached copy has no weights: only its tokenizer or config was fetched; download it online once)"

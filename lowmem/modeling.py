@@ -63,8 +63,12 @@ def load_model(init_from: str | Path, **config_overrides):
     import transformers
     from transformers import AutoModelForSeq2SeqLM
 
+    from lowmem.adapters import adapter_base, load_adapter_model
+
     model_folder_config(init_from)
     check_weights(init_from)
+    if adapter_base(resolve_model_dir(str(init_from))) is not None:  # a LoRA run's adapters, onto their base
+        return load_adapter_model(resolve_model_dir(str(init_from)), **config_overrides)
     verbosity = transformers.logging.get_verbosity()
     # transformers 5 warns on every untied checkpoint that its T5 config "specifies to tie" the head
     # (it always does): the checkpoint's distinct lm_head is what is loaded, which is right.
@@ -107,12 +111,29 @@ def store_frozen_in_bf16(model) -> int:
             # from_pretrained maps the checkpoint file: while any tensor is a view of that mapping, every
             # page the cast read stays resident. Own copies let it go (the planner counts the moment).
             param.data = param.data.clone()
+    compute_beside_bf16(model)
+    return stored
+
+
+def compute_beside_bf16(model) -> None:
+    """Let bf16-stored frozen weights work in a float32 model: embedding lookups come out float32, and a bf16
+    linear layer outside autocast (a frozen untied ``lm_head``) takes its input in bf16 and gives float32 back.
+    ``wo`` casts its own input to its weight's dtype (transformers' T5), and the residual stream adding its
+    bf16 output stays float32. So the residual stream keeps the precision it has with float32 weights."""
     # Each stack looks its tokens up through its own embed_tokens module (holding the shared weight):
     # model.shared itself never runs in a forward, so the hook goes on every bf16 lookup table.
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) and module.weight.dtype == torch.bfloat16:
             module.register_forward_hook(lambda _module, _args, out: out.float())
-    return stored
+        elif type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
+            module.register_forward_pre_hook(_to_weight_dtype)
+            module.register_forward_hook(lambda _module, _args, out: out.float())
+
+
+def _to_weight_dtype(module, args):
+    if torch.is_autocast_enabled(args[0].device.type):
+        return None
+    return (args[0].to(module.weight.dtype), *args[1:])
 
 
 def generation_cache():
@@ -331,22 +352,29 @@ def fuse_gelu(model) -> int:
     return replaced
 
 
-def ready_to_train(model, cfg: TrainConfig):
+def ready_to_train(model, cfg: TrainConfig, stored: tuple[int, int] | None = None):
     """Fuse gated-gelu's activation, freeze what --freeze names, apply the memory modes (LoRA, gradient
     checkpointing, bf16 or 8-bit frozen weights). Returns the model and its trainable, frozen, bf16-stored
-    and 8-bit frozen parameter counts."""
+    and 8-bit frozen parameter counts.
+
+    ``stored``: (bf16, 8-bit) elements of a model ``lowmem.streamed_load`` read in its training form already
+    (frozen, narrowed and quantized as it was read); None for a model built or loaded whole.
+    """
     from config import QUANTIZED_DTYPES
 
     fuse_gelu(model)
     freeze_parts(model, cfg.freeze)
     model = apply_memory_modes(model, cfg)
     trainable, frozen = count_parameters(model)
-    frozen_bf16 = store_frozen_in_bf16(model) if cfg.frozen_dtype == "bfloat16" else 0
-    frozen_8bit = 0
-    if cfg.frozen_dtype in QUANTIZED_DTYPES:
-        from lowmem.quantize import quantize_frozen
+    if stored is not None:
+        frozen_bf16, frozen_8bit = stored
+    else:
+        frozen_bf16 = store_frozen_in_bf16(model) if cfg.frozen_dtype == "bfloat16" else 0
+        frozen_8bit = 0
+        if cfg.frozen_dtype in QUANTIZED_DTYPES:
+            from lowmem.quantize import quantize_frozen
 
-        frozen_8bit = quantize_frozen(model, cfg)
+            frozen_8bit = quantize_frozen(model, cfg)
     return model, {"trainable": trainable, "frozen": frozen, "frozen_bf16": frozen_bf16, "frozen_8bit": frozen_8bit}
 
 

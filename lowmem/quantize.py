@@ -75,14 +75,9 @@ def quantize_frozen(model, cfg: TrainConfig) -> int:
     mapping. Quantizing is deterministic: a resume rebuilds the very same bytes (a checkpoint holds
     them too: the ``weight._data`` / ``weight._scale`` entries of the state dict).
     """
-    from lowmem.memory import map_large_blocks, trim_heap
+    from lowmem.memory import map_large_blocks
 
-    quanto = import_quanto(cfg)
-    qtype = getattr(quanto, QTYPES[cfg.frozen_dtype])
-    # The scales take the weights' dtype: bf16 in bf16 runs, so that the quantized layers compute and
-    # pass gradients back in bf16 like the rest under autocast (with float32 scales, quanto's backward
-    # multiplies a bf16 gradient by float32 weights and fails, and so does its CPU int8 kernel forward).
-    compute = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    compute = compute_dtype(cfg)
     files = checkpoint_files(cfg.init_from)
     quantized = 0
     # Every use of a quantized layer dequantizes its weight into a float temporary of a few MiB (base: up to
@@ -102,17 +97,37 @@ def quantize_frozen(model, cfg: TrainConfig) -> int:
                 else:  # not in a safetensors file: from the loaded weight
                     layer.to(compute)
             del fresh
-            quanto.quantize(block, weights=qtype, include=names)
-            quanto.freeze(block)  # the 8-bit weights replace the float ones here: one block at a time
-            # The block's float32 weights and quantizing's temporaries are freed now, but the 8-bit results
-            # sit between them on the C heap, which keeps them resident: a LoRA base model rose by 1 GiB.
-            trim_heap()
-            for name in names:
-                layer = block.get_submodule(name)
-                keep_frozen(layer)
-                # quanto makes its weights trainable again when it loads them (a resume)
-                layer.register_load_state_dict_post_hook(lambda module, _incompatible: keep_frozen(module))
-                quantized += layer.weight.numel()
+            quantized += quantize_block(cfg, block, names)
+    return quantized
+
+
+def compute_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype of the 8-bit layers' scales, and so of their products.
+
+    bf16 in bf16 runs, so that the quantized layers compute and pass gradients back in bf16 like the rest
+    under autocast (with float32 scales, quanto's backward multiplies a bf16 gradient by float32 weights and
+    fails, and so does its CPU int8 kernel forward)."""
+    return torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+
+
+def quantize_block(cfg: TrainConfig, block, names: list[str]) -> int:
+    """Quantize the linear layers ``names`` of one T5 block (their weights in ``compute_dtype`` already) to
+    ``--frozen_dtype``, frozen; returns the number of weight elements quantized."""
+    from lowmem.memory import trim_heap
+
+    quanto = import_quanto(cfg)
+    quanto.quantize(block, weights=getattr(quanto, QTYPES[cfg.frozen_dtype]), include=names)
+    quanto.freeze(block)  # the 8-bit weights replace the float ones here: one block at a time
+    # The block's float weights and quantizing's temporaries are freed now, but the 8-bit results sit
+    # between them on the C heap, which keeps them resident: a LoRA base model rose by 1 GiB.
+    trim_heap()
+    quantized = 0
+    for name in names:
+        layer = block.get_submodule(name)
+        keep_frozen(layer)
+        # quanto makes its weights trainable again when it loads them (a resume)
+        layer.register_load_state_dict_post_hook(lambda module, _incompatible: keep_frozen(module))
+        quantized += layer.weight.numel()
     return quantized
 
 

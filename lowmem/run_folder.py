@@ -51,7 +51,7 @@ RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", 
 EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_len")
 BLEU_SETTINGS = ("num_beams", "no_repeat_ngram_size", "repetition_penalty")
 # What a run records beside its flags (compared above where it matters; the flags behind it are logged)
-NOT_FLAGS = ("batch_request", "held_out_rows", "parameter_group_sizes", "sharding")
+NOT_FLAGS = ("batch_request", "held_out_rows", "parameter_group_sizes", "sharding", "base_model")
 SHARDING_NAMES = {"fsdp": "FSDP", "zero2": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3",
                   None: "neither FSDP nor DeepSpeed"}
 
@@ -153,12 +153,10 @@ class RunFolder:
                          process_states: list[dict], keep: int, staged: bool = False) -> Path:
         """Everything the run depends on, written atomically; then ``latest`` moves to it. ``staged``:
         the processes wrote their weight and optimizer shards into the staging folder already."""
-        from safetensors.torch import save_model
-
         folder = self.checkpoint_path(step)
         with checkpoint.atomic_folder(folder, staged=staged, then=self.how_to_continue) as tmp:
             if not staged:
-                save_model(model, str(tmp / "model.safetensors"))
+                save_trained(model, tmp / "model.safetensors")
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
@@ -186,10 +184,6 @@ class RunFolder:
         Returns:
             (trainer state, this process's state: RNG, data position, log offsets)
         """
-        from safetensors.torch import load_model
-
-        from lowmem.quantize import own_aligned_bytes
-
         compare_settings(json.loads((folder / "run_config.json").read_text()), run_config, folder, say)
         saved_world = len(list(folder.glob("process_*.pt")))
         if saved_world != world:
@@ -215,8 +209,7 @@ class RunFolder:
                              optimizer_state)
         else:
             optimizer_state = checkpoint.load_state(folder / "optimizer.pt")
-            load_model(model, str(folder / "model.safetensors"))
-            own_aligned_bytes(model)
+            load_trained(model, folder / "model.safetensors")
             optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(scheduler_state)
         trainer_state = json.loads((folder / "trainer_state.json").read_text())
@@ -246,6 +239,69 @@ class RunFolder:
             if tokenizer_source is not None:
                 copy_tokenizer_files(Path(tokenizer_source), tmp)
             (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
+
+
+    @staticmethod
+    def export_adapter(folder: Path, model, base: str, tokenizer, info: dict, tokenizer_source: Path | None = None,
+                       then=None) -> None:
+        """A peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors`` in float32, the
+        ``base_model_name_or_path`` the --init_from given) with the tokenizer and training_info.json:
+        ``peft.PeftModel.from_pretrained(base_model, folder)`` loads it, and so do evaluate and generate."""
+        from lowmem.adapters import save_adapter
+        from lowmem.model_source import copy_tokenizer_files
+
+        with checkpoint.atomic_folder(folder, then=then) as tmp:
+            save_adapter(tmp, model, base)
+            tokenizer.save_pretrained(tmp)
+            if tokenizer_source is not None:
+                copy_tokenizer_files(Path(tokenizer_source), tmp)
+            (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
+
+
+TRAINED_ONLY = "trained"  # the metadata "contents" of a checkpoint's model.safetensors holding trained tensors only
+
+
+def save_trained(model, path: Path) -> None:
+    """The model's weights into a checkpoint: where some are frozen, the trained ones only (LoRA's adapters,
+    a decoder): the frozen rest is the base model's, read again from --init_from on resume (its fingerprint
+    is in run_config.json), so a LoRA checkpoint of flan-t5-xl is megabytes, not 11 GB."""
+    from safetensors.torch import save_file, save_model
+
+    if all(p.requires_grad for p in model.parameters()):
+        save_model(model, str(path))  # (tied tensors stored once)
+        return
+    trained = {name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+    save_file(trained, str(path), metadata={"format": "pt", "contents": TRAINED_ONLY})
+
+
+def load_trained(model, path: Path) -> None:
+    """Load what ``save_trained`` wrote into ``model`` (a checkpoint of the whole model too: earlier versions
+    wrote those).
+
+    Raises:
+        UserError: the checkpoint's trained tensors are not this model's.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file, load_model
+
+    from lowmem.quantize import own_aligned_bytes
+
+    with safe_open(str(path), "pt") as f:
+        contents = (f.metadata() or {}).get("contents")
+    if contents != TRAINED_ONLY:
+        load_model(model, str(path))
+        own_aligned_bytes(model)
+        return
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    saved = load_file(str(path))
+    if set(saved) != set(params):
+        odd = sorted(set(saved) ^ set(params))
+        raise UserError(f"checkpoint {path.parent} holds other trained tensors than this run trains ({odd[0]}"
+                        f"{f' and {len(odd) - 1} more' if len(odd) > 1 else ''}); resume with the --freeze and "
+                        "LoRA flags the run began with, or use a new --output_dir")
+    with torch.no_grad():
+        for name, value in saved.items():
+            params[name].copy_(value)
 
 
 def mark_head_tying(config_path: Path, model) -> None:
@@ -295,6 +351,7 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
                         f"{SHARDING_NAMES[current.get('sharding')]}; resume with the launch config the run began with")
     _compare_parameter_groups(saved, current, folder)
     _compare_rows_per_step(saved, current, folder)
+    _compare_base_model(saved, current, folder)
     if current.get("frozen_dtype") in QUANTIZED_DTYPES and saved.get("mixed_precision", current["mixed_precision"]) \
             != current["mixed_precision"]:  # the 8-bit weights' scales are stored in the compute dtype
         raise UserError(f"checkpoint {folder} holds {current['frozen_dtype']} weights with scales in the dtype of "
@@ -310,6 +367,17 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
         if key not in SHAPE_SETTINGS + FIXED_ON_RESUME + RUN_ONLY_SETTINGS + NOT_FLAGS and key in saved \
                 and saved[key] != value:
             say(f"resume: --{key} was {saved[key]!r} in the checkpoint; using {value!r} from this command")
+
+
+def _compare_base_model(saved: dict, current: dict, folder: Path) -> None:
+    """Refuse a resume onto another base model: a checkpoint holds only what trains, and the frozen rest is
+    read again from --init_from, which must be the very weights the run began with."""
+    was, now = saved.get("base_model"), current.get("base_model")
+    if was and now and was["fingerprint"] != now["fingerprint"]:
+        raise UserError(f"checkpoint {folder} trained on --init_from={was['init_from']} (weights fingerprint "
+                        f"{was['fingerprint']}), and --init_from={now['init_from']} now holds other weights "
+                        f"(fingerprint {now['fingerprint']}); the checkpoint holds only the trained tensors, so "
+                        "resume with the base model the run began with, or use a new --output_dir")
 
 
 def _compare_parameter_groups(saved: dict, current: dict, folder: Path) -> None:

@@ -295,7 +295,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         features.append(f"{parameters['frozen_bf16']:,} frozen weights stored in bf16")
     if parameters["frozen_8bit"]:
         features.append(f"{parameters['frozen_8bit']:,} frozen weights stored in {cfg.frozen_dtype} (optimum-quanto"
-                        f"{', wo included' if cfg.quantize_wo else '; wo, embeddings and norms as loaded'})")
+                        f"{', wo included' if cfg.quantize_wo else '; wo and embeddings in bf16'}; norms float32)")
     known = data.epoch_rows_known  # else the source says its count is unknown (a dataset without one)
     rows = f" {data.rows:,}" if known else ""
     tokenizer = ("the shipped one" if cfg.tokenizer_dir == str(SHIPPED_TOKENIZER_DIR) else cfg.tokenizer_dir

@@ -1,0 +1,109 @@
+"""A model folder's weight files read a few tensors at a time, and their fingerprint.
+
+The layouts ``from_pretrained`` reads: ``model.safetensors``, sharded safetensors with
+``model.safetensors.index.json``, ``pytorch_model.bin`` and its sharded form with an index. A
+safetensors file is mapped only while its tensors are read: every page a read touches counts in the
+process's resident memory for as long as the mapping is open, so a whole 10 GB hub shard held open
+would be resident by the end. A ``.bin`` file is read through torch's weights-only unpickler (tensors
+and plain values only: no code in it runs), mapped, and the wanted tensors copied out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from config import UserError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# A fingerprint reads this many evenly spread samples of each weight file (and its size and header): enough to
+# tell a retrained or replaced model apart, cheap at 45 GB (a full hash would read all of it at every resume)
+FINGERPRINT_SAMPLES = 16
+FINGERPRINT_SAMPLE_BYTES = 64 * 1024
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """{tensor name: file} of the weights in ``folder`` (safetensors preferred, as ``from_pretrained`` does).
+
+    Raises:
+        UserError: no weights file, or an index naming a file that is not there.
+    """
+    folder = Path(folder)
+    for index_name, single in ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")):
+        index = folder / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (ValueError, KeyError, TypeError):
+                raise UserError(f"{index} cannot be read as a weights index (JSON with a weight_map); "
+                                "pass a complete model folder") from None
+            files = {key: folder / name for key, name in weight_map.items()}
+            missing = sorted({p.name for p in files.values() if not p.is_file()})
+            if missing:
+                raise UserError(f"{folder} is missing {', '.join(missing)}, which {index_name} lists; "
+                                "download or copy the model folder whole")
+            return files
+        if (folder / single).is_file():
+            return dict.fromkeys(_keys_of(folder / single), folder / single)
+    raise UserError(f"{folder} holds no weights (model.safetensors, pytorch_model.bin or their index); "
+                    "pass a complete model folder")
+
+
+def _keys_of(path: Path) -> list[str]:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return list(f.keys())
+    return list(_load_bin(path))
+
+
+def _load_bin(path: Path) -> dict:
+    """A ``.bin`` file's tensors, mapped (not read) where torch can, through the weights-only unpickler."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # the legacy (pre-zip) format cannot be mapped
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle.UnpicklingError and friends: objects other than tensors
+        raise UserError(f"{path} holds objects other than tensors and plain values ({type(err).__name__}); it was "
+                        "not loaded, since building them could run code: pass a safetensors copy") from None
+
+
+def read_tensors(files: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``keys`` (those ``files`` has), as the files store them, each file open only while read."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for path in dict.fromkeys(files[key] for key in keys if key in files):
+        wanted = [key for key in keys if files.get(key) == path]
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), "pt") as f:
+                for key in wanted:
+                    found[key] = f.get_tensor(key)
+        else:
+            loaded = _load_bin(path)
+            for key in wanted:
+                found[key] = loaded[key].clone()  # own memory: the mapping goes with ``loaded``
+            del loaded
+    return found
+
+
+def fingerprint(folder: Path) -> str:
+    """A short hash of ``folder``'s weight files: their names, sizes and evenly spread samples of their bytes
+    (the safetensors header, with every name, dtype and shape, is among them). A model whose weights changed
+    (retrained, replaced, another download) has another."""
+    digest = hashlib.sha256()
+    for path in sorted(set(weight_files(folder).values())):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        step = max(1, (size - FINGERPRINT_SAMPLE_BYTES) // max(1, FINGERPRINT_SAMPLES - 1))
+        with open(path, "rb") as f:
+            for offset in sorted({min(i * step, max(0, size - FINGERPRINT_SAMPLE_BYTES))
+                                  for i in range(FINGERPRINT_SAMPLES)}):
+                f.seek(offset)
+                digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
