@@ -26,9 +26,9 @@ from lowmem.tensor_bytes import (
     activation_bytes,
     batch_cost,
     evaluation_bytes,
-    frozen_cast_bytes,
     frozen_matrix_elements,
     frozen_parts,
+    largest_read_bytes,
     lora_merged_elements,
     matrix_elements,
     model_dims,
@@ -173,7 +173,6 @@ class StepSizes:
     n_params: int  # the base model's (LoRA's adapters are n_train)
     n_train: int
     head_parts: dict  # bytes of the shared embedding and an untied lm_head as held (large vocabularies)
-    unread: int  # bytes of a mapped frozen embedding's rows past the tokenizer: never read while training
     half: int  # frozen elements stored in bf16 (--frozen_dtype=bfloat16)
     quantized: int  # frozen elements stored in 8 bits (--frozen_dtype=int8|float8)
     saved_8bit: int  # the bytes that saves against float32
@@ -199,23 +198,8 @@ class StepSizes:
     export_copies: float
     evaluation: float
     peak: tuple
-
-
-def unread_embedding_bytes(cfg: TrainConfig, dims: dict, vocab_size: int, device: str, half: int,
-                           steps: int) -> int:
-    """Bytes of a frozen float32 embedding's rows that training never reads (0 when it reads them all).
-
-    from_pretrained maps the checkpoint: a frozen embedding kept float32 stays a view of the file, and
-    training reads only the rows the tokenizer's ids reach (mT5-small SFT with an 8,100-token tokenizer:
-    667 of the file's 1,145 MiB resident), until something reads the whole model: an export (best/ at
-    the step-0 evaluation, a checkpoint every --save_steps; the final one is counted at the save), the
-    encoder cache's fingerprint of the encoder's weights (the embedding's among them), a resume's load.
-    """
-    if (device == "cpu" and cfg.init_from and "shared" in frozen_parts(cfg) and not half
-            and cfg.encoder_cache == "off" and cfg.eval_steps == 0 and not 0 < cfg.save_steps < steps
-            and not cfg.is_keep_training):
-        return 4 * dims["d_model"] * max(0, dims["vocab_size"] - vocab_size)
-    return 0
+    largest_read: int = 0  # host bytes of the largest group the streamed load reads at once
+    sharding: str | None = None
 
 
 def padded_peak_batches(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
@@ -280,16 +264,17 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
     n_params = part_elements(shapes, *shapes)
     train_shapes = trainable_shapes(cfg, dims)
     n_train = sum(numel(x) for x in train_shapes)
-    half = frozen_matrix_elements(cfg, shapes) if cfg.frozen_dtype == "bfloat16" else 0
-    stored = {part: 2 if half and part in frozen_parts(cfg) else 4 for part in ("shared", "lm_head")}
-    steps = total_steps(cfg, math.ceil(lengths["rows"] / world))
-    unread = unread_embedding_bytes(cfg, dims, vocab_size, device, half, steps)
-    head_parts = {"embedding": stored["shared"] * part_elements(shapes, "shared") - unread}
-    if shapes["lm_head"]:
-        head_parts["lm_head"] = stored["lm_head"] * part_elements(shapes, "lm_head")
-    weights = 4 * (n_params + (n_train if cfg.lora_r else 0)) - 2 * half  # --frozen_dtype=bfloat16: 2 bytes
     eight_bit = quantized_shapes(cfg, shapes)  # --frozen_dtype=int8|float8: 1 byte, and a scale per row
     quantized = sum(numel(shape) for shape in eight_bit)
+    # --frozen_dtype=bfloat16 stores the frozen matrices in 2 bytes; int8|float8 those it does not quantize
+    # (wo, the embedding, a frozen head: lowmem.streamed_load)
+    half = frozen_matrix_elements(cfg, shapes) - quantized if cfg.frozen_dtype != "float32" else 0
+    stored = {part: 2 if half and part in frozen_parts(cfg) else 4 for part in ("shared", "lm_head")}
+    steps = total_steps(cfg, math.ceil(lengths["rows"] / world))
+    head_parts = {"embedding": stored["shared"] * part_elements(shapes, "shared")}
+    if shapes["lm_head"]:
+        head_parts["lm_head"] = stored["lm_head"] * part_elements(shapes, "lm_head")
+    weights = 4 * (n_params + (n_train if cfg.lora_r else 0)) - 2 * half
     saved_8bit = quantized_saving(cfg, eight_bit)
     weights -= saved_8bit
     grads = 4 * n_train
@@ -320,7 +305,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
     first_step = first_step or (steps == 1 and not cfg.is_keep_training)
     peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world, first_step)
     return StepSizes(
-        dims=dims, n_params=n_params, n_train=n_train, head_parts=head_parts, unread=unread, half=half,
+        dims=dims, n_params=n_params, n_train=n_train, head_parts=head_parts, half=half,
         quantized=quantized, saved_8bit=saved_8bit,
         gathered=gathered,
         encoder_elements=part_elements(shapes, "encoder"),
@@ -336,15 +321,21 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
         # safetensors that is not zero-copy (recent ones write straight from the tensors' memory).
         # A sharded export gathers the whole model on the main process.
-        serialize=4 * n_params if device == "gpu" or sharding or not zero_copy_save() else 0,
+        # A checkpoint of a run with frozen weights holds the trained tensors only (lowmem.run_folder.save_trained);
+        # sharded engines write every process's shards of everything.
+        serialize=(4 * (n_params if sharding or not frozen_parts(cfg) else n_train)
+                   if device == "gpu" or sharding or not zero_copy_save() else 0),
+        largest_read=largest_read_bytes(dims, shapes) if cfg.init_from else 0,
         # Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored ones
         # (one tensor at a time). They are large, so mmapped fresh rather than carved from the heap the
         # allocator kept; they only reuse the share of the last step's memory that went back to the OS.
         # (From a GPU they are made on the host, within the host copy of the weights counted there.)
         # An export of 8-bit weights dequantizes (and merges) them a shard at a time (lowmem.quantize).
-        export_copies=(min(4 * (quantized + lora_merged_elements(cfg, dims)), SHARD_BYTES) if quantized
+        # A LoRA run exports its adapters (float32 copies of them) unless --merge_lora.
+        export_copies=(4 * n_train if cfg.lora_r and not cfg.merge_lora and not sharding
+                       else min(4 * (quantized + lora_merged_elements(cfg, dims)), SHARD_BYTES) if quantized
                        else 4 * lora_merged_elements(cfg, dims) + 2 * half),
-        evaluation=evaluation_bytes(cfg, dims, lengths.get("eval", [])), peak=peak)
+        evaluation=evaluation_bytes(cfg, dims, lengths.get("eval", [])), peak=peak, sharding=sharding)
 
 
 def gpu_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> tuple[dict, dict]:
@@ -363,11 +354,11 @@ def gpu_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> tuple
     # Evaluation (cache emptied before it): the whole model on the GPU again, the optimizer state.
     at_eval = CUDA_CONTEXT_MB * MB + s.weights + s.optimizer + (1 + GPU_ALLOCATOR_SLACK) * s.evaluation
     gpu["evaluation"] = max(0, at_eval - sum(gpu.values()))
-    # the host loads the model (8-bit weights quantized there, read from the file a block at a time)
-    on_host = 4 * s.n_params - s.saved_8bit
+    # --init_from is read a block at a time, each tensor sent to the GPU as it comes (lowmem.streamed_load);
+    # a model built from a preset is built on the host, whole; sharded engines shard a host copy.
+    on_host = s.largest_read if cfg.init_from and not s.sharding else s.weights
     host = {"framework": framework_mb * MB + CUDA_HOST_MB * MB, "weights_on_host": max(on_host, s.serialize),
             "encoder_offloaded": encoder_weights, "caches": s.cache, "data_buffers": s.buffers}
-    host["frozen_cast"] = max(0, frozen_cast_bytes(s.n_params, s.half) - host["weights_on_host"])
     return gpu, host
 
 
@@ -393,14 +384,12 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
         # (logits mapped apart from the heap sit beside it, not in it)
         mapped = s.alive["logits_loss"] if act["logits_grad"] >= s.mmap_threshold else 0
         slack = max(slack, at_step - sum(v for k, v in s.alive.items() if k != "optimizer") + mapped)
-    host = {"framework": framework_mb * MB, "weights": s.weights - s.unread - s.gathered,
+    host = {"framework": framework_mb * MB, "weights": s.weights - s.gathered,
             **({"gathered_weights": s.gathered} if s.gathered else {}), "gradients": s.alive["gradients"],
             "optimizer": s.alive["optimizer"], "bf16_weight_copies": s.cast_cache, **s.alive,
             "allocator_slack": slack, "caches": s.cache, "data_buffers": s.buffers}
-    # a save reads the whole model, the embedding's unread rows too
-    host["checkpoint_copy"] = (max(0, s.serialize + s.unread - s.freed_at_save - slack)
+    host["checkpoint_copy"] = (max(0, s.serialize - s.freed_at_save - slack)
                                + max(0, s.export_copies - (1 - ALLOCATOR_SLACK) * s.freed_at_save))
-    host["frozen_cast"] = max(0, frozen_cast_bytes(s.n_params, s.half) - sum(host.values()) + host["framework"])
     # Evaluation runs between optimizer steps (gradients freed, heap trimmed): what stays is the
     # framework, the weights, the optimizer state, caches and buffers. An evaluation before the
     # training peak (step 0, then every --eval_steps) leaves EVAL_FIRST_MB resident under it.
@@ -443,7 +432,6 @@ def one_plan(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: flo
     # As the trainer counts them (lowmem.modeling.count_parameters): LoRA's adapters are parameters too
     return {"device": device, "parameters": s.n_params + (s.n_train if cfg.lora_r else 0),
             "trainable_parameters": s.n_train, "embedding_shape": [s.dims["vocab_size"], s.dims["d_model"]],
-            "embedding_rows_read": s.dims["vocab_size"] - s.unread // (4 * s.dims["d_model"]),
             "lm_head": "tied" if s.dims["tied"] else "untied", "model_parts_mb": parts_mb, "sharding": sharding,
             "max_source_tokens": peak[0], "max_target_tokens": peak[1],
             "peak_batch_target_tokens": peak[2] if len(peak) > 2 else cfg.batch_size * peak[1],

@@ -105,7 +105,9 @@ def holders_of(model) -> dict[int, list[tuple[torch.nn.Module, str]]]:
 def place(holders: dict, param: torch.nn.Parameter, value: torch.Tensor, dtype: torch.dtype, device) -> None:
     """Replace a meta parameter by ``value`` in ``dtype`` on ``device`` in every module holding it, so a tensor
     tied under several names (the shared embedding and each stack's ``embed_tokens``) stays one."""
-    new = torch.nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=param.requires_grad)
+    # Always a copy: a tensor read in the dtype it is kept in would otherwise stay a view of the file's mapping,
+    # keeping the mapping, and every page read through it, resident for the run.
+    new = torch.nn.Parameter(value.to(device=device, dtype=dtype, copy=True), requires_grad=param.requires_grad)
     for module, attr in holders[id(param)]:
         module._parameters[attr] = new
 

@@ -34,6 +34,9 @@ FF_SAVED_NO_DROPOUT = 1.0
 PARTS = ("shared", "encoder", "decoder", "lm_head")
 
 
+FILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # a checkpoint's dtype (config.json) -> bytes per element
+
+
 def model_dims(cfg: TrainConfig, vocab_size: int) -> dict:
     """The shape of the model the run trains: d_model, d_ff, num_heads, d_kv, num_layers,
     num_decoder_layers, vocab_size (the embedding's rows), gated (wi_0 and wi_1 instead of wi), tied
@@ -69,7 +72,8 @@ def folder_dims(init_from: str) -> dict:
     return {**dims, "num_decoder_layers": config.num_decoder_layers or config.num_layers,
             "vocab_size": config.vocab_size, "gated": bool(config.is_gated_act),
             "tied": saved.get("tie_word_embeddings") is not False, "buckets": config.relative_attention_num_buckets,
-            "table_every_layer": saved["model_type"] == "umt5"}
+            "table_every_layer": saved["model_type"] == "umt5",
+            "file_bytes": FILE_BYTES.get(str(saved.get("dtype") or saved.get("torch_dtype")), 4)}
 
 
 def parameter_shapes(dims: dict) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -93,6 +97,14 @@ def parameter_shapes(dims: dict) -> dict[str, list[tuple[str, tuple[int, ...]]]]
     return {"shared": [("embedding", (rows, d))], "encoder": stack(dims["num_layers"], False),
             "decoder": stack(dims["num_decoder_layers"], True),
             "lm_head": [] if dims["tied"] else [("lm_head", (rows, d))]}
+
+
+def largest_read_bytes(dims: dict, shapes: dict) -> int:
+    """Host bytes of the largest group of tensors ``lowmem.streamed_load`` reads at once, as the checkpoint
+    stores them (config.json's dtype; float32 when it names none): the tensors outside the blocks (the
+    embedding and an untied head), or one decoder block (the largest)."""
+    block = part_elements(shapes, "decoder") / dims["num_decoder_layers"]
+    return int(dims.get("file_bytes", 4) * max(part_elements(shapes, "shared", "lm_head"), 1.1 * block))
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -143,12 +155,6 @@ def trainable_shapes(cfg: TrainConfig, dims: dict) -> list[tuple[int, ...]]:
                 for adapter in ((cfg.lora_r, in_f), (out_f, cfg.lora_r))]
     frozen, shapes = frozen_parts(cfg), parameter_shapes(dims)
     return [shape for part in PARTS if part not in frozen for _, shape in shapes[part]]
-
-
-def frozen_cast_bytes(n_params: int, half: int) -> int:
-    """Host bytes while ``--frozen_dtype=bfloat16`` converts a loaded float32 checkpoint: the mapped
-    file's pages (all read), the bf16 copies and float32 copies of the rest, until the file is let go."""
-    return 4 * n_params + 2 * half + 4 * (n_params - half) if half else 0
 
 
 def lora_merged_elements(cfg: TrainConfig, dims: dict) -> int:

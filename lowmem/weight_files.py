@@ -74,7 +74,8 @@ def _load_bin(path: Path) -> dict:
 
 
 def read_tensors(files: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``keys`` (those ``files`` has), as the files store them, each file open only while read."""
+    """The tensors ``keys`` (those ``files`` has), as the files store them. They may be views of a file's mapping,
+    which lasts as long as they do: copy what is kept, and drop them."""
     from safetensors import safe_open
 
     found: dict[str, torch.Tensor] = {}
@@ -86,9 +87,8 @@ def read_tensors(files: dict[str, Path], keys: list[str]) -> dict[str, torch.Ten
                     found[key] = f.get_tensor(key)
         else:
             loaded = _load_bin(path)
-            for key in wanted:
-                found[key] = loaded[key].clone()  # own memory: the mapping goes with ``loaded``
-            del loaded
+            found.update((key, loaded[key]) for key in wanted)
+            del loaded  # the wanted tensors keep the mapping alive until the caller drops them
     return found
 
 
