@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass, field, replace
 
 from config import TrainConfig, UserError
+from lowmem.memory import MEMORY_GUARD_AT
 from lowmem.presets import AUTO, gpu_profile_gib
-from lowmem.run_memory import MEMORY_GUARD_AT
 
 MB = 2**20
 AUTO_LIMIT = 256  # auto's largest micro-batch (rows): far past where per-call overhead stops mattering
