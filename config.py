@@ -144,9 +144,11 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "Clip the gradient norm to this (0 = no clipping).")
     max_nonfinite_steps: int = _f(5, "Optimizer steps with a non-finite loss or gradient are skipped and counted; "
                                      "abort after this many in a row.")
-    max_rss_gb: float = _f(0.0, "Memory guard (0 = off): when a process's RSS nears this many GiB (2^30 bytes, "
-                                "like plan's --budget_gb), write a checkpoint and stop with exit code 3 instead "
-                                "of meeting the OOM killer.")
+    max_rss_gb: float = _f(0.0, "Memory guard (0 = off): when a process's RSS reaches 90% of this many GiB (2^30 "
+                                "bytes, like plan's --budget_gb), read before every optimizer step and after "
+                                "every micro-batch's backward (peaks in between included), the step in progress "
+                                "is dropped, the last step's checkpoint written, and the run stops with exit code "
+                                "3 instead of meeting the OOM killer.")
     mixed_precision: str = _f("no", "no or bf16 (on a GPU bf16 keeps 0.67-0.79 of float32's activation "
                                     "memory). fp16 is refused.")
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")

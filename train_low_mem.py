@@ -63,7 +63,7 @@ def train(config: str | None = None, **flags) -> dict:
     notes += unread_flag_notes("train", flags) + unused_answer_notes(cfg, flags)
     files, tokenizer_dir, tokenizer = claim_output_dir(cfg)  # before the heavy imports below: refusals come at
     # once, and a run killed this early can still be continued
-    from lowmem.run_memory import StoppedForMemory
+    from lowmem.memory import StoppedForMemory
     from lowmem.stopping import StoppedAtOnce
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
 

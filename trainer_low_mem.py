@@ -40,12 +40,12 @@ from lowmem.collector import freeze_long_lived, imports_done, thaw_long_lived
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
 from lowmem.evaluation import eval_log_line, evaluate_model, is_better
 from lowmem.flags import TRAINED_WITH
-from lowmem.memory import free_memory, peak_rss_bytes
+from lowmem.memory import free_memory
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder, tokenizer_for_model
 from lowmem.modeling import build_model, check_init_from, ready_to_train
 from lowmem.optim import build_optimizer, build_scheduler, parameter_group_sizes, parameter_groups
 from lowmem.run_folder import RunFolder
-from lowmem.run_memory import guard_stop, peak_against_plan, plan_run
+from lowmem.run_memory import MemoryStop, peak_against_plan, plan_run
 from lowmem.sharding import full_value, padded_window, planned_sharding, shard_model, weights_finite
 from lowmem.stopping import SignalWatch, StoppedBySignal, count_nonfinite_step
 from lowmem.streamed_load import base_model_identity, load_for_training
@@ -99,6 +99,7 @@ class LowMemTrainer:
         self.signals = SignalWatch(self.say)
         self.folder = RunFolder(self.out)
         self.start_time = time.time()  # of this process's part of the run (state.elapsed_s: the parts before)
+        self.memory = MemoryStop(cfg.max_rss_gb, self.telemetry.record)  # --max_rss_gb's guard (lowmem.run_memory)
         # Built by setup(), in this order:
         self.files: DataFiles | None = files  # checked before anything heavy (by the CLI, before its imports)
         self.accelerator = None
@@ -203,7 +204,8 @@ class LowMemTrainer:
             device = self.accelerator.device if self.engine is None else torch.device("cpu")
             with deepspeed_engine.loading_whole(self.accelerator):  # under ZeRO-3 too: not into partitions
                 if cfg.init_from:
-                    self.model, *stored = load_for_training(cfg, resolve_model_dir(cfg.init_from), device)
+                    self.model, *stored = load_for_training(cfg, resolve_model_dir(cfg.init_from), device,
+                                                            guard=self.memory.guard.check)
                 else:
                     self.model = build_model(cfg, self.tokenizer)
         else:  # a model handed in; --init_from's was checked in setup, and a new one is sized to the tokenizer
@@ -260,11 +262,14 @@ class LowMemTrainer:
             windows = self._epoch_windows()
             while True:
                 epoch = stream.epoch  # before drawing: the last window of an epoch moves it on
+                self.memory.hold(self.checkpointer, stream, self.meter)  # what a stop within the window saves
                 examples = next(windows, [])
                 window = (self.train_collator.window(examples, cfg.batch_size, cfg.max_tokens_per_batch)
                           if examples else [])
-                counts = window_counts(self.accelerator, window, stream, state.epoch, self.cfg.max_rss_gb)
+                counts = window_counts(self.accelerator, window, stream, state.epoch, self.memory.before(state.step))
                 check_bad_rows(self.telemetry, self.data, counts["bad_rows"], self.cfg.max_bad_rows_fraction)
+                if counts["memory"]:  # a process reached the guard since the last reading: before the window's work
+                    self.stop_for_memory()
                 if not counts["examples"]:  # only bad rows were left
                     state.epoch += 1  # every process has finished this epoch: all agree on the count
                     self.telemetry.log_memory("epoch_end", epoch=state.epoch)
@@ -284,8 +289,6 @@ class LowMemTrainer:
                         self.maybe_eval_and_save()
                 if self.signals.requested(self.accelerator):  # checked after this step, not with the next
                     self.stop_for_signal()  # window's counts, which ran one more step (a grace period may not allow it)
-                if counts["memory"]:
-                    self.stop_for_memory()
                 if last or self._finished():
                     break
             if not state.examples:
@@ -324,6 +327,8 @@ class LowMemTrainer:
         if self.engine is not None:  # every forward is a collective: as many on every process
             window = padded_window(window, self.train_collator.empty, self.accelerator.num_processes)
         loss_sum = self.accumulate_gradients(window, counts["tokens"])
+        if self.memory.tripped_in_window(self.accelerator):
+            self.stop_for_memory(in_window=True)  # before the optimizer step: the window is dropped on every process
         self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (logged with it)
         if self.engine == "deepspeed":  # DeepSpeed clips, skips a non-finite step and zeroes the gradients itself
             self.grad_norm = deepspeed_engine.step(self.model)
@@ -333,7 +338,8 @@ class LowMemTrainer:
             self.grad_norm = full_value(self.accelerator.clip_grad_norm_(self.trainable_params,
                                                                          self.cfg.max_grad_norm or math.inf))
         if not math.isfinite(float(self.grad_norm)):  # one host sync per optimizer step
-            self.skip_nonfinite_step()
+            self.optimizer.zero_grad(set_to_none=True)  # the step is skipped: its gradient dropped, the skip counted
+            count_nonfinite_step(self.state, self.cfg.max_nonfinite_steps, self.say, self.telemetry.record)
             return False
         self.state.nonfinite_in_a_row = 0
         if self.engine != "deepspeed":
@@ -355,15 +361,11 @@ class LowMemTrainer:
             The local sum of token losses (a device tensor).
         """
         if total_tokens is None:
-            total_tokens = window_counts(self.accelerator, window, self.data.stream, self.state.epoch, 0)["tokens"]
+            total_tokens = window_counts(self.accelerator, window, self.data.stream, self.state.epoch)["tokens"]
         pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"
         return window_backward(self.model, self.core, window, total_tokens, self.accelerator, self.engine,
-                               self.cfg.frozen_encoder, self.shape_multiple, pin)
-
-    def skip_nonfinite_step(self) -> None:
-        """Drop this window's gradient without stepping; abort after --max_nonfinite_steps in a row."""
-        self.optimizer.zero_grad(set_to_none=True)
-        count_nonfinite_step(self.state, self.cfg.max_nonfinite_steps, self.say, self.telemetry.record)
+                               self.cfg.frozen_encoder, self.shape_multiple, pin, self.memory.guard,
+                               self.train_collator.empty)
 
     # ------------------------------------------------------------------ hooks between steps
     def maybe_log(self, force: bool = False) -> None:
@@ -388,11 +390,9 @@ class LowMemTrainer:
                  "plus --is_keep_training=True")
         raise StoppedBySignal(self.state.step, self.signals.exit_code())
 
-    def stop_for_memory(self) -> None:
+    def stop_for_memory(self, in_window: bool = False) -> None:  # every process together (MemoryStop.stop)
         self.bar.close()
-        rss, folder = peak_rss_bytes() / 2**30, self.save_checkpoint()  # the peak: at least what tripped the guard
-        self.telemetry.record("memory_guard", rss_gb=rss, max_rss_gb=self.cfg.max_rss_gb)
-        raise guard_stop(rss, self.cfg.max_rss_gb, self.state.step, folder)
+        raise self.memory.stop(self.accelerator, self.optimizer, self.state.step, self.save_checkpoint, in_window)
 
     def finish(self) -> dict:
         """Final log, evaluation, checkpoint and ``final/`` export."""
@@ -461,10 +461,10 @@ class LowMemTrainer:
         """What a checkpoint holds: (model, optimizer, scheduler, run_config); DeepSpeed saves through its engine."""
         return self.model if self.engine == "deepspeed" else self.core, self.optimizer, self.scheduler, self.run_config
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, position: dict | None = None) -> Path:  # position: held at a window's start
         parts = self._checkpointed()
         return self.checkpointer.save(self.state.step, self.state_now(), parts, self.data.stream, self.meter,
-                                      keep=self.cfg.save_total_limit)
+                                      keep=self.cfg.save_total_limit, position=position)
 
     def load_checkpoint(self, folder: Path) -> None:
         parts = self._checkpointed()

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass, field, replace
 
 from config import TrainConfig, UserError
+from lowmem.memory import MEMORY_GUARD_AT
 from lowmem.presets import AUTO, gpu_profile_gib
-from lowmem.run_memory import MEMORY_GUARD_AT
 
 MB = 2**20
 AUTO_LIMIT = 256  # auto's largest micro-batch (rows): far past where per-call overhead stops mattering
@@ -122,8 +122,8 @@ def choose(cfg: TrainConfig, peak_mb, budget_mb: float, budget: str, world: int,
             micro = preferred if 2 * preferred > micro else micro
     else:
         asked = cfg.batch_size
-        micro = asked if fits(asked, eval_start, 1.0) else largest(
-            [m for m in range(1, asked) if asked % m == 0], lambda m: fits(m, eval_start, 1.0))
+        micro = asked if fits(asked, eval_start, 1.0) else largest(  # (1 stays 1: nothing smaller)
+            [m for m in range(1, asked + 1) if asked % m == 0], lambda m: fits(m, eval_start, 1.0))
     accumulation = (rows or micro * cfg.gradient_accumulation_steps) // micro
     if cfg.batch_size != AUTO and micro < cfg.batch_size:
         asked_mb = peak_mb(cfg.batch_size, rows // cfg.batch_size, eval_start)
@@ -151,7 +151,7 @@ def choose(cfg: TrainConfig, peak_mb, budget_mb: float, budget: str, world: int,
 def choose_eval(cfg: TrainConfig, fits, eval_rows: int) -> int:
     if cfg.eval_batch_size != AUTO:
         asked = cfg.eval_batch_size
-        return asked if fits(asked) else largest([e for e in range(1, asked) if nice(e)], fits)
+        return asked if fits(asked) else largest([e for e in range(1, asked + 1) if nice(e)], fits)
     limit = max(1, min(AUTO_LIMIT, eval_rows))
     return largest([e for e in range(1, limit + 1) if nice(e) or e == limit], fits)
 

@@ -33,12 +33,21 @@ class Checkpointer:
         self.telemetry = telemetry
         self.saved_step: int | None = None  # the step of the newest checkpoint written or resumed from
 
-    def save(self, step: int, trainer_state: dict, training, stream, meter, keep: int) -> Path:
+    def position(self, stream, meter, sync: bool = False) -> dict:
+        """This process's part of a checkpoint as of now: RNG, data position (shuffle buffer included), log
+        offsets and the logging interval's sums. Taken at a window's start, it is what a checkpoint written
+        from within the window holds (the memory guard's stop): the step before it, not the rows drawn since."""
+        return {"rng": checkpoint.rng_state(), "data": stream.state_dict(), "log_offsets": self.telemetry.offsets(sync),
+                "interval": meter.saved()}
+
+    def save(self, step: int, trainer_state: dict, training, stream, meter, keep: int,
+             position: dict | None = None) -> Path:
         """Write the checkpoint of ``step`` (once: a stop right after a save step, or the end of a run
         resumed from its final checkpoint, finds it written and its record logged already).
 
         ``training``: (model, optimizer, scheduler, run_config) as the run holds them (the model: the
-        DeepSpeed engine under DeepSpeed, else the plain model).
+        DeepSpeed engine under DeepSpeed, else the plain model). ``position``: this process's, taken with
+        ``position()`` after ``step`` ended (the memory guard's stop); else taken now.
         """
         from accelerate.utils import gather_object
 
@@ -48,9 +57,10 @@ class Checkpointer:
         # The checkpoint's own record goes into the log after it is written, and with it into the
         # checkpoint, so a resume from it writes that line again where it was cut back to.
         record = MetricsLog.line("checkpoint", step, path=str(folder))
+        if position is not None:
+            self.telemetry.offsets(sync=True)  # the logs on disk up to (past) the held offsets
         mine = {"rank": self.accelerator.process_index, "world_size": self.accelerator.num_processes,
-                "rng": checkpoint.rng_state(), "data": stream.state_dict(), "log_offsets": self.telemetry.offsets(),
-                "interval": meter.saved(),
+                **(position or self.position(stream, meter, sync=True)),
                 "checkpoint_record": record if self.telemetry.metrics is not None else None}
         process_states = gather_object([mine])  # small: RNG + data position per rank
         model, optimizer, scheduler, run_config = training

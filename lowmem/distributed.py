@@ -12,8 +12,7 @@ import torch
 from config import TrainConfig, UserError
 from data.readers import index_file
 from lowmem import deepspeed_engine
-from lowmem.memory import import_accelerate, map_large_blocks
-from lowmem.run_memory import near_limit
+from lowmem.memory import MemoryGuard, import_accelerate, map_large_blocks, peak_rss_bytes
 from lowmem.sharding import check_shardable, fsdp_settings, is_sharded, requested_engine, runs_deepspeed
 
 
@@ -134,16 +133,17 @@ def summed(accelerator, values: torch.Tensor) -> torch.Tensor:
     return accelerator.reduce(values.to(accelerator.device), "sum").cpu()
 
 
-def window_counts(accelerator, window: list[dict], stream, epoch: int, max_rss_gb: float) -> dict:
+def window_counts(accelerator, window: list[dict], stream, epoch: int, over_budget: bool = False) -> dict:
     """Target tokens and examples of one accumulation window: local, and summed over processes.
 
     Counted on host tensors (no device sync); one small all-reduce when there are several
     processes, which is also how every process learns whether any of them has rows left in this
-    epoch after this window, how many bad rows all have met, and whether any is near --max_rss_gb.
+    epoch after this window, how many bad rows all have met, and whether any is over the memory guard
+    (``over_budget``: this process's reading of it).
     """
     local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
                           sum(mb["labels"].shape[0] for mb in window),
-                          stream.problems.counted, int(near_limit(max_rss_gb)),
+                          stream.problems.counted, int(over_budget),
                           int(not stream.finished_epoch(epoch)), stream.problems.total])
     total = summed(accelerator, local)
     source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
@@ -166,3 +166,13 @@ def smallest(accelerator, values: list[int]) -> list[int]:
 def any_process(accelerator, flag: bool) -> bool:
     """Whether ``flag`` holds on any process (the same answer on all)."""
     return int(summed(accelerator, torch.tensor([int(flag)]))[0]) > 0
+
+
+def first_tripped(accelerator, guard: MemoryGuard) -> tuple[int, str, float]:
+    """(process, where its guard tripped, its peak RSS in GiB) of the first process whose memory guard has
+    tripped, the same on all; every process calls it once they agree one has (a collective)."""
+    from accelerate.utils import gather_object
+
+    mine = (accelerator.process_index, guard.tripped, peak_rss_bytes() / 2**30)
+    every = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+    return next(report for report in every if report[1] is not None)

@@ -1,5 +1,6 @@
 """A training run's memory: the plan made at setup, the measured peak set beside it at the end, and
-the ``--max_rss_gb`` guard that checkpoints and stops before the host runs out."""
+the message of the ``--max_rss_gb`` guard that stops it before the host runs out (the guard itself:
+``lowmem.memory.MemoryGuard``; where the trainer reads it: docs/resume_and_faults.md)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,9 @@ from pathlib import Path
 
 from config import TrainConfig
 from lowmem import planner
-from lowmem.memory import memory_snapshot, process_rss_bytes
+from lowmem.distributed import any_process, first_tripped
+from lowmem.memory import MEMORY_GUARD_AT, MemoryGuard, StoppedForMemory, memory_snapshot
 from lowmem.plan_batches import run_lengths
-
-MEMORY_GUARD_AT = 0.9  # stop once RSS reaches this fraction of --max_rss_gb: the next step may need more
-
-
-class StoppedForMemory(Exception):
-    """Raised after the checkpoint written when the memory guard (--max_rss_gb) trips; exit code 3."""
 
 
 def plan_run(cfg: TrainConfig, data, device: str, resuming: bool, sharding: str | None = None,
@@ -68,16 +64,63 @@ def peak_against_plan(plan: dict, accelerator=None) -> tuple[dict, str]:
     return fields, line
 
 
-def near_limit(max_rss_gb: float) -> bool:
-    """Whether this process's RSS has reached MEMORY_GUARD_AT of --max_rss_gb (off at 0)."""
-    return bool(max_rss_gb) and process_rss_bytes() >= MEMORY_GUARD_AT * max_rss_gb * 2**30
+def guard_stop(where: str, process: int | None, peak_gb: float, max_rss_gb: float, step: int,
+               checkpoint: Path | None) -> StoppedForMemory:
+    """The exception that ends a training run stopped by the guard, naming where it tripped, the checkpoint
+    written (of ``step``, the last completed; None before the first) and the flags that lower memory.
 
-
-def guard_stop(rss_gb: float, max_rss_gb: float, step: int, checkpoint: Path) -> StoppedForMemory:
-    """The exception that ends a run stopped by the guard, naming the flags that lower memory."""
+    ``process``: which one tripped, with several; ``peak_gb``: its peak RSS, at least what tripped the guard."""
+    who = "" if process is None else f" of process {process}"
+    saved = (f"checkpoint {checkpoint} (step {step})" if checkpoint is not None
+             else "no step was completed, so no checkpoint was written")
+    then = ("continue with --is_keep_training=True" if checkpoint is not None
+            else "run the same command again (it starts from step 0)")
     return StoppedForMemory(
-        f"memory guard: RSS (peak {rss_gb:.2f} GiB) reached {MEMORY_GUARD_AT:.0%} of --max_rss_gb={max_rss_gb} "
-        f"at step {step}; checkpoint {checkpoint}. Lower memory with --shuffle_buffer_size, "
+        f"memory guard: RSS{who} (peak {peak_gb:.2f} GiB) reached {MEMORY_GUARD_AT:.0%} of "
+        f"--max_rss_gb={max_rss_gb:g} {where}; {saved}. Lower memory with --shuffle_buffer_size, "
         "--batch_size (raise --gradient_accumulation_steps to keep the batch), --max_source_len / "
         "--max_target_len, --eval_batch_size or a smaller --model_preset (or raise --max_rss_gb; `python "
-        "train_low_mem.py plan --budget_gb=...` lists modes that fit), then continue with --is_keep_training=True")
+        f"train_low_mem.py plan --budget_gb=...` lists modes that fit), then {then}")
+
+
+class MemoryStop:
+    """How a training run stops for ``--max_rss_gb``, every process together.
+
+    ``guard`` (``lowmem.memory.MemoryGuard``) is read before each accumulation window (``before``: the
+    reading goes into the window's all-reduce, ``window_counts``) and after each micro-batch's backward
+    (``window_backward``); ``hold`` keeps this process's checkpoint position before each window is drawn;
+    ``tripped_in_window`` is the processes' agreement at the window's end, before its optimizer step;
+    ``stop`` drops the window's gradients, writes the last step's checkpoint from the held position and
+    makes the exception. ``record``: the run's metrics.jsonl records (``Telemetry.record``).
+    """
+
+    def __init__(self, max_rss_gb: float, record):
+        self.guard = MemoryGuard(max_rss_gb)
+        self.record = record
+        self.window_start: dict | None = None  # this process's checkpoint position before the window (guard on)
+
+    def hold(self, checkpointer, stream, meter) -> None:
+        """Keep the position a checkpoint written from within the next window holds (about 0.5 ms a window)."""
+        if self.guard.active:
+            self.window_start = checkpointer.position(stream, meter)
+
+    def before(self, step: int) -> bool:
+        """This process's reading before the window of optimizer step ``step + 1`` (drawn and collated already)."""
+        return self.guard.over(f"before step {step + 1}")
+
+    def tripped_in_window(self, accelerator) -> bool:
+        """Whether any process's guard tripped in this window (one small all-reduce, with the guard on)."""
+        return self.guard.active and any_process(accelerator, self.guard.tripped is not None)
+
+    def stop(self, accelerator, optimizer, step: int, save, in_window: bool) -> StoppedForMemory:
+        """Once every process knows one has tripped: drop the window's gradients (its optimizer step is not
+        taken), write the checkpoint of ``step`` (``save(position)``; none before the first step), record the
+        stop, and return the exception saying which process tripped and where. A collective."""
+        optimizer.zero_grad(set_to_none=True)  # (DeepSpeed's checkpoints hold no gradients either)
+        process, where, peak_gb = first_tripped(accelerator, self.guard)
+        if in_window:
+            where = f"in {where} of step {step + 1}, before its optimizer step (that window is dropped)"
+        folder = save(self.window_start) if step else None
+        max_rss_gb = self.guard.max_rss_gb
+        self.record("memory_guard", rss_gb=round(peak_gb, 3), max_rss_gb=max_rss_gb, where=where, process=process)
+        return guard_stop(where, process if accelerator.num_processes > 1 else None, peak_gb, max_rss_gb, step, folder)

@@ -1,7 +1,8 @@
 """Stopping a run cleanly on SIGTERM / SIGINT: the current optimizer step finishes, a checkpoint is
 written, and the command exits; a second signal stops at once. Also the count of skipped non-finite
-steps, which stops a run after too many in a row. (The memory guard, which stops the same way when RSS
-nears ``--max_rss_gb``, is in ``lowmem.run_memory``.)"""
+steps, which stops a run after too many in a row. (The memory guard, which checkpoints and stops when RSS
+nears ``--max_rss_gb``, within a step too, is ``lowmem.memory.MemoryGuard``, driven by
+``lowmem.run_memory.MemoryStop``.)"""
 
 from __future__ import annotations
 

@@ -164,7 +164,9 @@ def load_for_training(cfg: TrainConfig, folder, device="cpu", guard=None):
                                            if is_frozen_matrix(name, p) and quantized_later(cfg, name)])
         trim_heap()  # the block's file-dtype copies and quantizing's temporaries go back to the OS
         if guard is not None:
-            guard(f"loading {folder} ({prefix.rstrip('.') or 'embeddings'})")
+            guard(f"loading {folder} ({prefix.rstrip('.') or 'embeddings'})",
+                  "a smaller form of the model fits: --lora_r with --frozen_dtype=int8 (python train_low_mem.py "
+                  "plan --budget_gb=... says which)")
     model.eval()  # as from_pretrained leaves it (the trainer sets the modes it trains in)
     if narrow:
         from lowmem.modeling import compute_beside_bf16

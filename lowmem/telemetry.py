@@ -115,13 +115,14 @@ class Telemetry:
             self.consumed.write("".join(f"{epoch}\t{self.rank}\t{files[f]}\t{row}\n"
                                         for e in examples for f, row in e.sources()))
 
-    def offsets(self) -> dict:
-        """Where this process's logs end: a resume cuts them back here, so they match an uninterrupted run."""
+    def offsets(self, sync: bool = True) -> dict:
+        """Where this process's logs end: a resume cuts them back here, so they match an uninterrupted run.
+        ``sync``: on disk first (before the checkpoint that trusts the offset is written)."""
         offsets = {}
         if self.consumed is not None:
-            offsets["consumed"] = self.consumed.tell(sync=True)
-        if self.metrics is not None:  # on disk before the checkpoint that trusts the offset
-            offsets["metrics"] = self.metrics.tell(sync=True)
+            offsets["consumed"] = self.consumed.tell(sync=sync)
+        if self.metrics is not None:
+            offsets["metrics"] = self.metrics.tell(sync=sync)
         return offsets
 
     def cut_back(self, offsets: dict, checkpoint_record: str | None) -> None:

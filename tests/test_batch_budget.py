@@ -96,6 +96,9 @@ def test_a_request_that_would_not_fit_is_lowered_with_one_line_and_auto_fills_th
     assert (roomy_auto.micro, roomy_auto.accumulation, roomy_auto.eval_batch) == (32, 1, 32)
     with pytest.raises(Exception, match="not a multiple of --batch_size=16"):
         sized(1e6, batch_size=16, effective_batch_size=40)
+    # Nothing fits, not even 1 (asked for): 1 it is, with a line that says so (it raised IndexError before)
+    tight = sized(1.0, batch_size=1, eval_batch_size=1)
+    assert (tight.micro, tight.eval_batch) == (1, 1) and "even at a micro-batch of 1" in tight.notes[-1]
 
 
 def test_length_groups_are_the_cheapest_split_within_the_budget():

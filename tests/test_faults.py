@@ -377,26 +377,27 @@ def test_a_trained_run_is_never_overwritten_or_shared(tmp_path):
     proc = run_cli("plan", *common, "--json=false")
     assert proc.returncode == 0 and not proc.stdout.lstrip().startswith("{")
 
-def test_memory_guard_checkpoints_and_the_run_resumes(tmp_path):
+def test_a_memory_guard_passed_before_the_first_step_stops_there_and_the_same_command_starts_again(tmp_path):
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(400, seed=1))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=2))
     out = tmp_path / "run"
     common = [f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={out}", "--max_steps=6", *SMALL]
-    proc = run_cli("train", *common, "--max_rss_gb=0.2")  # a tiny run already uses more than 90 % of this
+    proc = run_cli("train", *common, "--max_rss_gb=0.2")  # a tiny run uses more than 90 % of this by its setup's end
     assert proc.returncode == 3, proc.stderr[-2000:]
     line = error_line(proc)
-    assert "memory guard" in line and "--batch_size" in line and "--is_keep_training=True" in line
-    [saved] = checkpoint.step_folders(out / "checkpoints")
-    assert checkpoint.validate(saved) is None and saved.name == "step_000001"
-    assert "raise --max_rss_gb" in line
+    assert "memory guard" in line and "reached 90% of --max_rss_gb=0.2 before step 1;" in line
+    assert "no step was completed, so no checkpoint was written" in line and "run the same command again" in line
+    assert "--batch_size" in line and "raise --max_rss_gb" in line
+    assert not (out / "checkpoints").exists() or not checkpoint.step_folders(out / "checkpoints")
     said = float(re.search(r"peak ([0-9.]+) GiB\) reached 90%", line)[1])  # what tripped it, not what was left
     assert said * 1024 >= max(r["rss_mb"] for r in metrics(out) if "rss_mb" in r) - 6  # (its 2 decimals)
-    # resumed under the same budget, at the sizes it began with: a note says the plan is above the guard
-    proc = run_cli("train", *common, "--is_keep_training=True", "--max_rss_gb=0.2")
-    assert proc.returncode == 3 and "above the memory guard" in proc.stdout, proc.stdout[-2000:]
-    proc = run_cli("train", *common, "--is_keep_training=True")
+    [stop] = [r for r in metrics(out) if r["event"] == "memory_guard"]
+    assert stop["where"] == "before step 1" and stop["step"] == 0
+    proc = run_cli("train", *common, "--max_rss_gb=0.2", "--is_keep_training=True")  # again from step 0, again stopped
+    assert proc.returncode == 3 and "starting the run again from step 0" in proc.stdout, proc.stdout[-2000:]
+    proc = run_cli("train", *common)  # with the memory it needs: the run that stopped before its first step starts over
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "resumed from" in proc.stdout and "steps:       6" in proc.stdout
+    assert "stopped before its first step: starting over" in proc.stdout and "steps:       6" in proc.stdout
 
 
 def test_non_finite_steps_are_skipped_counted_then_abort(tmp_path):
