@@ -61,6 +61,9 @@ def run_time(cfg: TrainConfig, device: str, reads: float) -> float:
     return round(factor, 3)
 
 
+LAST_RESORT_LORA_R = 8  # the adapters' rank plan recommends when nothing fits without LoRA
+
+
 def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, lengths: dict,
               framework_mb: float, world: int = 1, per_machine: int = 1,
               import_mb: dict[str, float] | None = None, sharding: str | None = None) -> dict | None:
@@ -84,7 +87,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     precisions = ["no", "bf16"] if device == "gpu" else ["no"]
     frozen = ["float32", "bfloat16"] if has_frozen else ["float32"]
     if "int8" in (import_mb or {}) and (cfg.freeze == "encoder" or cfg.lora_r) and not sharding:
-        frozen.append("int8")  # optimum-quanto installed: 8-bit frozen linear layers
+        frozen += ["int8", "int8+wo"]  # optimum-quanto installed: 8-bit frozen linear layers (wo too if only that fits)
     reads, best = reads_per_row(cfg, lengths.get("train_rows", lengths["rows"]), world), None
     effective = cfg.batch_size * cfg.gradient_accumulation_steps  # kept: micro-batches that divide it
     batches = [b for b in dict.fromkeys((cfg.batch_size, 2, 1)) if effective % b == 0]
@@ -93,9 +96,10 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         if frozen_dtype == "bfloat16" and prec != "bf16":
             continue
         accumulation = effective // batch
+        frozen_dtype, wo = frozen_dtype.removesuffix("+wo"), frozen_dtype.endswith("+wo")
         trial = replace(cfg, gradient_checkpointing=ckpt, mixed_precision=prec, optimizer=opt, batch_size=batch,
                         gradient_accumulation_steps=accumulation, encoder_cache=cache, frozen_dtype=frozen_dtype,
-                        cpu=device == "cpu")
+                        quantize_wo=wo, cpu=device == "cpu")
         baseline = framework_mb + sum((import_mb or {}).get(key, 0.0) for key in (opt, frozen_dtype))
         plan = planner.predict(trial, vocab_size, lengths, baseline, device, world, sharding)
         peak = plan["gpu_peak_mb"] if device == "gpu" else per_machine * plan["host_peak_mb"]
@@ -109,12 +113,15 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
                 flags["encoder_cache"] = cache
             if has_frozen:
                 flags["frozen_dtype"] = frozen_dtype
+            if wo:
+                flags["quantize_wo"] = True
             if device == "cpu" or cfg.cpu:  # a GPU plan undoes --cpu=True (given, or from host16g)
                 flags["cpu"] = device == "cpu"
-            best = (speed, flags, peak, trial)
+            best = (speed, flags, peak, trial, plan["host_peak_mb"])
     if best is None:
         return None
-    return {"flags": best[1], "predicted_peak_mb": best[2], "relative_step_time": relative_time(best[3], device)}
+    return {"flags": best[1], "predicted_peak_mb": best[2], "relative_step_time": relative_time(best[3], device),
+            "host_peak_mb": best[4]}
 
 
 def format_table(plan: dict) -> str:
@@ -186,6 +193,13 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
         result["budget_gb"] = budget_gb
         result["recommendation"] = recommend(cfg, budget_gb, device, len(tokenizer), lengths, core,
                                              num_processes, per_machine, import_mb, sharding)
+        if result["recommendation"] is None and cfg.init_from and not cfg.lora_r and not sharding:
+            # Nothing fits training every weight: LoRA (what is trained changes, so only as the last resort)
+            lora = recommend(replace(cfg, lora_r=LAST_RESORT_LORA_R), budget_gb, device, len(tokenizer), lengths,
+                             core, num_processes, per_machine, import_mb, sharding)
+            if lora is not None:
+                lora["flags"] = {"lora_r": LAST_RESORT_LORA_R, **lora["flags"]}
+                result["recommendation"] = lora
     if as_json:
         print(json.dumps(result))
     else:
@@ -247,11 +261,9 @@ def print_plan(cfg: TrainConfig, result: dict) -> None:
     processes = f"; per process, {num_processes} processes" if num_processes > 1 else ""
     rows, d = result["embedding_shape"]
     head = "tied lm_head" if result["lm_head"] == "tied" else f"untied lm_head {rows:,} x {d}"
-    read = result["embedding_rows_read"]
-    read = f" ({read:,} rows read: the tokenizer's)" if read < rows else ""
     print(f"predicted peak memory ({device}; model {cfg.init_from or cfg.model_preset}, "
           f"{result['parameters']:,} parameters, {result['trainable_parameters']:,} trainable; embedding "
-          f"{rows:,} x {d}{read}, {head}, logits over {rows:,} classes; costliest batch "
+          f"{rows:,} x {d}, {head}, logits over {rows:,} classes; costliest batch "
           f"{cfg.batch_size} x {result['max_source_tokens']} source / {result['max_target_tokens']} target "
           f"tokens{processes}; a training step peaks {'in' if result['training_peak_at'] == 'backward' else 'at'} the "
           f"{result['training_peak_at']})")
@@ -273,6 +285,7 @@ def print_plan(cfg: TrainConfig, result: dict) -> None:
                   + ", ".join(changes[:-1]) + (" or " if len(changes) > 1 else "") + changes[-1])
         else:
             flags = " ".join(f"--{k}={v}" for k, v in rec["flags"].items())
+            host = f", host RAM {rec['host_peak_mb']:,.0f} MiB" if device == "gpu" else ""
             print(f"fits {budget_gb} GiB ({device}, {RECOMMEND_HEADROOM:.0%} headroom): {flags}  (predicted peak "
-                  f"{rec['predicted_peak_mb']:,.0f} MiB, "
+                  f"{rec['predicted_peak_mb']:,.0f} MiB{host}, "
                   f"relative step time {rec['relative_step_time']})")
