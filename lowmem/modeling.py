@@ -326,6 +326,13 @@ def check_init_from(cfg: TrainConfig) -> None:
     """The --init_from model exists, and LoRA's targets are layers of it: checked before the planner and
     the model are built (a name the model lacks is a typo to fix first)."""
     if cfg.init_from:
+        from lowmem.adapters import adapter_base
+
+        base = adapter_base(resolve_model_dir(str(cfg.init_from)))
+        if base is not None:
+            raise UserError(f"--init_from={cfg.init_from} is a LoRA adapter folder (of {base}), not a whole model; "
+                            f"train from its base (--init_from={base}), or from a whole export of that run "
+                            "(--merge_lora=True)")
         saved = model_folder_config(cfg.init_from)
         if cfg.lora_r:
             check_lora_targets(cfg, linear_layer_names(saved))

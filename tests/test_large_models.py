@@ -206,3 +206,37 @@ def test_adapter_export_loads_in_peft_and_the_merged_export_equals_it(hub, corpu
     generated = run_cli("generate", f"--init_from={adapter}", "--prompt=the cat runs", "--max_new_tokens=4",
                         "--is_finetune=True")
     assert generated.returncode == 0 and "->" in generated.stdout, generated.stderr[-2000:]
+
+
+GPU_LOAD_SCRIPT = """
+import sys, json
+sys.path.insert(0, {repo!r})
+import torch
+from lowmem.flags import load_config
+from lowmem.memory import peak_rss_bytes, process_rss_bytes
+from lowmem.modeling import import_transformers_models
+from lowmem.streamed_load import load_for_training
+import_transformers_models()
+cfg = load_config(dict(init_from={folder!r}, is_finetune=True, lora_r=8, frozen_dtype="bfloat16",
+                       mixed_precision="bf16"))[0]
+torch.zeros(1, device="cuda")
+before = process_rss_bytes()
+model, _, _ = load_for_training(cfg, {folder!r}, torch.device("cuda"))
+print(json.dumps(dict(host_grown=peak_rss_bytes() - before, gpu=torch.cuda.max_memory_allocated(),
+                      form=sum(t.numel() * t.element_size() for t in model.state_dict().values()))))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_xl_loads_straight_to_the_gpu_with_a_flat_host(tmp_path):
+    """flan-t5-xl's shape (bf16 on disk, 5.7 GB): the host grows by a block or two while the GPU takes the
+    weights, and the GPU holds the training form."""
+    folder = str(build_checkpoint(tmp_path / "xl", "xl", "bfloat16", int(9.5e9))["folder"])
+    out = subprocess.run([sys.executable, "-c", GPU_LOAD_SCRIPT.format(repo=str(REPO), folder=folder)],
+                         capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sizes = json.loads(out.stdout.strip().splitlines()[-1])
+    print(sizes)
+    assert sizes["host_grown"] < 2 * 2**30, sizes
+    assert sizes["form"] <= sizes["gpu"] < 1.1 * sizes["form"], sizes
