@@ -188,8 +188,15 @@ class TrainConfig:
     eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")
     max_eval_samples: int = _f(100, "Examples used per evaluation. Lower saves time.")
     metric_for_best: str = _f("eval_loss", "Metric that picks best/: eval_loss (lower wins) or bleu (higher wins).")
-    eval_generate: bool = _f(True, "Generate answers at each evaluation for BLEU. False: eval loss only, much faster "
-                                   "(a young model generates --max_target_len tokens a row).")
+    eval_generate: bool | str = _f(AUTO, "Generate answers at evaluations for BLEU: True (every evaluation, the "
+                                         "step-0 one too), False (eval loss only, much faster: a young model "
+                                         "generates --max_target_len tokens a row) or auto (within --eval_budget_s).")
+    eval_generate_samples: int | str = _f(AUTO, "Eval rows whose answers are generated for BLEU (the first of the "
+                                                "eval set; the eval loss takes all --max_eval_samples). auto: all, "
+                                                "or as many as fit --eval_budget_s. Lower saves time.")
+    eval_budget_s: float = _f(300.0, "Most seconds an evaluation should take (0: no bound), predicted from a timed "
+                                     "eval batch. Over it, --eval_generate=auto runs the step-0 evaluation's eval "
+                                     "loss only and --eval_generate_samples=auto generates fewer rows (or none).")
     num_beams: int = _f(1, "Beams for evaluation and generate. 1 (greedy) saves memory.")
     logging_steps: int = _f(10, "Log a line and a metrics.jsonl record every N optimizer steps.")
     save_steps: int = _f(100, "Write a resumable checkpoint every N optimizer steps (0 = only at the end).")
@@ -252,6 +259,8 @@ class TrainConfig:
             unused += [(name, "without --lora_r") for name in ("lora_alpha", "lora_dropout", "lora_target_modules")]
         if self.encoder_cache == "off":
             unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
+        if not self.eval_generate:
+            unused.append(("eval_generate_samples", "with --eval_generate=False (no answers are generated)"))
         if self.init_from:
             unused += [(name, "with --init_from (that model's shape is trained)")
                        for name in ("model_preset", "feed_forward_proj")]
@@ -299,7 +308,7 @@ class TrainConfig:
         problems = [f"--{f.name} must be a finite number (got {getattr(self, f.name)})"
                     for f in dataclasses.fields(self)
                     if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
-        for name in ("batch_size", "eval_batch_size"):
+        for name in ("batch_size", "eval_batch_size", "eval_generate_samples"):
             value = getattr(self, name)
             if value != AUTO and (not isinstance(value, int) or value < 1):
                 problems.append(f"--{name} must be at least 1 or auto (got {value!r})")
@@ -311,6 +320,7 @@ class TrainConfig:
                 problems.append(f"--{name} must be at least 1 (got {getattr(self, name)})")
         for name in ["effective_batch_size", "max_tokens_per_batch", "shuffle_buffer_size", "shuffle_buffer_mb",
                      "eval_steps", "save_steps", "warmup_steps", "weight_decay", "max_grad_norm", "max_rss_gb",
+                     "eval_budget_s",
                      "no_repeat_ngram_size", "lora_r"]:
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must not be negative (got {getattr(self, name)})")

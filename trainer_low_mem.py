@@ -28,7 +28,6 @@ from config import TrainConfig
 from data.collate import CachedEncoderCollator, shape_multiple
 from data.objectives import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
-from data.sources import file_notes, formats_for
 from data.stream import batched
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
 from lowmem import deepspeed_engine, encoder_cache
@@ -37,6 +36,7 @@ from lowmem.batch_budget import batch_request, size_run
 from lowmem.checkpointer import Checkpointer
 from lowmem.collector import freeze_long_lived, imports_done, thaw_long_lived
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
+from lowmem.eval_cost import plan_evals, rows_at
 from lowmem.evaluation import eval_log_line, evaluate_model, is_better
 from lowmem.flags import TRAINED_WITH
 from lowmem.memory import free_memory, peak_rss_bytes
@@ -75,9 +75,14 @@ class TrainState:
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     nonfinite_in_a_row: int = 0
     last_eval: dict | None = None  # step, eval_loss and bleu of the latest evaluation
+    eval_plan: dict | None = None  # what each evaluation generates (lowmem.eval_cost): planned once, kept on resume
 
     def state_dict(self) -> dict:
         return asdict(self)
+
+    def eval_generate_rows(self) -> int:
+        """Eval rows whose answers the evaluation at this step generates for BLEU (as ``eval_plan`` chose)."""
+        return rows_at(self.eval_plan, self.step)
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():  # "tokens": the name in checkpoints before 2026-11-28
@@ -174,10 +179,10 @@ class LowMemTrainer:
         self.telemetry.start_tracker(cfg.report_to, resumed=resume_dir is not None)
         if cfg.encoder_cache != "off":
             self._open_encoder_cache()
+        plan = plan_evals(self.model, self.core, self.data, cfg, self.accelerator, self.shape_multiple, self.state)
         lines, record = startup_summary(cfg, self.accelerator, self.parameters, self.data, per_epoch,
-                                        self.total_steps, self.state.step, self.encoder_cache, self.core)
-        for line in lines + file_notes(cfg.train_file, self.files.train, self.files.eval, bool(cfg.eval_file),
-                                       formats_for(cfg)):
+                                        self.total_steps, self.state.step, self.encoder_cache, self.core, plan)
+        for line in lines:
             self.say(line)
         self.telemetry.record("setup", **record)
         return self
@@ -417,7 +422,7 @@ class LowMemTrainer:
         with encoder_cache.encoder_on(self.core, self.accelerator.device):  # the eval set is not in the cache
             result = evaluate_model(self.model, self.core, self.tokenizer, self.data.collator, self.data.eval_examples,
                                     self.cfg, self.accelerator, self.shape_multiple, self.main and on_terminal(),
-                                    interrupted=lambda: self.signals.received is not None)
+                                    interrupted=self.signals.pending, generate_rows=self.state.eval_generate_rows())
             self._set_train_mode()
         if self.signals.requested(self.accelerator):  # cut short: a resume runs this evaluation again
             self.stop_for_signal()
