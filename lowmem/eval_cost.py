@@ -77,14 +77,15 @@ class EvalPlan:
             return f"eval: up to {_s(self.loss_s)} each{began} ({loss}; no generation: --eval_generate=False)"
         asked = (f"{loss} + generating {self.asked_rows} rows x up to {self.max_new_tokens} tokens "
                  f"{_s(self.seconds(self.asked_rows) - self.loss_s)}")
-        bound = f"--eval_budget_s={self.budget_s:g}" if self.budget_s else "no bound (--eval_budget_s=0)"
+        bound = f"--eval_budget_s={self.budget_s:g}"
         if not self.cheaper:
             over = self.budget_s and self.seconds(self.asked_rows) > self.budget_s
-            return (f"eval: up to {_s(self.seconds(self.asked_rows))} each{began} ({asked}), "
-                    + (f"over {bound}: the values given are obeyed" if over else f"within {bound}"))
+            verdict = "no bound: --eval_budget_s=0" if not self.budget_s else \
+                f"over {bound}: the values given are obeyed" if over else f"within {bound}"
+            return f"eval: up to {_s(self.seconds(self.asked_rows))} each{began} ({asked}), {verdict}"
         later = self.rows_at(1)
         who = "every evaluation generates" if self.baseline_generates else \
-            "the step-0 evaluation runs eval loss only, the others generate"
+            f"the step-0 evaluation runs eval loss only (up to {_s(self.loss_s)}), the others generate"
         chosen = (f"{who} {later} of the {self.rows} rows (up to {_s(self.seconds(later))} each)" if later
                   else "every evaluation runs eval loss only (not one batch of answers fits)")
         return (f"eval: as asked up to {_s(self.seconds(self.asked_rows))} each{began} ({asked}), over {bound}: "

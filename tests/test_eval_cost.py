@@ -47,6 +47,38 @@ def test_choose_counts_the_batches_of_the_busiest_process():
     assert choose(cfg_with(eval_budget_s=50), 100, 2, 20.0, 10.0) == (24, False)
 
 
+def plan(**fields):
+    from lowmem.eval_cost import EvalPlan
+
+    base = dict(rows=100, world=1, batch_size=4, max_new_tokens=128, asked_rows=100, generate_rows=100,
+                baseline_generates=True, loss_s=20.0, batch_generate_s=2.5, budget_s=300.0, cheaper=False)
+    return EvalPlan(**{**base, **fields})
+
+
+@pytest.mark.parametrize("fields, line", [
+    ({}, "eval: up to 82 s each (eval loss 20 s over 100 rows + generating 100 rows x up to 128 tokens 62 s), "
+         "within --eval_budget_s=300"),
+    ({"budget_s": 0.0}, "eval: up to 82 s each (eval loss 20 s over 100 rows + generating 100 rows x up to 128 "
+                        "tokens 62 s), no bound: --eval_budget_s=0"),
+    ({"asked_rows": 0, "generate_rows": 0, "baseline_generates": False},
+     "eval: up to 20 s each (eval loss 20 s over 100 rows; no generation: --eval_generate=False)"),
+    ({"budget_s": 50.0, "generate_rows": 48, "baseline_generates": False, "cheaper": True},
+     "eval: as asked up to 82 s each (eval loss 20 s over 100 rows + generating 100 rows x up to 128 tokens 62 s), "
+     "over --eval_budget_s=50: the step-0 evaluation runs eval loss only (up to 20 s), the others generate 48 of "
+     "the 100 rows (up to 50 s each); change with --eval_generate=True (every evaluation generates), "
+     "--eval_generate_samples=N, --eval_budget_s=0 (no bound)"),
+    ({"rows": 0}, "eval: no eval rows"),
+])
+def test_the_start_up_line_says_the_cost_the_choice_and_how_to_change_it(fields, line):
+    assert plan(**fields).line() == line
+
+
+def test_a_plan_generates_at_the_baseline_only_where_it_said_so():
+    cheap = plan(generate_rows=48, baseline_generates=False, cheaper=True)
+    assert (cheap.rows_at(0), cheap.rows_at(1), cheap.seconds(0), cheap.seconds(48)) == (0, 48, 20.0, 50.0)
+    assert cheap.record()["eval_predicted_baseline_s"] == 20.0 and cheap.record()["eval_predicted_s"] == 50.0
+
+
 def test_the_eval_loss_does_not_depend_on_which_rows_generate(tmp_path, tokenizer):
     from accelerate import Accelerator
 
@@ -121,7 +153,8 @@ def test_past_the_budget_the_auto_options_get_cheaper_and_the_options_given_are_
     proc = run_cli("train", *files, f"--output_dir={rows}", *SMALL, "--max_steps=2", "--eval_budget_s=0.001",
                    "--eval_generate_samples=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "the step-0 evaluation runs eval loss only, the others generate 4 of the 8 rows" in proc.stdout
+    assert re.search(r"the step-0 evaluation runs eval loss only \(up to [\d.]+ s\), the others generate 4 of the 8 "
+                     r"rows \(up to [\d.]+ s each\)", proc.stdout), proc.stdout
     assert generated(rows) == {0: 0, 1: 4, 2: 4}
     assert "eval step 1 | eval_loss" in proc.stdout and "(4 of 8 rows)" in proc.stdout
 
