@@ -182,7 +182,7 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
     result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5)}
     if generate_rows:  # else no BLEU at all (not a 0 that reads as a score)
         result["bleu"] = round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4)
-        result["generated_rows"] = len(pairs)
+        result["bleu_rows"] = len(pairs)
     return {**result, "eval_examples": int(totals[2].item()), "eval_s": round(time.time() - start, 2)}
 
 
@@ -190,8 +190,8 @@ def eval_log_line(step: int, result: dict, improved: bool) -> str:
     """The log line of an evaluation (no BLEU where none was generated; the rows BLEU scored where fewer than
     the eval loss's)."""
     bleu = "" if result.get("bleu") is None else f" | bleu {result['bleu']:.2f}"
-    if bleu and result["generated_rows"] < result["eval_examples"]:
-        bleu += f" ({result['generated_rows']} of {result['eval_examples']} rows)"
+    if bleu and result["bleu_rows"] < result["eval_examples"]:
+        bleu += f" ({result['bleu_rows']} of {result['eval_examples']} rows)"
     return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{bleu}" + (" | new best" if improved else "")
 
 
