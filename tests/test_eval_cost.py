@@ -23,6 +23,24 @@ def cfg_with(**flags):
     return load_config({"eval_batch_size": 4, "max_eval_samples": 100, **flags})[0]
 
 
+# ----------------------------------------------------------------------------- the options
+def test_the_options_take_auto_or_a_value_and_refuse_anything_else():
+    from config import UserError
+
+    cfg = load_config({})[0]
+    assert (cfg.eval_generate, cfg.eval_generate_samples, cfg.eval_budget_s) == ("auto", "auto", 300.0)
+    cfg = load_config({"eval_generate": "false", "eval_generate_samples": "16", "eval_budget_s": "0"})[0]
+    assert (cfg.eval_generate, cfg.eval_generate_samples, cfg.eval_budget_s) == (False, 16, 0.0)
+    assert load_config({"eval_generate": True, "eval_generate_samples": "AUTO"})[0].eval_generate_samples == "auto"
+    for flags, fragment in [({"eval_generate": "maybe"}, "--eval_generate expects True, False or auto"),
+                            ({"eval_generate_samples": 0}, "--eval_generate_samples must be at least 1 or auto"),
+                            ({"eval_budget_s": -1}, "--eval_budget_s must not be negative")]:
+        with pytest.raises(UserError, match=fragment):
+            load_config(flags)
+    notes = load_config({"eval_generate": False, "eval_generate_samples": 4})[1]
+    assert "note: --eval_generate_samples has no effect with --eval_generate=False (no answers are generated)" in notes
+
+
 # ----------------------------------------------------------------------------- the choice, from predicted costs
 @pytest.mark.parametrize("flags, expected", [
     ({}, (48, False)),  # over: the baseline runs the loss only, the others generate the 12 batches that fit
