@@ -180,22 +180,24 @@ class TrainConfig:
     frozen_dtype: str = _f("float32", "SFT: storage of the frozen weight matrices (shared embedding and encoder; with "
                                       "LoRA the base decoder too). bfloat16 (needs --mixed_precision=bf16) halves "
                                       "their memory; int8 or float8 (pip install '.[quant]') store the frozen linear "
-                                      "layers in 8 bits, a quarter, and keep the other frozen matrices (wo, "
-                                      "embeddings, a frozen head) in bfloat16; norms stay float32. The model is read "
-                                      "into this form a block at a time. Exports are float32.")
+                                      "layers in 8 bits, a quarter, the other frozen matrices (wo, embeddings) in "
+                                      "bfloat16. Read into this form a block at a time; exports are float32.")
     quantize_wo: bool = _f(False, "With --frozen_dtype=int8|float8: quantize the feed-forward output layers (wo) "
                                   "too. Saves memory; T5's wo loses accuracy in 8 bits, so it stays as loaded by "
                                   "default.")
-    merge_lora: bool = _f(False, "With --lora_r: export best/ and final/ as whole models with the adapters merged "
-                                 "(float32, written a shard at a time) instead of peft adapter folders (a few MB, "
-                                 "loaded onto --init_from's model). Costs disk: 11 GB per export at flan-t5-xl.")
+    merge_lora: bool = _f(False, "With --lora_r: export whole merged float32 models (11 GB at flan-t5-xl) instead "
+                                 "of peft adapter folders (a few MB, loaded onto --init_from's model).")
 
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")
     max_eval_samples: int = _f(100, "Examples used per evaluation. Lower saves time.")
     metric_for_best: str = _f("eval_loss", "Metric that picks best/: eval_loss (lower wins) or bleu (higher wins).")
-    eval_generate: bool = _f(True, "Generate answers at each evaluation for BLEU. False: eval loss only, much faster "
-                                   "(a young model generates --max_target_len tokens a row).")
+    eval_generate: bool | str = _f(AUTO, "Generate answers at evaluations for BLEU: True (every one, step 0 too), "
+                                         "False (eval loss only, much faster) or auto (within --eval_budget_s).")
+    eval_generate_samples: int | str = _f(AUTO, "Eval rows generated for BLEU (the first; the eval loss takes all). "
+                                                "auto: all, or as many as fit --eval_budget_s. Lower saves time.")
+    eval_budget_s: float = _f(300.0, "Most seconds an evaluation should take (0: no bound), timed at start; over it "
+                                     "the auto values run step 0's eval loss only and generate fewer rows (or none).")
     num_beams: int = _f(1, "Beams for evaluation and generate. 1 (greedy) saves memory.")
     logging_steps: int = _f(10, "Log a line and a metrics.jsonl record every N optimizer steps.")
     save_steps: int = _f(100, "Write a resumable checkpoint every N optimizer steps (0 = only at the end).")
@@ -258,6 +260,8 @@ class TrainConfig:
             unused += [(name, "without --lora_r") for name in ("lora_alpha", "lora_dropout", "lora_target_modules")]
         if self.encoder_cache == "off":
             unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
+        if not self.eval_generate:
+            unused.append(("eval_generate_samples", "with --eval_generate=False (no answers are generated)"))
         if self.init_from:
             unused += [(name, "with --init_from (that model's shape is trained)")
                        for name in ("model_preset", "feed_forward_proj")]
@@ -305,7 +309,7 @@ class TrainConfig:
         problems = [f"--{f.name} must be a finite number (got {getattr(self, f.name)})"
                     for f in dataclasses.fields(self)
                     if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
-        for name in ("batch_size", "eval_batch_size"):
+        for name in ("batch_size", "eval_batch_size", "eval_generate_samples"):
             value = getattr(self, name)
             if value != AUTO and (not isinstance(value, int) or value < 1):
                 problems.append(f"--{name} must be at least 1 or auto (got {value!r})")
@@ -317,7 +321,7 @@ class TrainConfig:
                 problems.append(f"--{name} must be at least 1 (got {getattr(self, name)})")
         for name in ["effective_batch_size", "max_tokens_per_batch", "shuffle_buffer_size", "shuffle_buffer_mb",
                      "eval_steps", "save_steps", "warmup_steps", "weight_decay", "max_grad_norm", "max_rss_gb",
-                     "no_repeat_ngram_size", "lora_r"]:
+                     "eval_budget_s",                      "no_repeat_ngram_size", "lora_r"]:
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must not be negative (got {getattr(self, name)})")
         if not 0 <= self.max_bad_rows_fraction <= 1:

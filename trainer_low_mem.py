@@ -28,27 +28,27 @@ from config import TrainConfig
 from data.collate import CachedEncoderCollator, shape_multiple
 from data.objectives import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
-from data.sources import file_notes, formats_for
 from data.stream import batched
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
 from lowmem import deepspeed_engine, encoder_cache
 from lowmem.accumulation import window_backward
-from lowmem.adapters import base_form
+from lowmem.adapters import adapter_export
 from lowmem.batch_budget import batch_request, size_run
 from lowmem.checkpointer import Checkpointer
 from lowmem.collector import freeze_long_lived, imports_done, thaw_long_lived
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
+from lowmem.eval_cost import plan_evals, rows_at
 from lowmem.evaluation import eval_log_line, evaluate_model, is_better
 from lowmem.flags import TRAINED_WITH
 from lowmem.memory import free_memory
-from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder, tokenizer_for_model
-from lowmem.modeling import build_model, check_init_from, ready_to_train
+from lowmem.model_source import check_vocabulary, tokenizer_folder, tokenizer_for_model
+from lowmem.modeling import check_init_from, ready_to_train
 from lowmem.optim import build_optimizer, build_scheduler, parameter_group_sizes, parameter_groups
 from lowmem.run_folder import RunFolder
 from lowmem.run_memory import MemoryStop, peak_against_plan, plan_run
 from lowmem.sharding import full_value, padded_window, planned_sharding, shard_model, weights_finite
 from lowmem.stopping import SignalWatch, StoppedBySignal, count_nonfinite_step
-from lowmem.streamed_load import base_model_identity, load_for_training
+from lowmem.streamed_load import base_model_identity, model_for_run
 from lowmem.telemetry import (
     IntervalMeter,
     Telemetry,
@@ -77,9 +77,14 @@ class TrainState:
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     nonfinite_in_a_row: int = 0
     last_eval: dict | None = None  # step, eval_loss and bleu of the latest evaluation
+    eval_plan: dict | None = None  # what each evaluation generates (lowmem.eval_cost): planned once, kept on resume
 
     def state_dict(self) -> dict:
         return asdict(self)
+
+    def eval_generate_rows(self) -> int:
+        """Eval rows whose answers the evaluation at this step generates for BLEU (as ``eval_plan`` chose)."""
+        return rows_at(self.eval_plan, self.step)
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():  # "tokens": the name in checkpoints before 2026-11-28
@@ -177,10 +182,10 @@ class LowMemTrainer:
         self.telemetry.start_tracker(cfg.report_to, resumed=resume_dir is not None)
         if cfg.encoder_cache != "off":
             self._open_encoder_cache()
+        plan = plan_evals(self.model, self.core, self.data, cfg, self.accelerator, self.shape_multiple, self.state)
         lines, record = startup_summary(cfg, self.accelerator, self.parameters, self.data, per_epoch,
-                                        self.total_steps, self.state.step, self.encoder_cache, self.core)
-        for line in lines + file_notes(cfg.train_file, self.files.train, self.files.eval, bool(cfg.eval_file),
-                                       formats_for(cfg)):
+                                        self.total_steps, self.state.step, self.encoder_cache, self.core, plan)
+        for line in lines:
             self.say(line)
         self.telemetry.record("setup", **record)
         return self
@@ -200,14 +205,9 @@ class LowMemTrainer:
         cfg = self.cfg
         stored = None  # (bf16, 8-bit) elements of a model read in its training form
         if self.model is None:
-            # One process's model goes straight to its device as it is read; sharded engines shard a host copy.
-            device = self.accelerator.device if self.engine is None else torch.device("cpu")
             with deepspeed_engine.loading_whole(self.accelerator):  # under ZeRO-3 too: not into partitions
-                if cfg.init_from:
-                    self.model, *stored = load_for_training(cfg, resolve_model_dir(cfg.init_from), device,
-                                                            guard=self.memory.guard.check)
-                else:
-                    self.model = build_model(cfg, self.tokenizer)
+                self.model, stored = model_for_run(cfg, self.tokenizer, self.accelerator.device, self.engine,
+                                                   self.memory.guard.check)
         else:  # a model handed in; --init_from's was checked in setup, and a new one is sized to the tokenizer
             check_vocabulary(cfg, self.model.get_input_embeddings().num_embeddings, self.tokenizer)
         self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request, "sharding": planned_sharding(
@@ -425,7 +425,7 @@ class LowMemTrainer:
         with encoder_cache.encoder_on(self.core, self.accelerator.device):  # the eval set is not in the cache
             result = evaluate_model(self.model, self.core, self.tokenizer, self.data.collator, self.data.eval_examples,
                                     self.cfg, self.accelerator, self.shape_multiple, self.main and on_terminal(),
-                                    interrupted=lambda: self.signals.received is not None)
+                                    interrupted=self.signals.pending, generate_rows=self.state.eval_generate_rows())
             self._set_train_mode()
         if self.signals.requested(self.accelerator):  # cut short: a resume runs this evaluation again
             self.stop_for_signal()
@@ -452,10 +452,7 @@ class LowMemTrainer:
     def export(self, folder: Path) -> None:
         info = {"kind": self.cfg.kind, "train_file": self.cfg.train_file, "held_out_rows": self.data.held_out_rows,
                 "trained_with": {key: getattr(self.cfg, key) for key in TRAINED_WITH}, **self.state_now()}
-        adapter_of = self.cfg.init_from if self.cfg.lora_r and not self.cfg.merge_lora else None
-        if adapter_of is not None:
-            info["base_form"] = base_form(self.cfg)  # evaluate and generate read the base as it trained
-        self.checkpointer.export(folder, self.core, self.tokenizer, info, self.tokenizer_dir, adapter_of)
+        self.checkpointer.export(folder, self.core, self.tokenizer, info, self.tokenizer_dir, adapter_export(self.cfg))
 
     def _checkpointed(self) -> tuple:
         """What a checkpoint holds: (model, optimizer, scheduler, run_config); DeepSpeed saves through its engine."""
@@ -467,8 +464,7 @@ class LowMemTrainer:
                                       keep=self.cfg.save_total_limit, position=position)
 
     def load_checkpoint(self, folder: Path) -> None:
-        parts = self._checkpointed()
-        trainer_state, self.resumed_interval = self.checkpointer.load(folder, parts, self.data.stream,
+        trainer_state, self.resumed_interval = self.checkpointer.load(folder, self._checkpointed(), self.data.stream,
                                                                       self.cfg.learn_rate, self.cfg.weight_decay)
         self.state.load_state_dict(trainer_state)
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.state.epoch})")

@@ -10,25 +10,13 @@ evaluate and generate here, which read the base in the form the run trained it i
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import replace
 from pathlib import Path
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+from lowmem.model_source import ADAPTER_WEIGHTS, adapter_base
+
 PEFT_PREFIX = "base_model.model."  # how PeftModel.save_pretrained names the adapter tensors
 BASE_FORM = ("frozen_dtype", "quantize_wo", "mixed_precision")  # how the base was held while training
-
-
-def adapter_base(folder: Path) -> str | None:
-    """The base model an adapter folder adapts (its ``base_model_name_or_path``); None for any other folder."""
-    folder = Path(folder)
-    if not (folder / ADAPTER_CONFIG).is_file() or (folder / "config.json").is_file():
-        return None
-    try:
-        return json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))["base_model_name_or_path"]
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def save_adapter(folder: Path, model, base: str) -> None:
@@ -44,9 +32,12 @@ def save_adapter(folder: Path, model, base: str) -> None:
     save_file(state, str(Path(folder) / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
-def base_form(cfg) -> dict:
-    """How a run holds its base model (written in an adapter export's training_info.json)."""
-    return {key: getattr(cfg, key) for key in BASE_FORM}
+def adapter_export(cfg) -> dict | None:
+    """What a LoRA run's exports are adapters of: {"base": the --init_from given, "base_form": how the run holds
+    it (training_info.json: evaluate and generate read it so)}; None where exports are whole models."""
+    if not cfg.lora_r or cfg.merge_lora:
+        return None
+    return {"base": cfg.init_from, "base_form": {key: getattr(cfg, key) for key in BASE_FORM}}
 
 
 def load_adapter_model(folder: Path, dropout_rate: float = 0.1):
@@ -71,3 +62,12 @@ def load_adapter_model(folder: Path, dropout_rate: float = 0.1):
         saved = load_file(str(folder / ADAPTER_WEIGHTS))
         peft.set_peft_model_state_dict(model, {key.removeprefix(PEFT_PREFIX): value for key, value in saved.items()})
     return model.eval()
+
+
+def load_saved_model_weights(init_from):
+    """What evaluate and generate run: an adapter folder's base with its adapters, or a whole model."""
+    from lowmem.model_source import resolve_model_dir
+    from lowmem.modeling import load_model
+
+    folder = resolve_model_dir(str(init_from))
+    return load_adapter_model(folder) if adapter_base(folder) is not None else load_model(init_from)

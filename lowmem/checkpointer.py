@@ -118,13 +118,14 @@ class Checkpointer:
         return trainer_state, process_state["interval"]
 
     def export(self, folder: Path, core, tokenizer, info: dict, tokenizer_source: Path | None,
-               adapter_of: str | None = None) -> None:
+               adapter: dict | None = None) -> None:
         """``core`` as a plain transformers folder (float32, LoRA merged), written by the main process; with
-        ``adapter_of`` (the --init_from a LoRA run adapts) a peft adapter folder of that base model instead."""
+        ``adapter`` (``lowmem.adapters.adapter_export``) a peft adapter folder of its base model instead."""
         self.accelerator.wait_for_everyone()
-        if adapter_of is not None and self.engine is None:
+        if adapter is not None and self.engine is None:
             if self.accelerator.is_main_process:
-                self.folder.export_adapter(folder, core, adapter_of, tokenizer, info, tokenizer_source,
+                self.folder.export_adapter(folder, core, adapter["base"], tokenizer,
+                                           {**info, "base_form": adapter["base_form"]}, tokenizer_source,
                                            then=self.folder.how_to_continue)
         elif self.engine is not None:  # the whole weights gathered on the main process's host (all take part)
             whole = (deepspeed_engine.full_state_dict(core, self.accelerator.is_main_process)

@@ -21,11 +21,12 @@ from data.objectives import objective_for
 from data.sources import DataProblems, formats_for, resolve_files
 from data.stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer, load_trained_tokenizer
+from lowmem.adapters import load_saved_model_weights
 from lowmem.batch_budget import saved_model_eval_size
 from lowmem.collector import imports_done
 from lowmem.distributed import any_process, inner_model, start_accelerator
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
-from lowmem.modeling import batch_to_device, generation_cache, import_transformers_models, load_model, token_loss_sum
+from lowmem.modeling import batch_to_device, generation_cache, import_transformers_models, token_loss_sum
 from lowmem.sharding import is_sharded, padded_window, requested_engine, runs_deepspeed, whole_root
 from lowmem.telemetry import on_terminal
 
@@ -77,11 +78,69 @@ def generation_options(cfg: TrainConfig, max_new_tokens: int) -> dict:
     return options
 
 
+def asked_generate_rows(cfg: TrainConfig, rows: int) -> int:
+    """The eval rows whose answers are generated as the flags ask: none with --eval_generate=False, else the
+    first --eval_generate_samples (auto: all ``rows``). Training may ask fewer (``lowmem.eval_cost``)."""
+    if not cfg.eval_generate:
+        return 0
+    return rows if cfg.eval_generate_samples == AUTO else min(cfg.eval_generate_samples, rows)
+
+
+def eval_batches(examples: list, collator, cfg: TrainConfig, accelerator, sharded: bool,
+                 generate_rows: int) -> list[tuple[list, bool, bool]]:
+    """This process's evaluation batches as (rows, generate, real): every world-th example, the first
+    ``generate_rows`` of the eval set (whose answers are generated) batched apart from the others, each part in
+    batches of similar source length: less padding, and generation (which runs until a batch's last row ends)
+    spent on rows alike. Corpus BLEU and the token-mean loss do not depend on the order. Sharded, every forward
+    is a collective: each part is padded (``real`` False) to as many batches on every process."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = examples[rank::world]
+    first = len(range(rank, min(generate_rows, len(examples)), world))  # this process's among the first rows
+    batches = []
+    for part, generate in ((mine[:first], True), (mine[first:], False)):
+        lengths = [len(ids) for ids in collator.token_ids([e.prompt for e in part], cfg.max_source_len)] if part else []
+        chunks = [[part[i] for i in rows] for rows in by_source_length(lengths, cfg.eval_batch_size)]
+        padded = padded_window(chunks, lambda: examples[:1], world) if sharded else chunks
+        batches += [(chunk, generate, k < len(chunks)) for k, chunk in enumerate(padded)]
+    return batches
+
+
+def loss_and_inputs(model, core, batch: dict, sharded: bool, budget: int, multiple: int) -> tuple[float, dict]:
+    """The summed token loss of ``batch`` and the inputs ``generate`` takes for it (its encoder output, unless
+    sharded: there every forward is one collective, and generate runs the encoder again)."""
+    if sharded:
+        return float(token_loss_sum(model, core, batch, multiple=multiple)), {"input_ids": batch["input_ids"]}
+    return loss_and_encoded(model, core, batch, budget, multiple)
+
+
+def generate_for(core, inputs: dict, batch: dict, cfg: TrainConfig, sharded: bool, new_tokens: int,
+                 forced: bool = False):
+    """Answers to ``batch`` (``inputs`` from ``loss_and_inputs``), up to ``new_tokens`` each (exactly that many
+    when ``forced``: what a young model, which rarely stops early, runs to)."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    extra = {"min_new_tokens": new_tokens} if forced else {}
+    if "encoder_outputs" in inputs:  # generate expands it for beams in place: a new one, so the inputs serve again
+        inputs = {**inputs, "encoder_outputs": BaseModelOutput(last_hidden_state=inputs["encoder_outputs"][0])}
+    return core.generate(**inputs, attention_mask=batch["attention_mask"], synced_gpus=sharded,
+                         **generation_options(cfg, new_tokens), **extra)
+
+
+def loss_budget(accelerator, sharded: bool) -> int:
+    """Padded tokens per eval loss forward: on the CPU the loss's forward is bound by compute, so padding costs
+    what it pads, and the encoder and the decoder each run over groups of similar length within
+    CPU_LOSS_TOKENS (``loss_and_encoded``), while generation takes the whole batch (fewer decoding steps, each
+    cheap). 0: the whole batch (a GPU; or sharded, where every forward is a collective: one per batch)."""
+    return CPU_LOSS_TOKENS if accelerator.device.type == "cpu" and not sharded else 0
+
+
 @torch.no_grad()
 def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainConfig, accelerator,
-                   multiple: int = 1, progress: bool = False, interrupted=None) -> dict:
-    """Eval loss (token-mean) and BLEU-4 of greedy/beam generations over ``examples`` (no ``bleu`` key
-    with ``--eval_generate=False``).
+                   multiple: int = 1, progress: bool = False, interrupted=None,
+                   generate_rows: int | None = None) -> dict:
+    """Eval loss (token-mean) over ``examples`` and BLEU-4 of greedy/beam generations for the first
+    ``generate_rows`` of them (at most as many as the flags ask, ``asked_generate_rows``; no ``bleu`` key when
+    none).
 
     ``model`` is the prepared (wrapped) model the loss runs through, ``core`` the unwrapped one that
     generates. Each process takes every world-th example; no collective runs inside the loop (ranks
@@ -93,35 +152,21 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
 
     start = time.time()
     model.eval()
+    asked = asked_generate_rows(cfg, len(examples))  # (a plan generates fewer, never more)
+    generate_rows = asked if generate_rows is None else min(generate_rows, asked)
     loss_sum, tokens, pairs, examples_done = 0.0, 0, [], 0
-    mine = examples[accelerator.process_index::accelerator.num_processes]
-    # Batches of similar source length: less padding, and generation (which runs until a batch's last row
-    # ends) spent on rows alike. Corpus BLEU and the token-mean loss do not depend on the order.
-    lengths = [len(ids) for ids in collator.token_ids([e.prompt for e in mine], cfg.max_source_len)] if mine else []
-    chunks = [[mine[i] for i in rows] for rows in by_source_length(lengths, cfg.eval_batch_size)]
-    real = len(chunks)
     sharded = is_sharded(core) or runs_deepspeed(accelerator)
-    if sharded:  # every forward is a collective: each process runs as many batches, the extra ones discarded
-        chunks = padded_window(chunks, lambda: examples[:1], accelerator.num_processes)
-    # On the CPU the loss's forward is bound by compute, so padding costs what it pads: the encoder and the
-    # decoder each run over groups of similar length within CPU_LOSS_TOKENS (loss_and_encoded), while
-    # generation takes the whole batch (fewer decoding steps, each cheap).
-    # Sharded, every forward is a collective: one per batch on every process.
-    budget = CPU_LOSS_TOKENS if accelerator.device.type == "cpu" and not sharded else 0
-    for k, chunk in enumerate(tqdm(chunks, desc="eval", leave=False, disable=not progress)):
+    batches = eval_batches(examples, collator, cfg, accelerator, sharded, generate_rows)
+    budget = loss_budget(accelerator, sharded)
+    for chunk, generate, real in tqdm(batches, desc="eval", leave=False, disable=not progress):
         # (sharded, every batch is a collective already: the processes stop at the same one)
         if interrupted is not None and (any_process(accelerator, interrupted()) if sharded else interrupted()):
             break  # a generation of 100 rows can outlast a job scheduler's grace period
         batch = batch_to_device(collator(chunk), accelerator.device, multiple)
         with accelerator.autocast(), whole_root(core):
-            if sharded:
-                loss = float(token_loss_sum(model, core, batch, multiple=multiple))
-                inputs = {"input_ids": batch["input_ids"]}
-            else:
-                loss, inputs = loss_and_encoded(model, core, batch, budget, multiple)
-            generated = core.generate(**inputs, attention_mask=batch["attention_mask"], synced_gpus=sharded,
-                                      **generation_options(cfg, cfg.max_target_len)) if cfg.eval_generate else None
-        if k >= real:  # padding
+            loss, inputs = loss_and_inputs(model, core, batch, sharded, budget, multiple)
+            generated = generate_for(core, inputs, batch, cfg, sharded, cfg.max_target_len) if generate else None
+        if not real:  # padding
             continue
         loss_sum += loss
         tokens += int(batch["labels"].ne(-100).sum())
@@ -136,14 +181,18 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
         totals = accelerator.reduce(totals, "sum")
         pairs = gather_object(pairs)
     result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5)}
-    if cfg.eval_generate:  # else no BLEU at all (not a 0 that reads as a score)
+    if generate_rows:  # else no BLEU at all (not a 0 that reads as a score)
         result["bleu"] = round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4)
+        result["bleu_rows"] = len(pairs)
     return {**result, "eval_examples": int(totals[2].item()), "eval_s": round(time.time() - start, 2)}
 
 
 def eval_log_line(step: int, result: dict, improved: bool) -> str:
-    """The log line of an evaluation (no BLEU with ``--eval_generate=False``)."""
+    """The log line of an evaluation (no BLEU where none was generated; the rows BLEU scored where fewer than
+    the eval loss's)."""
     bleu = "" if result.get("bleu") is None else f" | bleu {result['bleu']:.2f}"
+    if bleu and result["bleu_rows"] < result["eval_examples"]:
+        bleu += f" ({result['bleu_rows']} of {result['eval_examples']} rows)"
     return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{bleu}" + (" | new best" if improved else "")
 
 
@@ -277,7 +326,7 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
                         "training held out) or an --eval_file of its own") from None
     import_transformers_models()
     imports_done()  # before the weights (lowmem.collector)
-    model = load_model(model_dir)
+    model = load_saved_model_weights(model_dir)  # an adapter folder's base and adapters, or a whole model
     model_dir = resolve_model_dir(str(model_dir))
     if requested_engine() == "deepspeed":  # whole weights on every process, as under FSDP: accelerate would
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"  # start a DeepSpeed engine, which needs a training batch

@@ -21,11 +21,14 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
 
 
+BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
+
+
 def to_bool(name: str, value) -> bool:
     """A CLI/YAML value of the boolean flag ``name`` (True/False, true/false, 1/0, yes/no)."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+    if isinstance(value, str) and value.lower() in BOOL_WORDS:
         return value.lower() in ("true", "1", "yes")
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
@@ -35,7 +38,8 @@ def to_bool(name: str, value) -> bool:
 def text_flags() -> set[str]:
     """The flags whose values are text: the command line passes them on verbatim (fire would read
     "hello, world" as a tuple and "1e3" as a number)."""
-    return {name for name, hint in _HINTS.items() if str in (hint, *typing.get_args(hint))}
+    return {name for name, hint in _HINTS.items() if str in (hint, *typing.get_args(hint))
+            and bool not in typing.get_args(hint)}  # (True, False or auto: fire reads each as it is; a bare flag)
 
 
 def _convert(name: str, value):
@@ -47,10 +51,12 @@ def _convert(name: str, value):
         if optional:
             return None
         raise UserError(f"--{name} needs a value")
-    if base is bool:
-        return to_bool(name, value)
     if str in typing.get_args(hint) and isinstance(value, str) and value.strip().lower() == AUTO:
-        return AUTO  # --batch_size=auto, --eval_batch_size=auto
+        return AUTO  # --batch_size=auto, --eval_batch_size=auto, --eval_generate=auto
+    if base is bool:
+        if str in typing.get_args(hint) and not isinstance(value, bool) and str(value).lower() not in BOOL_WORDS:
+            raise UserError(f"--{name} expects True, False or auto (got {value!r})")
+        return to_bool(name, value)
     if base is int:
         expects = "an integer or auto" if str in typing.get_args(hint) else "an integer"
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
@@ -160,7 +166,8 @@ TRAINING_ONLY = ("is_keep_training", "resume_from", "overwrite_output_dir", "fre
                  "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm", "max_nonfinite_steps",
                  "gradient_checkpointing", "optimizer", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                  "encoder_cache", "encoder_cache_dtype", "frozen_dtype", "quantize_wo", "eval_steps", "metric_for_best",
-                 "logging_steps", "save_steps", "save_total_limit", "gc_every_steps", "report_to", "dump_consumed")
+                 "logging_steps", "save_steps", "save_total_limit", "gc_every_steps", "report_to", "dump_consumed",
+                 "eval_budget_s")
 GENERATE_ONLY = ("prompt", "max_new_tokens")  # every command accepts them (one config for all), generate reads them
 # The commands that read a few options only; the others read all but those of TRAINING_ONLY
 READ_ONLY = {"plot": ("output_dir", "is_finetune", "debug"),  # (--is_finetune: the default --output_dir, runs/sft)
@@ -268,7 +275,7 @@ def help_text() -> str:
     for f in dataclasses.fields(TrainConfig):
         hint = _HINTS[f.name]
         kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-        kind = "int or auto" if kinds == [int, str] else kinds[0].__name__  # the batch sizes (lowmem.batch_budget)
+        kind = f"{kinds[0].__name__} or auto" if str in kinds[1:] else kinds[0].__name__  # (lowmem.batch_budget)
         lines.append(f"  --{f.name} ({kind}, default {f.default!r})")
         lines.append(f"      {f.metadata['help']}")
     lines.append("  --config (str)")

@@ -28,6 +28,9 @@ TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "tokenizer_config.json", "s
 # safetensors) and tokenizer. Not the TensorFlow, Flax, Rust or ONNX copies most T5 repositories also hold.
 HUB_FILES = ["*.json", "*.safetensors", "*.model"]
 HUB_FALLBACK_WEIGHTS = ["pytorch_model*.bin"]
+# A LoRA run's export (lowmem.adapters): peft's adapter folder
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @functools.cache
@@ -85,8 +88,6 @@ def model_folder_config(init_from: str | Path) -> dict:
     A training run's own folder also holds a config.json (the run's flags), so the file alone
     does not make a model folder: its ``model_type`` must be one of the T5 family.
     """
-    from lowmem.adapters import adapter_base
-
     folder = resolve_model_dir(str(init_from))
     base = adapter_base(folder)
     if base is not None:  # a LoRA run's export: the model is its base's
@@ -108,6 +109,17 @@ def model_folder_config(init_from: str | Path) -> dict:
     return saved
 
 
+def adapter_base(folder: Path) -> str | None:
+    """The base model an adapter folder adapts (its ``base_model_name_or_path``); None for any other folder."""
+    folder = Path(folder)
+    if not (folder / ADAPTER_CONFIG).is_file() or (folder / "config.json").is_file():
+        return None
+    try:
+        return json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))["base_model_name_or_path"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -115,8 +127,6 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 def check_weights(init_from: str | Path) -> None:
     """Refuse a model folder without a weights file ``from_pretrained`` reads (a traceback otherwise). A hub
     id's cache holds one such when only its tokenizer or config was fetched."""
-    from lowmem.adapters import ADAPTER_WEIGHTS, adapter_base
-
     folder = resolve_model_dir(str(init_from))
     base = adapter_base(folder)
     if base is not None:

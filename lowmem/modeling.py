@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from config import TrainConfig, UserError
 from lowmem.memory import hidden, import_accelerate, import_while_replaced, optional_import
-from lowmem.model_source import check_weights, model_folder_config, resolve_model_dir
+from lowmem.model_source import adapter_base, check_weights, model_folder_config, resolve_model_dir
 from lowmem.presets import preset_shape
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
@@ -63,12 +63,8 @@ def load_model(init_from: str | Path, **config_overrides):
     import transformers
     from transformers import AutoModelForSeq2SeqLM
 
-    from lowmem.adapters import adapter_base, load_adapter_model
-
     model_folder_config(init_from)
     check_weights(init_from)
-    if adapter_base(resolve_model_dir(str(init_from))) is not None:  # a LoRA run's adapters, onto their base
-        return load_adapter_model(resolve_model_dir(str(init_from)), **config_overrides)
     verbosity = transformers.logging.get_verbosity()
     # transformers 5 warns on every untied checkpoint that its T5 config "specifies to tie" the head
     # (it always does): the checkpoint's distinct lm_head is what is loaded, which is right.
@@ -326,8 +322,6 @@ def check_init_from(cfg: TrainConfig) -> None:
     """The --init_from model exists, and LoRA's targets are layers of it: checked before the planner and
     the model are built (a name the model lacks is a typo to fix first)."""
     if cfg.init_from:
-        from lowmem.adapters import adapter_base
-
         base = adapter_base(resolve_model_dir(str(cfg.init_from)))
         if base is not None:
             raise UserError(f"--init_from={cfg.init_from} is a LoRA adapter folder (of {base}), not a whole model; "

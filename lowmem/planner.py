@@ -318,24 +318,34 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         churn=churn, mmap_threshold=mmap_threshold, fresh_gradients=fresh_gradients, first_step=first_step,
         optimizer_temp=opt_temp,
         freed_at_save=freed_at_save,
-        # Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a
-        # safetensors that is not zero-copy (recent ones write straight from the tensors' memory).
-        # A sharded export gathers the whole model on the main process.
-        # A checkpoint of a run with frozen weights holds the trained tensors only (lowmem.run_folder.save_trained);
-        # sharded engines write every process's shards of everything.
-        serialize=(4 * (n_params if sharding or not frozen_parts(cfg) else n_train)
-                   if device == "gpu" or sharding or not zero_copy_save() else 0),
+        **save_sizes(cfg, dims, device, sharding, n_params, n_train, quantized, half),
         largest_read=largest_read_bytes(dims, shapes) if cfg.init_from else 0,
-        # Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored ones
-        # (one tensor at a time). They are large, so mmapped fresh rather than carved from the heap the
-        # allocator kept; they only reuse the share of the last step's memory that went back to the OS.
-        # (From a GPU they are made on the host, within the host copy of the weights counted there.)
-        # An export of 8-bit weights dequantizes (and merges) them a shard at a time (lowmem.quantize).
-        # A LoRA run exports its adapters (float32 copies of them) unless --merge_lora.
-        export_copies=(4 * n_train if cfg.lora_r and not cfg.merge_lora and not sharding
-                       else min(4 * (quantized + lora_merged_elements(cfg, dims)), SHARD_BYTES) if quantized
-                       else 4 * lora_merged_elements(cfg, dims) + 2 * half),
         evaluation=evaluation_bytes(cfg, dims, lengths.get("eval", [])), peak=peak, sharding=sharding)
+
+
+def save_sizes(cfg: TrainConfig, dims: dict, device: str, sharding: str | None, n_params: int, n_train: int,
+               quantized: int, half: int) -> dict:
+    """Host bytes a checkpoint (``serialize``) and an export (``export_copies``) make.
+
+    Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a safetensors that
+    is not zero-copy (recent ones write straight from the tensors' memory); a checkpoint of a run with frozen
+    weights holds the trained tensors only (lowmem.run_folder.save_trained), while sharded engines write every
+    process's shards of everything and a sharded export gathers the whole model on the main process.
+    Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored ones (one tensor
+    at a time), large, so mmapped fresh rather than carved from the heap the allocator kept (from a GPU they
+    are made on the host, within the host copy of the weights counted there). An export of 8-bit weights
+    dequantizes (and merges) them a shard at a time (lowmem.quantize). A LoRA run exports its adapters
+    (float32 copies of them) unless --merge_lora.
+    """
+    copies = device == "gpu" or sharding or not zero_copy_save()
+    serialize = 4 * (n_params if sharding or not frozen_parts(cfg) else n_train) if copies else 0
+    if cfg.lora_r and not cfg.merge_lora and not sharding:
+        export = 4 * n_train
+    elif quantized:
+        export = min(4 * (quantized + lora_merged_elements(cfg, dims)), SHARD_BYTES)
+    else:
+        export = 4 * lora_merged_elements(cfg, dims) + 2 * half
+    return {"serialize": serialize, "export_copies": export}
 
 
 def gpu_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> tuple[dict, dict]:

@@ -69,6 +69,10 @@ class SignalWatch:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, request_stop)
 
+    def pending(self) -> bool:
+        """Whether this process got a signal (work that can be cut short stops at its next batch)."""
+        return self.received is not None
+
     def exit_code(self) -> int:
         """128 + the signal's number (another process's signal, not this one's, counts as SIGTERM)."""
         return 128 + signal.Signals[self.received or "SIGTERM"].value

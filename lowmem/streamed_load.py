@@ -123,6 +123,21 @@ def base_model_identity(cfg: TrainConfig) -> dict:
     return {"base_model": {"init_from": cfg.init_from, "fingerprint": fingerprint(resolve_model_dir(cfg.init_from))}}
 
 
+def model_for_run(cfg: TrainConfig, tokenizer, device, engine: str | None = None, guard=None) -> tuple:
+    """(model, (bf16, 8-bit) elements or None): --init_from read in its training form, or a new one of the preset.
+
+    One process's model goes straight to its ``device`` as it is read; a sharded ``engine`` shards a host copy.
+    """
+    from lowmem.model_source import resolve_model_dir
+    from lowmem.modeling import build_model
+
+    if not cfg.init_from:
+        return build_model(cfg, tokenizer), None
+    device = device if engine is None else torch.device("cpu")
+    model, *stored = load_for_training(cfg, resolve_model_dir(cfg.init_from), device, guard)
+    return model, tuple(stored)
+
+
 def load_for_training(cfg: TrainConfig, folder, device="cpu", guard=None):
     """The ``--init_from`` model in its training form (see the module docstring), frozen as ``--freeze`` and
     LoRA say, before adapters: returns (model, elements stored in bf16, elements stored in 8 bits).

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from config import SHIPPED_TOKENIZER_DIR, TrainConfig, UserError
 from data.ownership import open_own
-from data.sources import bad_rows_report, too_many_bad_rows
+from data.sources import bad_rows_report, file_notes, formats_for, too_many_bad_rows
 from lowmem.memory import memory_snapshot
 from lowmem.metrics import AppendLog, MetricsLog, tracker_scalars, train_line
 from lowmem.modeling import head_is_tied, lora_stacks
@@ -276,9 +276,11 @@ def schedule_note(steps: int, planned: int, last_rate: float, data) -> str:
 
 
 def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_epoch: int, total_steps: int,
-                    start_step: int, cache, core) -> tuple[list[str], dict]:
-    """The numbers that matter before training starts: (log lines, the ``setup`` record's fields).
-    ``parameters``: trainable, frozen, frozen_bf16 and frozen_8bit counts; ``data``: the run's ``TrainData``."""
+                    start_step: int, cache, core, eval_plan) -> tuple[list[str], dict]:
+    """The numbers that matter before training starts, and notes on the files: (log lines, the ``setup``
+    record's fields).
+    ``parameters``: trainable, frozen, frozen_bf16 and frozen_8bit counts; ``data``: the run's ``TrainData``;
+    ``eval_plan``: what each evaluation generates and costs (``lowmem.eval_cost.EvalPlan``)."""
     world = accelerator.num_processes
     lengths = data.objective.longest or (cfg.max_source_len, cfg.max_target_len)  # the longest example
     effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
@@ -317,6 +319,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         + f"total steps {total_steps} | start step {start_step}",
         f"eval {'chunks' if data.objective.chunk_length else 'rows'} {len(data.eval_examples):,} from "
         + data.eval_source,
+        eval_plan.line(),
         "memory: " + ", ".join(features),
     ]
     if cfg.gpu_profile and accelerator.device.type == "cpu":
@@ -326,6 +329,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         lines.append(f"--warmup_steps={cfg.warmup_steps} is not below the run's {total_steps} steps: the run ends "
                      f"in the warmup, at {total_steps}/{cfg.warmup_steps + 1} of --learn_rate (lower --warmup_steps "
                      "to reach it)")
+    lines += file_notes(cfg.train_file, data.files.train, data.files.eval, bool(cfg.eval_file), formats_for(cfg))
     record = dict(trainable_params=parameters["trainable"], frozen_params=parameters["frozen"],
                   frozen_bf16_params=parameters["frozen_bf16"], frozen_8bit_params=parameters["frozen_8bit"],
                   effective_batch=effective,
@@ -333,7 +337,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
                   max_tokens_per_batch=cfg.max_tokens_per_batch, eval_batch_size=cfg.eval_batch_size,
                   train_rows=data.rows,
                   held_out_rows=data.held_out_rows, eval_rows=len(data.eval_examples), total_steps=total_steps,
-                  world_size=world)
+                  world_size=world, **eval_plan.record())
     return lines, record
 
 

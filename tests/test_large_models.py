@@ -196,9 +196,9 @@ def test_adapter_export_loads_in_peft_and_the_merged_export_equals_it(hub, corpu
 
     with_peft = peft.PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(base), str(adapter))
     merged = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "merged" / "final"))
-    from lowmem.modeling import load_model
+    from lowmem.adapters import load_saved_model_weights
 
-    ours = load_model(adapter)  # what evaluate and generate load: the base in its training form, the adapters
+    ours = load_saved_model_weights(adapter)  # what evaluate and generate load: the base as trained, the adapters
     reference = logits(with_peft)
     assert (logits(merged) - reference).abs().max() < 1e-4
     assert (logits(ours) - reference).abs().max() < 1e-4
