@@ -12,7 +12,6 @@ from conftest import run_cli
 from t5_family import FAMILIES
 
 from config import SHIPPED_CORPORA, UserError
-from data.tokenization import load_tokenizer
 from lowmem.flags import load_config
 
 FREEZES = ("encoder", "embeddings", "none")
@@ -24,11 +23,11 @@ LENGTHS = {"max_source": 48, "max_target": 32, "mean_source": 30, "row_bytes": 3
 
 def built(cfg, tokenizer=None):
     """The model as the trainer builds it (LowMemTrainer._build_model): loaded or new, frozen, adapted."""
-    from lowmem.modeling import apply_memory_modes, build_model, freeze_parts, load_model
+    from lowmem.modeling import ready_to_train
+    from lowmem.streamed_load import model_for_run
 
-    model = load_model(cfg.init_from) if cfg.init_from else build_model(cfg, tokenizer)
-    freeze_parts(model, cfg.freeze)
-    return apply_memory_modes(model, cfg)
+    model, stored = model_for_run(cfg, tokenizer, "cpu")
+    return ready_to_train(model, cfg, stored)[0]
 
 
 def counts(model) -> tuple[int, int]:
@@ -203,11 +202,8 @@ def test_plan_json_and_table_for_an_init_from_model(family_models):
         rows, d = plan["embedding_shape"]
         assert plan["lm_head"] == "untied" and rows % 128 == 0 and d == 64
         assert plan["model_parts_mb"]["lm_head"] == round(rows * d * 4 / 2**20, 1)
-        # A frozen embedding (SFT) is read only as far as the tokenizer's ids reach, until an export reads
-        # all of it (best/ at the step-0 evaluation by default); a trained one is read in full
-        read = plan["embedding_rows_read"]
-        assert read == (len(load_tokenizer(folder)) if flags == ["--is_finetune=True", *no_export] else rows) <= rows
-        assert plan["model_parts_mb"]["embedding"] == round(read * d * 4 / 2**20, 1)
+        # --init_from is read whole into the run's own memory (lowmem.streamed_load): every row of the embedding
+        assert plan["model_parts_mb"]["embedding"] == round(rows * d * 4 / 2**20, 1)
         assert plan["model_parts_mb"]["logits"] > 0
     table = run_cli("plan", f"--init_from={folder}", f"--train_file={pretrain_file}", "--max_steps=4")
     assert table.returncode == 0, table.stderr[-2000:]
@@ -216,44 +212,15 @@ def test_plan_json_and_table_for_an_init_from_model(family_models):
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads the process's mappings (Linux)")
-def test_a_frozen_embedding_is_read_only_as_far_as_the_tokenizer_reaches(tmp_path, family_models):
-    """The plan's premise for large vocabularies: from_pretrained maps the checkpoint, and a frozen float32
-    embedding stays a view of it, so a training step reads only the rows the tokenizer's ids reach."""
-    from safetensors.torch import save_file
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    from lowmem import planner
-    from lowmem.modeling import token_loss_sum
-
-    source, folder = family_models["flan"], tmp_path / "padded"
-    saved = json.loads((source / "config.json").read_text())
-    rows = 60_000  # far past the tokenizer, as mT5's tokenizer is to a small corpus (15 MiB at d_model 64)
-    config = T5Config(**{**saved, "vocab_size": rows})
-    weights = {k: v.contiguous() for k, v in T5ForConditionalGeneration(config).state_dict().items()
-               if k not in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")}
-    weights["lm_head.weight"] = torch.randn(rows, config.d_model)
-    folder.mkdir()
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({**saved, "vocab_size": rows}))
-    for name in ("tokenizer.json", "tokenizer_config.json", "spiece.model", "special_tokens_map.json"):
-        (folder / name).write_bytes((source / name).read_bytes())
-    tokens = len(load_tokenizer(folder))
-    cfg = load_config({"init_from": str(folder), "is_finetune": True, "eval_steps": 0, "save_steps": 0})[0]
+def test_the_loaded_model_holds_no_page_of_its_checkpoint(tmp_path, family_models):
+    """The plan counts every weight in the run's own memory, once: the streamed load copies each tensor it keeps,
+    so nothing of the checkpoint file stays mapped (a view of it would keep every page read resident beside)."""
+    folder = family_models["flan"]
+    cfg = load_config({"init_from": str(folder), "is_finetune": True})[0]
     model = built(cfg)
-    model.train()
-    ids = torch.randint(0, tokens, (2, 24))
-    labels = torch.randint(0, tokens, (2, 16))
-    token_loss_sum(model, model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels},
-                   frozen_encoder=True).backward()
-    resident = mapped_kib(folder / "model.safetensors") * 1024
-    file_bytes = (folder / "model.safetensors").stat().st_size
-    plan = planner.predict(cfg, tokens, LENGTHS, 300.0)
-    unread = (rows - plan["embedding_rows_read"]) * config.d_model * 4
-    assert plan["embedding_rows_read"] == tokens
-    # every other weight was read (the untied lm_head by its matrix product); a few MiB more of the embedding
-    # are read at load (transformers compares it with the lm_head to decide the tying: torch.equal stops at
-    # the first differing block) and the kernel maps up to 64 KiB around each fault
-    assert file_bytes - unread - 2**20 < resident < file_bytes - unread + 4 * 2**20, (resident, file_bytes, unread)
+    files = sorted(folder.glob("*.safetensors"))
+    assert files and sum(mapped_kib(f) for f in files) == 0
+    assert all(p.device.type == "cpu" and not p.is_meta for p in model.parameters())
 
 
 def mapped_kib(path: Path) -> int:
