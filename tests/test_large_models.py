@@ -4,6 +4,7 @@ only what trains (a changed base refused on resume), LoRA exports as peft adapte
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -138,8 +139,10 @@ def test_lora_checkpoint_holds_what_trains_and_resumes_exactly(hub, corpus, tmp_
     lora = ("--lora_r=4", "--frozen_dtype=int8")
     straight = sft_run(corpus, tmp_path / "straight", base, *lora)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    cut = sft_run(corpus, tmp_path / "cut", base, *lora, steps=2)
-    assert cut.returncode == 0, cut.stderr[-3000:]
+    # the run as a kill after step 2 leaves it: its step-2 checkpoint the newest
+    shutil.copytree(tmp_path / "straight", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000004")
+    shutil.rmtree(tmp_path / "cut" / "final")
     checkpoint = tmp_path / "cut" / "checkpoints" / "step_000002"
     with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
