@@ -211,6 +211,10 @@ def add_lora(model, cfg: TrainConfig):
         model = peft.inject_adapter_in_model(config, model)
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
+        if "lora_" in name and param.dtype != torch.float32:
+            # peft gives adapters their base layer's dtype: an 8-bit layer reports its scales' (bf16 under
+            # --mixed_precision=bf16), and adapters trained in bf16 lose most small updates to rounding
+            param.data = param.data.float()
     return model
 
 
