@@ -329,7 +329,7 @@ def save_sizes(cfg: TrainConfig, dims: dict, device: str, sharding: str | None, 
 
     Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a safetensors that
     is not zero-copy (recent ones write straight from the tensors' memory); a checkpoint of a run with frozen
-    weights holds the trained tensors only (lowmem.run_folder.save_trained), while sharded engines write every
+    weights holds the trained tensors only (lowmem.checkpoint.save_trained), while sharded engines write every
     process's shards of everything and a sharded export gathers the whole model on the main process.
     Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored ones (one tensor
     at a time), large, so mmapped fresh rather than carved from the heap the allocator kept (from a GPU they

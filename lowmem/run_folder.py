@@ -156,7 +156,7 @@ class RunFolder:
         folder = self.checkpoint_path(step)
         with checkpoint.atomic_folder(folder, staged=staged, then=self.how_to_continue) as tmp:
             if not staged:
-                save_trained(model, tmp / "model.safetensors")
+                checkpoint.save_trained(model, tmp / "model.safetensors")
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
@@ -209,7 +209,7 @@ class RunFolder:
                              optimizer_state)
         else:
             optimizer_state = checkpoint.load_state(folder / "optimizer.pt")
-            load_trained(model, folder / "model.safetensors")
+            checkpoint.load_trained(model, folder / "model.safetensors")
             optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(scheduler_state)
         trainer_state = json.loads((folder / "trainer_state.json").read_text())
@@ -256,52 +256,6 @@ class RunFolder:
             if tokenizer_source is not None:
                 copy_tokenizer_files(Path(tokenizer_source), tmp)
             (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
-
-
-TRAINED_ONLY = "trained"  # the metadata "contents" of a checkpoint's model.safetensors holding trained tensors only
-
-
-def save_trained(model, path: Path) -> None:
-    """The model's weights into a checkpoint: where some are frozen, the trained ones only (LoRA's adapters,
-    a decoder): the frozen rest is the base model's, read again from --init_from on resume (its fingerprint
-    is in run_config.json), so a LoRA checkpoint of flan-t5-xl is megabytes, not 11 GB."""
-    from safetensors.torch import save_file, save_model
-
-    if all(p.requires_grad for p in model.parameters()):
-        save_model(model, str(path))  # (tied tensors stored once)
-        return
-    trained = {name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad}
-    save_file(trained, str(path), metadata={"format": "pt", "contents": TRAINED_ONLY})
-
-
-def load_trained(model, path: Path) -> None:
-    """Load what ``save_trained`` wrote into ``model`` (a checkpoint of the whole model too: earlier versions
-    wrote those).
-
-    Raises:
-        UserError: the checkpoint's trained tensors are not this model's.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import load_file, load_model
-
-    from lowmem.quantize import own_aligned_bytes
-
-    with safe_open(str(path), "pt") as f:
-        contents = (f.metadata() or {}).get("contents")
-    if contents != TRAINED_ONLY:
-        load_model(model, str(path))
-        own_aligned_bytes(model)
-        return
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    saved = load_file(str(path))
-    if set(saved) != set(params):
-        odd = sorted(set(saved) ^ set(params))
-        raise UserError(f"checkpoint {path.parent} holds other trained tensors than this run trains ({odd[0]}"
-                        f"{f' and {len(odd) - 1} more' if len(odd) > 1 else ''}); resume with the --freeze and "
-                        "LoRA flags the run began with, or use a new --output_dir")
-    with torch.no_grad():
-        for name, value in saved.items():
-            params[name].copy_(value)
 
 
 def mark_head_tying(config_path: Path, model) -> None:
