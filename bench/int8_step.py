@@ -17,7 +17,7 @@ Two parts, both side by side in one run:
   the CPU time the process spent on them (wall time on a shared machine moves with its load, CPU time
   much less), its peak the process's peak RSS then (loading and quantizing included).
 - Micro: one frozen linear layer's forward and input-gradient backward (``y = x W^T``, ``dx = dy W``; no
-  weight gradient) at flan-t5-large's shapes, quantized as the trainer does (``quantize_layers``) against
+  weight gradient) at flan-t5-large's shapes, quantized as the trainer does (``quantize_block``) against
   a float32 ``nn.Linear``, interleaved, median of ``--repeats``.
 
 Target: int8 at most 1.3x float32's step time.
@@ -115,9 +115,9 @@ def micro(args) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
-    import optimum.quanto as quanto
+    from types import SimpleNamespace
 
-    from lowmem.quantize import quantize_layers
+    from lowmem.quantize import quantize_block
 
     print(f"one frozen linear layer, forward + input-gradient backward, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}:")
@@ -127,7 +127,7 @@ def micro(args) -> None:
             torch.manual_seed(0)
             plain = torch.nn.Linear(fan_in, fan_out, bias=False).requires_grad_(False)
             holder = torch.nn.Sequential(torch.nn.Linear(fan_in, fan_out, bias=False).to(scales).requires_grad_(False))
-            quantize_layers(quanto, holder, ["0"], quanto.qint8)
+            quantize_block(SimpleNamespace(frozen_dtype="int8"), holder, ["0"])
             for batch, tokens in TOKENS:
                 x = torch.randn(batch, tokens, fan_in, requires_grad=True)
                 times = {"float": [], "int8": []}
