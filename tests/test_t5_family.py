@@ -144,7 +144,7 @@ def test_lora_reaches_the_gated_feed_forward(family_models, corpus, tmp_path):
     source = family_models["flan"]
     before = weights(source)
     train(corpus, tmp_path / "lora", str(source), "--is_finetune=True", "--lora_r=4", "--lora_target_modules=wi",
-          "--lora_dropout=0.0")
+          "--lora_dropout=0.0", "--merge_lora=True")  # a whole merged export (the default is the adapter folder)
     check_frozen(before, weights(tmp_path / "lora" / "final"),
                  lambda name: not (name.startswith("decoder.") and (".wi_0." in name or ".wi_1." in name)))
     proc = run_cli("train", "--is_finetune=True", f"--init_from={family_models['t5']}", "--lora_r=4",
