@@ -112,7 +112,8 @@ def test_encoder_cache_notices_a_file_rewritten_under_the_same_size_and_mtime(tm
 def test_lora_trains_only_adapters_and_exports_a_merged_plain_model(tmp_path, pretrained):
     from transformers import T5ForConditionalGeneration
 
-    out, done = sft(tmp_path, pretrained, "lora", "--lora_r=8", "--learn_rate=1e-2", "--encoder_cache=auto")
+    out, done = sft(tmp_path, pretrained, "lora", "--lora_r=8", "--learn_rate=1e-2", "--encoder_cache=auto",
+                    "--merge_lora=True")  # a whole merged export (the default is the adapter folder)
     setup = next(r for r in metrics(out) if r["event"] == "setup")
     assert 0 < setup["trainable_params"] < 0.05 * setup["frozen_params"]
     losses = train_losses(out)
