@@ -59,8 +59,8 @@ class TrackerFeed:
             self.state[tracker.name] = {"run_id": run_id, "fed": fed, "last_step": mine.get("last_step", -1)}
             if self.cut_at is not None:
                 self._feed(tracker, log_path, self.cut_at)
-            if mine and self.cut_at is not None:
-                self.say(f"--report_to={tracker.name}: continuing its run {run_id} from step {step}")
+            self.say(f"--report_to={tracker.name}: " + (f"continuing its run {run_id} from step {step}" if mine
+                                                        else f"run {run_id}"))
         self.started = True
         self._save()
 

@@ -273,3 +273,28 @@ def test_report_to_names_are_checked(tmp_path, value, message):
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_log_once_from_the_main_process(tmp_path):
+    """Under ``accelerate launch`` (two CPU processes over gloo) one mlflow run gets metrics.jsonl's series once."""
+    pytest.importorskip("mlflow", reason="pip install '.[mlflow]'")
+    from mlflow.tracking import MlflowClient
+
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(200, seed=11))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(4, seed=12))
+    run = tmp_path / "run"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+              "29531", str(REPO / "train_low_mem.py"), "train", "--cpu=True"]
+    args = [f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={run}", "--max_steps=8", "--save_steps=4",
+            "--eval_steps=4", "--logging_steps=2", "--max_eval_samples=4", "--max_source_len=32",
+            "--max_target_len=16", "--eval_generate=False", "--gradient_accumulation_steps=2", "--report_to=mlflow"]
+    done = subprocess.run(launch + args, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**tracker_env(tmp_path), "ACCELERATE_USE_CPU": "true"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    uri = f"sqlite:///{run / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("t5-lowmem").experiment_id])
+    assert [r.info.run_id for r in runs] == [json.loads((run / "trackers.json").read_text())["mlflow"]["run_id"]]
+    assert mlflow_series(uri, runs[0].info.run_id, expected_series(run)) == expected_series(run)
