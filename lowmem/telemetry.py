@@ -106,7 +106,7 @@ class Telemetry:
         sys.stdout.flush()
 
     def record(self, event: str, **fields) -> None:
-        """One metrics.jsonl record at the current step; its numbers also go to the tracker."""
+        """One metrics.jsonl record at the current step; its numbers also go to the trackers."""
         if self.metrics is not None and not self.holding:
             self.metrics.write(event, self.state.step, **fields)
             self.trackers.record(event, self.state.step, fields)  # the live ones (TensorBoard)
