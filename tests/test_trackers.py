@@ -26,6 +26,14 @@ ARGS = ["--max_steps=40", "--save_steps=10", "--eval_steps=10", "--logging_steps
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio", "tensorboard": "tensorboard"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def mlflow_file_store_readable():
+    """mlflow 3 reads a file store only when told (the runs here write one, as a user who chose it does)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        yield
+
+
 def installed_trackers() -> list[str]:
     from config import installed
 
@@ -147,7 +155,8 @@ def kill_between_checkpoints(run: Path, args: list[str], env: dict, log: Path) -
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
     """A 40-step run with every installed tracker, killed after one of its checkpoints (every 10 steps) once it
-    logged steps after it, then continued with --is_keep_training=True; mlflow into a store the environment names."""
+    logged steps after it, then continued with --is_keep_training=True; mlflow into the file store the environment
+    names."""
     trackers = installed_trackers()
     if not set(trackers) - {"tensorboard"}:
         pytest.skip("needs wandb, mlflow or trackio (pip install '.[wandb]' '.[mlflow]' '.[trackio]')")
@@ -155,7 +164,7 @@ def resumed_run(tmp_path_factory):
     train = write_rows(root / "train.jsonl", synthetic_rows(200, seed=11))
     evals = write_rows(root / "eval.jsonl", synthetic_rows(4, seed=12))
     run = root / "run"
-    env = tracker_env(root, MLFLOW_TRACKING_URI=f"sqlite:///{root / 'elsewhere.db'}")
+    env = tracker_env(root, MLFLOW_TRACKING_URI=f"file:{root / 'mlruns'}", MLFLOW_ALLOW_FILE_STORE="true")
     args = [f"--train_file={train}", f"--eval_file={evals}", *ARGS, f"--report_to={','.join(trackers)}"]
     killed_at = kill_between_checkpoints(run, args, env, root / "killed.log")
     before = json.loads((run / "trackers.json").read_text())
@@ -235,8 +244,8 @@ def test_a_resume_from_an_older_checkpoint_gets_a_new_tracker_run(resumed_run, t
     copy = tmp_path / "run"
     shutil.copytree(resumed_run["run"], copy)
     (copy / "wandb").exists() and shutil.rmtree(copy / "wandb")  # (wandb's files name the original folder)
-    env = tracker_env(tmp_path, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'store.db'}")
-    shutil.copy(resumed_run["root"] / "elsewhere.db", tmp_path / "store.db")
+    env = tracker_env(tmp_path, MLFLOW_TRACKING_URI=f"file:{tmp_path / 'mlruns'}", MLFLOW_ALLOW_FILE_STORE="true")
+    shutil.copytree(resumed_run["root"] / "mlruns", tmp_path / "mlruns")
     args = [a for a in resumed_run["args"] if not a.startswith("--report_to")] + ["--report_to=mlflow"]
     old = json.loads((copy / "trackers.json").read_text())["mlflow"]
     done = subprocess.run(command(copy, *args, "--is_keep_training=True",
