@@ -181,8 +181,10 @@ def score_answers(metrics: list[Metric], predictions: list[str], references: lis
 
 
 def scores_in(result: dict) -> dict[str, float]:
-    """The scores of generated answers an evaluation's ``result`` holds (none when it generated none)."""
-    return {n: result[n] for m in METRICS.values() for n in m.names if result.get(n) is not None}
+    """The scores of generated answers an evaluation's ``result`` holds, in its order (--eval_metrics's); none when
+    it generated none."""
+    names = {n for m in METRICS.values() for n in m.names}
+    return {n: value for n, value in result.items() if n in names and value is not None}
 
 
 def _installed(module: str) -> bool:

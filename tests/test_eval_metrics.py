@@ -5,6 +5,7 @@ logs every score and picks best/ by rougeL."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import metrics, run_cli, write_rows
@@ -165,6 +166,10 @@ def test_a_run_logs_rouge_and_chrf_and_picks_best_by_rouge_l(tmp_path):
     info = json.loads((run / "best" / "training_info.json").read_text())
     assert (info["best_step"], info["best_metric"]) == (best["step"], best["rougeL"])
     assert f"| rougeL {best['rougeL']:.2f} |" in proc.stdout
+    # the values in --eval_metrics's order, in the log line as in the record
+    line = r"^eval step 0 \| eval_loss \S+ \| rouge1 \S+ \| rouge2 \S+ \| rougeL \S+ \| rougeLsum \S+ \| chrf "
+    assert re.search(line, proc.stdout, re.M), proc.stdout
+    assert [k for k in evals[0] if k in ("chrf", *ROUGE_NAMES)] == [*ROUGE_NAMES, "chrf"]
 
     plots = run_cli("plot", f"--output_dir={run}")
     assert plots.returncode == 0, plots.stderr[-3000:]
