@@ -164,7 +164,7 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
     result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5)}
     if generate_rows:  # else no scores at all (not a 0 that reads as one)
         result.update(score_answers(metrics_of(cfg.eval_metrics), [p for p, _ in pairs], [r for _, r in pairs]))
-        result["generated_rows"] = len(pairs)
+        result["scored_rows"] = len(pairs)
     return {**result, "eval_examples": int(totals[2].item()), "eval_s": round(time.time() - start, 2)}
 
 
@@ -172,8 +172,8 @@ def eval_log_line(step: int, result: dict, improved: bool) -> str:
     """The log line of an evaluation: the eval loss, then each score of --eval_metrics (none where nothing was
     generated), and the rows they scored where fewer than the eval loss's."""
     scores = "".join(f" | {name} {value:.2f}" for name, value in scores_in(result).items())
-    if scores and result["generated_rows"] < result["eval_examples"]:
-        scores += f" ({result['generated_rows']} of {result['eval_examples']} rows)"
+    if scores and result["scored_rows"] < result["eval_examples"]:
+        scores += f" ({result['scored_rows']} of {result['eval_examples']} rows)"
     return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{scores}" + (" | new best" if improved else "")
 
 

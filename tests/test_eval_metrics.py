@@ -90,7 +90,7 @@ def test_the_best_model_is_chosen_each_metrics_way():
 
 
 def test_the_eval_line_says_every_score_and_the_rows_they_scored():
-    result = {"eval_loss": 2.5, "chrf": 12.345, "rouge1": 50.0, "rougeL": 40.0, "generated_rows": 16,
+    result = {"eval_loss": 2.5, "chrf": 12.345, "rouge1": 50.0, "rougeL": 40.0, "scored_rows": 16,
               "eval_examples": 100}
     assert eval_log_line(4, result, True) == ("eval step 4 | eval_loss 2.5000 | chrf 12.35 | rouge1 50.00 | "
                                               "rougeL 40.00 (16 of 100 rows) | new best")
@@ -158,7 +158,7 @@ def test_a_run_logs_rouge_and_chrf_and_picks_best_by_rouge_l(tmp_path):
     evals = [r for r in metrics(run) if r["event"] == "eval"]
     assert [r["step"] for r in evals] == [0, 10, 20]
     for record in evals:
-        assert {"chrf", *ROUGE_NAMES} <= set(record) and "bleu" not in record and record["generated_rows"] == 8
+        assert {"chrf", *ROUGE_NAMES} <= set(record) and "bleu" not in record and record["scored_rows"] == 8
     assert max(r["rougeL"] for r in evals) > 0  # Chinese answers: not scored as zero
     # best/ is the model of the highest rougeL (a tie: the lower eval loss), and says so
     best = max(evals, key=lambda r: (r["rougeL"], -r["eval_loss"]))
