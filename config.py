@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lowmem.eval_metrics import DEFAULT_METRICS, metric_problems
 from lowmem.presets import AUTO, CAPPED_PROFILES, FEED_FORWARD_WIDTHS, LOW_MEMORY_CAPS, MEMORY_PROFILES, MODEL_PRESETS
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -156,8 +157,7 @@ class TrainConfig:
     memory_profile: str | None = _f(None, "A named set of the flags below for a budget: "
                                           + ", ".join(MEMORY_PROFILES) + ". Explicit flags win over it.")
     gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward. True saves most "
-                                             "activation memory for more step time (each block's forward runs "
-                                             "twice).")
+                                             "activation memory for more step time (each block's forward runs twice).")
     optimizer: str = _f("adafactor", "adafactor (factored second moments: the smallest state), adamw (2 x weights "
                                      "of state) or adamw8bit (bitsandbytes, pip install .[gpu]: 1/4 of adamw).")
     lora_r: int = _f(0, "LoRA rank (0 = off; peft, pip install .[gpu]). Only adapters get gradients and "
@@ -190,10 +190,12 @@ class TrainConfig:
     # --- evaluation, logging, checkpoints ---
     eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")
     max_eval_samples: int = _f(100, "Examples used per evaluation. Lower saves time.")
-    metric_for_best: str = _f("eval_loss", "Metric that picks best/: eval_loss (lower wins) or bleu (higher wins).")
-    eval_generate: bool | str = _f(AUTO, "Generate answers at evaluations for BLEU: True (every one, step 0 too), "
-                                         "False (eval loss only, much faster) or auto (within --eval_budget_s).")
-    eval_generate_samples: int | str = _f(AUTO, "Eval rows generated for BLEU (the first; the eval loss takes all). "
+    eval_metrics: str = _f(DEFAULT_METRICS, "Comma list of scores of generated answers (0-100, higher wins): bleu, "
+                                            "chrf, rouge (logs rouge1, rouge2, rougeL, rougeLsum), exact_match.")
+    metric_for_best: str = _f("eval_loss", "What picks best/: eval_loss (lower wins) or any value of --eval_metrics.")
+    eval_generate: bool | str = _f(AUTO, "Generate answers at evaluations for --eval_metrics: True (every one, step 0 "
+                                         "too), False (eval loss only, much faster) or auto (within --eval_budget_s).")
+    eval_generate_samples: int | str = _f(AUTO, "Eval rows generated for the scores (the first; the eval loss all). "
                                                 "auto: all, or as many as fit --eval_budget_s. Lower saves time.")
     eval_budget_s: float = _f(300.0, "Most seconds an evaluation should take (0: no bound), timed at start; over it "
                                      "the auto values run step 0's eval loss only and generate fewer rows (or none).")
@@ -216,9 +218,9 @@ class TrainConfig:
     prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.")
     max_new_tokens: int = _f(64, "Longest generated answer (generate; evaluation's go to --max_target_len).")
     no_repeat_ngram_size: int = _f(0, "No n-gram of this size appears twice in an answer (0: off), against "
-                                      "degenerate repetition; in generate and in the answers BLEU is computed on.")
+                                      "degenerate repetition; in generate and in the answers evaluation scores.")
     repetition_penalty: float = _f(1.0, "Divide the score of tokens already in the answer by this (1.0: off; 1.2 "
-                                        "is a common choice); in generate and in the answers BLEU is computed on.")
+                                        "is a common choice); in generate and in the answers evaluation scores.")
 
     max_bad_rows_fraction: float = _f(0.01, "Abort when more than this fraction of the training rows are bad "
                                             "(malformed, missing or empty prompt/response); they are skipped and "
@@ -260,7 +262,8 @@ class TrainConfig:
         if self.encoder_cache == "off":
             unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
         if not self.eval_generate:
-            unused.append(("eval_generate_samples", "with --eval_generate=False (no answers are generated)"))
+            unused += [(n, "with --eval_generate=False (no answers are generated)") for n in ("eval_generate_samples",
+                                                                                               "eval_metrics")]
         if self.init_from:
             unused += [(name, "with --init_from (that model's shape is trained)")
                        for name in ("model_preset", "feed_forward_proj")]
@@ -346,10 +349,7 @@ class TrainConfig:
             problems.append(f"--mixed_precision must be no or bf16 (got {self.mixed_precision!r})")
         if self.lr_scheduler not in ("linear", "cosine", "constant"):
             problems.append(f"--lr_scheduler must be linear, cosine or constant (got {self.lr_scheduler!r})")
-        if self.metric_for_best not in ("eval_loss", "bleu"):
-            problems.append(f"--metric_for_best must be eval_loss or bleu (got {self.metric_for_best!r})")
-        elif self.metric_for_best == "bleu" and not self.eval_generate:
-            problems.append("--metric_for_best=bleu needs --eval_generate=True (BLEU scores generated answers)")
+        problems += metric_problems(self.eval_metrics, self.metric_for_best, self.eval_generate)
         if self.num_workers != 0:
             problems.append("--num_workers must be 0: the data position (and shuffle buffer) is saved from the "
                             "trainer process for exact resume; tokenization is batched in that process")

@@ -155,7 +155,7 @@ def say_notes(notes: list[str], stream=None) -> None:
 
 
 def evaluate(config: str | None = None, **flags) -> dict:
-    """Eval loss and BLEU of --init_from (default: OUTPUT_DIR/best) on --eval_file."""
+    """Eval loss and --eval_metrics of --init_from (default: OUTPUT_DIR/best) on --eval_file."""
     from lowmem.evaluation import load_saved_model
 
     cfg, notes = load_saved_model_config(flags, config)
@@ -240,7 +240,7 @@ def preview(config: str | None = None, **flags) -> None:
 
 
 def plot(config: str | None = None, **flags) -> dict:
-    """PNG charts of OUTPUT_DIR/metrics.jsonl (loss, BLEU, learning rate, tokens/s, RSS) into --plot_dir
+    """PNG charts of OUTPUT_DIR/metrics.jsonl (loss, scores, learning rate, tokens/s, RSS) into --plot_dir
     (default: OUTPUT_DIR/plots)."""
     from lowmem.plots import plot_run
 

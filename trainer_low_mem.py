@@ -38,6 +38,7 @@ from lowmem.checkpointer import Checkpointer
 from lowmem.collector import freeze_long_lived, imports_done, thaw_long_lived
 from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
 from lowmem.eval_cost import plan_evals, rows_at
+from lowmem.eval_metrics import scores_in
 from lowmem.evaluation import eval_log_line, evaluate_model, is_better
 from lowmem.flags import TRAINED_WITH
 from lowmem.memory import free_memory
@@ -76,14 +77,14 @@ class TrainState:
     elapsed_s: float = 0.0
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     nonfinite_in_a_row: int = 0
-    last_eval: dict | None = None  # step, eval_loss and bleu of the latest evaluation
+    last_eval: dict | None = None  # step, eval_loss and the scores of the latest evaluation
     eval_plan: dict | None = None  # what each evaluation generates (lowmem.eval_cost): planned once, kept on resume
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def eval_generate_rows(self) -> int:
-        """Eval rows whose answers the evaluation at this step generates for BLEU (as ``eval_plan`` chose)."""
+        """Eval rows whose answers the evaluation at this step generates and scores (as ``eval_plan`` chose)."""
         return rows_at(self.eval_plan, self.step)
 
     def load_state_dict(self, state: dict) -> None:
@@ -411,14 +412,13 @@ class LowMemTrainer:
         errors = report_data_errors(self.telemetry, self.data)
         self.telemetry.run_ended()  # the trackers get what came after the last checkpoint
         self.accelerator.wait_for_everyone()  # no process leaves while another is still in a collective
-        bleu = {} if metrics.get("bleu") is None else {"bleu": metrics["bleu"]}  # none without --eval_generate
         return {"output_dir": str(self.out), "steps": self.state.step, "step_s": self.meter.mean_step_seconds(),
-                "eval_loss": metrics["eval_loss"], **bleu, "best_metric": self.state.best_metric,
+                "eval_loss": metrics["eval_loss"], **scores_in(metrics), "best_metric": self.state.best_metric,
                 "best_step": self.state.best_step, "bad_rows": errors["bad_rows"] + errors.get("prepared_bad_rows", 0)}
 
     # ------------------------------------------------------------------ evaluation, checkpoints, exports
     def evaluate(self) -> dict:
-        """Eval loss and BLEU on the eval set (``lowmem.evaluation.evaluate_model``), the encoder
+        """Eval loss and --eval_metrics on the eval set (``lowmem.evaluation.evaluate_model``), the encoder
         brought back for it when the encoder cache took it off the GPU."""
         start = time.time()
         free_memory()  # before evaluation
@@ -441,7 +441,7 @@ class LowMemTrainer:
         if improved and not weights_finite(self.core):
             improved = False  # never export non-finite weights as best
             self.say("the weights hold non-finite values: not saved as best")
-        self.state.last_eval = {"step": self.state.step, "eval_loss": result["eval_loss"], "bleu": result.get("bleu")}
+        self.state.last_eval = {"step": self.state.step, "eval_loss": result["eval_loss"], **scores_in(result)}
         if improved:  # the export's training_info.json holds the state: this evaluation, this best
             self.state.best_metric, self.state.best_step = result[self.cfg.metric_for_best], self.state.step
             self.state.best_eval_loss = result["eval_loss"]

@@ -3,7 +3,7 @@
     python bench/int8_step.py                       # LoRA r=8 on flan-t5-large's shape, float32 and bf16
     python bench/int8_step.py --precision=no        # --mixed_precision=no only (the CPU default)
     python bench/int8_step.py --micro_only          # one quantized layer against a float32 one
-    python bench/int8_step.py --shape=flan-t5-small --steps=4 --rounds=1   # a quick look
+    python bench/int8_step.py --shape=tiny --steps=4 --rounds=1   # a quick look
 
 Two parts, both side by side in one run:
 
@@ -86,9 +86,9 @@ def train_records(out: Path) -> list[dict]:
 
 
 def training(args, tmp: Path) -> None:
-    from memory_modes import write_shape  # this folder is on sys.path when the script runs
+    from hub_checkpoint import build_checkpoint  # this folder is on sys.path when the script runs
 
-    init = Path(args.init_from) if args.init_from else write_shape(tmp / args.shape, args.shape)
+    init = Path(args.init_from) if args.init_from else Path(build_checkpoint(tmp / args.shape, args.shape)["folder"])
     for precision in args.precision.split(","):
         found = {k: {"step_s": [], "cpu_s": [], "peak_mb": []} for k in ("float32", "int8")}
         for round_ in range(args.rounds):
@@ -145,7 +145,7 @@ def micro(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="flan-t5-large", help="a shape of bench/memory_modes.py's SHAPES")
+    parser.add_argument("--shape", default="large", help="a shape of bench/hub_checkpoint.py's SHAPES (large: flan-t5-large's)")
     parser.add_argument("--precision", default="no,bf16", help="--mixed_precision values, comma-separated")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps logged per run (the first untimed)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each configuration, alternating")

@@ -2,15 +2,16 @@
 within --eval_budget_s.
 
 An evaluation runs the eval loss over its rows (one forward each) and, with --eval_generate, generates answers
-for BLEU: up to --max_target_len decoding steps per batch, all of which a young model, which rarely stops
-early, runs. ``plan_evals`` times both on one eval batch of the run's own model (``probe``: a loss
+for --eval_metrics: up to --max_target_len decoding steps per batch, all of which a young model, which rarely
+stops early, runs. ``plan_evals`` times both on one eval batch of the run's own model (``probe``: a loss
 forward, then generations forced to 1 and to 1 + PROBE_STEPS tokens, whose difference is the cost of a decoding
 step) and predicts an evaluation from them. When the prediction passes --eval_budget_s, ``choose`` makes
 cheaper what was left at auto: with --eval_generate=auto the step-0 evaluation (the baseline, before any
 training) runs the eval loss only, and with --eval_generate_samples=auto the others generate for as many of the
 eval set's first rows as fit, none when not one batch fits (one batch with --eval_generate=True or
---metric_for_best=bleu, which also keep the baseline's). A value given is obeyed. A resumed run keeps the plan
-it began with (the same rows scored, so BLEU stays comparable), unless the options it was made for changed.
+a --metric_for_best scoring answers, such as bleu, which also keep the baseline's). A value given is obeyed. A
+resumed run keeps the plan it began with (the same rows scored, so the scores stay comparable), unless the
+options it was made for changed.
 
 The trainer calls ``plan_evals`` once the model is built; the start-up summary says ``EvalPlan.line``.
 """
@@ -26,6 +27,7 @@ import torch
 
 from config import AUTO, TrainConfig
 from lowmem.encoder_cache import encoder_on
+from lowmem.eval_metrics import metric_named
 from lowmem.evaluation import asked_generate_rows, eval_batches, generate_for, loss_and_inputs, loss_budget
 from lowmem.modeling import batch_to_device
 from lowmem.sharding import is_sharded, runs_deepspeed, whole_root
@@ -115,8 +117,8 @@ def choose(cfg: TrainConfig, rows: int, world: int, loss_s: float, batch_generat
     seconds = loss_s + busiest_batches(asked, world, cfg.eval_batch_size) * batch_generate_s
     if not asked or not cfg.eval_budget_s or seconds <= cfg.eval_budget_s:
         return asked, bool(asked)
-    # Generation asked for in so many words (or needed: BLEU picks best/) goes on at every evaluation
-    kept = cfg.eval_generate is True or cfg.metric_for_best == "bleu"
+    # Generation asked for in so many words (or needed: a score of answers picks best/) goes on at every evaluation
+    kept = cfg.eval_generate is True or metric_named(cfg.metric_for_best).needs_generation
     if cfg.eval_generate_samples != AUTO:
         return asked, kept
     per_batch = cfg.eval_batch_size * world  # rows of one batch on every process

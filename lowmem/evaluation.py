@@ -1,12 +1,12 @@
-"""Evaluation and generation with a model and a tokenizer: eval loss and corpus BLEU-4 (sacrebleu)
-over an eval set, answers to prompts, the best-model comparison, and loading a saved model for the
-CLI's ``evaluate`` / ``generate`` (no trainer involved; training evaluates through the same functions).
+"""Evaluation and generation with a model and a tokenizer: eval loss and the scores of --eval_metrics
+(``lowmem.eval_metrics``) over an eval set, answers to prompts, the best-model comparison, and loading a saved
+model for the CLI's ``evaluate`` / ``generate`` (no trainer involved; training evaluates through the same
+functions).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,44 +25,25 @@ from lowmem.adapters import load_saved_model_weights
 from lowmem.batch_budget import saved_model_eval_size
 from lowmem.collector import imports_done
 from lowmem.distributed import any_process, inner_model, start_accelerator
+from lowmem.eval_metrics import metric_named, metrics_of, score_answers, scores_in
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
 from lowmem.modeling import batch_to_device, generation_cache, import_transformers_models, token_loss_sum
 from lowmem.sharding import is_sharded, padded_window, requested_engine, runs_deepspeed, whole_root
 from lowmem.telemetry import on_terminal
 
 CPU_LOSS_TOKENS = 2048  # padded tokens per eval forward on the CPU (the encoder's sources, the decoder's targets)
-_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
-
-
-def bleu_tokenizer(references: list[str]) -> str:
-    """sacrebleu's "zh" tokenisation when any reference contains Chinese, else the standard "13a".
-
-    "13a" leaves an unsegmented Chinese sentence one or two tokens (a reference missing one character
-    scored 0), so a set of Chinese and English rows needs "zh", which tokenises everything but Chinese
-    characters as "13a" does.
-    """
-    return "zh" if any(_CJK.search(r) for r in references) else "13a"
-
-
-def bleu_score(predictions: list[str], references: list[str]) -> float:
-    """Corpus BLEU-4 (0-100) of ``predictions`` against one reference each."""
-    import sacrebleu
-
-    if not references:
-        return 0.0
-    return sacrebleu.corpus_bleu(predictions, [references], tokenize=bleu_tokenizer(references)).score
 
 
 def is_better(result: dict, best: float | None, best_loss: float | None, metric: str) -> bool:
     """Whether an evaluation's ``result`` beats the best so far (``best`` by ``metric``, with its eval loss
-    ``best_loss``): eval_loss lower, bleu higher, and a BLEU tie (every young model scores 0) broken by
-    the lower eval loss."""
+    ``best_loss``): each metric's way (eval_loss lower, the scores of ``lowmem.eval_metrics`` higher), and a tie
+    of a score (every young model's BLEU is 0) broken by the lower eval loss."""
     value = result[metric]
     if value != value:  # NaN never wins
         return False
     if best is None:
         return True
-    if metric == "eval_loss":
+    if not metric_named(metric).higher_is_better:
         return value < best
     return value > best or (value == best and best_loss is not None and result["eval_loss"] < best_loss)
 
@@ -91,7 +72,7 @@ def eval_batches(examples: list, collator, cfg: TrainConfig, accelerator, sharde
     """This process's evaluation batches as (rows, generate, real): every world-th example, the first
     ``generate_rows`` of the eval set (whose answers are generated) batched apart from the others, each part in
     batches of similar source length: less padding, and generation (which runs until a batch's last row ends)
-    spent on rows alike. Corpus BLEU and the token-mean loss do not depend on the order. Sharded, every forward
+    spent on rows alike. Corpus scores and the token-mean loss do not depend on the order. Sharded, every forward
     is a collective: each part is padded (``real`` False) to as many batches on every process."""
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = examples[rank::world]
@@ -138,9 +119,9 @@ def loss_budget(accelerator, sharded: bool) -> int:
 def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainConfig, accelerator,
                    multiple: int = 1, progress: bool = False, interrupted=None,
                    generate_rows: int | None = None) -> dict:
-    """Eval loss (token-mean) over ``examples`` and BLEU-4 of greedy/beam generations for the first
-    ``generate_rows`` of them (at most as many as the flags ask, ``asked_generate_rows``; no ``bleu`` key when
-    none).
+    """Eval loss (token-mean) over ``examples`` and the scores of --eval_metrics (``lowmem.eval_metrics``) of
+    greedy/beam generations for the first ``generate_rows`` of them (at most as many as the flags ask,
+    ``asked_generate_rows``; no score keys when none).
 
     ``model`` is the prepared (wrapped) model the loss runs through, ``core`` the unwrapped one that
     generates. Each process takes every world-th example; no collective runs inside the loop (ranks
@@ -181,19 +162,19 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
         totals = accelerator.reduce(totals, "sum")
         pairs = gather_object(pairs)
     result = {"eval_loss": round(totals[0].item() / max(totals[1].item(), 1), 5)}
-    if generate_rows:  # else no BLEU at all (not a 0 that reads as a score)
-        result["bleu"] = round(bleu_score([p for p, _ in pairs], [r for _, r in pairs]), 4)
-        result["bleu_rows"] = len(pairs)
+    if generate_rows:  # else no scores at all (not a 0 that reads as one)
+        result.update(score_answers(metrics_of(cfg.eval_metrics), [p for p, _ in pairs], [r for _, r in pairs]))
+        result["scored_rows"] = len(pairs)
     return {**result, "eval_examples": int(totals[2].item()), "eval_s": round(time.time() - start, 2)}
 
 
 def eval_log_line(step: int, result: dict, improved: bool) -> str:
-    """The log line of an evaluation (no BLEU where none was generated; the rows BLEU scored where fewer than
-    the eval loss's)."""
-    bleu = "" if result.get("bleu") is None else f" | bleu {result['bleu']:.2f}"
-    if bleu and result["bleu_rows"] < result["eval_examples"]:
-        bleu += f" ({result['bleu_rows']} of {result['eval_examples']} rows)"
-    return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{bleu}" + (" | new best" if improved else "")
+    """The log line of an evaluation: the eval loss, then each score of --eval_metrics (none where nothing was
+    generated), and the rows they scored where fewer than the eval loss's."""
+    scores = "".join(f" | {name} {value:.2f}" for name, value in scores_in(result).items())
+    if scores and result["scored_rows"] < result["eval_examples"]:
+        scores += f" ({result['scored_rows']} of {result['eval_examples']} rows)"
+    return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{scores}" + (" | new best" if improved else "")
 
 
 def loss_and_encoded(model, core, batch: dict, budget: int, multiple: int) -> tuple[float, dict]:

@@ -27,8 +27,10 @@ RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: p
 # Relative step-time factors (1.0 = fp32, no checkpointing, AdamW-class optimizer) used to rank modes.
 # The encoder cache's is the measured curve's short-prompt end (bench/encoder_cache_speed.py: 0.6-0.8, lower
 # as prompts grow longer than the answers).
+# int8 on the CPU: RowBlockLinear, no slower than float32 frozen weights on flan-t5-large's shape (bench/int8_step.py:
+# 0.67x step time, 0.93x CPU time, they stream a quarter of the bytes); on a GPU quanto's own kernels, not measured.
 SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03,
-         "encoder_cache": 0.8, "int8": 1.3}  # int8: frozen layers dequantized at every use (docs/memory.md)
+         "encoder_cache": 0.8, "int8_cpu": 1.0, "int8_gpu": 1.3}
 
 
 def relative_time(cfg: TrainConfig, device: str) -> float:
@@ -40,7 +42,7 @@ def relative_time(cfg: TrainConfig, device: str) -> float:
     if cfg.encoder_cache != "off":
         factor *= SPEED["encoder_cache"]
     if cfg.frozen_dtype in QUANTIZED_DTYPES:
-        factor *= SPEED["int8"]
+        factor *= SPEED["int8_gpu"] if device == "gpu" else SPEED["int8_cpu"]
     return round(factor * 2 / min(cfg.batch_size, 2), 3)  # a micro-batch of 1 takes twice the steps
 
 
@@ -74,12 +76,12 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
     the run's micro-batch (as asked, or as auto chose it), 2 or 1 (accumulation raised to keep the effective
-    batch; only those that divide it; a tie goes to the larger), the
+    batch; only those that divide it), the
     encoder cache when the encoder is frozen (--freeze=encoder) and, with bf16, bf16 storage of the frozen
     weights (any --freeze but none, or LoRA); int8 frozen linear layers (--freeze=encoder or LoRA) when
     optimum-quanto is installed. Sequence lengths, LoRA and the model are never changed: they change what is
     trained. "Fastest" is over the whole run: the encoder cache wins only where the run reads its rows more
-    than once.
+    than once. A tie goes to the larger micro-batch, then to the least host RAM, then the least peak.
     """
     optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
     has_frozen = bool(frozen_parts(cfg))
@@ -106,7 +108,11 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         if peak > budget_gb * 1024 * (1 - RECOMMEND_HEADROOM):
             continue
         speed = run_time(trial, device, reads)
-        if best is None or speed < best[0]:
+        # Of modes equally fast, the larger micro-batch, then the one needing the least memory: on a GPU the
+        # least host RAM first (bf16 storage of a frozen encoder the cache parks on the host halves it: xl LoRA
+        # 7.1 -> 4.7 GiB; under bf16 autocast frozen matrices are cast to bf16 at every use anyway)
+        rank = (speed, -batch, plan["host_peak_mb"], peak)
+        if best is None or rank < best[5]:
             flags = {"gradient_checkpointing": ckpt, "mixed_precision": prec, "optimizer": opt, "batch_size": batch,
                      "gradient_accumulation_steps": accumulation}
             if cfg.frozen_encoder:
@@ -117,7 +123,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
                 flags["quantize_wo"] = True
             if device == "cpu" or cfg.cpu:  # a GPU plan undoes --cpu=True (given, or from host16g)
                 flags["cpu"] = device == "cpu"
-            best = (speed, flags, peak, trial, plan["host_peak_mb"])
+            best = (speed, flags, peak, trial, plan["host_peak_mb"], rank)
     if best is None:
         return None
     return {"flags": best[1], "predicted_peak_mb": best[2], "relative_step_time": relative_time(best[3], device),

@@ -3,9 +3,10 @@
     python train_low_mem.py plot --output_dir=runs/pretrain                  # -> runs/pretrain/plots/*.png
     python train_low_mem.py plot --output_dir=runs/sft --plot_dir=/tmp/sft_charts
 
-One chart per file, against the optimizer step: loss (train and eval), BLEU, learning rate, tokens/s,
-and RSS with the planner's predicted host peak and the measured peak as reference lines. A chart
-whose numbers the run has not logged (no evaluation yet, no BLEU) is skipped and named in the summary.
+One chart per file, against the optimizer step: loss (train and eval), each metric of --eval_metrics (bleu.png,
+chrf.png, rouge.png with rouge1 ... rougeLsum, exact_match.png), learning rate, tokens/s, and RSS with the
+planner's predicted host peak and the measured peak as reference lines. A chart whose numbers the run has not
+logged (no evaluation yet, no answers generated) is skipped and named in the summary.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ import io
 import math
 from pathlib import Path
 
-from config import UserError
+from config import UserError, saved_json
 from data.ownership import claim_folder, is_ours, is_run_folder, write_atomic
+from lowmem.eval_metrics import DEFAULT_METRICS, METRICS, metrics_of
 from lowmem.metrics import read_metrics
 
 CHART_SIZE = (8, 4.5)  # inches at 100 dpi: 800 x 450 pixels
 DPI = 100
-CHARTS = {  # name (the file: NAME.png): title, y label, lines as (label, event, field)
+CHARTS = {  # name (the file: NAME.png): title, y label, lines as (label, event, field); the scores after the loss
     "loss": ("loss", "mean token loss", [("train", "train", "loss"), ("eval", "eval", "eval_loss")]),
-    "bleu": ("eval BLEU-4", "BLEU", [("eval", "eval", "bleu")]),
     "learning_rate": ("learning rate", "lr", [("train", "train", "lr")]),
     "tokens_per_s": ("throughput", "tokens / s (all processes)", [("train", "train", "tokens_per_s")]),
     "rss": ("host memory (main process)", "RSS (MiB)", [("train steps", "train", "rss_mb")]),
@@ -47,7 +48,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
     from matplotlib.figure import Figure
 
     written, skipped = [], {}
-    for name, (title, ylabel, wanted) in CHARTS.items():
+    scores = score_charts(run, records)
+    charts = {"loss": CHARTS["loss"], **scores, **{k: v for k, v in CHARTS.items() if k != "loss"}}
+    for name, (title, ylabel, wanted) in charts.items():
         lines = [(label, series(records, event, field)) for label, event, field in wanted]
         lines = [(label, points) for label, points in lines if points]
         if not lines:
@@ -60,7 +63,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
             ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3, label=label)
         if name == "rss":
             _memory_references(ax, records)
-        if name == "bleu":  # 0..100: a young model's flat 0 shows as 0, not centred in a +-0.05 window
+        if name in scores:  # 0..100: a young model's flat 0 shows as 0, not centred in a +-0.05 window
             ax.set_ylim(-1, max(5.0, 1.1 * max(v for _, points in lines for _, v in points)))
         ax.set(title=f"{title} — {run.name}", xlabel="optimizer step", ylabel=ylabel)
         ax.grid(alpha=0.3)
@@ -78,9 +81,20 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
     return {"plot_dir": str(out), "written": written, "skipped": skipped}
 
 
+def score_charts(run: Path, records: list[dict]) -> dict:
+    """The charts of the scores of generated answers: one per metric of the run's --eval_metrics (its config.json;
+    bleu for a run from before the option) and per other metric its eval records hold, each metric's values as
+    its lines (``lowmem.eval_metrics``)."""
+    asked = metrics_of((saved_json(run / "config.json") or {}).get("eval_metrics") or DEFAULT_METRICS)
+    logged = [m for m in METRICS.values() if any(series(records, "eval", n) for n in m.names)]
+    return {m.key: (f"eval {m.title}", f"{m.title} (0-100)", [(n if len(m.names) > 1 else "eval", "eval", n)
+                                                                for n in m.names])
+            for m in dict.fromkeys([*asked, *logged])}
+
+
 def _unmarked_plots(folder: Path) -> bool:
     """A run's plots/ from before plot folders were marked: the chart PNGs alone, in a run folder of ours."""
-    names = {f"{name}.png" for name in CHARTS}
+    names = {f"{name}.png" for name in [*CHARTS, *METRICS]}
     return folder.name == "plots" and is_ours(folder.parent, "run", is_run_folder) \
         and all(p.name in names for p in folder.iterdir())
 

@@ -23,6 +23,7 @@ import torch
 from config import QUANTIZED_DTYPES, TrainConfig, UserError, saved_json
 from data.ownership import open_own, write_atomic
 from lowmem import checkpoint, deepspeed_engine
+from lowmem.eval_metrics import metric_named
 from lowmem.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.sharding import load_local_state
 
@@ -51,7 +52,7 @@ BEFORE_IT_EXISTED = {"shuffle_buffer_mb": 0, "feed_forward_proj": "relu"}
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 # What an evaluation's numbers depend on besides the model: a best/ chosen under other values is not comparable
 EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_len")
-BLEU_SETTINGS = ("num_beams", "no_repeat_ngram_size", "repetition_penalty")
+GENERATION_SETTINGS = ("num_beams", "no_repeat_ngram_size", "repetition_penalty")
 # What a run records beside its flags (compared above where it matters; the flags behind it are logged)
 NOT_FLAGS = ("batch_request", "held_out_rows", "parameter_group_sizes", "sharding", "base_model")
 SHARDING_NAMES = {"fsdp": "FSDP", "zero2": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3",
@@ -377,6 +378,7 @@ def _compare_rows_per_step(saved: dict, current: dict, folder: Path) -> None:
 
 def eval_changes(saved: dict, current: dict) -> list[str]:
     """The settings of the metric that picks best/ that differ from the checkpoint's (``--name=old -> new``)."""
-    keys = EVAL_SETTINGS + (BLEU_SETTINGS if current.get("metric_for_best") == "bleu" else ())
+    best = metric_named(current.get("metric_for_best", "eval_loss"))
+    keys = EVAL_SETTINGS + (GENERATION_SETTINGS if best is not None and best.needs_generation else ())
     return [f"--{key}={saved[key]} -> {current[key]}" for key in keys
             if key in saved and key in current and saved[key] != current[key]]

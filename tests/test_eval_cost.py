@@ -50,6 +50,7 @@ def test_the_options_take_auto_or_a_value_and_refuse_anything_else():
     ({"eval_generate_samples": 80}, (80, False)),  # the rows given are obeyed
     ({"eval_generate": True, "eval_generate_samples": 80}, (80, True)),  # both given: as asked, whatever it costs
     ({"metric_for_best": "bleu"}, (48, True)),  # BLEU picks best/: every evaluation scores it, the same rows
+    ({"eval_metrics": "rouge", "metric_for_best": "rougeL"}, (48, True)),  # as does any score of the answers
     ({"eval_generate": False}, (0, False)),
     ({"eval_budget_s": 21}, (0, False)),  # not one batch of answers fits: the loss only
     ({"eval_budget_s": 21, "eval_generate": True}, (4, True)),  # ... but generation was asked for: one batch
@@ -115,7 +116,7 @@ def test_the_eval_loss_does_not_depend_on_which_rows_generate(tmp_path, tokenize
     acc = Accelerator(cpu=True)
     run = {rows: evaluate_model(model, model, tokenizer, data.collator, data.eval_examples, cfg, acc,
                                 generate_rows=rows) for rows in (None, 4, 0)}
-    assert run[None]["bleu_rows"] == 10 and run[4]["bleu_rows"] == 4 and "bleu" not in run[0]
+    assert run[None]["scored_rows"] == 10 and run[4]["scored_rows"] == 4 and "bleu" not in run[0]
     assert run[4]["eval_loss"] == pytest.approx(run[None]["eval_loss"], rel=1e-5) == run[0]["eval_loss"]
     assert all(r["eval_examples"] == 10 for r in run.values())
     no_generation = cfg_with(eval_generate=False)  # a plan generates fewer rows than the flags ask, never more
@@ -132,7 +133,7 @@ def run_files(tmp_path):
 
 def generated(run) -> dict[int, int]:
     """Rows generated at each evaluation, by step (0: the loss only)."""
-    return {r["step"]: r.get("bleu_rows", 0) for r in metrics(run) if r["event"] == "eval"}
+    return {r["step"]: r.get("scored_rows", 0) for r in metrics(run) if r["event"] == "eval"}
 
 
 @pytest.mark.slow

@@ -479,6 +479,9 @@ def test_a_resume_on_another_eval_set_says_best_is_chosen_anew():
     assert eval_changes(saved, {**saved, "max_eval_samples": 100}) == ["--max_eval_samples=8 -> 100"]
     assert eval_changes({**saved, "metric_for_best": "bleu"}, {**saved, "metric_for_best": "bleu", "num_beams": 4}) \
         == ["--num_beams=1 -> 4"]
+    rouge = {**saved, "eval_metrics": "rouge", "metric_for_best": "rougeL"}  # as where any score of answers does
+    assert eval_changes(rouge, {**rouge, "eval_metrics": "rouge,bleu", "repetition_penalty": 1.2, "num_beams": 4}) \
+        == ["--num_beams=1 -> 4"]
 
 
 def test_a_resume_under_another_zero_stage_is_one_line(tmp_path):

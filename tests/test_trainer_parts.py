@@ -257,7 +257,7 @@ for package in ("boto3", "bitsandbytes"):
 
 
 def test_bleu_reads_chinese_rows_by_character_in_a_mixed_set():
-    from lowmem.evaluation import bleu_score, bleu_tokenizer
+    from lowmem.eval_metrics import bleu_score, bleu_tokenizer
 
     english = ["the cat sat on the mat", "a quick brown fox jumps"]
     chinese = ["哈尔有几个问题需要解决。", "今天天气很好，我们去公园吧。"]
