@@ -119,6 +119,10 @@ class TrainConfig:
     feed_forward_proj: str = _f("gated-gelu", "Feed-forward of a --model_preset model: gated-gelu (T5 v1.1, flan-t5, "
                                               "mT5) or relu (the original T5); the same weights either way. "
                                               "gated-gelu's smooth gradients make runs reproducible to float error.")
+    tie_word_embeddings: bool = _f(False, "Output layer of a --model_preset model: False, an lm_head of its own (T5 "
+                                          "v1.1, flan-t5, mT5), which SFT's --freeze=encoder trains; True, the "
+                                          "shared embedding itself (the original T5), frozen with it. True saves "
+                                          "one vocabulary x d_model matrix.")
     dropout_rate: float = _f(0.1, "Dropout inside the T5 blocks.")
 
     # --- batch and optimisation ---
@@ -264,7 +268,7 @@ class TrainConfig:
             unused.append(("eval_generate_samples", "with --eval_generate=False (no answers are generated)"))
         if self.init_from:
             unused += [(name, "with --init_from (that model's shape is trained)")
-                       for name in ("model_preset", "feed_forward_proj")]
+                       for name in ("model_preset", "feed_forward_proj", "tie_word_embeddings")]
         if self.effective_batch_size:
             unused.append(("gradient_accumulation_steps", "with --effective_batch_size (accumulation follows)"))
         if self.is_keep_training:

@@ -187,8 +187,8 @@ def test_frozen_weights_in_bf16_train_and_export_float32(tmp_path, pretrained):
 def test_bf16_frozen_weights_are_float32_while_exported(tokenizer):
     from lowmem.modeling import build_model, export_state_dict, freeze_parts, store_frozen_in_bf16, weights_in_float32
 
-    cfg, _ = load_config({"is_finetune": True, "init_from": "unused"})
-    model = build_model(cfg, tokenizer)
+    cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "tie_word_embeddings": True})
+    model = build_model(cfg, tokenizer)  # tied: the frozen embedding is the output layer too
     freeze_parts(model, "encoder")
     stored = store_frozen_in_bf16(model)
     assert model.shared.weight.dtype == torch.bfloat16 and model.lm_head.weight is model.shared.weight

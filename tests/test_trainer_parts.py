@@ -228,7 +228,8 @@ from lowmem.modeling import add_lora, build_model
 from lowmem.run_folder import RunFolder
 
 tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
-cfg = load_config({{"model_preset": "tiny", "is_finetune": True, "init_from": "unused", "lora_r": 4}})[0]
+cfg = load_config({{"model_preset": "tiny", "is_finetune": True, "init_from": "unused", "lora_r": 4,
+                    "tie_word_embeddings": True}})[0]
 model = add_lora(build_model(cfg, tokenizer), cfg)
 print("adapters:", sum(p.numel() for p in model.parameters() if p.requires_grad))
 RunFolder.export({str(tmp_path / "final")!r}, model, tokenizer, {{}})
