@@ -84,8 +84,8 @@ class TrainConfig:
     freeze: str = _f("auto", "What stays fixed while training: encoder (the encoder and the shared embedding, and "
                              "the output layer when tied to it; auto's choice with --is_finetune), embeddings (the "
                              "shared embedding, and a tied output layer), none (every weight trains: full fine-tuning; "
-                             "auto's choice otherwise). An untied lm_head (t5-v1_1, flan-t5, mT5, ByT5) always trains. "
-                             "More frozen saves gradient and optimizer memory.")
+                             "auto's choice otherwise). An untied lm_head (the presets', t5-v1_1, flan-t5, mT5, ByT5) "
+                             "always trains. More frozen saves gradient and optimizer memory.")
     seed: int = _f(42, "Seed for model init, shuffling and dropout.")
 
     # --- data ---
@@ -113,9 +113,10 @@ class TrainConfig:
     pin_memory: bool = _f(False, "Pin batches in page-locked host memory before a CUDA copy. False saves host RAM.")
 
     # --- model ---
-    model_preset: str = _f("tiny", "Model shape: tiny (2M with the shipped 8.1k vocabulary, for CPU demos), "
-                                   "small (T5-small shape: 48M; 60M with a 32k vocabulary), base (the reference "
-                                   "project's shape: 171M; 188M with a 29k vocabulary). Smaller saves memory.")
+    model_preset: str = _f("tiny", "Model shape: tiny (3M with the shipped 8.1k vocabulary, for CPU demos), "
+                                   "small (T5-small shape: 52M; 76M with a 32k vocabulary), base (the reference "
+                                   "project's shape: 178M; 210M with a 29k vocabulary); a tied head (below) has one "
+                                   "vocabulary x d_model matrix fewer. Smaller saves memory.")
     feed_forward_proj: str = _f("gated-gelu", "Feed-forward of a --model_preset model: gated-gelu (T5 v1.1, flan-t5, "
                                               "mT5) or relu (the original T5); the same weights either way. "
                                               "gated-gelu's smooth gradients make runs reproducible to float error.")
