@@ -55,14 +55,10 @@ def build_model(cfg: TrainConfig, tokenizer):
 
 
 def untie_head(model) -> None:
-    """Give a freshly built T5 an ``lm_head`` of its own, as T5 v1.1 and flan-t5 have (transformers 5's T5
-    ties it to the shared embedding whatever the config says; ``tie_word_embeddings=False`` there only turns
-    off the d_model**-0.5 scaling of the decoder's output, which a tied head needs).
-
-    Its weights are drawn with std d_model**-0.5, a linear layer's fan-in scale, so the first logits have
-    unit variance: transformers' std of 1.0 (the embedding's) starts them d_model**0.5 times larger, and the
-    shipped tiny pretraining ended at eval loss 6.9 with it against 5.3 (bench/default_job.py).
-    """
+    """Give a freshly built T5 an ``lm_head`` of its own, as T5 v1.1 and flan-t5 have (transformers 5's T5 ties
+    it whatever the config says; ``tie_word_embeddings=False`` only turns off the tied head's d_model**-0.5 output
+    scaling). Drawn with std d_model**-0.5 (fan-in), so the first logits have unit variance: transformers' std 1.0
+    starts them d_model**0.5 times larger (tiny pretraining: eval loss 6.9 against 5.3, docs/benchmarks.md)."""
     weight = torch.empty_like(model.shared.weight).normal_(0.0, model.config.d_model ** -0.5)
     model.lm_head.weight = torch.nn.Parameter(weight)
     model.all_tied_weights_keys.pop("lm_head.weight", None)  # so a later tie_weights() leaves it untied
