@@ -81,11 +81,10 @@ class TrainConfig:
     tokenizer_dir: str | None = _f(None, "Tokenizer folder. Default: the --init_from model's own (tokenizer.json, "
                                          "spiece.model or ByT5's), else the shipped data/tokenizer (trained from "
                                          "--train_file into a new or empty folder if missing).")
-    freeze: str = _f("auto", "What stays fixed while training: encoder (the encoder and the shared embedding, and "
-                             "the output layer when tied to it; auto's choice with --is_finetune), embeddings (the "
-                             "shared embedding, and a tied output layer), none (every weight trains: full fine-tuning; "
-                             "auto's choice otherwise). An untied lm_head (t5-v1_1, flan-t5, mT5, ByT5) always trains. "
-                             "More frozen saves gradient and optimizer memory.")
+    freeze: str = _f("auto", "What stays fixed: encoder (the encoder, the shared embedding and a tied output layer; "
+                             "auto's choice with --is_finetune), embeddings (the shared embedding, a tied output), "
+                             "none (full fine-tuning; auto's choice otherwise). An untied lm_head always trains. More "
+                             "frozen saves gradient and optimizer memory.")
     seed: int = _f(42, "Seed for model init, shuffling and dropout.")
 
     # --- data ---
@@ -113,12 +112,13 @@ class TrainConfig:
     pin_memory: bool = _f(False, "Pin batches in page-locked host memory before a CUDA copy. False saves host RAM.")
 
     # --- model ---
-    model_preset: str = _f("tiny", "Model shape: tiny (2M with the shipped 8.1k vocabulary, for CPU demos), "
-                                   "small (T5-small shape: 48M; 60M with a 32k vocabulary), base (the reference "
-                                   "project's shape: 171M; 188M with a 29k vocabulary). Smaller saves memory.")
+    model_preset: str = _f("tiny", "Model shape: tiny (3M parameters, CPU demos), small (T5-small shape: 52M), base "
+                                   "(the reference's shape: 178M), with the shipped vocabulary. Smaller saves memory.")
     feed_forward_proj: str = _f("gated-gelu", "Feed-forward of a --model_preset model: gated-gelu (T5 v1.1, flan-t5, "
                                               "mT5) or relu (the original T5); the same weights either way. "
                                               "gated-gelu's smooth gradients make runs reproducible to float error.")
+    tie_word_embeddings: bool = _f(False, "A preset's output layer: False, an lm_head of its own (T5 v1.1, flan-t5), "
+                                          "which SFT trains; True, the shared embedding (original T5; saves memory).")
     dropout_rate: float = _f(0.1, "Dropout inside the T5 blocks.")
 
     # --- batch and optimisation ---
@@ -266,7 +266,7 @@ class TrainConfig:
                                                                                                "eval_metrics")]
         if self.init_from:
             unused += [(name, "with --init_from (that model's shape is trained)")
-                       for name in ("model_preset", "feed_forward_proj")]
+                       for name in ("model_preset", "feed_forward_proj", "tie_word_embeddings")]
         if self.effective_batch_size:
             unused.append(("gradient_accumulation_steps", "with --effective_batch_size (accumulation follows)"))
         if self.is_keep_training:

@@ -43,13 +43,25 @@ def build_model(cfg: TrainConfig, tokenizer):
 
     t5_config = T5Config(vocab_size=len(tokenizer), dropout_rate=cfg.dropout_rate,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+                         decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
                          **preset_shape(cfg.model_preset, cfg.feed_forward_proj))
     model = T5ForConditionalGeneration(t5_config)
+    if not cfg.tie_word_embeddings:
+        untie_head(model)
     model.generation_config = GenerationConfig(
         decoder_start_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, max_new_tokens=cfg.max_target_len, num_beams=cfg.num_beams)
     return model
+
+
+def untie_head(model) -> None:
+    """Give a freshly built T5 an ``lm_head`` of its own, as T5 v1.1 and flan-t5 have (transformers 5's T5 ties
+    it whatever the config says; ``tie_word_embeddings=False`` only turns off the tied head's d_model**-0.5 output
+    scaling). Drawn with std d_model**-0.5 (fan-in), so the first logits have unit variance: transformers' std 1.0
+    starts them d_model**0.5 times larger (tiny pretraining: eval loss 6.9 against 5.3, docs/benchmarks.md)."""
+    weight = torch.empty_like(model.shared.weight).normal_(0.0, model.config.d_model ** -0.5)
+    model.lm_head.weight = torch.nn.Parameter(weight)
+    model.all_tied_weights_keys.pop("lm_head.weight", None)  # so a later tie_weights() leaves it untied
 
 
 def load_model(init_from: str | Path, **config_overrides):

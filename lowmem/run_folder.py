@@ -33,10 +33,11 @@ SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
 # The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
-SHAPE_SETTINGS = ("model_preset", "feed_forward_proj", "is_finetune", "freeze", "tokenizer_size", "tokenizer_sha1",
-                  "tokenizer_json_sha1", "optimizer", "lora_r", "lora_alpha", "lora_target_modules", "frozen_dtype",
-                  "quantize_wo")
-PRESET_SHAPE = ("model_preset", "feed_forward_proj")  # the model's shape when there is no --init_from
+SHAPE_SETTINGS = ("model_preset", "feed_forward_proj", "tie_word_embeddings", "is_finetune", "freeze", "tokenizer_size",
+                  "tokenizer_sha1", "tokenizer_json_sha1", "optimizer", "lora_r", "lora_alpha", "lora_target_modules",
+                  "frozen_dtype", "quantize_wo")
+# the model's shape when there is no --init_from
+PRESET_SHAPE = ("model_preset", "feed_forward_proj", "tie_word_embeddings")
 # What a checkpoint's state is counted in: the order of the rows its data position counts (the seed shuffles
 # each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), the stream
 # that position belongs to (pairs count rows, the text objectives documents and packed tokens), and the
@@ -48,7 +49,7 @@ FIXED_WHY = {"metric_for_best": "its best model was chosen by that metric, whose
              "shuffle_buffer_mb": "the rows its data position holds would come out in another order (the same rows: "
                                   "the run would not be the one it began as)"}
 # Settings added since runs began to be written, with the value in effect before: a checkpoint without one had it
-BEFORE_IT_EXISTED = {"shuffle_buffer_mb": 0, "feed_forward_proj": "relu"}
+BEFORE_IT_EXISTED = {"shuffle_buffer_mb": 0, "feed_forward_proj": "relu", "tie_word_embeddings": True}
 RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
 # What an evaluation's numbers depend on besides the model: a best/ chosen under other values is not comparable
 EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_len")

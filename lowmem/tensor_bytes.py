@@ -44,13 +44,13 @@ def model_dims(cfg: TrainConfig, vocab_size: int) -> dict:
     (umT5: each layer's self-attention has its own position table, not only the first layer's).
 
     From the ``--init_from`` model's config.json (whose embedding may have more rows than the
-    tokenizer: Google pads it), else the preset's, which ``build_model`` makes tied.
+    tokenizer: Google pads it), else the preset's, tied as ``--tie_word_embeddings`` says.
     """
     if cfg.init_from:
         return dict(folder_dims(str(cfg.init_from)))
     shape = preset_shape(cfg.model_preset, cfg.feed_forward_proj)
     gated = shape.pop("feed_forward_proj").startswith("gated-")
-    return {**shape, "vocab_size": vocab_size, "gated": gated, "tied": True, "buckets": 32,
+    return {**shape, "vocab_size": vocab_size, "gated": gated, "tied": cfg.tie_word_embeddings, "buckets": 32,
             "table_every_layer": False}
 
 

@@ -187,8 +187,8 @@ def test_frozen_weights_in_bf16_train_and_export_float32(tmp_path, pretrained):
 def test_bf16_frozen_weights_are_float32_while_exported(tokenizer):
     from lowmem.modeling import build_model, export_state_dict, freeze_parts, store_frozen_in_bf16, weights_in_float32
 
-    cfg, _ = load_config({"is_finetune": True, "init_from": "unused"})
-    model = build_model(cfg, tokenizer)
+    cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "tie_word_embeddings": True})
+    model = build_model(cfg, tokenizer)  # tied: the frozen embedding is the output layer too
     freeze_parts(model, "encoder")
     stored = store_frozen_in_bf16(model)
     assert model.shared.weight.dtype == torch.bfloat16 and model.lm_head.weight is model.shared.weight
@@ -395,14 +395,16 @@ def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_t
     plan = next(r for r in records if r["event"] == "memory_plan")
     peak = next(r for r in records if r["event"] == "memory_peak")
     all_gradients = plan["trainable_parameters"] * 4 / 2**20
-    if rows == "long":  # the costliest moment is the backward's start: only the tied embedding's gradient exists
+    if rows == "long":  # the costliest moment is the backward's start: only the output layer's gradient exists
         assert plan["training_peak_at"] == "backward"
         assert plan["host_mb"]["gradients"] < 0.1 * all_gradients < plan["host_mb"]["activations"]
     elif rows == "short":  # the peak is the backward's end or the optimizer step: every gradient exists
-        assert plan["host_mb"]["gradients"] >= all_gradients
-    else:  # the backward's end: every gradient and the first decoder block's recomputed activations
-        assert plan["training_peak_at"] == "backward"
-        assert plan["host_mb"]["gradients"] >= 0.99 * all_gradients and plan["host_mb"]["activations"] > 0
+        assert plan["host_mb"]["gradients"] >= all_gradients - 0.05  # (host_mb is rounded to 0.1 MiB)
+    else:  # every gradient exists: at the backward's end beside the first decoder block's recomputed activations,
+        # or at the optimizer step, whose temporaries for the preset's own lm_head (8,100 x 512) weigh more
+        assert plan["host_mb"]["gradients"] >= 0.99 * all_gradients
+        at_step = plan["training_peak_at"] == "optimizer step"
+        assert plan["host_mb"]["optimizer_step_temp"] > 0 if at_step else plan["host_mb"]["activations"] > 0
     assert 0.92 <= peak["host_ratio"] <= 1.08, peak
 
 

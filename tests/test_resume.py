@@ -437,6 +437,19 @@ def test_a_run_begun_with_relu_presets_resumes_only_with_relu(tmp_path):
     compare_settings(tuned, {**tuned, "feed_forward_proj": "gated-gelu", "model_preset": "small"}, tmp_path)
 
 
+def test_a_run_begun_with_tied_presets_resumes_only_with_a_tied_head(tmp_path):
+    """The presets' output layer became a matrix of its own after runs had begun with it tied to the embedding,
+    whose checkpoints hold no lm_head: such a run is told the flag to resume with."""
+    from lowmem.run_folder import compare_settings
+
+    before = {"model_preset": "tiny", "feed_forward_proj": "gated-gelu", "init_from": None}
+    with pytest.raises(UserError, match="written with tie_word_embeddings=True but this run has False"):
+        compare_settings(before, {**before, "tie_word_embeddings": False}, tmp_path)
+    compare_settings(before, {**before, "tie_word_embeddings": True}, tmp_path)
+    tuned = {**before, "init_from": "runs/pretrain/final"}  # not read: the model has its own head
+    compare_settings(tuned, {**tuned, "tie_word_embeddings": False}, tmp_path)
+
+
 def test_a_resume_refuses_another_lora_scale_or_another_compute_dtype_for_8_bit_weights(tmp_path):
     """The adapters were trained under alpha / r (another alpha changed the next loss from 6.84 to 8.43), and
     8-bit weights keep their scales in the compute dtype (another one crashed in the first matmul)."""

@@ -68,7 +68,7 @@ def adafactor_ddp(tmp_path_factory) -> tuple[list[str], Path]:
     evals = write_rows(folder / "eval.jsonl", synthetic_rows(3, seed=10))  # eval batches: 1 on each rank
     common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--save_steps=4", "--eval_steps=4",
               "--max_eval_samples=3", "--eval_batch_size=2", "--optimizer=adafactor", "--shuffle_buffer_size=16",
-              "--dump_consumed=True"]
+              "--dump_consumed=True", "--tie_word_embeddings=True"]  # a tied head: one tensor under two names
     trained("cpu_2proc", [*common, f"--output_dir={folder / 'ddp'}"], 29621)
     return common, folder / "ddp"
 
@@ -171,7 +171,8 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(3, seed=8))
     # AdamW with clipping off (DeepSpeed clips at 1.0 unless told otherwise; these gradients are above 1)
     common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--save_steps=4", "--eval_steps=4",
-              "--max_eval_samples=3", "--eval_batch_size=2", "--optimizer=adamw", "--max_grad_norm=0"]
+              "--max_eval_samples=3", "--eval_batch_size=2", "--optimizer=adamw", "--max_grad_norm=0",
+              "--tie_word_embeddings=True"]  # a tied head here; an untied one is fine-tuned below
     ddp, zero3 = (tmp_path / name for name in ("ddp", "zero3"))
     trained("cpu_2proc", [*common, f"--output_dir={ddp}"], 29631)
     log = trained("deepspeed_zero3_cpu", [*common, f"--output_dir={zero3}"], 29633).stderr

@@ -183,7 +183,7 @@ def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path,
 
 # ----------------------------------------------------------------------------- evaluation and generation
 def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer):
-    from lowmem.evaluation import evaluate_model, generate_answers
+    from lowmem.evaluation import answer_text, evaluate_model, generate_answers, generation_options
     from lowmem.modeling import build_model
 
     cfg = config(tmp_path, model_preset="tiny", eval_batch_size=3, max_new_tokens=5)
@@ -199,8 +199,12 @@ def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer)
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="mean")
     assert result["eval_loss"] == pytest.approx(float(expected), rel=1e-4)
     assert result["eval_examples"] == 10 and 0 <= result["bleu"] <= 100
-    answers = generate_answers(model, tokenizer, data.collator, ["the cat runs", "a dog"], cfg, acc)
-    assert len(answers) == 2 and all(len(tokenizer(a)["input_ids"]) <= 6 for a in answers)
+    prompts = ["the cat runs", "a dog"]
+    answers = generate_answers(model, tokenizer, data.collator, prompts, cfg, acc)
+    # at most --max_new_tokens=5 tokens each, read from the ids (the text of random tokens re-tokenizes longer)
+    with torch.no_grad():
+        ids = model.generate(**data.collator.encode(prompts, cfg.max_source_len), **generation_options(cfg, 5))
+    assert ids.shape[1] <= 1 + 5 and answers == [answer_text(tokenizer, row) for row in ids.tolist()]
 
 
 # ----------------------------------------------------------------------------- exports
@@ -228,7 +232,8 @@ from lowmem.modeling import add_lora, build_model
 from lowmem.run_folder import RunFolder
 
 tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
-cfg = load_config({{"model_preset": "tiny", "is_finetune": True, "init_from": "unused", "lora_r": 4}})[0]
+cfg = load_config({{"model_preset": "tiny", "is_finetune": True, "init_from": "unused", "lora_r": 4,
+                    "tie_word_embeddings": True}})[0]
 model = add_lora(build_model(cfg, tokenizer), cfg)
 print("adapters:", sum(p.numel() for p in model.parameters() if p.requires_grad))
 RunFolder.export({str(tmp_path / "final")!r}, model, tokenizer, {{}})

@@ -128,29 +128,37 @@ def test_padding_to_multiples_changes_no_loss_and_no_encoder_state(tokenizer):
     assert torch.allclose(states_padded[:, :width], states, atol=4e-6) and not states_padded[:, width:].any()
 
 
-def test_sft_trains_only_the_decoder(tmp_path, tokenizer):
-    cfg, _ = load_config({"dropout_rate": 0.0})
+@pytest.mark.parametrize("tied", [False, True], ids=["own_head", "tied_head"])
+def test_sft_trains_the_decoder_and_a_head_of_its_own(tmp_path, tokenizer, tied):
+    """SFT's --freeze=encoder keeps the encoder and the shared embedding bit-identical. The decoder trains, and
+    so does the output layer when it is a matrix of its own (the presets' default, as in T5 v1.1 and flan-t5):
+    a head tied to the frozen embedding could not learn to write the tokens pretraining never wrote."""
+    cfg, _ = load_config({"dropout_rate": 0.0, "tie_word_embeddings": tied})
     pretrained = build_model(cfg, tokenizer)
+    assert (pretrained.lm_head.weight is pretrained.shared.weight) is tied
     pretrained.save_pretrained(tmp_path / "pre")
     before = {k: v.clone() for k, v in pretrained.state_dict().items()}
     trainer = make_trainer(tmp_path, tokenizer, is_finetune=True, init_from=str(tmp_path / "pre"), max_steps=3,
                            learn_rate=1e-2)
+    assert (trainer.core.lm_head.weight is trainer.core.shared.weight) is tied  # loaded as built
     trainer._set_train_mode()
     assert trainer.core.encoder.training is False and trainer.core.decoder.training is True
     trainer.train()
     after = trainer.core.state_dict()
-    frozen = [k for k in before if k.startswith(("encoder.", "shared.", "lm_head."))]
-    decoder = [k for k in before if k.startswith("decoder.") and "embed_tokens" not in k]
-    assert frozen and decoder
+    head = ("lm_head.",)
+    frozen = [k for k in before if k.startswith(("encoder.", "shared.", *(head if tied else ())))]
+    trained = [k for k in before if k.startswith(("decoder.", *(() if tied else head))) and "embed_tokens" not in k]
+    assert frozen and trained and ("lm_head.weight" in trained) is not tied
     for key in frozen:
         assert torch.equal(before[key], after[key]), key
-    changed = [k for k in decoder if not torch.equal(before[k], after[k])]
-    assert len(changed) == len(decoder)
-    # Optimizer state exists for decoder tensors only.
-    decoder_params = {id(p) for n, p in trainer.core.named_parameters() if p.requires_grad}
-    assert all(n.startswith("decoder.") for n, p in trainer.core.named_parameters() if p.requires_grad)
-    assert set(map(id, trainer.optimizer.state.keys())) <= decoder_params
-    assert len(trainer.optimizer.state) == len(decoder_params)
+    changed = [k for k in trained if not torch.equal(before[k], after[k])]
+    assert len(changed) == len(trained)
+    # Optimizer state exists for the trained tensors only.
+    trained_params = {id(p) for n, p in trainer.core.named_parameters() if p.requires_grad}
+    names = [n for n, p in trainer.core.named_parameters() if p.requires_grad]
+    assert all(n.startswith("decoder.") or n == "lm_head.weight" and not tied for n in names)
+    assert set(map(id, trainer.optimizer.state.keys())) <= trained_params
+    assert len(trainer.optimizer.state) == len(trained_params)
     trainer.close()
 
 
