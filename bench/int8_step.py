@@ -145,7 +145,7 @@ def micro(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="large", help="a shape of bench/hub_checkpoint.py's SHAPES (large: flan-t5-large)")
+    parser.add_argument("--shape", default="large", help="a shape in bench/hub_checkpoint.py (large: flan-t5-large)")
     parser.add_argument("--precision", default="no,bf16", help="--mixed_precision values, comma-separated")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps logged per run (the first untimed)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each configuration, alternating")
