@@ -1,4 +1,10 @@
-"""Shared fixtures: small real corpora in several formats, the shipped tokenizer, a CLI runner."""
+"""Shared fixtures: small real corpora in several formats, the shipped tokenizer, the CLI run in-process and in a
+process of its own.
+
+Every process a test starts (a CLI run, an ``accelerate launch``, ``torch.multiprocessing``) goes through the
+``processes`` fixture, or a fixture built on it (``run_cli``, ``accelerate_launch``); a test that uses one is marked
+``e2e`` here, so ``pytest -m "not e2e"`` is the fast subset. A test that starts a Python process any other way fails.
+"""
 
 from __future__ import annotations
 
@@ -75,11 +81,121 @@ def shipped():
     return SHIPPED_CORPORA
 
 
-def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / "train_low_mem.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
+class Processes:
+    """The one way tests start processes (see the module docstring): thin wrappers of ``subprocess`` and
+    ``torch.multiprocessing``."""
+
+    def run(self, *args, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(*args, **kwargs)
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(*args, **kwargs)
+
+    def spawn(self, fn, args: tuple, nprocs: int) -> None:
+        import torch.multiprocessing as mp
+
+        mp.spawn(fn, args=args, nprocs=nprocs)
+
+    def cli(self, *args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None,
+            **kwargs) -> subprocess.CompletedProcess:
+        """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process."""
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        return self.run([sys.executable, str(REPO / "train_low_mem.py"), *args], cwd=cwd, capture_output=True,
+                        text=True, timeout=timeout, env=full_env, **kwargs)
+
+    def launch_command(self, *args: str, processes: int = 2, port: int = 29517) -> list[str]:
+        # `accelerate launch --cpu --num_processes 2` starts one process; this form starts two gloo ranks.
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                str(port), str(REPO / "train_low_mem.py"), "train", "--cpu=True", *args]
+
+    def accelerate_launch(self, *args: str, processes: int = 2, port: int = 29517) -> subprocess.CompletedProcess:
+        """``accelerate launch`` of the training CLI on ``processes`` CPU processes (2 or more)."""
+        return self.run(self.launch_command(*args, processes=processes, port=port), cwd=REPO, capture_output=True,
+                        text=True, timeout=600, env=LAUNCH_ENV)
+
+
+LAUNCH_ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="session")
+def processes() -> Processes:
+    """Start processes (marks the test ``e2e``)."""
+    return Processes()
+
+
+@pytest.fixture(scope="session")
+def run_cli(processes):
+    """``run_cli(*args, cwd=, timeout=, env=)``: ``python train_low_mem.py ARGS`` in a process of its own."""
+    return processes.cli
+
+
+@pytest.fixture(scope="session")
+def accelerate_launch(processes):
+    """``accelerate_launch(*args, processes=2, port=)``: the training CLI on several CPU processes."""
+    return processes.accelerate_launch
+
+
+@pytest.fixture
+def cli_in_process(monkeypatch):
+    """``cli_in_process(*args, cwd=, env=)``: ``train_low_mem.main(ARGS)`` in this process, through the same
+    ``lowmem.cli.run_cli`` as a user's command (a ``UserError`` is one ``error:`` line and exit code 2). Returns
+    a ``CompletedProcess`` as ``run_cli`` does. For refusals that come before anything heavy is built: a run
+    that trains belongs in its own process (``run_cli``), where its signal handlers and threads are its own."""
+    import contextlib
+    import gc
+    import io
+
+    import train_low_mem
+
+    def run(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(cwd)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        out, err, code = io.StringIO(), io.StringIO(), 0
+        thresholds = gc.get_threshold()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                train_low_mem.main(list(args))
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        finally:  # the command's collector settings are a process's; this one goes on running tests
+            gc.unfreeze()
+            gc.set_threshold(*thresholds)
+        return subprocess.CompletedProcess(["train_low_mem.py", *args], code, out.getvalue(), err.getvalue())
+
+    return run
+
+
+STARTS_A_RUN = ("python", "accelerate", "torchrun", "deepspeed")
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_through_the_fixture(request, monkeypatch):
+    """A test that starts a Python process (or a launcher, or a ``multiprocessing`` child) without the
+    ``processes`` fixture fails: it would escape the ``e2e`` marker and slow the fast subset down."""
+    if "processes" in request.fixturenames:
+        return
+    import multiprocessing.process
+
+    def refuse(what: str):
+        pytest.fail(f"this test starts {what} without the `processes` fixture (tests/conftest.py): take "
+                    "`run_cli`, `accelerate_launch` or `processes`, which mark it e2e", pytrace=False)
+
+    execute_child = subprocess.Popen._execute_child
+
+    def guarded(self, args, *rest, **kwargs):
+        program = Path(str(args if isinstance(args, (str, bytes)) else args[0])).name
+        if str(args[0] if not isinstance(args, (str, bytes)) else args) == sys.executable or \
+                program.startswith(STARTS_A_RUN):
+            refuse(f"a process ({program})")
+        return execute_child(self, args, *rest, **kwargs)
+
+    def start(self):
+        refuse("a multiprocessing child")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", guarded)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -89,14 +205,15 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip cleanly on machines without CUDA."""
+    """Tests that start processes (the ``processes`` fixture, directly or through another fixture) are marked
+    ``e2e``; tests marked ``gpu`` skip cleanly on machines without CUDA."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "processes" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
 
 

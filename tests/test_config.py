@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 
 from config import LOW_MEMORY_CAPS, TrainConfig, UserError
 from lowmem.flags import help_text, load_config, unused_answer_notes
@@ -121,7 +120,7 @@ def test_help_lists_every_option_with_default():
         assert f"--{f.name} (" in text and f.metadata["help"] in text
 
 
-def test_cli_user_errors_are_one_line_with_exit_code_2():
+def test_cli_user_errors_are_one_line_with_exit_code_2(run_cli):
     for args in (["train", "--learnrate=0.1"], ["train", "--mixed_precision=fp16"],
                  ["train", "--train_file=/nonexistent/x.jsonl"], ["nosuchcommand"]):
         proc = run_cli(*args)
@@ -131,7 +130,7 @@ def test_cli_user_errors_are_one_line_with_exit_code_2():
         assert "Traceback" not in proc.stderr
 
 
-def test_cli_help_exits_zero_and_lists_options():
+def test_cli_help_exits_zero_and_lists_options(run_cli):
     proc = run_cli("train", "--help")
     assert proc.returncode == 0
     assert "--learn_rate (float, default 0.003)" in proc.stdout

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics, run_cli, synthetic_rows
+from conftest import metrics, synthetic_rows
 from test_resume import assert_same_training, kill_at_first_checkpoint_and_resume
 
 from config import UserError
@@ -149,7 +149,7 @@ def test_eval_set_comes_from_the_validation_split_or_the_first_rows(tmp_path, to
         repo.steps(load_config({"train_file": "x"})[0])
 
 
-def test_mistakes_are_one_error_line(tmp_path):
+def test_mistakes_are_one_error_line(tmp_path, run_cli):
     from datasets import Dataset, DatasetDict
 
     saved = save_pairs(tmp_path / "saved")
@@ -175,7 +175,7 @@ def test_mistakes_are_one_error_line(tmp_path):
     assert "Traceback" not in done.stderr and "has no column 'question'" in done.stderr
 
 
-def test_preview_on_a_saved_dataset_for_pairs_and_span_corruption(tmp_path):
+def test_preview_on_a_saved_dataset_for_pairs_and_span_corruption(tmp_path, run_cli):
     pairs = run_cli("preview", f"--train_file={save_pairs(tmp_path / 'pairs')}", "--num_examples=3", "--decode=True",
                     "--shuffle_buffer_size=0")
     assert pairs.returncode == 0, pairs.stderr[-2000:]
@@ -191,8 +191,7 @@ def test_preview_on_a_saved_dataset_for_pairs_and_span_corruption(tmp_path):
     assert [(len(r["original_ids"]), len(r["input_ids"]), len(r["labels"])) for r in records] == [(34, 32, 8)] * 3
 
 
-@pytest.mark.slow
-def test_killed_run_on_a_saved_dataset_resumes_bit_identically(tmp_path):
+def test_killed_run_on_a_saved_dataset_resumes_bit_identically(tmp_path, run_cli):
     # Pairs only: span corruption's packer state resumes the same over any stream
     # (tests/test_span_corruption_training.py), and the dataset's position is the stream's.
     data = [f"--train_file={save_pairs(tmp_path / 'd', n=30)}", "--epochs=2", "--max_target_len=32"]
@@ -209,9 +208,7 @@ def test_killed_run_on_a_saved_dataset_resumes_bit_identically(tmp_path):
         assert sorted(int(row) for e, _, _, row in lines if e == epoch) == list(range(3, 30))  # 3 held out
 
 
-@pytest.mark.slow
-def test_two_processes_read_disjoint_shares_of_a_saved_dataset(tmp_path):
-    from test_multiprocess import accelerate_launch
+def test_two_processes_read_disjoint_shares_of_a_saved_dataset(tmp_path, accelerate_launch):
 
     out = tmp_path / "run"
     done = accelerate_launch(f"--train_file={save_pairs(tmp_path / 'd', n=41)}", f"--output_dir={out}", "--epochs=1",
@@ -227,8 +224,7 @@ def test_two_processes_read_disjoint_shares_of_a_saved_dataset(tmp_path):
     assert "whole shards per process, of 2" in done.stdout
 
 
-@pytest.mark.slow
-def test_a_local_dataset_repository_trains_through_the_hub_code_path(tmp_path):
+def test_a_local_dataset_repository_trains_through_the_hub_code_path(tmp_path, run_cli):
     repo = write_repo(tmp_path / "repo", shards=3)
     common = [f"--train_file={repo}", "--dataset_config=en", *SMALL, "--eval_steps=0", "--save_steps=0"]
     done = run_cli("train", *common, f"--output_dir={tmp_path / 'unknown'}")  # the card gives no row counts

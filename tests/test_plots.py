@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from conftest import REPO, metrics, synthetic_rows, write_rows
 
 from lowmem.plots import plot_run, series
 
@@ -18,7 +18,7 @@ TINY = ["--max_steps=12", "--eval_steps=4", "--logging_steps=2", "--save_steps=4
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, run_cli):
     """A 12-step run with evaluations at 0, 4, 8, 12, checkpoints at 4, 8, 12 and TensorBoard events."""
     root = tmp_path_factory.mktemp("tiny")
     train = write_rows(root / "train.jsonl", synthetic_rows(200, seed=11))
@@ -43,8 +43,7 @@ def recorded(run, event: str, field: str) -> list[tuple[int, float]]:
     return [(r["step"], r[field]) for r in metrics(run) if r["event"] == event]
 
 
-@pytest.mark.slow
-def test_plot_writes_one_png_per_chart(tiny_run):
+def test_plot_writes_one_png_per_chart(tiny_run, run_cli):
     import matplotlib.image
     import numpy as np
 
@@ -62,7 +61,6 @@ def test_plot_writes_one_png_per_chart(tiny_run):
     assert "skipped:" in proc.stdout and "{}" in proc.stdout
 
 
-@pytest.mark.slow
 def test_plot_skips_charts_without_data_and_keeps_last_of_a_repeated_step(tiny_run, tmp_path):
     run, _ = tiny_run
     kept = [r for r in metrics(run) if r["event"] not in ("eval", "memory_plan", "memory_peak")]
@@ -77,12 +75,10 @@ def test_plot_skips_charts_without_data_and_keeps_last_of_a_repeated_step(tiny_r
     assert {p.name for p in (tmp_path / "charts").iterdir()} == CHARTS - {"bleu.png"} | {".t5-lowmem-plots"}
 
 
-@pytest.mark.slow
-def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tmp_path):
+def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tmp_path, processes, run_cli):
     # A full disk, made real with a file-size limit: the write fails (EFBIG) after the PNG's first bytes.
     import resource
     import signal
-    import subprocess
     import sys
 
     run, _ = tiny_run
@@ -94,8 +90,8 @@ def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tm
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 
-    proc = subprocess.run([sys.executable, str(REPO / "train_low_mem.py"), "plot", f"--output_dir={run}",
-                           f"--plot_dir={charts}"], capture_output=True, text=True, preexec_fn=small_files, timeout=300)
+    proc = processes.run([sys.executable, str(REPO / "train_low_mem.py"), "plot", f"--output_dir={run}",
+                          f"--plot_dir={charts}"], capture_output=True, text=True, preexec_fn=small_files, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
     assert "could not be written" in lines[0] and "--plot_dir" in lines[0]
@@ -104,7 +100,7 @@ def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tm
 
 @pytest.mark.parametrize("make", ["nothing", "empty metrics", "no train records", "a line not an object",
                                   "a record without a step", "a step not a number"])
-def test_plot_without_train_records_is_one_error_line(tmp_path, make):
+def test_plot_without_train_records_is_one_error_line(tmp_path, make, run_cli):
     run = tmp_path / "run"
     if make != "nothing":
         run.mkdir()
@@ -119,7 +115,6 @@ def test_plot_without_train_records_is_one_error_line(tmp_path, make):
     assert "train" in lines[0] and not (run / "plots").exists()
 
 
-@pytest.mark.slow
 def test_tensorboard_scalars_equal_metrics_jsonl(tiny_run):
     run, _ = tiny_run
     loss = recorded(run, "train", "loss")
@@ -131,8 +126,7 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tiny_run):
     assert scalars(run, "memory_peak/measured_host_peak_mb") == [(s, pytest.approx(v)) for s, v in peak]
 
 
-@pytest.mark.slow
-def test_resume_does_not_show_steps_twice_in_tensorboard(tiny_run, tmp_path):
+def test_resume_does_not_show_steps_twice_in_tensorboard(tiny_run, tmp_path, run_cli):
     """A resume from step 8 re-logs steps 10 and 12, which the first run logged after that checkpoint."""
     run, args = tiny_run
     copy = tmp_path / "run"
@@ -147,7 +141,7 @@ def test_resume_does_not_show_steps_twice_in_tensorboard(tiny_run, tmp_path):
     assert [s for s, _ in scalars(copy, "eval/eval_loss")] == [0, 4, 8, 12]
 
 
-def test_report_to_is_validated(tmp_path):
+def test_report_to_is_validated(tmp_path, run_cli):
     done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--report_to=wandb")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "--report_to must be one of none, tensorboard (got 'wandb')" in done.stderr
