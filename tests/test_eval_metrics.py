@@ -120,8 +120,8 @@ def test_the_metric_options_accepted():
 
 
 @pytest.mark.parametrize("flags", [["--eval_metrics=foo"], ["--metric_for_best=rougeL"]])
-def test_a_metric_mistake_on_the_command_line_is_one_error_line(tmp_path, flags, run_cli):
-    proc = run_cli("train", f"--output_dir={tmp_path / 'run'}", *flags)
+def test_a_metric_mistake_on_the_command_line_is_one_error_line(tmp_path, flags, cli_in_process):
+    proc = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", *flags)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
     assert "--eval_metrics" in lines[0] and not (tmp_path / "run").exists()

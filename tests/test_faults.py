@@ -172,7 +172,7 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train", "--train_file={tmp}/cut.parquet", "--output_dir={tmp}/run"], "cannot read"),
     (["prepare", "--train_file={tmp}/cut.parquet", "--prepared_dir={tmp}/prepared"], "cannot read"),
 ])
-def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment, run_cli):
+def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment, cli_in_process):
     (tmp_path / "empty.jsonl").write_bytes(b"")
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text("a document of raw text\n")
@@ -181,27 +181,27 @@ def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment, ru
     (tmp_path / "wrapped.json").write_text(json.dumps(rows))
     (tmp_path / "pretty.json").write_text(json.dumps(rows, indent=2))
     (tmp_path / "cut.parquet").write_bytes(b"PAR1 a parquet file cut short")  # no footer
-    proc = run_cli(*[a.format(tmp=tmp_path) for a in args])
+    proc = cli_in_process(*[a.format(tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert fragment in error_line(proc)
 
 
 
-def test_preview_counts_the_bad_rows_it_met_and_refuses_a_file_without_a_usable_one(tmp_path, run_cli):
+def test_preview_counts_the_bad_rows_it_met_and_refuses_a_file_without_a_usable_one(tmp_path, cli_in_process):
     bad = [{"prompt": 1, "response": "x"}, {"prompt": "", "response": "x"}]
     some = write_rows(tmp_path / "some.jsonl", [*bad, *synthetic_rows(3)])
-    shown = run_cli("preview", f"--train_file={some}", f"--eval_file={some}", "--shuffle_buffer_size=0")
+    shown = cli_in_process("preview", f"--train_file={some}", f"--eval_file={some}", "--shuffle_buffer_size=0")
     assert shown.returncode == 0 and len(shown.stdout.splitlines()) == 3, shown.stderr[-2000:]
     assert "2 bad row(s) among the rows read so far" in shown.stderr and "non_string_value 1" in shown.stderr
     none = write_rows(tmp_path / "none.jsonl", bad)  # it printed the skipped rows, no example and exit 0
-    refused = run_cli("preview", f"--train_file={none}", f"--eval_file={some}")
+    refused = cli_in_process("preview", f"--train_file={none}", f"--eval_file={some}")
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert refused.stderr.strip().splitlines()[-1].startswith("error: --train_file has no usable row (2 bad: ")
 
 
-def test_preview_says_which_rows_it_holds_out_and_shows_every_other_one(tmp_path, run_cli):
+def test_preview_says_which_rows_it_holds_out_and_shows_every_other_one(tmp_path, cli_in_process):
     corpus = write_rows(tmp_path / "rows.jsonl", synthetic_rows(40, seed=5))
-    shown = run_cli("preview", f"--train_file={corpus}", "--max_eval_samples=4", "--num_examples=100")
+    shown = cli_in_process("preview", f"--train_file={corpus}", "--max_eval_samples=4", "--num_examples=100")
     assert shown.returncode == 0, shown.stderr[-2000:]
     rows = sorted(json.loads(line)["row"] for line in shown.stdout.splitlines())
     assert rows == list(range(36))  # the last 4 are the eval set, as train holds them out

@@ -814,8 +814,8 @@ def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
     (["--frozen_dtype=float16"], "--frozen_dtype must be one of"),
     (["--is_finetune=True", "--lora_r=4", "--lora_target_modules=q,x"], "--lora_target_modules must be"),
 ])
-def test_invalid_mode_flags_give_one_line(tmp_path, flags, message, run_cli):
-    done = run_cli("train", f"--output_dir={tmp_path / 'run'}", *flags)
+def test_invalid_mode_flags_give_one_line(tmp_path, flags, message, cli_in_process):
+    done = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", *flags)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
 
 

@@ -86,7 +86,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_folder_of_user_files_is_refused_and_left_untouched(tmp_path, case, run_cli):
+def test_a_folder_of_user_files_is_refused_and_left_untouched(tmp_path, case, cli_in_process):
     command, flag, inside = REFUSED[case]
     places = {"tmp": tmp_path, "corpus": write_rows(tmp_path / "data" / "train.jsonl", synthetic_rows(60, seed=1)),
               "run": tmp_path / "run", "user": user_files(tmp_path / "user"),
@@ -99,7 +99,7 @@ def test_a_folder_of_user_files_is_refused_and_left_untouched(tmp_path, case, ru
     if command[0] != "plot":
         args += [f"--train_file={places['corpus']}"] + (TINY if command[0] == "train" else [])
     before = snapshot(tmp_path)
-    line = error_line(run_cli(*args, cwd=places["user"] if inside else tmp_path))
+    line = error_line(cli_in_process(*args, cwd=places["user"] if inside else tmp_path))
     assert f"{flag}=" in line and ("t5-lowmem did not write" in line or "holds a saved model" in line), line
     after = snapshot(tmp_path)
     if "new_run" in " ".join(args):  # the run folder it made for itself is new; nothing else changed

@@ -100,7 +100,7 @@ def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tm
 
 @pytest.mark.parametrize("make", ["nothing", "empty metrics", "no train records", "a line not an object",
                                   "a record without a step", "a step not a number"])
-def test_plot_without_train_records_is_one_error_line(tmp_path, make, run_cli):
+def test_plot_without_train_records_is_one_error_line(tmp_path, make, cli_in_process):
     run = tmp_path / "run"
     if make != "nothing":
         run.mkdir()
@@ -109,7 +109,7 @@ def test_plot_without_train_records_is_one_error_line(tmp_path, make, run_cli):
                  "a record without a step": '{"event": "train", "loss": 1.0}\n',
                  "a step not a number": '{"event": "train", "step": "1", "loss": 1.0}\n'}.get(make, "")
         (run / "metrics.jsonl").write_text(lines, encoding="utf-8")
-    proc = run_cli("plot", f"--output_dir={run}")
+    proc = cli_in_process("plot", f"--output_dir={run}")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
     assert "train" in lines[0] and not (run / "plots").exists()
@@ -141,10 +141,15 @@ def test_resume_does_not_show_steps_twice_in_tensorboard(tiny_run, tmp_path, run
     assert [s for s, _ in scalars(copy, "eval/eval_loss")] == [0, 4, 8, 12]
 
 
-def test_report_to_is_validated(tmp_path, run_cli):
-    done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--report_to=wandb")
+def test_report_to_is_validated(tmp_path, cli_in_process):
+    done = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", "--report_to=wandb")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "--report_to must be one of none, tensorboard (got 'wandb')" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_tensorboard_is_named_before_anything_is_written(tmp_path, run_cli):
+    # (a process of its own: the interpreter must start without tensorboard)
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboard'] = None\n")
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--report_to=tensorboard", env=env)

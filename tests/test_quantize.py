@@ -247,8 +247,8 @@ def test_an_installed_optional_package_that_fails_to_import_is_one_line(tmp_path
     (["--is_finetune=True", "--freeze=embeddings", "--frozen_dtype=float8"], "this run has none"),
     (["--quantize_wo=True"], "--quantize_wo=True needs --frozen_dtype=int8 or float8"),
 ])
-def test_8_bit_flags_without_frozen_layers_give_one_line(tmp_path, flags, message, run_cli):
-    done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--init_from=unused", *flags)
+def test_8_bit_flags_without_frozen_layers_give_one_line(tmp_path, flags, message, cli_in_process):
+    done = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", "--init_from=unused", *flags)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
 
 

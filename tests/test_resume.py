@@ -347,8 +347,8 @@ def test_a_finished_run_continued_times_only_its_training_steps(tmp_path, run_cl
     assert fewer.returncode == 2 and "--max_steps=3 is below step 4" in fewer.stderr, fewer.stderr[-2000:]
 
 
-def test_keep_training_without_a_run_is_a_clear_error(tmp_path, run_cli):
-    proc = run_cli("train", f"--output_dir={tmp_path / 'nothing'}", "--is_keep_training=True")
+def test_keep_training_without_a_run_is_a_clear_error(tmp_path, cli_in_process):
+    proc = cli_in_process("train", f"--output_dir={tmp_path / 'nothing'}", "--is_keep_training=True")
     assert proc.returncode == 2 and "no run to continue" in proc.stderr
 
 

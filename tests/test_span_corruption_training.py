@@ -221,10 +221,10 @@ def test_text_shorter_than_a_chunk_carries_over_to_the_next_epochs(tmp_path, run
     assert steps[-1] == 2, steps
 
 
-def test_targets_longer_than_max_target_len_are_one_error_line(tmp_path, run_cli):
+def test_targets_longer_than_max_target_len_are_one_error_line(tmp_path, cli_in_process):
     txt, _ = write_corpus(tmp_path, 20)
-    done = run_cli("train", "--objective=span_corruption", f"--train_file={txt}", "--max_target_len=20",
-                   "--max_steps=2", f"--output_dir={tmp_path / 'run'}")
+    done = cli_in_process("train", "--objective=span_corruption", f"--train_file={txt}", "--max_target_len=20",
+                          "--max_steps=2", f"--output_dir={tmp_path / 'run'}")
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error:")
     assert "--max_target_len=29" in done.stderr
 
