@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -198,6 +199,38 @@ def _processes_only_through_the_fixture(request, monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
 
 
+def shared_folder(request, tmp_path_factory, name: str, build) -> Path:
+    """A folder (a finished tiny run, say) built once per test session for every test that only reads it, pytest-xdist
+    workers included: the first to ask calls ``build(folder)`` under a file lock, the others wait and read what it
+    made. A test that would write into it copies it first (``shutil.copytree``); one that wrote anyway fails at the
+    session's end, when the folder's files are compared with what ``build`` left."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has a basetemp of its own under the run's
+        root = root.parent
+    folder = root / f"shared-{name}"
+    with FileLock(f"{folder}.lock"):
+        if not (folder.parent / f"{folder.name}.built").is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that failed in another worker: again, here
+            folder.mkdir()
+            build(folder)
+            (folder.parent / f"{folder.name}.built").write_text("")
+    built = folder_state(folder)
+
+    def unchanged():
+        changed = sorted(set(built) ^ set(folder_state(folder)))
+        assert not changed, f"a test wrote into the shared folder {folder} (copy it first): {changed[:10]}"
+
+    request.addfinalizer(unchanged)
+    return folder
+
+
+def folder_state(folder: Path) -> set[tuple[str, int, int]]:
+    return {(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+            if p.is_file()}
+
+
 def metrics(run_dir: Path) -> list[dict]:
     from lowmem.metrics import read_metrics
 
@@ -218,16 +251,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def family_models(tmp_path_factory):
-    """Model folders of every T5 family in the hub's layouts (tests/t5_family.py), built once per session."""
+def family_models(request, tmp_path_factory):
+    """Model folders of every T5 family in the hub's layouts (tests/t5_family.py), built once per session (read
+    only: shared_folder)."""
     from t5_family import FAMILIES, train_spiece, write_family_model
 
-    root = tmp_path_factory.mktemp("families")
-    texts = [r[c] for r in read_jsonl(SHIPPED_CORPORA["sft"][0]) for c in ("prompt", "response")]
-    texts += [r[c] for r in synthetic_rows(500) for c in ("prompt", "response")]
-    texts = list(dict.fromkeys(texts))  # each distinct text once: the shipped corpus repeats its Chinese pairs
-    spiece = train_spiece(root / "spiece.model", texts)
-    return {family: write_family_model(root / family, family, spiece) for family in FAMILIES}
+    def build(root):
+        texts = [r[c] for r in read_jsonl(SHIPPED_CORPORA["sft"][0]) for c in ("prompt", "response")]
+        texts += [r[c] for r in synthetic_rows(500) for c in ("prompt", "response")]
+        texts = list(dict.fromkeys(texts))  # each distinct text once: the shipped corpus repeats its Chinese pairs
+        spiece = train_spiece(root / "spiece.model", texts)
+        for family in FAMILIES:
+            write_family_model(root / family, family, spiece)
+
+    root = shared_folder(request, tmp_path_factory, "families", build)
+    return {family: root / family for family in FAMILIES}
 
 
 def read_jsonl(path: Path) -> list[dict]:

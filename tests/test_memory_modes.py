@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, metrics, synthetic_rows, write_rows
+from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 
 from config import installed
 from lowmem.flags import load_config
@@ -19,15 +19,17 @@ from lowmem.presets import MEMORY_PROFILES
 FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5", "--eval_generate=False"]
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, run_cli):
-    """A tiny pretrained model (a few steps on learnable synthetic pairs) to fine-tune."""
-    folder = tmp_path_factory.mktemp("pre")
-    data = write_rows(folder / "train.jsonl", synthetic_rows(400, seed=1))
-    done = run_cli("train", f"--train_file={data}", f"--eval_file={data}", f"--output_dir={folder / 'run'}",
-                   "--max_steps=10", "--gradient_accumulation_steps=2", *FAST)
-    assert done.returncode == 0, done.stderr
-    return folder / "run" / "final"
+@pytest.fixture(scope="session")
+def pretrained(request, tmp_path_factory, run_cli):
+    """A tiny pretrained model (a few steps on learnable synthetic pairs) to fine-tune, built once for the session
+    (read only: conftest.shared_folder)."""
+    def build(folder):
+        data = write_rows(folder / "train.jsonl", synthetic_rows(400, seed=1))
+        done = run_cli("train", f"--train_file={data}", f"--eval_file={data}", f"--output_dir={folder / 'run'}",
+                       "--max_steps=10", "--gradient_accumulation_steps=2", *FAST)
+        assert done.returncode == 0, done.stderr
+
+    return shared_folder(request, tmp_path_factory, "memory-modes-pretrained", build) / "run" / "final"
 
 
 @pytest.fixture(scope="session")

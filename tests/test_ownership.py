@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import metrics, synthetic_rows, write_rows
+from conftest import metrics, shared_folder, synthetic_rows, write_rows
 
 from config import UserError
 from data.ownership import MARKERS
@@ -201,18 +201,23 @@ def test_prepare_and_plot_write_into_empty_folders_and_refuse_their_own_corpus(t
         assert {p.name for p in charts.iterdir()} == {MARKERS["plots"], "loss.png", "learning_rate.png"}
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, run_cli):
-    """A tiny run with a checkpoint at step 2, trained into a folder that existed and was empty."""
-    root = tmp_path_factory.mktemp("trained")
-    corpus = write_rows(root / "train.jsonl", synthetic_rows(80, seed=4))
-    run = root / "run"
-    run.mkdir()
-    args = [f"--train_file={corpus}", "--save_steps=2", *TINY]
-    proc = run_cli("train", f"--output_dir={run}", *args)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (run / MARKERS["run"]).is_file() and checkpoint.find_latest_valid(run / "checkpoints")
-    return run, args
+@pytest.fixture(scope="session")
+def trained(request, tmp_path_factory, run_cli):
+    """A tiny run with a checkpoint at step 2, trained into a folder that existed and was empty, and its flags;
+    built once for the session (read only: conftest.shared_folder)."""
+    def args(root):
+        return [f"--train_file={root / 'train.jsonl'}", "--save_steps=2", *TINY]
+
+    def build(root):
+        write_rows(root / "train.jsonl", synthetic_rows(80, seed=4))
+        run = root / "run"
+        run.mkdir()
+        proc = run_cli("train", f"--output_dir={run}", *args(root))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert (run / MARKERS["run"]).is_file() and checkpoint.find_latest_valid(run / "checkpoints")
+
+    root = shared_folder(request, tmp_path_factory, "ownership-trained", build)
+    return root / "run", args(root)
 
 
 def test_a_run_folder_of_ours_is_reused_marked_or_not(trained, tmp_path, run_cli):

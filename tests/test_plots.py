@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from conftest import REPO, metrics, synthetic_rows, write_rows
+from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 
 from lowmem.plots import plot_run, series
 
@@ -17,17 +17,21 @@ TINY = ["--max_steps=12", "--eval_steps=4", "--logging_steps=2", "--save_steps=4
         "--max_target_len=16", "--report_to=tensorboard"]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, run_cli):
-    """A 12-step run with evaluations at 0, 4, 8, 12, checkpoints at 4, 8, 12 and TensorBoard events."""
-    root = tmp_path_factory.mktemp("tiny")
-    train = write_rows(root / "train.jsonl", synthetic_rows(200, seed=11))
-    evals = write_rows(root / "eval.jsonl", synthetic_rows(4, seed=12))
-    run = root / "run"
-    args = [f"--train_file={train}", f"--eval_file={evals}", *TINY]
-    proc = run_cli("train", f"--output_dir={run}", *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run, args
+@pytest.fixture(scope="session")
+def tiny_run(request, tmp_path_factory, run_cli):
+    """A 12-step run with evaluations at 0, 4, 8, 12, checkpoints at 4, 8, 12 and TensorBoard events, and its
+    flags; built once for the session (read only: conftest.shared_folder)."""
+    def args(root):
+        return [f"--train_file={root / 'train.jsonl'}", f"--eval_file={root / 'eval.jsonl'}", *TINY]
+
+    def build(root):
+        write_rows(root / "train.jsonl", synthetic_rows(200, seed=11))
+        write_rows(root / "eval.jsonl", synthetic_rows(4, seed=12))
+        proc = run_cli("train", f"--output_dir={root / 'run'}", *args(root))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    root = shared_folder(request, tmp_path_factory, "plots-tiny-run", build)
+    return root / "run", args(root)
 
 
 def scalars(run, tag: str) -> list[tuple[int, float]]:
@@ -43,11 +47,12 @@ def recorded(run, event: str, field: str) -> list[tuple[int, float]]:
     return [(r["step"], r[field]) for r in metrics(run) if r["event"] == event]
 
 
-def test_plot_writes_one_png_per_chart(tiny_run, run_cli):
+def test_plot_writes_one_png_per_chart(tiny_run, tmp_path, run_cli):
     import matplotlib.image
     import numpy as np
 
-    run, _ = tiny_run
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run)  # (the charts go into the run's plots/)
     proc = run_cli("plot", f"--output_dir={run}", "--max_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "note: --max_steps has no effect on plot (it is read by train)" in proc.stderr

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, metrics, synthetic_rows, write_rows
+from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 from safetensors.torch import load_file
 
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -63,18 +63,23 @@ def train_records(run: Path) -> list[dict]:
     return [r for r in metrics(run) if r["event"] == "train"]
 
 
-@pytest.fixture(scope="module")
-def adafactor_ddp(tmp_path_factory, trained) -> tuple[list[str], Path]:
+@pytest.fixture(scope="session")
+def adafactor_ddp(request, tmp_path_factory, trained) -> tuple[list[str], Path]:
     """The DDP run (2 CPU processes, Adafactor, 8 steps, evaluated and checkpointed every 4) the sharded
-    engines are compared with: its flags, which they run with too, and its folder."""
-    folder = tmp_path_factory.mktemp("adafactor")
-    train = write_rows(folder / "train.jsonl", synthetic_rows(45, seed=9))
-    evals = write_rows(folder / "eval.jsonl", synthetic_rows(3, seed=10))  # eval batches: 1 on each rank
-    common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--save_steps=4", "--eval_steps=4",
-              "--max_eval_samples=3", "--eval_batch_size=2", "--optimizer=adafactor", "--shuffle_buffer_size=16",
-              "--dump_consumed=True"]
-    trained("cpu_2proc", [*common, f"--output_dir={folder / 'ddp'}"], 29621)
-    return common, folder / "ddp"
+    engines are compared with: its flags, which they run with too, and its folder; built once for the session
+    (read only: conftest.shared_folder)."""
+    def common(folder):
+        return [f"--train_file={folder / 'train.jsonl'}", f"--eval_file={folder / 'eval.jsonl'}", "--max_steps=8",
+                "--save_steps=4", "--eval_steps=4", "--max_eval_samples=3", "--eval_batch_size=2",
+                "--optimizer=adafactor", "--shuffle_buffer_size=16", "--dump_consumed=True"]
+
+    def build(folder):
+        write_rows(folder / "train.jsonl", synthetic_rows(45, seed=9))
+        write_rows(folder / "eval.jsonl", synthetic_rows(3, seed=10))  # eval batches: 1 on each rank
+        trained("cpu_2proc", [*common(folder), f"--output_dir={folder / 'ddp'}"], 29621)
+
+    folder = shared_folder(request, tmp_path_factory, "sharding-adafactor-ddp", build)
+    return common(folder), folder / "ddp"
 
 
 @pytest.fixture(scope="session")
