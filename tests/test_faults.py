@@ -286,14 +286,14 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path, pr
 
 
 @pytest.mark.parametrize("command", [["train", "--is_finetune=True"], ["plan", "--is_finetune=True"], ["evaluate"]])
-def test_init_from_a_run_folder_names_its_best_model(tmp_path, command, run_cli):
+def test_init_from_a_run_folder_names_its_best_model(tmp_path, command, cli_in_process):
     """A training run's folder holds a config.json too (the run's flags): --init_from pointing at it
     gets one line naming the model folder inside, not a traceback from reading it as a T5 config."""
     run = tmp_path / "pretrain"
     (run / "best").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"model_preset": "tiny", "is_finetune": False}))
     (run / "best" / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    proc = run_cli(*command, f"--init_from={run}", f"--output_dir={tmp_path / 'sft'}")
+    proc = cli_in_process(*command, f"--init_from={run}", f"--output_dir={tmp_path / 'sft'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = error_line(proc)
     assert "is not a T5-family model folder" in line and f"pass --init_from={run / 'best'}" in line

@@ -195,13 +195,13 @@ def test_steps_past_an_estimated_schedule_keep_its_last_rate(name):
     assert rates[:10] == sorted(rates[:3]) + sorted(rates[2:10], reverse=True)[1:]
 
 
-def test_eval_documents_shorter_than_a_chunk_are_one_error_line(tmp_path, run_cli):
+def test_eval_documents_shorter_than_a_chunk_are_one_error_line(tmp_path, cli_in_process):
     # The held-out documents would make no eval chunk, and an eval loss over nothing would read 0.
     train, evals = tmp_path / "train.txt", tmp_path / "eval.txt"
     train.write_text("\n\n".join(documents(100)) + "\n", encoding="utf-8")
     evals.write_text("a short document.\n\nand another one.\n", encoding="utf-8")
-    done = run_cli("train", "--objective=span_corruption", f"--train_file={train}", f"--eval_file={evals}",
-                   "--max_steps=2", f"--output_dir={tmp_path / 'run'}")
+    done = cli_in_process("train", "--objective=span_corruption", f"--train_file={train}", f"--eval_file={evals}",
+                          "--max_steps=2", f"--output_dir={tmp_path / 'run'}")
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: the 2 eval document(s)")
     assert not (tmp_path / "run" / "checkpoints").exists()
 

@@ -161,21 +161,22 @@ def test_lora_reaches_the_gated_feed_forward(family_models, corpus, tmp_path, ru
     assert not (tmp_path / "bad").exists()  # refused before the run folder is made
 
 
-def test_tokenizer_larger_than_the_embedding_is_one_line(family_models, corpus, tmp_path, run_cli):
+def test_tokenizer_larger_than_the_embedding_is_one_line(family_models, corpus, tmp_path, cli_in_process):
     """A padded embedding (640 rows for 500 tokens) trains; a tokenizer past the embedding does not."""
-    proc = run_cli("train", "--is_finetune=True", f"--init_from={family_models['byt5']}",
-                   f"--tokenizer_dir={family_models['flan']}", f"--train_file={corpus[0]}", f"--eval_file={corpus[1]}",
-                   f"--output_dir={tmp_path / 'run'}", *FAST)
+    proc = cli_in_process("train", "--is_finetune=True", f"--init_from={family_models['byt5']}",
+                          f"--tokenizer_dir={family_models['flan']}", f"--train_file={corpus[0]}",
+                          f"--eval_file={corpus[1]}", f"--output_dir={tmp_path / 'run'}", *FAST)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert "the tokenizer has 500 tokens but the model's embedding only 384 rows" in proc.stderr
 
 
-def test_a_column_of_numbers_or_booleans_is_named(tmp_path, run_cli):
+def test_a_column_of_numbers_or_booleans_is_named(tmp_path, cli_in_process):
     numbers = write_rows(tmp_path / "numbers.jsonl", [{"prompt": f"what is {i}", "response": i} for i in range(40)])
     flags = write_rows(tmp_path / "flags.parquet", [{"prompt": f"is {i} even", "answer": i % 2 == 0}
                                                     for i in range(40)])
-    proc = run_cli("train", f"--train_file={numbers}", f"--output_dir={tmp_path / 'a'}")
+    proc = cli_in_process("train", f"--train_file={numbers}", f"--output_dir={tmp_path / 'a'}")
     assert proc.returncode == 2 and "column 'response'" in proc.stderr
     assert "holds numbers (int), not text" in proc.stderr
-    proc = run_cli("train", f"--train_file={flags}", "--response_column=answer", f"--output_dir={tmp_path / 'b'}")
+    proc = cli_in_process("train", f"--train_file={flags}", "--response_column=answer",
+                          f"--output_dir={tmp_path / 'b'}")
     assert proc.returncode == 2 and "column 'answer'" in proc.stderr and "holds booleans, not text" in proc.stderr

@@ -127,7 +127,7 @@ def test_a_tokenizer_is_identified_by_how_it_splits_text_not_by_its_vocabulary_a
     assert tokenizer_json_sha1(shipped) == before
 
 
-def test_a_run_folder_as_tokenizer_dir_names_its_export(tmp_path, run_cli):
+def test_a_run_folder_as_tokenizer_dir_names_its_export(tmp_path, cli_in_process):
     """A run folder passed as --tokenizer_dir used to start training a tokenizer into it, then be refused as a
     folder of files 't5-lowmem did not write' (its own marker among them): now one line names the export."""
     import shutil
@@ -142,7 +142,7 @@ def test_a_run_folder_as_tokenizer_dir_names_its_export(tmp_path, run_cli):
         load_trained_tokenizer(run)
     shutil.copytree(SHIPPED_TOKENIZER_DIR, run / "final")
     before = sorted(p.name for p in run.iterdir())
-    proc = run_cli("train", f"--tokenizer_dir={run}", f"--output_dir={tmp_path / 'out'}", "--max_steps=1")
+    proc = cli_in_process("train", f"--tokenizer_dir={run}", f"--output_dir={tmp_path / 'out'}", "--max_steps=1")
     assert proc.returncode == 2, proc.stderr[-2000:]
     expected = (f"error: --tokenizer_dir={run} is a training run's folder; its tokenizer is in its exports: pass "
                 f"--tokenizer_dir={run / 'final'}")
