@@ -186,10 +186,9 @@ def _processes_only_through_the_fixture(request, monkeypatch):
     execute_child = subprocess.Popen._execute_child
 
     def guarded(self, args, *rest, **kwargs):
-        program = Path(str(args if isinstance(args, (str, bytes)) else args[0])).name
-        if str(args[0] if not isinstance(args, (str, bytes)) else args) == sys.executable or \
-                program.startswith(STARTS_A_RUN):
-            refuse(f"a process ({program})")
+        program = os.fsdecode(args if isinstance(args, (str, bytes, os.PathLike)) else args[0])
+        if program == sys.executable or Path(program).name.startswith(STARTS_A_RUN):
+            refuse(f"a process ({Path(program).name})")
         return execute_child(self, args, *rest, **kwargs)
 
     def start(self):
