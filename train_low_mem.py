@@ -99,19 +99,21 @@ def claim_output_dir(cfg):
     from data.objectives import objective_for
     from data.pipeline import check_data  # light: pyarrow is imported only to read a parquet file's columns
     from lowmem.run_start import refuse_early
+    from lowmem.trackers import check_report_to
 
     files, tokenizer_dir, tokenizer = check_data(cfg, objective_for(cfg)), None, None
+    check_report_to(cfg.report_to)  # an unknown tracker, or its package missing: one line
     if cfg.init_from and not cfg.is_keep_training:
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
         refuse_untrained(cfg)
         check_weights(cfg.init_from)
-    extras = cfg.init_from or cfg.optimizer == "adamw8bit" or cfg.report_to == "tensorboard"
+    extras = cfg.init_from or cfg.optimizer == "adamw8bit"
     if extras and not cfg.is_keep_training:
         from lowmem.memory import import_extras
         from lowmem.modeling import import_transformers_models
 
         import_transformers_models()  # first, as the trainer does: without scipy and boto3 (peft imports both)
-        import_extras(cfg)  # peft, bitsandbytes, optimum-quanto, tensorboard: one installed but broken is refused
+        import_extras(cfg)  # peft, bitsandbytes, optimum-quanto: one installed but broken is refused
     if cfg.init_from and not cfg.is_keep_training:  # before the folder is made
         from lowmem.modeling import check_init_from
 

@@ -180,7 +180,7 @@ class LowMemTrainer:
         if resume_dir is not None:
             self.load_checkpoint(resume_dir)
         self.telemetry.record("memory_plan", **self.memory_plan)  # after a resume has cut metrics.jsonl back
-        self.telemetry.start_tracker(cfg.report_to, resumed=resume_dir is not None)
+        self.telemetry.start_trackers()  # a resume continues their runs (lowmem.tracker_feed)
         if cfg.encoder_cache != "off":
             self._open_encoder_cache()
         plan = plan_evals(self.model, self.core, self.data, cfg, self.accelerator, self.shape_multiple, self.state)
@@ -410,6 +410,7 @@ class LowMemTrainer:
         self.telemetry.record("memory_peak", **fields)
         self.say(line)
         errors = report_data_errors(self.telemetry, self.data)
+        self.telemetry.run_ended()  # the trackers get what came after the last checkpoint
         self.accelerator.wait_for_everyone()  # no process leaves while another is still in a collective
         return {"output_dir": str(self.out), "steps": self.state.step, "step_s": self.meter.mean_step_seconds(),
                 "eval_loss": metrics["eval_loss"], **scores_in(metrics), "best_metric": self.state.best_metric,
@@ -487,7 +488,6 @@ class LowMemTrainer:
             self.encoder_cache.close()
             self.encoder_cache = None
         if self.accelerator is not None:
-            # Tear the process group down before interpreter exit: gloo threads left to static
-            # destructors can abort a finished process ("terminate called without an active exception").
+            # gloo threads left to static destructors can abort a finished process: tear the group down first
             self.accelerator.end_training()
             self.accelerator = None

@@ -138,7 +138,8 @@ RUN_ENTRY_KINDS = {"plots": "plots", "encoder_cache": "encoder_cache"}  # a run'
 LEGACY_STARTED_MARKER = ".started"  # what versions before 2026-11-28 left instead (a name other tools use too)
 # What a run writes in OUTPUT_DIR (staging folders and an export's set-aside copy included)
 RUN_ENTRIES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|best|final|plots|tensorboard|encoder_cache|\.lock|"
-                         r"\.started|\.(old|tmp)-(best|final)|consumed-rank\d+\.tsv")
+                         r"\.started|\.(old|tmp)-(best|final)|consumed-rank\d+\.tsv|"
+                         r"wandb|mlflow\.db(-journal)?|\.?trackers\.json(\.tmp)?")  # (--report_to's files)
 
 
 def is_run_folder(path: Path) -> bool:

@@ -70,6 +70,7 @@ class Checkpointer:
             self.folder.write_checkpoint(step, model, optimizer, scheduler, trainer_state, run_config,
                                          process_states, keep=keep, staged=self.engine is not None)
             self.telemetry.metrics.write_line(record)
+            self.telemetry.checkpointed()  # the trackers that wait for a checkpoint get the records it keeps
         self.accelerator.wait_for_everyone()
         self.saved_step = step
         return folder

@@ -36,7 +36,6 @@ def start_accelerator(cfg: TrainConfig):
     if cfg.mixed_precision == "bf16" and torch.cuda.is_available() and not cfg.cpu \
             and not torch.cuda.is_bf16_supported():
         raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=no")
-    # --report_to: accelerate's tracker, its files under OUTPUT_DIR (started by setup(), once the step is known)
     engine = requested_engine()
     # FSDP's settings are read before accelerate starts (they are taken out of its environment)
     sharding = {"engine": "fsdp", **fsdp_settings()} if engine == "fsdp" else None
@@ -45,7 +44,6 @@ def start_accelerator(cfg: TrainConfig):
         map_large_blocks()  # gathered weights and gradients, freed at every block, go back to the OS
     if engine == "deepspeed":
         deepspeed_engine.check_deepspeed(cfg)
-    tracking = {} if cfg.report_to == "none" else {"log_with": cfg.report_to, "project_dir": cfg.output_dir}
     # DDP all-reduces through buckets that, by default, are a second copy of every gradient; as
     # views the gradients live in the buckets themselves (one copy fewer per process).
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
@@ -55,7 +53,7 @@ def start_accelerator(cfg: TrainConfig):
     accelerator = Accelerator(cpu=(cfg.cpu or launched_without_gpu()) and engine != "deepspeed",
                               mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              kwargs_handlers=handlers, **tracking)
+                              kwargs_handlers=handlers)
     if engine == "deepspeed":
         sharding = deepspeed_engine.configure(accelerator, cfg)
     if accelerator.device.type == "cuda":

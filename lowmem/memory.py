@@ -272,25 +272,26 @@ def import_accelerate() -> None:
 def import_extras(cfg) -> None:
     """Import the optional packages the run uses, where installed (peft without bitsandbytes, as
     ``lowmem.modeling.add_lora`` imports it; bitsandbytes for adamw8bit; optimum-quanto for 8-bit frozen
-    weights; tensorboard for --report_to). A missing one is refused where it is used, in one line.
+    weights; the libraries of --report_to's trackers). A missing one is refused where it is used, in one line.
 
     Raises:
         UserError: one is installed but fails to import (another version of its dependencies, say).
     """
     from config import QUANTIZED_DTYPES, UserError, installed
+    from lowmem.trackers import import_trackers
 
+    import_trackers(cfg.report_to)
     for module, flag, used in (
             ("peft", "--lora_r", cfg.lora_r > 0),
             ("bitsandbytes", "--optimizer=adamw8bit", cfg.optimizer == "adamw8bit"),
-            ("optimum.quanto", "--frozen_dtype", cfg.frozen_dtype in QUANTIZED_DTYPES),
-            ("torch.utils.tensorboard", "--report_to=tensorboard", cfg.report_to == "tensorboard")):
+            ("optimum.quanto", "--frozen_dtype", cfg.frozen_dtype in QUANTIZED_DTYPES)):
         if not used or not installed(module.split(".")[0]):
             continue
         try:
             with hidden("bitsandbytes") if module == "peft" else contextlib.nullcontext():
                 importlib.import_module(module)
         except ImportError as err:
-            package = {"optimum.quanto": "optimum-quanto", "torch.utils.tensorboard": "tensorboard"}.get(module, module)
+            package = {"optimum.quanto": "optimum-quanto"}.get(module, module)
             raise UserError(f"{flag} needs {package}, which is installed but fails to import ({err}); reinstall it "
                             f"for this environment: pip install --force-reinstall {package}") from None
 

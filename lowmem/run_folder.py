@@ -6,6 +6,8 @@
     OUTPUT_DIR/checkpoints/latest
     OUTPUT_DIR/best/  OUTPUT_DIR/final/   save_pretrained folders
     OUTPUT_DIR/tensorboard/               event files (--report_to=tensorboard)
+    OUTPUT_DIR/wandb/, mlflow.db          --report_to=wandb, mlflow (unless WANDB_DIR, MLFLOW_TRACKING_URI are set)
+    OUTPUT_DIR/trackers.json              the trackers' run ids and how far they were fed (lowmem.tracker_feed)
     OUTPUT_DIR/plots/                     charts of metrics.jsonl (the plot command)
 """
 

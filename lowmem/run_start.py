@@ -25,7 +25,8 @@ LOCK_FILE = ".lock"
 def run_files(path: Path) -> list[Path]:
     """The files a run leaves in ``path`` (what starting over removes)."""
     files = [path / "checkpoints", path / "best", path / "final", path / "metrics.jsonl",
-             path / "tensorboard", path / "plots", *path.glob("consumed-rank*.tsv"),
+             path / "tensorboard", path / "wandb", path / "mlflow.db", path / "trackers.json", path / "plots",
+             *path.glob("consumed-rank*.tsv"),
              path / ".old-best", path / ".old-final"]  # (an export's swap cut between its two renames)
     return [p for p in files if p.is_symlink() or p.exists() and not checkpoint.only_foreign(p)]
 
@@ -157,9 +158,10 @@ def stopped_before_training(path: Path, used: list[Path]) -> bool:
     step-0 evaluation's ``best/`` (the model it started from), nothing that starting over would
     lose, so fixing the cause and running the same command again just works."""
     metrics = path / "metrics.jsonl"
-    # What setup opens before the first step: the consumed-example logs and tensorboard's folder
+    # What setup opens before the first step: the consumed-example logs and the trackers' files
     # (empty of steps then), and the step-0 evaluation's best/
-    opened = {metrics, path / "best", path / "tensorboard", *path.glob("consumed-rank*.tsv")}
+    opened = {metrics, path / "best", path / "tensorboard", path / "wandb", path / "mlflow.db", path / "trackers.json",
+              *path.glob("consumed-rank*.tsv")}
     if metrics not in used or not set(used) <= opened:
         return False
     try:

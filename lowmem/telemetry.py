@@ -1,5 +1,5 @@
-"""What a run tells: log lines, ``metrics.jsonl`` records (and accelerate's tracker with
-``--report_to``), memory probes, the consumed-examples log, the start-up summary, and the interval
+"""What a run tells: log lines, ``metrics.jsonl`` records (fed to the trackers of ``--report_to``:
+``lowmem.tracker_feed``), memory probes, the consumed-examples log, the start-up summary, and the interval
 meter behind each ``train`` record's loss and rates.
 
 Log lines come from the main process (``say``) or from any process with its rank (``warn``); a
@@ -22,8 +22,9 @@ from config import SHIPPED_TOKENIZER_DIR, TrainConfig, UserError
 from data.ownership import open_own
 from data.sources import bad_rows_report, file_notes, formats_for, too_many_bad_rows
 from lowmem.memory import memory_snapshot
-from lowmem.metrics import AppendLog, MetricsLog, tracker_scalars, train_line
+from lowmem.metrics import AppendLog, MetricsLog, train_line
 from lowmem.modeling import head_is_tied, lora_stacks
+from lowmem.tracker_feed import TrackerFeed
 
 
 def on_terminal() -> bool:
@@ -37,14 +38,13 @@ class Telemetry:
     def __init__(self, state):
         self.state = state
         self.main, self.rank, self.world = True, 0, 1  # until attach(): before setup every line is printed
-        self.accelerator = None  # the tracker behind --report_to
         self.metrics: MetricsLog | None = None  # main process only
+        self.trackers: TrackerFeed | None = None  # --report_to, fed from metrics.jsonl (main process)
         self.consumed: AppendLog | None = None  # --dump_consumed, every process
         self.pending_config: tuple | None = None  # (OUTPUT_DIR/config.json, the options), main process
         self.holding = False  # resuming: no record before the checkpoint has loaded (``open``)
 
     def attach(self, accelerator) -> None:
-        self.accelerator = accelerator
         self.main, self.rank, self.world = accelerator.is_main_process, accelerator.process_index, \
             accelerator.num_processes
 
@@ -59,6 +59,7 @@ class Telemetry:
             if not resuming:
                 self._write_config()
             self.metrics = MetricsLog(out / "metrics.jsonl")
+            self.trackers = TrackerFeed(out, cfg.report_to, cfg.to_dict(), self.say)
         self.holding = resuming
         if cfg.dump_consumed:
             self.consumed = AppendLog(out / f"consumed-rank{self.rank}.tsv")
@@ -77,13 +78,20 @@ class Telemetry:
         with open_own(path, "w", encoding="utf-8") as fh:
             fh.write(json.dumps(values, indent=1))
 
-    def start_tracker(self, report_to: str, resumed: bool) -> None:
-        """``--report_to=tensorboard``: events go to OUTPUT_DIR/tensorboard. On resume, SummaryWriter's
-        ``purge_step`` hides what the stopped run logged after its checkpoint (metrics.jsonl is cut back there
-        the same way)."""
-        if report_to != "none":
-            purge = {"purge_step": self.state.step + 1} if resumed else {}
-            self.accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": purge})
+    def start_trackers(self) -> None:
+        """The trackers of ``--report_to``: new runs, or (resumed) the runs they continue, at the current step."""
+        if self.trackers is not None:
+            self.trackers.start(self.state.step, self.metrics.path)
+
+    def checkpointed(self) -> None:
+        """A checkpoint is on disk, and with it the records so far: the trackers that wait for one get them."""
+        if self.trackers is not None:
+            self.trackers.committed(self.metrics.path, self.metrics.tell())
+
+    def run_ended(self) -> None:
+        """The run is over: the trackers get the records after its last checkpoint and are finished."""
+        if self.trackers is not None:
+            self.trackers.finish(self.metrics.path, self.metrics.tell(), complete=True)
 
     def say(self, message: str) -> None:
         """A line from the main process."""
@@ -98,12 +106,10 @@ class Telemetry:
         sys.stdout.flush()
 
     def record(self, event: str, **fields) -> None:
-        """One metrics.jsonl record at the current step; its numbers also go to the tracker."""
+        """One metrics.jsonl record at the current step; its numbers also go to the trackers."""
         if self.metrics is not None and not self.holding:
             self.metrics.write(event, self.state.step, **fields)
-            scalars = tracker_scalars(event, fields)  # --report_to: the numbers `plot` draws
-            if scalars:
-                self.accelerator.log(scalars, step=self.state.step)
+            self.trackers.record(event, self.state.step, fields)  # the live ones (TensorBoard)
 
     def log_memory(self, where: str, **extra) -> None:
         self.record("memory", where=where, **memory_snapshot(), **extra)
@@ -137,12 +143,15 @@ class Telemetry:
             self.metrics.truncate(offsets["metrics"])
             if checkpoint_record:  # (checkpoints of older versions lack it)
                 self.metrics.write_line(checkpoint_record)
+            self.trackers.cut_back(self.metrics.tell())
 
     def close(self) -> None:
+        if self.trackers is not None:  # (stopped: only what a checkpoint holds went to the waiting ones)
+            self.trackers.finish(self.metrics.path, self.metrics.tell(), complete=False)
         for log in (self.metrics, self.consumed):
             if log is not None:
                 log.close()
-        self.metrics = self.consumed = None
+        self.metrics = self.consumed = self.trackers = None
 
 
 class IntervalMeter:

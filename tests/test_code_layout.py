@@ -39,12 +39,11 @@ MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 400, 400, 60
 # Split by concern, then lower or remove the entry: the test fails when one grows, when a new one appears
 # and when an entry is larger than what it counts (so that the list follows each split down).
 OVER_THE_LIMIT = {
-    "module config": 476,
+    "module config": 473,
     "module data.readers": 461,
     "module lowmem.modeling": 488,
     "module lowmem.planner": 495,
     "module trainer_low_mem": 493,
-    "function config.TrainConfig.validate": 61,
     "function lowmem.adafactor_slices.update_flat": 62,
     "function lowmem.cli.run_cli": 63,
     "function lowmem.plan_command.plan_command": 61,

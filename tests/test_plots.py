@@ -147,9 +147,9 @@ def test_resume_does_not_show_steps_twice_in_tensorboard(tiny_run, tmp_path, run
 
 
 def test_report_to_is_validated(tmp_path, cli_in_process):
-    done = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", "--report_to=wandb")
+    done = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", "--report_to=comet")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "--report_to must be one of none, tensorboard (got 'wandb')" in done.stderr
+    assert "--report_to: unknown tracker 'comet'; a comma list of tensorboard, wandb, mlflow, trackio" in done.stderr
     assert not (tmp_path / "run").exists()
 
 
