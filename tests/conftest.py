@@ -137,6 +137,29 @@ def accelerate_launch(processes):
     return processes.accelerate_launch
 
 
+@pytest.fixture(scope="session")
+def kill_at_first_checkpoint_and_resume(processes, run_cli):
+    """``kill_at_first_checkpoint_and_resume(run, args, log, wait_s)``: train into ``run`` (its output in ``log``),
+    SIGKILL the process once its first checkpoint is written, then continue it with --is_keep_training=True
+    (which must resume from that checkpoint)."""
+    import time
+
+    def kill_and_resume(run: Path, args: list[str], log: Path, wait_s: float) -> None:
+        with open(log, "w") as fh:  # (a pipe nobody reads could block it)
+            child = processes.popen([sys.executable, str(REPO / "train_low_mem.py"), "train", f"--output_dir={run}",
+                                     *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True)
+        started = time.time()
+        while not (run / "checkpoints" / "latest").is_file():
+            assert child.poll() is None and time.time() < started + wait_s, log.read_text()[-2000:]
+            time.sleep(0.05)
+        child.kill()
+        child.wait()
+        done = run_cli("train", f"--output_dir={run}", *args, "--is_keep_training=True", timeout=1200)
+        assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
+
+    return kill_and_resume
+
+
 @pytest.fixture
 def cli_in_process(monkeypatch):
     """``cli_in_process(*args, cwd=, env=)``: ``train_low_mem.main(ARGS)`` in this process, through the same

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import metrics, synthetic_rows
-from test_resume import assert_same_training, kill_at_first_checkpoint_and_resume
+from test_resume import assert_same_training
 
 from config import UserError
 from data.dataset_stream import DatasetStream
@@ -192,7 +192,7 @@ def test_preview_on_a_saved_dataset_for_pairs_and_span_corruption(tmp_path, cli_
     assert [(len(r["original_ids"]), len(r["input_ids"]), len(r["labels"])) for r in records] == [(34, 32, 8)] * 3
 
 
-def test_killed_run_on_a_saved_dataset_resumes_bit_identically(tmp_path, run_cli):
+def test_killed_run_on_a_saved_dataset_resumes_bit_identically(tmp_path, run_cli, kill_at_first_checkpoint_and_resume):
     # Pairs only: span corruption's packer state resumes the same over any stream
     # (tests/test_span_corruption_training.py), and the dataset's position is the stream's.
     data = [f"--train_file={save_pairs(tmp_path / 'd', n=30)}", "--epochs=2", "--max_target_len=32"]

@@ -35,23 +35,6 @@ def launch(processes):
     return launch
 
 
-@pytest.fixture(scope="session")
-def kill_at_first_checkpoint_and_resume(launch, run_cli):
-    def kill_at_first_checkpoint_and_resume(run: Path, args: list[str], log: Path, wait_s: float) -> None:
-        """Train into ``run``, SIGKILL the process once its first checkpoint is written, then continue it
-        with --is_keep_training=True (which must resume from that checkpoint)."""
-        child = launch([f"--output_dir={run}", *args], log)
-        started = time.time()
-        while not (run / "checkpoints" / "latest").is_file():
-            assert child.poll() is None and time.time() < started + wait_s, log.read_text()[-2000:]
-            time.sleep(0.05)
-        child.kill()
-        child.wait()
-        done = run_cli("train", f"--output_dir={run}", *args, "--is_keep_training=True", timeout=1200)
-        assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
-    return kill_at_first_checkpoint_and_resume
-
-
 def assert_same_training(straight: Path, broken: Path) -> str:
     """The two runs' final weights, logged losses (and padding shares: an interval a resume cut in two counted
     only its second part's) and consumed logs are identical; returns the consumed log."""

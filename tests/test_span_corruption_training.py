@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 from conftest import REPO, metrics
-from test_resume import assert_same_training, kill_at_first_checkpoint_and_resume
+from test_resume import assert_same_training
 
 from config import SHIPPED_TOKENIZER_DIR
 from data import span_corruption
@@ -229,7 +229,8 @@ def test_targets_longer_than_max_target_len_are_one_error_line(tmp_path, cli_in_
     assert "--max_target_len=29" in done.stderr
 
 
-def test_span_corruption_learns_resumes_bit_identically_and_sft_starts_from_it(tmp_path, run_cli):
+def test_span_corruption_learns_resumes_bit_identically_and_sft_starts_from_it(
+        tmp_path, run_cli, kill_at_first_checkpoint_and_resume):
     txt, _ = write_corpus(tmp_path)
     common = ["--objective=span_corruption", f"--train_file={txt}", "--max_steps=16", "--save_steps=4",
               "--eval_steps=8", "--gradient_accumulation_steps=4", "--max_eval_samples=8", "--logging_steps=2",
