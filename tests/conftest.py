@@ -1,10 +1,17 @@
-"""Shared fixtures: small real corpora in several formats, the shipped tokenizer, a CLI runner."""
+"""Shared fixtures: small real corpora in several formats, the shipped tokenizer, the CLI run in-process and in a
+process of its own.
+
+Every process a test starts (a CLI run, an ``accelerate launch``, ``torch.multiprocessing``) goes through the
+``processes`` fixture, or a fixture built on it (``run_cli``, ``accelerate_launch``); a test that uses one is marked
+``e2e`` here, so ``pytest -m "not e2e"`` is the fast subset. A test that starts a Python process any other way fails.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,11 +82,175 @@ def shipped():
     return SHIPPED_CORPORA
 
 
-def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / "train_low_mem.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
+class Processes:
+    """The one way tests start processes (see the module docstring): thin wrappers of ``subprocess`` and
+    ``torch.multiprocessing``."""
+
+    def run(self, *args, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(*args, **kwargs)
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(*args, **kwargs)
+
+    def spawn(self, fn, args: tuple, nprocs: int) -> None:
+        import torch.multiprocessing as mp
+
+        mp.spawn(fn, args=args, nprocs=nprocs)
+
+    def cli(self, *args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None,
+            **kwargs) -> subprocess.CompletedProcess:
+        """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process."""
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        return self.run([sys.executable, str(REPO / "train_low_mem.py"), *args], cwd=cwd, capture_output=True,
+                        text=True, timeout=timeout, env=full_env, **kwargs)
+
+    def launch_command(self, *args: str, processes: int = 2, port: int = 29517) -> list[str]:
+        # `accelerate launch --cpu --num_processes 2` starts one process; this form starts two gloo ranks.
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                str(port), str(REPO / "train_low_mem.py"), "train", "--cpu=True", *args]
+
+    def accelerate_launch(self, *args: str, processes: int = 2, port: int = 29517) -> subprocess.CompletedProcess:
+        """``accelerate launch`` of the training CLI on ``processes`` CPU processes (2 or more)."""
+        return self.run(self.launch_command(*args, processes=processes, port=port), cwd=REPO, capture_output=True,
+                        text=True, timeout=600, env=LAUNCH_ENV)
+
+
+LAUNCH_ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="session")
+def processes() -> Processes:
+    """Start processes (marks the test ``e2e``)."""
+    return Processes()
+
+
+@pytest.fixture(scope="session")
+def run_cli(processes):
+    """``run_cli(*args, cwd=, timeout=, env=)``: ``python train_low_mem.py ARGS`` in a process of its own."""
+    return processes.cli
+
+
+@pytest.fixture(scope="session")
+def accelerate_launch(processes):
+    """``accelerate_launch(*args, processes=2, port=)``: the training CLI on several CPU processes."""
+    return processes.accelerate_launch
+
+
+@pytest.fixture(scope="session")
+def kill_at_first_checkpoint_and_resume(processes, run_cli):
+    """``kill_at_first_checkpoint_and_resume(run, args, log, wait_s)``: train into ``run`` (its output in ``log``),
+    SIGKILL the process once its first checkpoint is written, then continue it with --is_keep_training=True
+    (which must resume from that checkpoint)."""
+    import time
+
+    def kill_and_resume(run: Path, args: list[str], log: Path, wait_s: float) -> None:
+        with open(log, "w") as fh:  # (a pipe nobody reads could block it)
+            child = processes.popen([sys.executable, str(REPO / "train_low_mem.py"), "train", f"--output_dir={run}",
+                                     *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, text=True)
+        started = time.time()
+        while not (run / "checkpoints" / "latest").is_file():
+            assert child.poll() is None and time.time() < started + wait_s, log.read_text()[-2000:]
+            time.sleep(0.05)
+        child.kill()
+        child.wait()
+        done = run_cli("train", f"--output_dir={run}", *args, "--is_keep_training=True", timeout=1200)
+        assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
+
+    return kill_and_resume
+
+
+@pytest.fixture
+def cli_in_process(monkeypatch):
+    """``cli_in_process(*args, cwd=, env=)``: ``train_low_mem.main(ARGS)`` in this process, through the same
+    ``lowmem.cli.run_cli`` as a user's command (a ``UserError`` is one ``error:`` line and exit code 2). Returns
+    a ``CompletedProcess`` as ``run_cli`` does. For refusals that come before anything heavy is built: a run
+    that trains belongs in its own process (``run_cli``), where its signal handlers and threads are its own."""
+    import contextlib
+    import gc
+    import io
+
+    import train_low_mem
+
+    def run(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(cwd)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        out, err, code = io.StringIO(), io.StringIO(), 0
+        thresholds = gc.get_threshold()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                train_low_mem.main(list(args))
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        finally:  # the command's collector settings are a process's; this one goes on running tests
+            gc.unfreeze()
+            gc.set_threshold(*thresholds)
+        return subprocess.CompletedProcess(["train_low_mem.py", *args], code, out.getvalue(), err.getvalue())
+
+    return run
+
+
+STARTS_A_RUN = ("python", "accelerate", "torchrun", "deepspeed")
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_through_the_fixture(request, monkeypatch):
+    """A test that starts a Python process (or a launcher, or a ``multiprocessing`` child) without the
+    ``processes`` fixture fails: it would escape the ``e2e`` marker and slow the fast subset down."""
+    if "processes" in request.fixturenames:
+        return
+    import multiprocessing.process
+
+    def refuse(what: str):
+        pytest.fail(f"this test starts {what} without the `processes` fixture (tests/conftest.py): take "
+                    "`run_cli`, `accelerate_launch` or `processes`, which mark it e2e", pytrace=False)
+
+    execute_child = subprocess.Popen._execute_child
+
+    def guarded(self, args, *rest, **kwargs):
+        program = os.fsdecode(args if isinstance(args, (str, bytes, os.PathLike)) else args[0])
+        if program == sys.executable or Path(program).name.startswith(STARTS_A_RUN):
+            refuse(f"a process ({Path(program).name})")
+        return execute_child(self, args, *rest, **kwargs)
+
+    def start(self):
+        refuse("a multiprocessing child")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", guarded)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
+
+
+def shared_folder(request, tmp_path_factory, name: str, build) -> Path:
+    """A folder (a finished tiny run, say) built once per test session for every test that only reads it, pytest-xdist
+    workers included: the first to ask calls ``build(folder)`` under a file lock, the others wait and read what it
+    made. A test that would write into it copies it first (``shutil.copytree``); one that wrote anyway fails at the
+    session's end, when the folder's files are compared with what ``build`` left."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has a basetemp of its own under the run's
+        root = root.parent
+    folder = root / f"shared-{name}"
+    with FileLock(f"{folder}.lock"):
+        if not (folder.parent / f"{folder.name}.built").is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that failed in another worker: again, here
+            folder.mkdir()
+            build(folder)
+            (folder.parent / f"{folder.name}.built").write_text("")
+    built = folder_state(folder)
+
+    def unchanged():
+        changed = sorted(set(built) ^ set(folder_state(folder)))
+        assert not changed, f"a test wrote into the shared folder {folder} (copy it first): {changed[:10]}"
+
+    request.addfinalizer(unchanged)
+    return folder
+
+
+def folder_state(folder: Path) -> set[tuple[str, int, int]]:
+    return {(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+            if p.is_file()}
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -89,28 +260,34 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip cleanly on machines without CUDA."""
+    """Tests that start processes (the ``processes`` fixture, directly or through another fixture) are marked
+    ``e2e``; tests marked ``gpu`` skip cleanly on machines without CUDA."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "processes" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
-def family_models(tmp_path_factory):
-    """Model folders of every T5 family in the hub's layouts (tests/t5_family.py), built once per session."""
+def family_models(request, tmp_path_factory):
+    """Model folders of every T5 family in the hub's layouts (tests/t5_family.py), built once per session (read
+    only: shared_folder)."""
     from t5_family import FAMILIES, train_spiece, write_family_model
 
-    root = tmp_path_factory.mktemp("families")
-    texts = [r[c] for r in read_jsonl(SHIPPED_CORPORA["sft"][0]) for c in ("prompt", "response")]
-    texts += [r[c] for r in synthetic_rows(500) for c in ("prompt", "response")]
-    texts = list(dict.fromkeys(texts))  # each distinct text once: the shipped corpus repeats its Chinese pairs
-    spiece = train_spiece(root / "spiece.model", texts)
-    return {family: write_family_model(root / family, family, spiece) for family in FAMILIES}
+    def build(root):
+        texts = [r[c] for r in read_jsonl(SHIPPED_CORPORA["sft"][0]) for c in ("prompt", "response")]
+        texts += [r[c] for r in synthetic_rows(500) for c in ("prompt", "response")]
+        texts = list(dict.fromkeys(texts))  # each distinct text once: the shipped corpus repeats its Chinese pairs
+        spiece = train_spiece(root / "spiece.model", texts)
+        for family in FAMILIES:
+            write_family_model(root / family, family, spiece)
+
+    root = shared_folder(request, tmp_path_factory, "families", build)
+    return {family: root / family for family in FAMILIES}
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -98,8 +98,8 @@ def run(rank: int, init_file: str, results) -> None:
     dist.destroy_process_group()
 
 
-def test_adafactor_on_zero_partitions_steps_each_slice_as_the_whole_weight(tmp_path):
+def test_adafactor_on_zero_partitions_steps_each_slice_as_the_whole_weight(tmp_path, processes):
     results = mp.Manager().dict()
-    mp.spawn(run, args=(str(tmp_path / "init"), results), nprocs=WORLD)
+    processes.spawn(run, (str(tmp_path / "init"), results), nprocs=WORLD)
     # 3 steps: float summation order only (a slice treated as a vector of its own is off by ~1e-2)
     assert max(results.values()) <= 1e-6

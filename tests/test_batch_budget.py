@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import metrics, run_cli
+from conftest import metrics
 from test_training_math import COLS, grads, make_trainer
 
 from config import SHIPPED_CORPORA
@@ -168,8 +168,7 @@ def test_eval_loss_and_bleu_do_not_depend_on_the_eval_batch(tmp_path, tokenizer)
     assert loss_only["eval_loss"] == results[16]["eval_loss"] and "bleu" not in loss_only
 
 
-@pytest.mark.slow
-def test_auto_stays_within_max_rss_gb_and_a_resume_keeps_its_sizes(tmp_path):
+def test_auto_stays_within_max_rss_gb_and_a_resume_keeps_its_sizes(tmp_path, run_cli):
     train, evals = SHIPPED_CORPORA["pretrain"]
     run = tmp_path / "run"
     # no accumulation: a step is one micro-batch of the size auto picks (the effective batch follows it)

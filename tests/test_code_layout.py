@@ -1,26 +1,71 @@
-"""The code stays a house a newcomer can live in: no product module over 500 lines, no class over 400,
-no function over 80, no import cycle between the project's modules (imports inside functions count),
-and every package ``install_requires`` names is imported by product code."""
+"""The code stays a house a newcomer can live in (STYLE.md, docs/architecture.md):
+
+- imports go one way, ``config`` <- ``data`` <- ``lowmem`` <- ``trainer_low_mem`` <- ``train_low_mem``, except
+  for the leaf modules named in ``LEAF_MODULES`` (and any ``errors`` module), which import no other project
+  module and may be imported from anywhere;
+- no import cycle between the project's modules (imports inside functions count);
+- no product module over 400 lines, no class over 400, no function over 60, except today's offenders in
+  ``OVER_THE_LIMIT``, each at most its recorded size: the list only shrinks;
+- every package ``install_requires`` names is imported by product code.
+
+Every ``.py`` file at the top level and under ``data/`` and ``lowmem/``, subpackages included, is a product module.
+"""
 
 from __future__ import annotations
 
 import ast
 import configparser
 import re
-import sys
+from functools import cache
+from pathlib import Path
 
 from conftest import REPO
 
 IMPORT_NAMES = {"PyYAML": "yaml", "protobuf": "google.protobuf"}  # distribution -> module, where they differ
 
+# Imports point down this list's order: a module may import its own layer and the ones before it.
+LAYERS = ("config", "data", "lowmem", "trainer_low_mem", "train_low_mem")
 
-def product_modules() -> dict[str, ast.Module]:
-    files = [*REPO.glob("*.py"), *REPO.glob("data/*.py"), *REPO.glob("lowmem/*.py")]
-    modules = {}
-    for path in files:
-        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        modules[name] = ast.parse(path.read_text(encoding="utf-8"))
-    return modules
+# Modules with no import of another project module (checked below), so any layer may use them: config's
+# validation reads the presets' shapes and profiles, and the names of --eval_metrics.
+LEAF_MODULES = {
+    "lowmem.presets": "model shapes, memory profiles and their caps (data only)",
+    "lowmem.eval_metrics": "the scores of --eval_metrics and their names (sacrebleu, rouge imported lazily)",
+}
+
+MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 400, 400, 60
+
+# Today's offenders and their sizes in lines (a module: its lines; a function: from `def` to its last line).
+# Split by concern, then lower or remove the entry: the test fails when one grows, when a new one appears
+# and when an entry is larger than what it counts (so that the list follows each split down).
+OVER_THE_LIMIT = {
+    "module config": 473,
+    "module data.readers": 461,
+    "module lowmem.modeling": 488,
+    "module lowmem.planner": 495,
+    "module trainer_low_mem": 493,
+    "function lowmem.adafactor_slices.update_flat": 62,
+    "function lowmem.cli.run_cli": 63,
+    "function lowmem.plan_command.plan_command": 61,
+    "function lowmem.plan_command.recommend": 62,
+    "function lowmem.planner.step_sizes": 68,
+    "function lowmem.telemetry.startup_summary": 64,
+}
+
+
+def product_files() -> list[Path]:
+    """The top level's ``.py`` files and every one under data/ and lowmem/, at any depth."""
+    files = [*REPO.glob("*.py"), *REPO.glob("data/**/*.py"), *REPO.glob("lowmem/**/*.py")]
+    return sorted(p for p in files if "__pycache__" not in p.parts)
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+@cache
+def product_modules() -> dict[str, tuple[Path, ast.Module]]:
+    return {module_name(p): (p, ast.parse(p.read_text(encoding="utf-8"))) for p in product_files()}
 
 
 def imported_names(tree: ast.Module, module: str) -> set[str]:
@@ -39,41 +84,94 @@ def imported_names(tree: ast.Module, module: str) -> set[str]:
     return names
 
 
-def test_no_module_class_or_function_past_its_size():
-    too_long = []
-    for name, tree in product_modules().items():
-        lines = max((getattr(n, "end_lineno", 0) or 0) for n in ast.walk(tree))
-        if lines > 500:
-            too_long.append(f"module {name}: {lines} lines")
-        for node in ast.walk(tree):
-            size = (node.end_lineno - node.lineno + 1) if hasattr(node, "end_lineno") else 0
-            if isinstance(node, ast.ClassDef) and size > 400:
-                too_long.append(f"class {name}.{node.name}: {size} lines")
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 80:
-                too_long.append(f"function {name}.{node.name}: {size} lines")
-    assert not too_long, too_long
+@cache
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a package's ``__init__`` under the package's name)."""
+    modules = product_modules()
+    return {name: (imported_names(tree, name) & set(modules)) - {name} for name, (_, tree) in modules.items()}
+
+
+def is_leaf(name: str) -> bool:
+    return name in LEAF_MODULES or name.rpartition(".")[2] == "errors"
+
+
+def layer(name: str) -> int:
+    return LAYERS.index(name.split(".")[0])
+
+
+def test_every_subpackage_is_walked():
+    # The walk finds modules at any depth: a file in a subpackage cannot escape the checks below
+    names = set(product_modules())
+    for folder in ("data", "lowmem"):
+        for path in (REPO / folder).rglob("*.py"):
+            if "__pycache__" not in path.parts:
+                assert module_name(path) in names, path
+    assert {"config", "train_low_mem", "trainer_low_mem", "data.pipeline", "lowmem.presets"} <= names
+
+
+def test_imports_go_one_way_and_leaf_modules_import_no_project_module():
+    graph = import_graph()
+    assert set(LEAF_MODULES) <= set(graph), sorted(set(LEAF_MODULES) - set(graph))
+    upward = [f"{name} -> {dep}" for name, deps in sorted(graph.items()) for dep in sorted(deps)
+              if layer(dep) > layer(name) and not is_leaf(dep)]
+    assert not upward, f"imports against {' <- '.join(LAYERS)}: {upward}"
+    not_leaves = {name: sorted(d for d in graph[name] if not is_leaf(d)) for name in graph if is_leaf(name)}
+    assert not any(not_leaves.values()), f"leaf modules that import project modules: {not_leaves}"
 
 
 def test_no_import_cycle_between_the_projects_modules():
-    modules = product_modules()
-    graph = {name: {m for m in modules if m != name and m in imported_names(tree, name)}
-             for name, tree in modules.items()}
+    graph = import_graph()
     cycles = []
+    done: set[str] = set()
 
     def visit(name: str, path: list[str]) -> None:
-        for nxt in graph[name]:
+        for nxt in sorted(graph[name]):
             if nxt in path:
                 cycles.append(path[path.index(nxt):] + [nxt])
             elif nxt not in done:
                 visit(nxt, path + [nxt])
         done.add(name)
 
-    done: set[str] = set()
-    sys.setrecursionlimit(10_000)
     for name in sorted(graph):
         if name not in done:
             visit(name, [name])
     assert not cycles, [" -> ".join(c) for c in cycles]
+
+
+def sizes_over_the_limits() -> dict[str, int]:
+    """``{"module NAME" | "class QUALNAME" | "function QUALNAME": lines}`` of everything past its limit."""
+    over = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qualname, size = f"{prefix}.{child.name}", child.end_lineno - child.lineno + 1
+                kind, limit = (("class", CLASS_LINES) if isinstance(child, ast.ClassDef)
+                               else ("function", FUNCTION_LINES))
+                if size > limit:
+                    over[f"{kind} {qualname}"] = size
+                visit(child, qualname)
+            else:
+                visit(child, prefix)
+
+    for name, (path, tree) in product_modules().items():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MODULE_LINES:
+            over[f"module {name}"] = lines
+        visit(tree, name)
+    return over
+
+
+def test_no_module_class_or_function_past_its_size_but_todays_offenders_which_only_shrink():
+    over = sizes_over_the_limits()
+    new = {k: v for k, v in over.items() if k not in OVER_THE_LIMIT}
+    grown = {k: f"{OVER_THE_LIMIT[k]} -> {v}" for k, v in over.items() if k in OVER_THE_LIMIT and v > OVER_THE_LIMIT[k]}
+    assert not new, f"past the limits (module {MODULE_LINES}, class {CLASS_LINES}, function {FUNCTION_LINES} " \
+                    f"lines; split it by concern): {new}"
+    assert not grown, f"grew past its recorded size (split it by concern): {grown}"
+    smaller = {k: over.get(k, "within the limit: remove the entry") for k, v in OVER_THE_LIMIT.items()
+               if over.get(k) != v}
+    assert not smaller, f"shrank: lower (or remove) its entry in OVER_THE_LIMIT: {smaller}"
 
 
 def test_every_required_package_is_imported_by_product_code():
@@ -81,7 +179,7 @@ def test_every_required_package_is_imported_by_product_code():
     setup.read(REPO / "setup.cfg")
     required = [re.split(r"[<>=!~ ;\[]", line.strip())[0] for line in
                 setup["options"]["install_requires"].strip().splitlines() if line.strip()]
-    imported = set().union(*(imported_names(tree, name) for name, tree in product_modules().items()))
+    imported = set().union(*(imported_names(tree, name) for name, (_, tree) in product_modules().items()))
     roots = imported | {n.split(".")[0] for n in imported}
     unused = [dist for dist in required if IMPORT_NAMES.get(dist, dist.lower().replace("-", "_")) not in roots]
     assert required and not unused, unused

@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 
 from config import LOW_MEMORY_CAPS, TrainConfig, UserError
 from lowmem.flags import help_text, load_config, unused_answer_notes
@@ -121,7 +120,9 @@ def test_help_lists_every_option_with_default():
         assert f"--{f.name} (" in text and f.metadata["help"] in text
 
 
-def test_cli_user_errors_are_one_line_with_exit_code_2():
+def test_cli_user_errors_are_one_line_with_exit_code_2(run_cli):
+    # End to end, as a shell sees it: the process's exit code and its standard error. The other refusals run
+    # in-process (the cli_in_process fixture) through the same lowmem.cli.run_cli.
     for args in (["train", "--learnrate=0.1"], ["train", "--mixed_precision=fp16"],
                  ["train", "--train_file=/nonexistent/x.jsonl"], ["nosuchcommand"]):
         proc = run_cli(*args)
@@ -131,8 +132,8 @@ def test_cli_user_errors_are_one_line_with_exit_code_2():
         assert "Traceback" not in proc.stderr
 
 
-def test_cli_help_exits_zero_and_lists_options():
-    proc = run_cli("train", "--help")
+def test_cli_help_exits_zero_and_lists_options(cli_in_process):
+    proc = cli_in_process("train", "--help")
     assert proc.returncode == 0
     assert "--learn_rate (float, default 0.003)" in proc.stdout
 

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
-from conftest import metrics, run_cli, synthetic_rows, write_rows
+from conftest import metrics, synthetic_rows, write_rows
 from safetensors.torch import load_file
-
-pytestmark = pytest.mark.slow
 
 SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=16", "--logging_steps=5",
          "--eval_generate=False"]
@@ -19,7 +16,7 @@ def weights(folder):
     return load_file(str(folder / "model.safetensors"))
 
 
-def test_pretrain_sft_resume_and_export(tmp_path):
+def test_pretrain_sft_resume_and_export(tmp_path, run_cli):
     pre_train = write_rows(tmp_path / "pre" / "train.jsonl", synthetic_rows(3000, seed=1))
     pre_eval = write_rows(tmp_path / "pre" / "eval.jsonl", synthetic_rows(32, seed=2))
     sft_train = write_rows(tmp_path / "sft" / "train.parquet", synthetic_rows(2000, seed=3))
@@ -94,7 +91,7 @@ def test_pretrain_sft_resume_and_export(tmp_path):
     assert proc.returncode == 0 and f"was trained on --train_file={sft_train}, and these are the shipped" in proc.stdout
 
 
-def test_peak_rss_does_not_grow_with_corpus_size(tmp_path):
+def test_peak_rss_does_not_grow_with_corpus_size(tmp_path, run_cli):
     base = synthetic_rows(10_000, seed=7)  # ~1 MB
     small = write_rows(tmp_path / "small.jsonl", base)
     large = tmp_path / "large.jsonl"
@@ -114,7 +111,7 @@ def test_peak_rss_does_not_grow_with_corpus_size(tmp_path):
     assert peaks["large"] - peaks["small"] < 64, peaks
 
 
-def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path):
+def test_own_train_file_without_eval_file_holds_out_its_last_rows(tmp_path, run_cli):
     """Your own --train_file and no --eval_file: its last rows are the eval set (not the shipped eval
     split, of another corpus), announced, never trained on, found again by `evaluate`, and a resume that
     would hold out other rows is refused."""

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import metrics, run_cli, synthetic_rows, write_rows
+from conftest import metrics, synthetic_rows, write_rows
 
 from lowmem.eval_cost import choose
 from lowmem.flags import load_config
@@ -136,8 +136,7 @@ def generated(run) -> dict[int, int]:
     return {r["step"]: r.get("scored_rows", 0) for r in metrics(run) if r["event"] == "eval"}
 
 
-@pytest.mark.slow
-def test_within_the_budget_every_evaluation_generates_as_asked_and_the_line_says_its_cost(tmp_path):
+def test_within_the_budget_every_evaluation_generates_as_asked_and_the_line_says_its_cost(tmp_path, run_cli):
     run = tmp_path / "run"
     proc = run_cli("train", *run_files(tmp_path), f"--output_dir={run}", *SMALL, "--max_steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -152,8 +151,7 @@ def test_within_the_budget_every_evaluation_generates_as_asked_and_the_line_says
     assert generated(run) == {0: 8, 1: 8, 2: 8}
 
 
-@pytest.mark.slow
-def test_past_the_budget_the_auto_options_get_cheaper_and_the_options_given_are_obeyed(tmp_path):
+def test_past_the_budget_the_auto_options_get_cheaper_and_the_options_given_are_obeyed(tmp_path, run_cli):
     files = run_files(tmp_path)
     # A bound no evaluation meets: --eval_generate=auto and --eval_generate_samples=auto give way
     auto = tmp_path / "auto"
@@ -186,8 +184,7 @@ def test_past_the_budget_the_auto_options_get_cheaper_and_the_options_given_are_
     assert generated(both) == {0: 8, 1: 8, 2: 8}
 
 
-@pytest.mark.slow
-def test_generation_asked_for_keeps_one_batch_and_a_resume_keeps_the_plan(tmp_path):
+def test_generation_asked_for_keeps_one_batch_and_a_resume_keeps_the_plan(tmp_path, run_cli):
     files = run_files(tmp_path)
     run = tmp_path / "run"
     flags = [*files, f"--output_dir={run}", *SMALL, "--eval_budget_s=0.001", "--eval_generate=True"]

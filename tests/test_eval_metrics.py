@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from conftest import metrics, run_cli, write_rows
+from conftest import metrics, write_rows
 
 from config import UserError
 from lowmem.eval_metrics import METRICS, Rouge, RougeTokenizer, metric_named, score_answers
@@ -120,8 +120,8 @@ def test_the_metric_options_accepted():
 
 
 @pytest.mark.parametrize("flags", [["--eval_metrics=foo"], ["--metric_for_best=rougeL"]])
-def test_a_metric_mistake_on_the_command_line_is_one_error_line(tmp_path, flags):
-    proc = run_cli("train", f"--output_dir={tmp_path / 'run'}", *flags)
+def test_a_metric_mistake_on_the_command_line_is_one_error_line(tmp_path, flags, cli_in_process):
+    proc = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", *flags)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
     assert "--eval_metrics" in lines[0] and not (tmp_path / "run").exists()
@@ -145,8 +145,7 @@ def chinese_pairs(root) -> tuple:
     return train, evals
 
 
-@pytest.mark.slow
-def test_a_run_logs_rouge_and_chrf_and_picks_best_by_rouge_l(tmp_path):
+def test_a_run_logs_rouge_and_chrf_and_picks_best_by_rouge_l(tmp_path, run_cli):
     train, evals = chinese_pairs(tmp_path)
     run = tmp_path / "run"
     proc = run_cli("train", f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={run}",

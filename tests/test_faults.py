@@ -7,14 +7,13 @@ import json
 import random
 import re
 import shutil
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from conftest import REPO, metrics, synthetic_rows, write_rows
 
 from data.ownership import MARKERS
 from lowmem import checkpoint
@@ -53,7 +52,7 @@ def error_line(proc) -> str:
     return lines[0]
 
 
-def test_bad_rows_are_skipped_and_counted_exactly(tmp_path):
+def test_bad_rows_are_skipped_and_counted_exactly(tmp_path, run_cli):
     train = tmp_path / "train.jsonl"
     expected = bad_corpus(train, good=300, copies=2)  # 16 bad rows of 317 (5 %)
     parquet = write_rows(tmp_path / "more.parquet", synthetic_rows(40, seed=4)
@@ -76,7 +75,7 @@ def test_bad_rows_are_skipped_and_counted_exactly(tmp_path):
     assert [r for r in metrics(out) if r["event"] == "train"][-1]["examples"] == 2 * (359 - 18)  # every good row
 
 
-def test_too_many_bad_rows_and_only_bad_rows_stop_with_one_line(tmp_path):
+def test_too_many_bad_rows_and_only_bad_rows_stop_with_one_line(tmp_path, run_cli):
     train = tmp_path / "train.jsonl"
     bad_corpus(train, good=300, copies=2)  # 5 % bad: above the default 1 %
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=9))
@@ -96,7 +95,7 @@ def test_too_many_bad_rows_and_only_bad_rows_stop_with_one_line(tmp_path):
     assert "yields no usable rows" in error_line(proc)
 
 
-def test_blank_lines_are_counted_but_never_stop_a_run(tmp_path):
+def test_blank_lines_are_counted_but_never_stop_a_run(tmp_path, run_cli):
     # A JSONL file ending in a blank line (or with blank lines between rows) loses no row: the blank lines are
     # shown in the counts, never held against --max_bad_rows_fraction (1 of 61 lines here, above its 1 %).
     train = tmp_path / "train.jsonl"
@@ -116,7 +115,7 @@ def test_blank_lines_are_counted_but_never_stop_a_run(tmp_path):
     assert proc.returncode == 2 and "2 of 63 training rows are bad" in line and "(malformed_json: 2)" in line
 
 
-def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_kept(tmp_path):
+def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_kept(tmp_path, run_cli):
     """Stopped before its first step, a run leaves nothing worth keeping: the same command starts
     over once the data is fixed. A run that trained is never overwritten without being asked."""
     train, out = tmp_path / "train.jsonl", tmp_path / "run"
@@ -173,7 +172,7 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train", "--train_file={tmp}/cut.parquet", "--output_dir={tmp}/run"], "cannot read"),
     (["prepare", "--train_file={tmp}/cut.parquet", "--prepared_dir={tmp}/prepared"], "cannot read"),
 ])
-def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
+def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment, cli_in_process):
     (tmp_path / "empty.jsonl").write_bytes(b"")
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text("a document of raw text\n")
@@ -182,34 +181,34 @@ def test_cli_mistakes_give_one_line_and_exit_code_2(tmp_path, args, fragment):
     (tmp_path / "wrapped.json").write_text(json.dumps(rows))
     (tmp_path / "pretty.json").write_text(json.dumps(rows, indent=2))
     (tmp_path / "cut.parquet").write_bytes(b"PAR1 a parquet file cut short")  # no footer
-    proc = run_cli(*[a.format(tmp=tmp_path) for a in args])
+    proc = cli_in_process(*[a.format(tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert fragment in error_line(proc)
 
 
 
-def test_preview_counts_the_bad_rows_it_met_and_refuses_a_file_without_a_usable_one(tmp_path):
+def test_preview_counts_the_bad_rows_it_met_and_refuses_a_file_without_a_usable_one(tmp_path, cli_in_process):
     bad = [{"prompt": 1, "response": "x"}, {"prompt": "", "response": "x"}]
     some = write_rows(tmp_path / "some.jsonl", [*bad, *synthetic_rows(3)])
-    shown = run_cli("preview", f"--train_file={some}", f"--eval_file={some}", "--shuffle_buffer_size=0")
+    shown = cli_in_process("preview", f"--train_file={some}", f"--eval_file={some}", "--shuffle_buffer_size=0")
     assert shown.returncode == 0 and len(shown.stdout.splitlines()) == 3, shown.stderr[-2000:]
     assert "2 bad row(s) among the rows read so far" in shown.stderr and "non_string_value 1" in shown.stderr
     none = write_rows(tmp_path / "none.jsonl", bad)  # it printed the skipped rows, no example and exit 0
-    refused = run_cli("preview", f"--train_file={none}", f"--eval_file={some}")
+    refused = cli_in_process("preview", f"--train_file={none}", f"--eval_file={some}")
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert refused.stderr.strip().splitlines()[-1].startswith("error: --train_file has no usable row (2 bad: ")
 
 
-def test_preview_says_which_rows_it_holds_out_and_shows_every_other_one(tmp_path):
+def test_preview_says_which_rows_it_holds_out_and_shows_every_other_one(tmp_path, cli_in_process):
     corpus = write_rows(tmp_path / "rows.jsonl", synthetic_rows(40, seed=5))
-    shown = run_cli("preview", f"--train_file={corpus}", "--max_eval_samples=4", "--num_examples=100")
+    shown = cli_in_process("preview", f"--train_file={corpus}", "--max_eval_samples=4", "--num_examples=100")
     assert shown.returncode == 0, shown.stderr[-2000:]
     rows = sorted(json.loads(line)["row"] for line in shown.stdout.splitlines())
     assert rows == list(range(36))  # the last 4 are the eval set, as train holds them out
     assert "4 row(s) at the end of --train_file are held out as the eval set" in shown.stderr
 
 
-def test_a_model_trained_on_its_own_data_is_not_scored_on_shipped_rows_that_do_not_fit_it(tmp_path):
+def test_a_model_trained_on_its_own_data_is_not_scored_on_shipped_rows_that_do_not_fit_it(tmp_path, run_cli):
     docs = write_rows(tmp_path / "docs.jsonl", [{"body": " ".join(r.values())} for r in synthetic_rows(120, seed=2)])
     run = tmp_path / "run"
     proc = run_cli("train", "--objective=span_corruption", "--text_column=body", f"--train_file={docs}",
@@ -222,7 +221,7 @@ def test_a_model_trained_on_its_own_data_is_not_scored_on_shipped_rows_that_do_n
     assert proc.returncode == 0 and "eval_loss" in proc.stdout, proc.stderr[-2000:]
 
 
-def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
+def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path, processes):
     """A folder the run cannot start in, or data without the columns it reads, is refused by the command
     line itself, not after the trainer's imports (torch and transformers: several seconds before the line);
     the folders are left as they were, and no run folder is made for a run that never starts."""
@@ -275,7 +274,7 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
         held.flush()
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = processes.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"codes": [2] * len(cases), "torch": False}
@@ -287,21 +286,21 @@ def test_run_folder_and_data_refusals_come_before_torch_is_imported(tmp_path):
 
 
 @pytest.mark.parametrize("command", [["train", "--is_finetune=True"], ["plan", "--is_finetune=True"], ["evaluate"]])
-def test_init_from_a_run_folder_names_its_best_model(tmp_path, command):
+def test_init_from_a_run_folder_names_its_best_model(tmp_path, command, cli_in_process):
     """A training run's folder holds a config.json too (the run's flags): --init_from pointing at it
     gets one line naming the model folder inside, not a traceback from reading it as a T5 config."""
     run = tmp_path / "pretrain"
     (run / "best").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"model_preset": "tiny", "is_finetune": False}))
     (run / "best" / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    proc = run_cli(*command, f"--init_from={run}", f"--output_dir={tmp_path / 'sft'}")
+    proc = cli_in_process(*command, f"--init_from={run}", f"--output_dir={tmp_path / 'sft'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = error_line(proc)
     assert "is not a T5-family model folder" in line and f"pass --init_from={run / 'best'}" in line
     assert not (tmp_path / "sft").exists()
 
 
-def test_a_trained_run_is_never_overwritten_or_shared(tmp_path):
+def test_a_trained_run_is_never_overwritten_or_shared(tmp_path, run_cli):
     """Run folders that hold trained models are protected: a resume with no usable checkpoint left
     is refused (it used to start again from step 0 over best/ and final/), as are a run into a saved
     model's folder, a second process on a folder in use, another run's or an export's folder as
@@ -377,7 +376,7 @@ def test_a_trained_run_is_never_overwritten_or_shared(tmp_path):
     proc = run_cli("plan", *common, "--json=false")
     assert proc.returncode == 0 and not proc.stdout.lstrip().startswith("{")
 
-def test_a_memory_guard_passed_before_the_first_step_stops_there_and_the_same_command_starts_again(tmp_path):
+def test_a_memory_guard_passed_before_the_first_step_stops_there_and_the_same_command_starts_again(tmp_path, run_cli):
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(400, seed=1))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=2))
     out = tmp_path / "run"
@@ -400,7 +399,7 @@ def test_a_memory_guard_passed_before_the_first_step_stops_there_and_the_same_co
     assert "stopped before its first step: starting over" in proc.stdout and "steps:       6" in proc.stdout
 
 
-def test_non_finite_steps_are_skipped_counted_then_abort(tmp_path):
+def test_non_finite_steps_are_skipped_counted_then_abort(tmp_path, run_cli):
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(400, seed=1))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=2))
     out = tmp_path / "run"
@@ -417,13 +416,16 @@ def test_non_finite_steps_are_skipped_counted_then_abort(tmp_path):
     assert all(bool(t.isfinite().all()) for t in best.values())
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir()
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+@pytest.fixture(scope="session")
+def _mount_tmpfs(processes):
+    def _mount_tmpfs(path: Path, size: str) -> bool:
+        path.mkdir()
+        return processes.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    return _mount_tmpfs
 
 
-def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path):
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, _mount_tmpfs, processes, run_cli):
     disk = tmp_path / "disk"
     if shutil.which("mount") is None or not _mount_tmpfs(disk, "64m"):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
@@ -459,10 +461,10 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert f"resumed from {kept[0]}" in proc.stdout and "steps:       12" in proc.stdout
     finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
+        processes.run(["umount", str(disk)], capture_output=True)
 
 
-def test_an_epoch_ending_in_bad_rows_evaluates_its_last_step_once(tmp_path):
+def test_an_epoch_ending_in_bad_rows_evaluates_its_last_step_once(tmp_path, run_cli):
     # 10 good rows then 2 bad ones: the stream learns the epoch is over only when it reads them, one
     # window after the last step, so the run's last step has had its evaluation by then.
     train = tmp_path / "train.jsonl"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics, run_cli, synthetic_rows
-from test_resume import assert_same_training, kill_at_first_checkpoint_and_resume
+from conftest import metrics, synthetic_rows
+from test_resume import assert_same_training
 
 from config import UserError
 from data.dataset_stream import DatasetStream
@@ -149,7 +149,7 @@ def test_eval_set_comes_from_the_validation_split_or_the_first_rows(tmp_path, to
         repo.steps(load_config({"train_file": "x"})[0])
 
 
-def test_mistakes_are_one_error_line(tmp_path):
+def test_mistakes_are_one_error_line(tmp_path, cli_in_process):
     from datasets import Dataset, DatasetDict
 
     saved = save_pairs(tmp_path / "saved")
@@ -170,29 +170,29 @@ def test_mistakes_are_one_error_line(tmp_path):
         cfg, _ = load_config(dict(f.removeprefix("--").split("=", 1) for f in flags))
         with pytest.raises(UserError, match=message):
             check_data(cfg, objective_for(cfg))
-    done = run_cli("train", f"--train_file={saved}", "--prompt_column=question", f"--output_dir={tmp_path / 'run'}")
+    done = cli_in_process("train", f"--train_file={saved}", "--prompt_column=question",
+                          f"--output_dir={tmp_path / 'run'}")
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error:")
     assert "Traceback" not in done.stderr and "has no column 'question'" in done.stderr
 
 
-def test_preview_on_a_saved_dataset_for_pairs_and_span_corruption(tmp_path):
-    pairs = run_cli("preview", f"--train_file={save_pairs(tmp_path / 'pairs')}", "--num_examples=3", "--decode=True",
-                    "--shuffle_buffer_size=0")
+def test_preview_on_a_saved_dataset_for_pairs_and_span_corruption(tmp_path, cli_in_process):
+    pairs = cli_in_process("preview", f"--train_file={save_pairs(tmp_path / 'pairs')}", "--num_examples=3",
+                           "--decode=True", "--shuffle_buffer_size=0")
     assert pairs.returncode == 0, pairs.stderr[-2000:]
     records = [json.loads(line) for line in pairs.stdout.splitlines()]
     rows = synthetic_rows(60, seed=1)
     assert [r["row"] for r in records] == [6, 7, 8]  # in order without shuffling, after the 6 held-out rows
     assert [r["input_ids_text"] for r in records] == [rows[i]["prompt"] + "</s>" for i in (6, 7, 8)]
     assert "streamed through datasets.IterableDataset" in pairs.stderr
-    text = run_cli("preview", "--objective=span_corruption", f"--train_file={save_text(tmp_path / 'text')}",
-                   "--text_column=body", "--num_examples=3", "--max_source_len=32", "--max_target_len=8")
+    text = cli_in_process("preview", "--objective=span_corruption", f"--train_file={save_text(tmp_path / 'text')}",
+                          "--text_column=body", "--num_examples=3", "--max_source_len=32", "--max_target_len=8")
     assert text.returncode == 0, text.stderr[-2000:]
     records = [json.loads(line) for line in text.stdout.splitlines()]
     assert [(len(r["original_ids"]), len(r["input_ids"]), len(r["labels"])) for r in records] == [(34, 32, 8)] * 3
 
 
-@pytest.mark.slow
-def test_killed_run_on_a_saved_dataset_resumes_bit_identically(tmp_path):
+def test_killed_run_on_a_saved_dataset_resumes_bit_identically(tmp_path, run_cli, kill_at_first_checkpoint_and_resume):
     # Pairs only: span corruption's packer state resumes the same over any stream
     # (tests/test_span_corruption_training.py), and the dataset's position is the stream's.
     data = [f"--train_file={save_pairs(tmp_path / 'd', n=30)}", "--epochs=2", "--max_target_len=32"]
@@ -209,9 +209,7 @@ def test_killed_run_on_a_saved_dataset_resumes_bit_identically(tmp_path):
         assert sorted(int(row) for e, _, _, row in lines if e == epoch) == list(range(3, 30))  # 3 held out
 
 
-@pytest.mark.slow
-def test_two_processes_read_disjoint_shares_of_a_saved_dataset(tmp_path):
-    from test_multiprocess import accelerate_launch
+def test_two_processes_read_disjoint_shares_of_a_saved_dataset(tmp_path, accelerate_launch):
 
     out = tmp_path / "run"
     done = accelerate_launch(f"--train_file={save_pairs(tmp_path / 'd', n=41)}", f"--output_dir={out}", "--epochs=1",
@@ -227,8 +225,7 @@ def test_two_processes_read_disjoint_shares_of_a_saved_dataset(tmp_path):
     assert "whole shards per process, of 2" in done.stdout
 
 
-@pytest.mark.slow
-def test_a_local_dataset_repository_trains_through_the_hub_code_path(tmp_path):
+def test_a_local_dataset_repository_trains_through_the_hub_code_path(tmp_path, run_cli):
     repo = write_repo(tmp_path / "repo", shards=3)
     common = [f"--train_file={repo}", "--dataset_config=en", *SMALL, "--eval_steps=0", "--save_steps=0"]
     done = run_cli("train", *common, f"--output_dir={tmp_path / 'unknown'}")  # the card gives no row counts

@@ -4,7 +4,6 @@ missing or unexpected keys, the head untied, the same tensor names ``save_pretra
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -99,10 +98,9 @@ def test_values_follow_the_seed_and_one_shard_is_model_safetensors(tmp_path):
         build_checkpoint(tmp_path / "a", "tiny")
 
 
-@pytest.mark.slow
-def test_cli_builds_and_reports(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "hub_checkpoint.py"), str(tmp_path / "hub"),
-                           "--shape=tiny", "--dtype=bfloat16", "--max_shard_gb=0.0003"],
+def test_cli_builds_and_reports(tmp_path, processes):
+    done = processes.run([sys.executable, str(REPO / "bench" / "hub_checkpoint.py"), str(tmp_path / "hub"),
+                          "--shape=tiny", "--dtype=bfloat16", "--max_shard_gb=0.0003"],
                           capture_output=True, text=True, check=True)
     assert "1,246,208 params" in done.stdout and "peak RSS" in done.stdout
     config = json.loads((tmp_path / "hub" / "config.json").read_text())

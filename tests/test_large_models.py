@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_cli, synthetic_rows, write_rows
+from conftest import REPO, synthetic_rows, write_rows
 from safetensors import safe_open
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -101,9 +100,8 @@ print(json.dumps(dict(before=before, peak=peak_rss_bytes(), after=process_rss_by
 """
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["int8", "float32"])
-def test_loading_peak_is_the_training_form_and_a_few_tensors(tmp_path, dtype):
+def test_loading_peak_is_the_training_form_and_a_few_tensors(tmp_path, dtype, processes):
     """A model of ~100 MB in float32 on disk: the load's peak above the process before it is the training form
     plus a few of the largest tensors as read, never the whole model in float32 beside it."""
     shape = dict(vocab_size=8192, d_model=256, d_ff=1024, d_kv=32, num_heads=8, num_layers=6, num_decoder_layers=6)
@@ -111,7 +109,7 @@ def test_loading_peak_is_the_training_form_and_a_few_tensors(tmp_path, dtype):
     file_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     largest = 8192 * 256 * 4  # the embedding (and the head), as read
     script = PEAK_SCRIPT.format(repo=str(REPO), folder=str(folder), dtype=dtype)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    out = processes.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     sizes = json.loads(out.stdout.strip().splitlines()[-1])
     grown = sizes["peak"] - sizes["before"]
@@ -121,11 +119,14 @@ def test_loading_peak_is_the_training_form_and_a_few_tensors(tmp_path, dtype):
         assert grown < file_bytes  # the whole model in float32 never existed
 
 
-def sft_run(corpus, out, init_from, *flags, steps=4):
-    return run_cli("train", "--is_finetune=True", f"--init_from={init_from}", f"--train_file={corpus}",
-                   f"--eval_file={corpus}", "--max_eval_samples=4", "--eval_generate=False", f"--output_dir={out}",
-                   "--batch_size=2", "--gradient_accumulation_steps=2", "--learn_rate=5e-3", "--warmup_steps=0",
-                   f"--max_steps={steps}", "--eval_steps=2", "--save_steps=2", "--logging_steps=1", *flags)
+@pytest.fixture(scope="session")
+def sft_run(run_cli):
+    def sft_run(corpus, out, init_from, *flags, steps=4):
+        return run_cli("train", "--is_finetune=True", f"--init_from={init_from}", f"--train_file={corpus}",
+                       f"--eval_file={corpus}", "--max_eval_samples=4", "--eval_generate=False", f"--output_dir={out}",
+                       "--batch_size=2", "--gradient_accumulation_steps=2", "--learn_rate=5e-3", "--warmup_steps=0",
+                       f"--max_steps={steps}", "--eval_steps=2", "--save_steps=2", "--logging_steps=1", *flags)
+    return sft_run
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +134,7 @@ def corpus(tmp_path_factory):
     return write_rows(tmp_path_factory.mktemp("data") / "pairs.jsonl", synthetic_rows(64))
 
 
-@pytest.mark.slow
-def test_lora_checkpoint_holds_what_trains_and_resumes_exactly(hub, corpus, tmp_path):
+def test_lora_checkpoint_holds_what_trains_and_resumes_exactly(hub, corpus, tmp_path, sft_run):
     base = str(hub["fp32"])
     lora = ("--lora_r=4", "--frozen_dtype=int8")
     straight = sft_run(corpus, tmp_path / "straight", base, *lora)
@@ -163,8 +163,7 @@ def test_lora_checkpoint_holds_what_trains_and_resumes_exactly(hub, corpus, tmp_
     assert any(k.endswith("lora_B.weight") and a[k].abs().max() > 0 for k in a)  # trained
 
 
-@pytest.mark.slow
-def test_a_changed_base_is_refused_on_resume(corpus, tmp_path):
+def test_a_changed_base_is_refused_on_resume(corpus, tmp_path, sft_run):
     folder = Path(build_checkpoint(tmp_path / "base", "tiny", "float32", SHARD_BYTES)["folder"])
     first = sft_run(corpus, tmp_path / "run", str(folder), "--lora_r=4", steps=2)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -179,8 +178,7 @@ def test_a_changed_base_is_refused_on_resume(corpus, tmp_path):
     assert "Traceback" not in resumed.stderr
 
 
-@pytest.mark.slow
-def test_adapter_export_loads_in_peft_and_the_merged_export_equals_it(hub, corpus, tmp_path):
+def test_adapter_export_loads_in_peft_and_the_merged_export_equals_it(hub, corpus, tmp_path, run_cli, sft_run):
     import peft
     from transformers import AutoModelForSeq2SeqLM
 
@@ -231,13 +229,12 @@ print(json.dumps(dict(host_grown=peak_rss_bytes() - before, gpu=torch.cuda.max_m
 
 
 @pytest.mark.gpu
-@pytest.mark.slow
-def test_xl_loads_straight_to_the_gpu_with_a_flat_host(tmp_path):
+def test_xl_loads_straight_to_the_gpu_with_a_flat_host(tmp_path, processes):
     """flan-t5-xl's shape (bf16 on disk, 5.7 GB): the host grows by a block or two while the GPU takes the
     weights, and the GPU holds the training form."""
     folder = str(build_checkpoint(tmp_path / "xl", "xl", "bfloat16", int(9.5e9))["folder"])
-    out = subprocess.run([sys.executable, "-c", GPU_LOAD_SCRIPT.format(repo=str(REPO), folder=folder)],
-                         capture_output=True, text=True, timeout=1800)
+    out = processes.run([sys.executable, "-c", GPU_LOAD_SCRIPT.format(repo=str(REPO), folder=folder)],
+                        capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-2000:]
     sizes = json.loads(out.stdout.strip().splitlines()[-1])
     print(sizes)

@@ -8,12 +8,10 @@ order). The budget is set between the peaks an unguarded run of the same data me
 from __future__ import annotations
 
 import random
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from conftest import WORDS, metrics, run_cli, synthetic_rows, write_rows
+from conftest import WORDS, metrics, synthetic_rows, write_rows
 from test_faults import error_line
 
 from lowmem import checkpoint
@@ -52,7 +50,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def test_a_transient_peak_trips_the_guard_and_check_names_where():
+def test_a_transient_peak_trips_the_guard_and_check_names_where(processes):
     # In a fresh interpreter: its high-water mark is its own. 400 MiB allocated and freed before the reading
     # (a block that size is mapped and unmapped): the RSS read afterwards is under the limit, the peak is not.
     code = """
@@ -73,15 +71,14 @@ try:
 except StoppedForMemory as stop:
     print(stop)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip()
     assert line.startswith("memory guard: RSS") and "while after the block" in line and "--frozen_dtype=int8" in line
 
 
-@pytest.mark.slow
-def test_a_budget_passed_mid_window_drops_the_window_saves_the_step_before_and_resumes_exactly(tmp_path):
+def test_a_budget_passed_mid_window_drops_the_window_saves_the_step_before_and_resumes_exactly(tmp_path, run_cli):
     train = write_rows(tmp_path / "train.jsonl", rows_with_long_pair(24, at=10))  # step 3: rows 8-11
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=2))
     straight, broken = tmp_path / "straight", tmp_path / "broken"
@@ -119,9 +116,7 @@ def test_a_budget_passed_mid_window_drops_the_window_saves_the_step_before_and_r
     assert (straight / "consumed-rank0.tsv").read_text() == (broken / "consumed-rank0.tsv").read_text()
 
 
-@pytest.mark.slow
-def test_one_process_over_budget_mid_window_stops_both_and_the_run_resumes_exactly(tmp_path):
-    from test_multiprocess import accelerate_launch
+def test_one_process_over_budget_mid_window_stops_both_and_the_run_resumes_exactly(tmp_path, accelerate_launch):
 
     # One file of 24 rows: process 0 reads rows 0-11, process 1 rows 12-23; the long pair is process 1's
     # rows 6-7, the third and fourth micro-batches of its second window. Process 0 never comes near the budget.

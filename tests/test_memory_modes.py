@@ -6,12 +6,11 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 
 from config import installed
 from lowmem.flags import load_config
@@ -20,27 +19,32 @@ from lowmem.presets import MEMORY_PROFILES
 FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5", "--eval_generate=False"]
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    """A tiny pretrained model (a few steps on learnable synthetic pairs) to fine-tune."""
-    folder = tmp_path_factory.mktemp("pre")
-    data = write_rows(folder / "train.jsonl", synthetic_rows(400, seed=1))
-    done = run_cli("train", f"--train_file={data}", f"--eval_file={data}", f"--output_dir={folder / 'run'}",
-                   "--max_steps=10", "--gradient_accumulation_steps=2", *FAST)
-    assert done.returncode == 0, done.stderr
-    return folder / "run" / "final"
+@pytest.fixture(scope="session")
+def pretrained(request, tmp_path_factory, run_cli):
+    """A tiny pretrained model (a few steps on learnable synthetic pairs) to fine-tune, built once for the session
+    (read only: conftest.shared_folder)."""
+    def build(folder):
+        data = write_rows(folder / "train.jsonl", synthetic_rows(400, seed=1))
+        done = run_cli("train", f"--train_file={data}", f"--eval_file={data}", f"--output_dir={folder / 'run'}",
+                       "--max_steps=10", "--gradient_accumulation_steps=2", *FAST)
+        assert done.returncode == 0, done.stderr
+
+    return shared_folder(request, tmp_path_factory, "memory-modes-pretrained", build) / "run" / "final"
 
 
-def sft(tmp_path, init, name, *flags, steps=30):
-    data = tmp_path / "sft.jsonl"
-    if not data.exists():  # written once: rewriting it would (rightly) invalidate an encoder cache
-        write_rows(data, synthetic_rows(300, seed=2))
-    out = tmp_path / name
-    done = run_cli("train", "--is_finetune=True", f"--init_from={init}", f"--train_file={data}",
-                   f"--eval_file={data}", f"--output_dir={out}", f"--max_steps={steps}",
-                   "--gradient_accumulation_steps=2", *FAST, *flags)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out, done
+@pytest.fixture(scope="session")
+def sft(run_cli):
+    def sft(tmp_path, init, name, *flags, steps=30):
+        data = tmp_path / "sft.jsonl"
+        if not data.exists():  # written once: rewriting it would (rightly) invalidate an encoder cache
+            write_rows(data, synthetic_rows(300, seed=2))
+        out = tmp_path / name
+        done = run_cli("train", "--is_finetune=True", f"--init_from={init}", f"--train_file={data}",
+                       f"--eval_file={data}", f"--output_dir={out}", f"--max_steps={steps}",
+                       "--gradient_accumulation_steps=2", *FAST, *flags)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return out, done
+    return sft
 
 
 def weights(folder):
@@ -53,8 +57,7 @@ def train_losses(run):
     return [r["loss"] for r in metrics(run) if r["event"] == "train"]
 
 
-@pytest.mark.slow
-def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrained):
+def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrained, run_cli, sft):
     plain, _ = sft(tmp_path, pretrained, "plain", steps=24)
     cached, done = sft(tmp_path, pretrained, "cached", "--encoder_cache=disk", steps=24)
     assert "encoder cache: encoding" in done.stdout
@@ -87,7 +90,7 @@ def test_encoder_cache_matches_uncached_run_and_is_invalidated(tmp_path, pretrai
     assert sorted(p.name for p in (cached / "encoder_cache").glob("[!.]*")) != new_keys
 
 
-def test_encoder_cache_notices_a_file_rewritten_under_the_same_size_and_mtime(tmp_path, pretrained):
+def test_encoder_cache_notices_a_file_rewritten_under_the_same_size_and_mtime(tmp_path, pretrained, run_cli, sft):
     out, done = sft(tmp_path, pretrained, "cached", "--encoder_cache=disk", steps=2)
     assert "encoder cache: encoding" in done.stdout
     assert "this run reads 8 of those rows, none twice" in done.stdout  # 2 steps of 2 x 2 rows, of 300
@@ -108,8 +111,7 @@ def test_encoder_cache_notices_a_file_rewritten_under_the_same_size_and_mtime(tm
     assert done.returncode == 0 and "encoder cache: encoding" in done.stdout, done.stderr[-2000:]
 
 
-@pytest.mark.slow
-def test_lora_trains_only_adapters_and_exports_a_merged_plain_model(tmp_path, pretrained):
+def test_lora_trains_only_adapters_and_exports_a_merged_plain_model(tmp_path, pretrained, sft):
     from transformers import T5ForConditionalGeneration
 
     out, done = sft(tmp_path, pretrained, "lora", "--lora_r=8", "--learn_rate=1e-2", "--encoder_cache=auto",
@@ -153,8 +155,7 @@ def test_merged_weights_give_the_lora_models_outputs(tokenizer):
     assert not torch.allclose(adapted, build_model(cfg, tokenizer)(input_ids=ids, decoder_input_ids=decoder_ids).logits)
 
 
-@pytest.mark.slow
-def test_frozen_weights_in_bf16_train_and_export_float32(tmp_path, pretrained):
+def test_frozen_weights_in_bf16_train_and_export_float32(tmp_path, pretrained, sft):
     from transformers import T5ForConditionalGeneration
 
     flags = ["--mixed_precision=bf16", "--learn_rate=3e-3"]
@@ -219,8 +220,7 @@ def test_bf16_frozen_weights_are_float32_while_exported(tokenizer):
     assert list(residual.values()) == [torch.float32, torch.float32]
 
 
-@pytest.mark.slow
-def test_adamw8bit_trains_and_exports(tmp_path, pretrained):
+def test_adamw8bit_trains_and_exports(tmp_path, pretrained, sft):
     from transformers import T5ForConditionalGeneration
 
     out, _ = sft(tmp_path, pretrained, "bnb", "--optimizer=adamw8bit", "--learn_rate=3e-3")
@@ -266,9 +266,8 @@ def test_every_profile_is_valid_and_explicit_flags_win():
     assert cfg.batch_size == 2 and cfg.gradient_checkpointing and "wins" in notes[0]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("profile", ["host16g", "gpu8g"])
-def test_profile_trains_on_the_cpu(tmp_path, profile):
+def test_profile_trains_on_the_cpu(tmp_path, profile, run_cli):
     data = write_rows(tmp_path / "d.jsonl", synthetic_rows(60))
     done = run_cli("train", f"--memory_profile={profile}", "--cpu=True", f"--train_file={data}",
                    f"--eval_file={data}", f"--output_dir={tmp_path / 'run'}", "--max_steps=2", *FAST)
@@ -321,7 +320,7 @@ def test_a_one_step_run_has_no_optimizer_state_in_its_backward():
     assert one["host_mb"]["allocator_slack"] < two["host_mb"]["allocator_slack"] - 20
 
 
-def test_the_measured_peak_is_the_process_own_not_its_parents():
+def test_the_measured_peak_is_the_process_own_not_its_parents(processes):
     """A process started by a large one (pytest, a launcher) reports its own peak RSS.
 
     ``ru_maxrss`` keeps the peak of the image ``exec`` replaced, so a run spawned by a 700 MiB pytest
@@ -331,15 +330,14 @@ def test_the_measured_peak_is_the_process_own_not_its_parents():
     ballast[::4096] = b"\1" * (len(ballast) // 4096)  # resident: one byte per page
     probe = ("import json, resource; from lowmem.memory import memory_snapshot; print(json.dumps("
              "[memory_snapshot()['peak_rss_mb'], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    done = processes.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     del ballast
     peak_mb, inherited_kib = json.loads(done.stdout)
     assert inherited_kib / 1024 > 1024  # the kernel's ru_maxrss does carry the parent's GiB ...
     assert peak_mb < 700, peak_mb  # ... the reported peak does not: torch and psutil, a few hundred MiB
 
 
-@pytest.mark.slow
-def test_train_reports_predicted_and_measured_peak_side_by_side(tmp_path):
+def test_train_reports_predicted_and_measured_peak_side_by_side(tmp_path, run_cli):
     data = write_rows(tmp_path / "d.jsonl", synthetic_rows(200))
     done = run_cli("train", f"--train_file={data}", f"--eval_file={data}", f"--output_dir={tmp_path / 'run'}",
                    "--max_steps=4", "--gradient_accumulation_steps=2", *FAST)
@@ -361,9 +359,8 @@ def test_train_reports_predicted_and_measured_peak_side_by_side(tmp_path):
                                                                                                rel=0.02)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("rows", ["long", "short", "sft, checkpointing"])
-def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_them(tmp_path, rows):
+def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_them(tmp_path, rows, run_cli):
     # One process, no accumulation: each optimizer step sets the gradients to None, so a micro-batch's
     # backward builds them while it frees the activations. Counting all of small's 184 MiB of them
     # beside all the activations predicted 1.20x the measured peak on 128-token rows. On the shipped
@@ -408,8 +405,7 @@ def test_without_accumulation_the_plan_counts_gradients_as_the_backward_builds_t
     assert 0.92 <= peak["host_ratio"] <= 1.08, peak
 
 
-@pytest.mark.slow
-def test_logits_too_large_for_the_heap_leave_no_heap_behind(tmp_path):
+def test_logits_too_large_for_the_heap_leave_no_heap_behind(tmp_path, run_cli):
     # At micro-batch 32 on 128-token targets each copy of tiny's logits (32 x 128 x 8,100 floats, 127 MiB) is
     # above glibc's mmap threshold: mapped, and unmapped when freed. Counting the runner-up's logits in the
     # heap the allocator keeps planned 1.14x the measured peak (1.17-1.29x with checkpointing).
@@ -443,7 +439,7 @@ def planned(device: str | None = "cpu", num_processes: int = 1, num_machines: in
         return plan_command(cfg, True, None, device, num_processes, num_machines, sharding)
 
 
-def test_plan_json_table_and_recommendation(tmp_path):
+def test_plan_json_table_and_recommendation(tmp_path, run_cli):
     done = run_cli("plan", "--json", "--model_preset=small")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout.strip().splitlines()[-1])
@@ -473,7 +469,7 @@ def test_plan_json_table_and_recommendation(tmp_path):
 
 
 @pytest.mark.skipif(not installed("bitsandbytes"), reason="the search tries adamw8bit only with bitsandbytes")
-def test_a_recommendation_is_what_plan_predicts_for_its_flags_and_leaves_headroom():
+def test_a_recommendation_is_what_plan_predicts_for_its_flags_and_leaves_headroom(run_cli):
     from lowmem.plan_command import RECOMMEND_HEADROOM
 
     # small with Adafactor plans ~910 MiB and with 8-bit AdamW ~1,050: 1.25 GiB lets the search pick adamw8bit,
@@ -546,7 +542,7 @@ def test_recommendation_takes_the_encoder_cache_for_speed_only_when_rows_are_rea
     assert plan_command.reads_per_row(replace(cfg, epochs=3), lengths["rows"], world=2) == 3.0
 
 
-def test_plan_counts_the_rows_to_weigh_the_encoder_cache(tmp_path, pretrained):
+def test_plan_counts_the_rows_to_weigh_the_encoder_cache(tmp_path, pretrained, run_cli):
     # 300 rows, 2 x 2 per step: 75 steps read each row once, 150 twice (rows counted, not estimated)
     data = write_rows(tmp_path / "sft.jsonl", synthetic_rows(300, seed=2))
 
@@ -560,7 +556,7 @@ def test_plan_counts_the_rows_to_weigh_the_encoder_cache(tmp_path, pretrained):
     assert cache(75) == "off" and cache(150) == "auto"
 
 
-def test_plan_for_several_processes():
+def test_plan_for_several_processes(run_cli):
     one = planned(model_preset="small", gradient_accumulation_steps=4)
     two = planned(model_preset="small", gradient_accumulation_steps=4, num_processes=2)
     assert one["host_mb"]["ddp_gradient_copy"] == 0 and one["num_processes"] == 1
@@ -593,7 +589,7 @@ def test_plan_for_several_processes():
         ddp["host_peak_mb"]
 
 
-def test_plan_counts_the_extras_a_run_imports(pretrained):
+def test_plan_counts_the_extras_a_run_imports(pretrained, run_cli):
     # peft (about 11 MiB once imported) is part of a LoRA run's framework baseline; bitsandbytes (44 MiB),
     # which peft imports wherever it is installed, is not: a LoRA run imports peft without it.
     def framework(*flags):
@@ -655,7 +651,7 @@ def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
     assert plan_short["host_mb"]["activations"] < plan_epoch["host_mb"]["activations"]
 
 
-def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer):
+def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer, run_cli):
     import random
 
     from conftest import WORDS
@@ -750,19 +746,18 @@ print(json.dumps({"measured": high_water_mark() - rss, "planned": sum(optimizer_
 
 
 @pytest.mark.parametrize("optimizer", ["adafactor", "adamw", "adamw8bit"])
-def test_an_optimizer_step_takes_the_memory_the_plan_gives_its_state_and_temporaries(optimizer):
+def test_an_optimizer_step_takes_the_memory_the_plan_gives_its_state_and_temporaries(optimizer, processes):
     # Every freed block goes back to the system (mmap above 64 KiB), so the process's high-water mark
     # (restarted just before) above its RSS is exactly what the step held at once: the state it made and its
     # temporaries. Measured on a 4M-element matrix: Adafactor 16 MiB (one update-sized tensor),
     # AdamW 64 (two moments, two temporaries), adamw8bit 88 (bitsandbytes' CPU step dequantizes both
     # moments and works in float32: five temporaries, planned as two before).
-    import subprocess
     import sys
 
     if optimizer == "adamw8bit" and not installed("bitsandbytes"):
         pytest.skip("bitsandbytes is an optional extra")
-    done = subprocess.run([sys.executable, "-c", STEP_MEMORY, optimizer], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    done = processes.run([sys.executable, "-c", STEP_MEMORY, optimizer], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert done.returncode == 0, done.stderr
     step = json.loads(done.stdout.strip().splitlines()[-1])
     assert step["measured"] == pytest.approx(step["planned"], rel=0.05), step
@@ -823,12 +818,12 @@ def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
     (["--frozen_dtype=float16"], "--frozen_dtype must be one of"),
     (["--is_finetune=True", "--lora_r=4", "--lora_target_modules=q,x"], "--lora_target_modules must be"),
 ])
-def test_invalid_mode_flags_give_one_line(tmp_path, flags, message):
-    done = run_cli("train", f"--output_dir={tmp_path / 'run'}", *flags)
+def test_invalid_mode_flags_give_one_line(tmp_path, flags, message, cli_in_process):
+    done = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", *flags)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
 
 
-def test_missing_optional_package_is_named(tmp_path):
+def test_missing_optional_package_is_named(tmp_path, run_cli):
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['bitsandbytes'] = None\n")
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--optimizer=adamw8bit", env=env)

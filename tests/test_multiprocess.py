@@ -11,28 +11,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from conftest import LAUNCH_ENV, REPO, metrics, synthetic_rows, write_rows
 
-pytestmark = pytest.mark.slow
-
-
-def launch_command(*args: str, processes: int = 2, port: int = 29517) -> list[str]:
-    # `accelerate launch --cpu --num_processes 2` starts one process; this form starts two gloo ranks.
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-            str(port), str(REPO / "train_low_mem.py"), "train", "--cpu=True", *args]
+ENV = LAUNCH_ENV
 
 
-ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
-
-
-def accelerate_launch(*args: str, processes: int = 2, port: int = 29517) -> subprocess.CompletedProcess:
-    """``accelerate launch`` of the training CLI on ``processes`` CPU processes (2 or more)."""
-    return subprocess.run(launch_command(*args, processes=processes, port=port), cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env=ENV)
-
-
-def test_two_processes_share_each_epoch_exactly_once(tmp_path):
+def test_two_processes_share_each_epoch_exactly_once(tmp_path, accelerate_launch):
     # 11 files of 3 rows: each file is split between the processes, 1 row to rank 0 and 2 to rank 1,
     # so rank 1 holds 22 of the 33 rows (not 17), rank 0 runs dry first at each epoch's end and must
     # still take part in the last gradient all-reduces, and the epoch has ceil(22 / (2 x 2)) = 6 steps.
@@ -66,7 +50,7 @@ def test_two_processes_share_each_epoch_exactly_once(tmp_path):
     assert (out / "best" / "model.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
 
 
-def test_two_processes_give_the_gradient_of_one_big_batch_and_sft_runs(tmp_path):
+def test_two_processes_give_the_gradient_of_one_big_batch_and_sft_runs(tmp_path, accelerate_launch, run_cli):
     """2 processes x micro-batch 2 x accumulation 16 = one process x 64 rows in one step.
 
     Adafactor's step depends on the gradient, so equal weights after one step (to float summation
@@ -120,7 +104,7 @@ def test_two_processes_give_the_gradient_of_one_big_batch_and_sft_runs(tmp_path)
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
 
 
-def test_two_process_kill_and_resume_is_bit_identical(tmp_path):
+def test_two_process_kill_and_resume_is_bit_identical(tmp_path, accelerate_launch, processes):
     # Two files of unequal size: each process reads whole files, and the one with the smaller file
     # runs dry first in every epoch.
     a = write_rows(tmp_path / "a.jsonl", synthetic_rows(180, seed=5))
@@ -133,8 +117,8 @@ def test_two_process_kill_and_resume_is_bit_identical(tmp_path):
     proc = accelerate_launch(*common, f"--output_dir={straight}", port=29521)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    child = subprocess.Popen(launch_command(*common, f"--output_dir={broken}", port=29522), cwd=REPO, env=ENV,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    child = processes.popen(processes.launch_command(*common, f"--output_dir={broken}", port=29522), cwd=REPO, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     latest, deadline = broken / "checkpoints" / "latest", time.time() + 300
     while not (latest.exists() and latest.read_text() >= "step_000016"):
         assert child.poll() is None and time.time() < deadline, "the run ended before its step-16 checkpoint"
@@ -162,7 +146,7 @@ def test_two_process_kill_and_resume_is_bit_identical(tmp_path):
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 
 
-def test_shipped_accelerate_configs_load_and_the_cpu_one_starts_two_processes(tmp_path):
+def test_shipped_accelerate_configs_load_and_the_cpu_one_starts_two_processes(tmp_path, processes):
     from accelerate.commands.config.config_args import ClusterConfig
 
     kinds = {path.stem: ClusterConfig.from_yaml_file(str(path)).distributed_type.value for path in CONFIGS}
@@ -174,31 +158,31 @@ def test_shipped_accelerate_configs_load_and_the_cpu_one_starts_two_processes(tm
     # As a user types it: no ACCELERATE_USE_CPU, no --cpu=True. accelerate alone would run every process on
     # its own (the whole run on each); with no GPU the trainer makes them a gloo group.
     user_env = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_CPU"}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--main_process_port", "29541",
-                           str(REPO / "train_low_mem.py"), "train", f"--train_file={train}",
-                           f"--eval_file={evals}", f"--output_dir={tmp_path / 'run'}", "--max_steps=1",
-                           "--gradient_accumulation_steps=2", "--eval_steps=0"],
+    proc = processes.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                          str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--main_process_port", "29541",
+                          str(REPO / "train_low_mem.py"), "train", f"--train_file={train}",
+                          f"--eval_file={evals}", f"--output_dir={tmp_path / 'run'}", "--max_steps=1",
+                          "--gradient_accumulation_steps=2", "--eval_steps=0"],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env=user_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert next(r for r in metrics(tmp_path / "run") if r["event"] == "setup")["world_size"] == 2
 
 
 @pytest.mark.gpu
-def test_deepspeed_zero2_config_trains_on_a_gpu(tmp_path):
+def test_deepspeed_zero2_config_trains_on_a_gpu(tmp_path, processes):
     pytest.importorskip("deepspeed")
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(REPO / "accelerate_configs" / "deepspeed_zero2.yaml"), "--num_processes", "1",
-                           str(REPO / "train_low_mem.py"), "train", "--optimizer=adamw", "--max_steps=2",
-                           "--gradient_accumulation_steps=2", "--eval_steps=0", "--max_eval_samples=4",
-                           f"--output_dir={tmp_path / 'run'}"],
+    proc = processes.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                          str(REPO / "accelerate_configs" / "deepspeed_zero2.yaml"), "--num_processes", "1",
+                          str(REPO / "train_low_mem.py"), "train", "--optimizer=adamw", "--max_steps=2",
+                          "--gradient_accumulation_steps=2", "--eval_steps=0", "--max_eval_samples=4",
+                          f"--output_dir={tmp_path / 'run'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "deepspeed").is_dir()
 
 
-def test_a_mistake_met_by_every_process_is_printed_once(tmp_path):
+def test_a_mistake_met_by_every_process_is_printed_once(tmp_path, accelerate_launch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt or response column"}\n')
     proc = accelerate_launch(f"--train_file={bad}", f"--eval_file={bad}", f"--output_dir={tmp_path / 'run'}",
@@ -209,7 +193,7 @@ def test_a_mistake_met_by_every_process_is_printed_once(tmp_path):
         proc.stderr[-3000:]
 
 
-def test_two_processes_pack_disjoint_documents_for_span_corruption(tmp_path):
+def test_two_processes_pack_disjoint_documents_for_span_corruption(tmp_path, accelerate_launch):
     # Raw text on 2 processes, 2 epochs without --max_steps: each process packs its own documents (a
     # contiguous share of the file), the steps are counted from the corpus's tokens, and every step trains.
     from test_span_corruption_training import write_corpus

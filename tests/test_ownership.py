@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import metrics, run_cli, synthetic_rows, write_rows
+from conftest import metrics, shared_folder, synthetic_rows, write_rows
 
 from config import UserError
 from data.ownership import MARKERS
@@ -86,7 +86,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_folder_of_user_files_is_refused_and_left_untouched(tmp_path, case):
+def test_a_folder_of_user_files_is_refused_and_left_untouched(tmp_path, case, cli_in_process):
     command, flag, inside = REFUSED[case]
     places = {"tmp": tmp_path, "corpus": write_rows(tmp_path / "data" / "train.jsonl", synthetic_rows(60, seed=1)),
               "run": tmp_path / "run", "user": user_files(tmp_path / "user"),
@@ -99,7 +99,7 @@ def test_a_folder_of_user_files_is_refused_and_left_untouched(tmp_path, case):
     if command[0] != "plot":
         args += [f"--train_file={places['corpus']}"] + (TINY if command[0] == "train" else [])
     before = snapshot(tmp_path)
-    line = error_line(run_cli(*args, cwd=places["user"] if inside else tmp_path))
+    line = error_line(cli_in_process(*args, cwd=places["user"] if inside else tmp_path))
     assert f"{flag}=" in line and ("t5-lowmem did not write" in line or "holds a saved model" in line), line
     after = snapshot(tmp_path)
     if "new_run" in " ".join(args):  # the run folder it made for itself is new; nothing else changed
@@ -149,7 +149,7 @@ def test_an_earlier_versions_started_marker_vouches_only_among_a_runs_own_files(
     assert MARKERS["run"] != ".started"
 
 
-def test_sibling_folders_survive_and_a_tokenizer_folder_of_ours_is_reused(tmp_path):
+def test_sibling_folders_survive_and_a_tokenizer_folder_of_ours_is_reused(tmp_path, run_cli):
     from data.tokenization import has_tokenizer, train_tokenizer
 
     corpus = write_rows(tmp_path / "c.jsonl", synthetic_rows(200, seed=2))
@@ -177,7 +177,7 @@ def test_sibling_folders_survive_and_a_tokenizer_folder_of_ours_is_reused(tmp_pa
     assert has_tokenizer(tmp_path / "empty") and (tmp_path / "empty" / MARKERS["tokenizer"]).is_file()
 
 
-def test_prepare_and_plot_write_into_empty_folders_and_refuse_their_own_corpus(tmp_path):
+def test_prepare_and_plot_write_into_empty_folders_and_refuse_their_own_corpus(tmp_path, run_cli):
     corpus = write_rows(tmp_path / "c.jsonl", synthetic_rows(50, seed=3))
     prepared = tmp_path / "prepared"
     prepared.mkdir()
@@ -201,21 +201,26 @@ def test_prepare_and_plot_write_into_empty_folders_and_refuse_their_own_corpus(t
         assert {p.name for p in charts.iterdir()} == {MARKERS["plots"], "loss.png", "learning_rate.png"}
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny run with a checkpoint at step 2, trained into a folder that existed and was empty."""
-    root = tmp_path_factory.mktemp("trained")
-    corpus = write_rows(root / "train.jsonl", synthetic_rows(80, seed=4))
-    run = root / "run"
-    run.mkdir()
-    args = [f"--train_file={corpus}", "--save_steps=2", *TINY]
-    proc = run_cli("train", f"--output_dir={run}", *args)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (run / MARKERS["run"]).is_file() and checkpoint.find_latest_valid(run / "checkpoints")
-    return run, args
+@pytest.fixture(scope="session")
+def trained(request, tmp_path_factory, run_cli):
+    """A tiny run with a checkpoint at step 2, trained into a folder that existed and was empty, and its flags;
+    built once for the session (read only: conftest.shared_folder)."""
+    def args(root):
+        return [f"--train_file={root / 'train.jsonl'}", "--save_steps=2", *TINY]
+
+    def build(root):
+        write_rows(root / "train.jsonl", synthetic_rows(80, seed=4))
+        run = root / "run"
+        run.mkdir()
+        proc = run_cli("train", f"--output_dir={run}", *args(root))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert (run / MARKERS["run"]).is_file() and checkpoint.find_latest_valid(run / "checkpoints")
+
+    root = shared_folder(request, tmp_path_factory, "ownership-trained", build)
+    return root / "run", args(root)
 
 
-def test_a_run_folder_of_ours_is_reused_marked_or_not(trained, tmp_path):
+def test_a_run_folder_of_ours_is_reused_marked_or_not(trained, tmp_path, run_cli):
     run, args = trained
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
@@ -229,7 +234,7 @@ def test_a_run_folder_of_ours_is_reused_marked_or_not(trained, tmp_path):
     assert [r["step"] for r in metrics(copy) if r["event"] == "train"] == [1, 2]
 
 
-def test_a_run_inside_another_runs_exports_or_checkpoints_is_refused(trained, tmp_path):
+def test_a_run_inside_another_runs_exports_or_checkpoints_is_refused(trained, tmp_path, run_cli):
     # Its best/ and final/ are replaced whole at its next export, its checkpoints removed as they rotate:
     # a run made inside one (from --init_from=RUN/best, say) would be lost with it.
     run, args = trained
@@ -273,7 +278,7 @@ def replace_in_checkpoint(folder: Path, name: str, content) -> None:
 
 @pytest.mark.parametrize("name, payload", [("optimizer.pt", "system"), ("scheduler.pt", "system"),
                                            ("process_0.pt", "system"), ("optimizer.pt", "exec")])
-def test_a_checkpoint_holding_code_is_refused_and_the_code_never_runs(trained, tmp_path, name, payload):
+def test_a_checkpoint_holding_code_is_refused_and_the_code_never_runs(trained, tmp_path, name, payload, run_cli):
     run, args = trained
     copy, sentinel = tmp_path / "run", tmp_path / "SENTINEL"
     shutil.copytree(run, copy)
@@ -288,7 +293,7 @@ def test_a_checkpoint_holding_code_is_refused_and_the_code_never_runs(trained, t
     assert hashlib.sha256((copy / "final" / "model.safetensors").read_bytes()).hexdigest() == weights
 
 
-def test_checkpoint_state_is_plain_and_an_older_one_with_numpy_arrays_still_loads(trained, tmp_path):
+def test_checkpoint_state_is_plain_and_an_older_one_with_numpy_arrays_still_loads(trained, tmp_path, run_cli):
     run, args = trained
     folder = checkpoint.find_latest_valid(run / "checkpoints")
     state = checkpoint.load_state(folder / "process_0.pt")
@@ -418,7 +423,7 @@ def test_a_folder_a_run_wrote_inside_its_own_is_named_as_such(tmp_path):
             check_folder(run / name, "--some_dir", kind)
 
 
-def test_files_a_user_puts_in_an_export_survive_the_next_export_and_a_start_over(tmp_path):
+def test_files_a_user_puts_in_an_export_survive_the_next_export_and_a_start_over(tmp_path, run_cli):
     corpus = write_rows(tmp_path / "c.jsonl", synthetic_rows(80, seed=4))
     evals = write_rows(tmp_path / "e.jsonl", synthetic_rows(4, seed=5))
     run = tmp_path / "run"

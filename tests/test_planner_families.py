@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
 from t5_family import FAMILIES
 
 from config import SHIPPED_CORPORA, UserError
@@ -185,7 +184,7 @@ def test_the_gated_feed_forward_term_is_what_torch_saves():
     assert saved("gated-gelu", 0.1, fused=False) - saved("gated-gelu", 0.1) == pytest.approx(3.0, abs=0.05)
 
 
-def test_plan_json_and_table_for_an_init_from_model(family_models):
+def test_plan_json_and_table_for_an_init_from_model(family_models, run_cli):
     """The CLI's plan counts the built model (SFT and continued pretraining) and shows the large-vocabulary
     terms: the embedding, an untied lm_head, the logits."""
     folder = family_models["flan"]

@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 
 from lowmem.plots import plot_run, series
 
@@ -17,17 +17,21 @@ TINY = ["--max_steps=12", "--eval_steps=4", "--logging_steps=2", "--save_steps=4
         "--max_target_len=16", "--report_to=tensorboard"]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A 12-step run with evaluations at 0, 4, 8, 12, checkpoints at 4, 8, 12 and TensorBoard events."""
-    root = tmp_path_factory.mktemp("tiny")
-    train = write_rows(root / "train.jsonl", synthetic_rows(200, seed=11))
-    evals = write_rows(root / "eval.jsonl", synthetic_rows(4, seed=12))
-    run = root / "run"
-    args = [f"--train_file={train}", f"--eval_file={evals}", *TINY]
-    proc = run_cli("train", f"--output_dir={run}", *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run, args
+@pytest.fixture(scope="session")
+def tiny_run(request, tmp_path_factory, run_cli):
+    """A 12-step run with evaluations at 0, 4, 8, 12, checkpoints at 4, 8, 12 and TensorBoard events, and its
+    flags; built once for the session (read only: conftest.shared_folder)."""
+    def args(root):
+        return [f"--train_file={root / 'train.jsonl'}", f"--eval_file={root / 'eval.jsonl'}", *TINY]
+
+    def build(root):
+        write_rows(root / "train.jsonl", synthetic_rows(200, seed=11))
+        write_rows(root / "eval.jsonl", synthetic_rows(4, seed=12))
+        proc = run_cli("train", f"--output_dir={root / 'run'}", *args(root))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    root = shared_folder(request, tmp_path_factory, "plots-tiny-run", build)
+    return root / "run", args(root)
 
 
 def scalars(run, tag: str) -> list[tuple[int, float]]:
@@ -43,12 +47,12 @@ def recorded(run, event: str, field: str) -> list[tuple[int, float]]:
     return [(r["step"], r[field]) for r in metrics(run) if r["event"] == event]
 
 
-@pytest.mark.slow
-def test_plot_writes_one_png_per_chart(tiny_run):
+def test_plot_writes_one_png_per_chart(tiny_run, tmp_path, run_cli):
     import matplotlib.image
     import numpy as np
 
-    run, _ = tiny_run
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run)  # (the charts go into the run's plots/)
     proc = run_cli("plot", f"--output_dir={run}", "--max_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "note: --max_steps has no effect on plot (it is read by train)" in proc.stderr
@@ -62,7 +66,6 @@ def test_plot_writes_one_png_per_chart(tiny_run):
     assert "skipped:" in proc.stdout and "{}" in proc.stdout
 
 
-@pytest.mark.slow
 def test_plot_skips_charts_without_data_and_keeps_last_of_a_repeated_step(tiny_run, tmp_path):
     run, _ = tiny_run
     kept = [r for r in metrics(run) if r["event"] not in ("eval", "memory_plan", "memory_peak")]
@@ -77,12 +80,10 @@ def test_plot_skips_charts_without_data_and_keeps_last_of_a_repeated_step(tiny_r
     assert {p.name for p in (tmp_path / "charts").iterdir()} == CHARTS - {"bleu.png"} | {".t5-lowmem-plots"}
 
 
-@pytest.mark.slow
-def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tmp_path):
+def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tmp_path, processes, run_cli):
     # A full disk, made real with a file-size limit: the write fails (EFBIG) after the PNG's first bytes.
     import resource
     import signal
-    import subprocess
     import sys
 
     run, _ = tiny_run
@@ -94,8 +95,8 @@ def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tm
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 
-    proc = subprocess.run([sys.executable, str(REPO / "train_low_mem.py"), "plot", f"--output_dir={run}",
-                           f"--plot_dir={charts}"], capture_output=True, text=True, preexec_fn=small_files, timeout=300)
+    proc = processes.run([sys.executable, str(REPO / "train_low_mem.py"), "plot", f"--output_dir={run}",
+                          f"--plot_dir={charts}"], capture_output=True, text=True, preexec_fn=small_files, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
     assert "could not be written" in lines[0] and "--plot_dir" in lines[0]
@@ -104,7 +105,7 @@ def test_a_chart_that_cannot_be_written_leaves_the_one_before_whole(tiny_run, tm
 
 @pytest.mark.parametrize("make", ["nothing", "empty metrics", "no train records", "a line not an object",
                                   "a record without a step", "a step not a number"])
-def test_plot_without_train_records_is_one_error_line(tmp_path, make):
+def test_plot_without_train_records_is_one_error_line(tmp_path, make, cli_in_process):
     run = tmp_path / "run"
     if make != "nothing":
         run.mkdir()
@@ -113,13 +114,12 @@ def test_plot_without_train_records_is_one_error_line(tmp_path, make):
                  "a record without a step": '{"event": "train", "loss": 1.0}\n',
                  "a step not a number": '{"event": "train", "step": "1", "loss": 1.0}\n'}.get(make, "")
         (run / "metrics.jsonl").write_text(lines, encoding="utf-8")
-    proc = run_cli("plot", f"--output_dir={run}")
+    proc = cli_in_process("plot", f"--output_dir={run}")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
     assert "train" in lines[0] and not (run / "plots").exists()
 
 
-@pytest.mark.slow
 def test_tensorboard_scalars_equal_metrics_jsonl(tiny_run):
     run, _ = tiny_run
     loss = recorded(run, "train", "loss")
@@ -131,8 +131,7 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tiny_run):
     assert scalars(run, "memory_peak/measured_host_peak_mb") == [(s, pytest.approx(v)) for s, v in peak]
 
 
-@pytest.mark.slow
-def test_resume_does_not_show_steps_twice_in_tensorboard(tiny_run, tmp_path):
+def test_resume_does_not_show_steps_twice_in_tensorboard(tiny_run, tmp_path, run_cli):
     """A resume from step 8 re-logs steps 10 and 12, which the first run logged after that checkpoint."""
     run, args = tiny_run
     copy = tmp_path / "run"
@@ -147,10 +146,15 @@ def test_resume_does_not_show_steps_twice_in_tensorboard(tiny_run, tmp_path):
     assert [s for s, _ in scalars(copy, "eval/eval_loss")] == [0, 4, 8, 12]
 
 
-def test_report_to_is_validated(tmp_path):
-    done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--report_to=comet")
+def test_report_to_is_validated(tmp_path, cli_in_process):
+    done = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", "--report_to=comet")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "--report_to: unknown tracker 'comet'; a comma list of tensorboard, wandb, mlflow, trackio" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_tensorboard_is_named_before_anything_is_written(tmp_path, run_cli):
+    # (a process of its own: the interpreter must start without tensorboard)
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboard'] = None\n")
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--report_to=tensorboard", env=env)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
-from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from conftest import REPO, metrics, synthetic_rows, write_rows
 from safetensors.torch import load_file
 
 TRAIN = ["--max_steps=4", "--gradient_accumulation_steps=2", "--eval_steps=0", "--save_steps=0",
@@ -23,8 +22,7 @@ def test_prepared_ids_are_cut_like_the_tokenizer_cuts_text(tokenizer):
         assert collate.token_ids(full, limit) == collate.token_ids(texts, limit)
 
 
-@pytest.mark.slow
-def test_training_from_prepared_shards_equals_training_from_text(tmp_path):
+def test_training_from_prepared_shards_equals_training_from_text(tmp_path, run_cli):
     rows = synthetic_rows(600, seed=5)
     rows.insert(7, {"prompt": None, "response": "x"})  # a bad row: counted by prepare, never trained on
     corpus = write_rows(tmp_path / "corpus.jsonl", rows)
@@ -83,7 +81,7 @@ def test_training_from_prepared_shards_equals_training_from_text(tmp_path):
 
 
 
-def test_prepare_stops_at_the_bad_row_limit_and_leaves_nothing(tmp_path):
+def test_prepare_stops_at_the_bad_row_limit_and_leaves_nothing(tmp_path, run_cli):
     rows = synthetic_rows(40, seed=1)
     rows[::2] = [{"prompt": "p", "response": ""}] * 20  # half the rows have an empty answer
     corpus = write_rows(tmp_path / "half_bad.jsonl", rows)
@@ -96,7 +94,7 @@ def test_prepare_stops_at_the_bad_row_limit_and_leaves_nothing(tmp_path):
     assert proc.returncode == 0 and json.loads((prepared / "prepared.manifest").read_text())["rows"] == 20
 
 
-def test_prepare_refuses_what_it_cannot_make_and_train_names_an_unfinished_one(tmp_path):
+def test_prepare_refuses_what_it_cannot_make_and_train_names_an_unfinished_one(tmp_path, run_cli):
     folder = tmp_path / "corpus"
     corpus = write_rows(folder / "pairs.jsonl", synthetic_rows(20, seed=1))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(4, seed=2))

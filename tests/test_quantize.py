@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from conftest import REPO, metrics, synthetic_rows, write_rows
 
 from lowmem.flags import load_config
 
@@ -172,8 +172,7 @@ def test_a_lora_export_over_8_bit_weights_with_bf16_scales_is_float32(family_mod
             assert torch.allclose(plain[name.replace(".base_layer", "") + ".weight"], expected, atol=1e-6), name
 
 
-@pytest.mark.slow
-def test_int8_sft_trains_keeps_frozen_weights_resumes_exactly_and_exports_plainly(family_models, tmp_path):
+def test_int8_sft_trains_keeps_frozen_weights_resumes_exactly_and_exports_plainly(family_models, tmp_path, run_cli):
     from safetensors.torch import load_file
     from transformers import AutoModelForSeq2SeqLM
 
@@ -214,7 +213,7 @@ def test_int8_sft_trains_keeps_frozen_weights_resumes_exactly_and_exports_plainl
     assert torch.equal(model.state_dict()[q], exported[q])
 
 
-def test_a_missing_optimum_quanto_is_one_line(tmp_path):
+def test_a_missing_optimum_quanto_is_one_line(tmp_path, run_cli):
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['optimum.quanto'] = None\n")
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--is_finetune=True", "--init_from=unused",
@@ -223,7 +222,7 @@ def test_a_missing_optimum_quanto_is_one_line(tmp_path):
     assert "pip install '.[quant]'" in done.stderr and not (tmp_path / "run").exists()
 
 
-def test_an_installed_optional_package_that_fails_to_import_is_one_line(tmp_path, family_models):
+def test_an_installed_optional_package_that_fails_to_import_is_one_line(tmp_path, family_models, run_cli):
     broken = tmp_path / "site" / "peft"  # found by the import system, broken when imported
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('cannot import name X from transformers')\n")
@@ -248,13 +247,13 @@ def test_an_installed_optional_package_that_fails_to_import_is_one_line(tmp_path
     (["--is_finetune=True", "--freeze=embeddings", "--frozen_dtype=float8"], "this run has none"),
     (["--quantize_wo=True"], "--quantize_wo=True needs --frozen_dtype=int8 or float8"),
 ])
-def test_8_bit_flags_without_frozen_layers_give_one_line(tmp_path, flags, message):
-    done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--init_from=unused", *flags)
+def test_8_bit_flags_without_frozen_layers_give_one_line(tmp_path, flags, message, cli_in_process):
+    done = cli_in_process("train", f"--output_dir={tmp_path / 'run'}", "--init_from=unused", *flags)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("family", ["flan", "t5"])
-def test_int8_under_bf16_resumes_exactly(family_models, tmp_path, family):
+def test_int8_under_bf16_resumes_exactly(family_models, tmp_path, family, run_cli):
     # bf16 computes 8-bit layers with torch's int8 matrix product, which crashed the process (a segmentation
     # fault) on a weight loaded from a checkpoint where the file's layout left its bytes unaligned
     from safetensors.torch import load_file

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, metrics, run_cli, synthetic_rows, write_rows
+from conftest import REPO, metrics, synthetic_rows, write_rows
 from safetensors.torch import load_file
 
 from config import UserError
@@ -25,25 +25,14 @@ SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "
          "--eval_generate=False"]
 
 
-def launch(args: list[str], log: Path) -> subprocess.Popen:
-    """Start a training process whose output goes to ``log`` (a pipe nobody reads could block it)."""
-    with open(log, "w") as fh:
-        return subprocess.Popen([sys.executable, str(REPO / "train_low_mem.py"), "train", *args], cwd=REPO,
-                                stdout=fh, stderr=subprocess.STDOUT, text=True)
-
-
-def kill_at_first_checkpoint_and_resume(run: Path, args: list[str], log: Path, wait_s: float) -> None:
-    """Train into ``run``, SIGKILL the process once its first checkpoint is written, then continue it
-    with --is_keep_training=True (which must resume from that checkpoint)."""
-    child = launch([f"--output_dir={run}", *args], log)
-    started = time.time()
-    while not (run / "checkpoints" / "latest").is_file():
-        assert child.poll() is None and time.time() < started + wait_s, log.read_text()[-2000:]
-        time.sleep(0.05)
-    child.kill()
-    child.wait()
-    done = run_cli("train", f"--output_dir={run}", *args, "--is_keep_training=True", timeout=1200)
-    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
+@pytest.fixture(scope="session")
+def launch(processes):
+    def launch(args: list[str], log: Path) -> subprocess.Popen:
+        """Start a training process whose output goes to ``log`` (a pipe nobody reads could block it)."""
+        with open(log, "w") as fh:
+            return processes.popen([sys.executable, str(REPO / "train_low_mem.py"), "train", *args], cwd=REPO,
+                                   stdout=fh, stderr=subprocess.STDOUT, text=True)
+    return launch
 
 
 def assert_same_training(straight: Path, broken: Path) -> str:
@@ -66,8 +55,7 @@ def train_losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-@pytest.mark.slow
-def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path):
+def test_kills_sigterm_and_damage_resume_bit_identically(tmp_path, launch, run_cli):
     train = write_rows(tmp_path / "a.jsonl", synthetic_rows(300, seed=5))
     train2 = write_rows(tmp_path / "b.parquet", synthetic_rows(211, seed=8))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(8, seed=6))
@@ -268,7 +256,7 @@ def test_writes_the_user_can_make_possible_say_what_to_do_and_the_rest_are_raise
     assert run.how_to_continue().startswith("continue with --is_keep_training=True")
 
 
-def test_a_file_size_limit_stops_the_run_with_one_line_and_it_starts_again(tmp_path):
+def test_a_file_size_limit_stops_the_run_with_one_line_and_it_starts_again(tmp_path, processes, run_cli):
     import resource
 
     corpus = write_rows(tmp_path / "c.jsonl", synthetic_rows(120))
@@ -276,7 +264,7 @@ def test_a_file_size_limit_stops_the_run_with_one_line_and_it_starts_again(tmp_p
             f"--output_dir={tmp_path / 'run'}", "--save_steps=0", "--eval_steps=1", "--max_eval_samples=4",
             "--eval_generate=False", "--gradient_accumulation_steps=2"]
     limit = 2**20  # best/'s weights (8 MB) cannot be written; metrics.jsonl and config.json can
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, preexec_fn=lambda: resource.setrlimit(
+    proc = processes.run(args, capture_output=True, text=True, timeout=600, preexec_fn=lambda: resource.setrlimit(
         resource.RLIMIT_FSIZE, (limit, limit)))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -306,7 +294,7 @@ def test_an_export_interrupted_between_its_two_renames_puts_the_previous_one_bac
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
 
 
-def test_a_resume_after_a_kill_between_an_exports_renames_keeps_the_best_model(tmp_path):
+def test_a_resume_after_a_kill_between_an_exports_renames_keeps_the_best_model(tmp_path, run_cli):
     # best/ at .old-best (killed mid-swap): the resume puts it back and still compares with its metric, so
     # a worse model does not replace it
     data = write_rows(tmp_path / "d.jsonl", synthetic_rows(60, seed=3))
@@ -324,7 +312,7 @@ def test_a_resume_after_a_kill_between_an_exports_renames_keeps_the_best_model(t
     assert not (run / ".old-best").exists() and "new best" not in done.stdout
 
 
-def test_a_finished_run_continued_times_only_its_training_steps(tmp_path):
+def test_a_finished_run_continued_times_only_its_training_steps(tmp_path, run_cli):
     # The final evaluation (generation with beams) and checkpoint ran outside untimed(): the checkpoint's
     # training time counted them, and the continued run's summary step_s was 3x its records'
     data = write_rows(tmp_path / "d.jsonl", synthetic_rows(60, seed=5))
@@ -342,12 +330,12 @@ def test_a_finished_run_continued_times_only_its_training_steps(tmp_path):
     assert fewer.returncode == 2 and "--max_steps=3 is below step 4" in fewer.stderr, fewer.stderr[-2000:]
 
 
-def test_keep_training_without_a_run_is_a_clear_error(tmp_path):
-    proc = run_cli("train", f"--output_dir={tmp_path / 'nothing'}", "--is_keep_training=True")
+def test_keep_training_without_a_run_is_a_clear_error(tmp_path, cli_in_process):
+    proc = cli_in_process("train", f"--output_dir={tmp_path / 'nothing'}", "--is_keep_training=True")
     assert proc.returncode == 2 and "no run to continue" in proc.stderr
 
 
-def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resumes_exactly(tmp_path):
+def test_an_epoch_ending_on_a_full_window_is_counted_at_its_last_step_and_resumes_exactly(tmp_path, run_cli):
     # 64 rows, windows of 2 x 4 = 8: each epoch ends exactly on a window, so the stream does not know
     # it has ended until asked for more. The epoch must be counted at its 8th step, before that step's
     # evaluation and checkpoint; the run's last step must be evaluated and saved once, not twice.

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, metrics, synthetic_rows, write_rows
+from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 from safetensors.torch import load_file
-
-pytestmark = pytest.mark.slow
 
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 TINY = ["--cpu=True", "--model_preset=tiny", "--max_source_len=32", "--max_target_len=32", "--dropout_rate=0",
@@ -27,23 +25,29 @@ TINY = ["--cpu=True", "--model_preset=tiny", "--max_source_len=32", "--max_targe
         "--max_eval_samples=4"]
 
 
-def launch(config: str, args: list[str], port: int, log: Path | None = None, launcher: tuple = ()):
-    """``accelerate launch --config_file accelerate_configs/<config>.yaml train_low_mem.py train ...``:
-    finished (a CompletedProcess), or running in its own process group when ``log`` is given."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "accelerate_configs" / f"{config}.yaml"), "--main_process_port", str(port), *launcher,
-               str(REPO / "train_low_mem.py"), "train", *TINY, *args]
-    if log is None:
-        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=ENV)
-    with open(log, "w") as out:
-        return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=ENV,
-                                start_new_session=True)
+@pytest.fixture(scope="session")
+def launch(processes):
+    def launch(config: str, args: list[str], port: int, log: Path | None = None, launcher: tuple = ()):
+        """``accelerate launch --config_file accelerate_configs/<config>.yaml train_low_mem.py train ...``:
+        finished (a CompletedProcess), or running in its own process group when ``log`` is given."""
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(REPO / "accelerate_configs" / f"{config}.yaml"), "--main_process_port", str(port), *launcher,
+                   str(REPO / "train_low_mem.py"), "train", *TINY, *args]
+        if log is None:
+            return processes.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=ENV)
+        with open(log, "w") as out:
+            return processes.popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=ENV,
+                                   start_new_session=True)
+    return launch
 
 
-def trained(config: str, args: list[str], port: int, launcher: tuple = ()) -> subprocess.CompletedProcess:
-    proc = launch(config, args, port, launcher=launcher)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+@pytest.fixture(scope="session")
+def trained(launch, processes):
+    def trained(config: str, args: list[str], port: int, launcher: tuple = ()) -> subprocess.CompletedProcess:
+        proc = launch(config, args, port, launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+    return trained
 
 
 def weights(run: Path) -> dict:
@@ -59,33 +63,42 @@ def train_records(run: Path) -> list[dict]:
     return [r for r in metrics(run) if r["event"] == "train"]
 
 
-@pytest.fixture(scope="module")
-def adafactor_ddp(tmp_path_factory) -> tuple[list[str], Path]:
+@pytest.fixture(scope="session")
+def adafactor_ddp(request, tmp_path_factory, trained) -> tuple[list[str], Path]:
     """The DDP run (2 CPU processes, Adafactor, 8 steps, evaluated and checkpointed every 4) the sharded
-    engines are compared with: its flags, which they run with too, and its folder."""
-    folder = tmp_path_factory.mktemp("adafactor")
-    train = write_rows(folder / "train.jsonl", synthetic_rows(45, seed=9))
-    evals = write_rows(folder / "eval.jsonl", synthetic_rows(3, seed=10))  # eval batches: 1 on each rank
-    common = [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=8", "--save_steps=4", "--eval_steps=4",
-              "--max_eval_samples=3", "--eval_batch_size=2", "--optimizer=adafactor", "--shuffle_buffer_size=16",
-              "--dump_consumed=True", "--tie_word_embeddings=True"]  # a tied head: one tensor under two names
-    trained("cpu_2proc", [*common, f"--output_dir={folder / 'ddp'}"], 29621)
-    return common, folder / "ddp"
+    engines are compared with: its flags, which they run with too, and its folder; built once for the session
+    (read only: conftest.shared_folder)."""
+    def common(folder):
+        return [f"--train_file={folder / 'train.jsonl'}", f"--eval_file={folder / 'eval.jsonl'}", "--max_steps=8",
+                "--save_steps=4", "--eval_steps=4", "--max_eval_samples=3", "--eval_batch_size=2",
+                "--optimizer=adafactor", "--shuffle_buffer_size=16", "--dump_consumed=True",
+                "--tie_word_embeddings=True"]  # a tied head: one tensor under two names
+
+    def build(folder):
+        write_rows(folder / "train.jsonl", synthetic_rows(45, seed=9))
+        write_rows(folder / "eval.jsonl", synthetic_rows(3, seed=10))  # eval batches: 1 on each rank
+        trained("cpu_2proc", [*common(folder), f"--output_dir={folder / 'ddp'}"], 29621)
+
+    folder = shared_folder(request, tmp_path_factory, "sharding-adafactor-ddp", build)
+    return common(folder), folder / "ddp"
 
 
-def killed_and_resumed(config: str, args: list[str], broken: Path, ports: tuple[int, int]) -> None:
-    """A run SIGKILLed (the launcher and both processes) once its first checkpoint is in place, then
-    continued with --is_keep_training=True."""
-    log = broken.with_name(broken.name + "-killed.log")
-    child = launch(config, [*args, f"--output_dir={broken}"], ports[0], log=log)
-    started = time.time()
-    while not (broken / "checkpoints" / "latest").is_file():
-        assert child.poll() is None and time.time() < started + 600, log.read_text()[-3000:]
-        time.sleep(0.05)
-    os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
-    resumed = launch(config, [*args, f"--output_dir={broken}", "--is_keep_training=True"], ports[1])
-    assert resumed.returncode == 0 and "resumed from" in resumed.stdout + resumed.stderr, resumed.stderr[-4000:]
+@pytest.fixture(scope="session")
+def killed_and_resumed(launch):
+    def killed_and_resumed(config: str, args: list[str], broken: Path, ports: tuple[int, int]) -> None:
+        """A run SIGKILLed (the launcher and both processes) once its first checkpoint is in place, then
+        continued with --is_keep_training=True."""
+        log = broken.with_name(broken.name + "-killed.log")
+        child = launch(config, [*args, f"--output_dir={broken}"], ports[0], log=log)
+        started = time.time()
+        while not (broken / "checkpoints" / "latest").is_file():
+            assert child.poll() is None and time.time() < started + 600, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        resumed = launch(config, [*args, f"--output_dir={broken}", "--is_keep_training=True"], ports[1])
+        assert resumed.returncode == 0 and "resumed from" in resumed.stdout + resumed.stderr, resumed.stderr[-4000:]
+    return killed_and_resumed
 
 
 def resumed_exactly(straight: Path, broken: Path, rows: int) -> None:
@@ -103,8 +116,8 @@ def resumed_exactly(straight: Path, broken: Path, rows: int) -> None:
     assert seen["1"] and max(seen["1"].values()) == 1
 
 
-def test_fsdp_steps_adafactor_like_ddp_checkpoints_shards_exports_plainly_and_resumes_exactly(tmp_path,
-                                                                                             adafactor_ddp):
+def test_fsdp_steps_adafactor_like_ddp_checkpoints_shards_exports_plainly_and_resumes_exactly(
+        tmp_path, adafactor_ddp, killed_and_resumed, trained):
     common, ddp_run = adafactor_ddp
     fsdp_run = tmp_path / "fsdp"
     # Adafactor shard-aware: the column statistics and update RMS span the processes
@@ -137,7 +150,7 @@ def test_fsdp_steps_adafactor_like_ddp_checkpoints_shards_exports_plainly_and_re
     resumed_exactly(fsdp_run, tmp_path / "broken", 45)
 
 
-def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenizer):
+def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenizer, trained):
     from lowmem.flags import load_config
     from lowmem.modeling import build_model
     from lowmem.run_folder import RunFolder
@@ -165,7 +178,7 @@ def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenize
     assert any(not torch.equal(tuned[k], before[k]) for k in before if k.startswith("decoder."))
 
 
-def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly(tmp_path):
+def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly(tmp_path, processes, trained):
     pytest.importorskip("deepspeed")
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(45, seed=7))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(3, seed=8))
@@ -209,10 +222,10 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     # and the loss one process gives
     flags = [str(REPO / "train_low_mem.py"), "evaluate", f"--init_from={zero3 / 'final'}", f"--eval_file={evals}",
              "--cpu=True", "--max_source_len=32", "--max_target_len=32", "--eval_generate=False"]
-    launched = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                               str(REPO / "accelerate_configs" / "deepspeed_zero3_cpu.yaml"), "--main_process_port",
-                               "29638", *flags], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
-    alone = subprocess.run([sys.executable, *flags], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+    launched = processes.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                              str(REPO / "accelerate_configs" / "deepspeed_zero3_cpu.yaml"), "--main_process_port",
+                              "29638", *flags], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+    alone = processes.run([sys.executable, *flags], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
     assert launched.returncode == 0 and alone.returncode == 0, launched.stderr[-3000:] + alone.stderr[-3000:]
     printed = [[float(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("eval_loss")]
                for p in (launched, alone)]
@@ -246,7 +259,8 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     assert any(not torch.equal(tuned[k], before[k]) for k in before if k.startswith("decoder."))
 
 
-def test_deepspeed_adafactor_steps_whole_weights_like_ddp_and_resumes_exactly(tmp_path, adafactor_ddp):
+def test_deepspeed_adafactor_steps_whole_weights_like_ddp_and_resumes_exactly(tmp_path, adafactor_ddp,
+                                                                              killed_and_resumed, trained):
     pytest.importorskip("deepspeed")
     common, ddp = adafactor_ddp
     zero3 = tmp_path / "zero3"
@@ -261,7 +275,7 @@ def test_deepspeed_adafactor_steps_whole_weights_like_ddp_and_resumes_exactly(tm
     resumed_exactly(zero3, tmp_path / "broken", 45)
 
 
-def test_deepspeed_refuses_an_optimizer_it_cannot_step_in_one_line(tmp_path):
+def test_deepspeed_refuses_an_optimizer_it_cannot_step_in_one_line(tmp_path, launch):
     pytest.importorskip("deepspeed")
     proc = launch("deepspeed_zero3_cpu", [f"--output_dir={tmp_path / 'run'}", "--max_steps=1",
                                           "--optimizer=adamw8bit"], 29636)
@@ -272,7 +286,7 @@ def test_deepspeed_refuses_an_optimizer_it_cannot_step_in_one_line(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_fsdp_makes_every_block_of_each_t5_family_its_own_unit(tmp_path):
+def test_fsdp_makes_every_block_of_each_t5_family_its_own_unit(tmp_path, processes):
     """mT5's and umT5's blocks are copies of ``T5Block``, not subclasses: found by class, they were left
     inside the root's unit, so each process gathered the whole model in every forward. One process over
     gloo: each block of T5, mT5 and umT5 becomes an FSDP unit of its own, and the model still runs."""
@@ -299,7 +313,7 @@ for config, model_class in ((T5Config, T5ForConditionalGeneration), (MT5Config, 
     print(model_class.__name__, len(units), units[:3], bool(torch.isfinite(loss)))
 dist.destroy_process_group()
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=ENV)
+    done = processes.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert len(lines) == 3, done.stdout

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import importlib.util
-import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -35,13 +34,16 @@ def needs_source_packages():
             pytest.skip(f"the shipped data was built from {name} {wanted}, this is {found}")
 
 
-def build(out, *flags: str) -> None:
-    proc = subprocess.run([sys.executable, str(DATA / "build_shipped_data.py"), f"--out_dir={out}", *flags],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.fixture(scope="session")
+def build(processes):
+    def build(out, *flags: str) -> None:
+        proc = processes.run([sys.executable, str(DATA / "build_shipped_data.py"), f"--out_dir={out}", *flags],
+                             capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return build
 
 
-def test_shipped_corpora_are_what_the_build_script_writes(tmp_path):
+def test_shipped_corpora_are_what_the_build_script_writes(tmp_path, build):
     needs_source_packages()
     build(tmp_path, "--no_tokenizer")
     for name in ("pinyin/train.jsonl", "pinyin/eval.jsonl", "chatterbot/train.jsonl", "chatterbot/eval.jsonl"):
@@ -49,8 +51,7 @@ def test_shipped_corpora_are_what_the_build_script_writes(tmp_path):
     assert not (tmp_path / "tokenizer").exists()
 
 
-@pytest.mark.slow
-def test_shipped_tokenizer_is_what_the_build_script_trains(tmp_path):
+def test_shipped_tokenizer_is_what_the_build_script_trains(tmp_path, build):
     # The Chinese rows written several times into chatterbot/train.jsonl count once for the vocabulary.
     needs_source_packages()
     build(tmp_path)

@@ -8,8 +8,8 @@ import random
 
 import numpy as np
 import pytest
-from conftest import REPO, metrics, run_cli
-from test_resume import assert_same_training, kill_at_first_checkpoint_and_resume
+from conftest import REPO, metrics
+from test_resume import assert_same_training
 
 from config import SHIPPED_TOKENIZER_DIR
 from data import span_corruption
@@ -62,7 +62,7 @@ def test_preview_gives_the_t5_recipe_for_txt_and_jsonl_alike(tmp_path):
     assert len({tuple(r["labels"]) for r in previews[0]}) == len(previews[0])  # distinct masks
 
 
-def test_prefix_lm_splits_each_chunk_at_a_random_point_and_trains(tmp_path):
+def test_prefix_lm_splits_each_chunk_at_a_random_point_and_trains(tmp_path, run_cli):
     txt, jsonl = write_corpus(tmp_path, 200)
     tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
     cfg, _ = load_config({"objective": "prefix_lm", "train_file": str(txt), "max_source_len": 32,
@@ -195,18 +195,18 @@ def test_steps_past_an_estimated_schedule_keep_its_last_rate(name):
     assert rates[:10] == sorted(rates[:3]) + sorted(rates[2:10], reverse=True)[1:]
 
 
-def test_eval_documents_shorter_than_a_chunk_are_one_error_line(tmp_path):
+def test_eval_documents_shorter_than_a_chunk_are_one_error_line(tmp_path, cli_in_process):
     # The held-out documents would make no eval chunk, and an eval loss over nothing would read 0.
     train, evals = tmp_path / "train.txt", tmp_path / "eval.txt"
     train.write_text("\n\n".join(documents(100)) + "\n", encoding="utf-8")
     evals.write_text("a short document.\n\nand another one.\n", encoding="utf-8")
-    done = run_cli("train", "--objective=span_corruption", f"--train_file={train}", f"--eval_file={evals}",
-                   "--max_steps=2", f"--output_dir={tmp_path / 'run'}")
+    done = cli_in_process("train", "--objective=span_corruption", f"--train_file={train}", f"--eval_file={evals}",
+                          "--max_steps=2", f"--output_dir={tmp_path / 'run'}")
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: the 2 eval document(s)")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_text_shorter_than_a_chunk_carries_over_to_the_next_epochs(tmp_path):
+def test_text_shorter_than_a_chunk_carries_over_to_the_next_epochs(tmp_path, run_cli):
     """Five short lines (about 60 tokens an epoch) against chunks of 141: a chunk fills in the third epoch and
     another in the fifth (it was refused as 'all bad' after the first)."""
     train, evals = tmp_path / "short.txt", tmp_path / "eval.txt"
@@ -221,16 +221,16 @@ def test_text_shorter_than_a_chunk_carries_over_to_the_next_epochs(tmp_path):
     assert steps[-1] == 2, steps
 
 
-def test_targets_longer_than_max_target_len_are_one_error_line(tmp_path):
+def test_targets_longer_than_max_target_len_are_one_error_line(tmp_path, cli_in_process):
     txt, _ = write_corpus(tmp_path, 20)
-    done = run_cli("train", "--objective=span_corruption", f"--train_file={txt}", "--max_target_len=20",
-                   "--max_steps=2", f"--output_dir={tmp_path / 'run'}")
+    done = cli_in_process("train", "--objective=span_corruption", f"--train_file={txt}", "--max_target_len=20",
+                          "--max_steps=2", f"--output_dir={tmp_path / 'run'}")
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error:")
     assert "--max_target_len=29" in done.stderr
 
 
-@pytest.mark.slow
-def test_span_corruption_learns_resumes_bit_identically_and_sft_starts_from_it(tmp_path):
+def test_span_corruption_learns_resumes_bit_identically_and_sft_starts_from_it(
+        tmp_path, run_cli, kill_at_first_checkpoint_and_resume):
     txt, _ = write_corpus(tmp_path)
     common = ["--objective=span_corruption", f"--train_file={txt}", "--max_steps=16", "--save_steps=4",
               "--eval_steps=8", "--gradient_accumulation_steps=4", "--max_eval_samples=8", "--logging_steps=2",

@@ -8,7 +8,7 @@ import json
 import random
 
 import pytest
-from conftest import metrics, run_cli
+from conftest import metrics
 
 WORDS = ("the river runs over stone and light falls on the quiet town while birds sing in tall green trees "
          "a cat sleeps under warm sun near old walls 山 水 明月 清风 shān shuǐ").split()
@@ -37,9 +37,8 @@ def write_corpora(folder, size_mb: float, seed: int = 0):
     return {"txt": txt, "jsonl": jsonl}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["txt", "jsonl"])
-def test_span_corruption_peak_rss_is_flat_over_a_50x_larger_corpus(tmp_path, fmt):
+def test_span_corruption_peak_rss_is_flat_over_a_50x_larger_corpus(tmp_path, fmt, run_cli):
     corpora = {size: write_corpora(tmp_path, size)[fmt] for size in (SMALL_MB, SMALL_MB * FACTOR)}
     peaks, rows = {}, {}
     for size, corpus in corpora.items():
@@ -57,7 +56,7 @@ def test_span_corruption_peak_rss_is_flat_over_a_50x_larger_corpus(tmp_path, fmt
     assert abs(peaks[SMALL_MB * FACTOR] - peaks[SMALL_MB]) < BOUND_MIB, peaks
 
 
-def test_the_plan_counts_span_corruption_eval_examples_as_chunks_not_documents(tmp_path):
+def test_the_plan_counts_span_corruption_eval_examples_as_chunks_not_documents(tmp_path, run_cli):
     # The eval set of raw text is packed chunks (--max_source_len tokens each), whatever the documents' length:
     # 100 eval examples of a corpus of 1 MB documents were planned as 100 documents (+200 MB).
     rng = random.Random(3)

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics, run_cli, synthetic_rows, write_rows
+from conftest import metrics, synthetic_rows, write_rows
 from t5_family import hub_cache
 
 from data.tokenization import load_tokenizer
-
-pytestmark = pytest.mark.slow
 
 TEXTS = ["the quick brown fox jumps over a lazy dog", "What is AI?", "night river stone, day light"]
 FAST = ["--max_steps=6", "--eval_steps=6", "--batch_size=2", "--gradient_accumulation_steps=2",
@@ -41,14 +39,17 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def train(corpus, out: Path, init_from: str, *flags: str, env: dict | None = None):
-    train_file, eval_file = corpus
-    proc = run_cli("train", f"--init_from={init_from}", f"--train_file={train_file}", f"--eval_file={eval_file}",
-                   f"--output_dir={out}", *FAST, *flags, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    evals = [r["eval_loss"] for r in metrics(out) if r["event"] == "eval"]
-    assert len(evals) == 2 and evals[-1] < evals[0], evals  # step 0, then step 6: the loss fell
-    return proc, evals[-1]
+@pytest.fixture(scope="session")
+def train(run_cli):
+    def train(corpus, out: Path, init_from: str, *flags: str, env: dict | None = None):
+        train_file, eval_file = corpus
+        proc = run_cli("train", f"--init_from={init_from}", f"--train_file={train_file}", f"--eval_file={eval_file}",
+                       f"--output_dir={out}", *FAST, *flags, env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        evals = [r["eval_loss"] for r in metrics(out) if r["event"] == "eval"]
+        assert len(evals) == 2 and evals[-1] < evals[0], evals  # step 0, then step 6: the loss fell
+        return proc, evals[-1]
+    return train
 
 
 def check_frozen(source: dict, trained: dict, frozen) -> None:
@@ -62,31 +63,36 @@ def check_frozen(source: dict, trained: dict, frozen) -> None:
                                                                         if torch.equal(source[n], trained[n])]
 
 
-def check_export(source_dir: Path, export: Path, last_eval_loss: float | None = None, eval_file: Path | None = None):
-    """The export is the source's family with its tokenizer, and (given the run's last eval loss) evaluates to it."""
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+@pytest.fixture(scope="session")
+def check_export(run_cli):
+    def check_export(source_dir: Path, export: Path, last_eval_loss: float | None = None,
+                     eval_file: Path | None = None):
+        """The export is the source's family with its tokenizer, and (given the run's last eval loss) evaluates
+        to it."""
+        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    src_cfg = json.loads((source_dir / "config.json").read_text())
-    out_cfg = json.loads((export / "config.json").read_text())
-    for key in ("model_type", "architectures", "feed_forward_proj", "tie_word_embeddings", "vocab_size"):
-        assert out_cfg.get(key) == src_cfg.get(key), key
-    for name in ("spiece.model", "tokenizer.json"):
-        if (source_dir / name).is_file():
-            assert (export / name).read_bytes() == (source_dir / name).read_bytes()
-    model = AutoModelForSeq2SeqLM.from_pretrained(str(export))
-    source_model = AutoModelForSeq2SeqLM.from_pretrained(str(source_dir))
-    assert type(model) is type(source_model)
-    assert (model.lm_head.weight is model.shared.weight) == src_cfg["tie_word_embeddings"]
-    # The source through the trainer's loader (transformers' AutoTokenizer cannot read umT5's spiece.model alone)
-    source_tok, export_tok = load_tokenizer(source_dir), AutoTokenizer.from_pretrained(str(export))
-    assert [source_tok(t).input_ids for t in TEXTS] == [export_tok(t).input_ids for t in TEXTS]
-    if last_eval_loss is None:
-        return
-    proc = run_cli("evaluate", f"--init_from={export}", f"--eval_file={eval_file}", "--max_eval_samples=8",
-                   "--max_source_len=24", "--max_target_len=24")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    evaluated = float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("eval_loss:")))
-    assert evaluated == pytest.approx(last_eval_loss, rel=1e-4, abs=1e-4)
+        src_cfg = json.loads((source_dir / "config.json").read_text())
+        out_cfg = json.loads((export / "config.json").read_text())
+        for key in ("model_type", "architectures", "feed_forward_proj", "tie_word_embeddings", "vocab_size"):
+            assert out_cfg.get(key) == src_cfg.get(key), key
+        for name in ("spiece.model", "tokenizer.json"):
+            if (source_dir / name).is_file():
+                assert (export / name).read_bytes() == (source_dir / name).read_bytes()
+        model = AutoModelForSeq2SeqLM.from_pretrained(str(export))
+        source_model = AutoModelForSeq2SeqLM.from_pretrained(str(source_dir))
+        assert type(model) is type(source_model)
+        assert (model.lm_head.weight is model.shared.weight) == src_cfg["tie_word_embeddings"]
+        # The source through the trainer's loader (transformers' AutoTokenizer cannot read umT5's spiece.model alone)
+        source_tok, export_tok = load_tokenizer(source_dir), AutoTokenizer.from_pretrained(str(export))
+        assert [source_tok(t).input_ids for t in TEXTS] == [export_tok(t).input_ids for t in TEXTS]
+        if last_eval_loss is None:
+            return
+        proc = run_cli("evaluate", f"--init_from={export}", f"--eval_file={eval_file}", "--max_eval_samples=8",
+                       "--max_source_len=24", "--max_target_len=24")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        evaluated = float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("eval_loss:")))
+        assert evaluated == pytest.approx(last_eval_loss, rel=1e-4, abs=1e-4)
+    return check_export
 
 
 def is_embedding(name: str) -> bool:
@@ -98,7 +104,7 @@ def is_encoder_or_embedding(name: str) -> bool:
 
 
 @pytest.mark.parametrize("family", ["flan", "v1_1", "mt5", "byt5", "t5", "umt5"])
-def test_sft_continued_pretraining_and_full_finetune(family, family_models, corpus, tmp_path):
+def test_sft_continued_pretraining_and_full_finetune(family, family_models, corpus, tmp_path, check_export, train):
     """Each family by folder: SFT freezes the encoder and embedding (an untied lm_head trains), continued
     pretraining (three families) and --freeze=none move every tensor; each export is the same family and
     evaluates alike."""
@@ -123,7 +129,7 @@ def test_sft_continued_pretraining_and_full_finetune(family, family_models, corp
         check_frozen(before, weights(tmp_path / "emb" / "final"), is_embedding)
 
 
-def test_sft_by_hub_id_from_the_local_cache(family_models, corpus, tmp_path):
+def test_sft_by_hub_id_from_the_local_cache(family_models, corpus, tmp_path, check_export, run_cli, train):
     """A hub id resolves through the Hugging Face cache (offline here, as HF_HUB_OFFLINE=1 asks), and
     plan, train and the export work as with the folder."""
     env = hub_cache(tmp_path / "hf", "acme/flan-t5-tiny", family_models["flan"])
@@ -138,7 +144,7 @@ def test_sft_by_hub_id_from_the_local_cache(family_models, corpus, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_lora_reaches_the_gated_feed_forward(family_models, corpus, tmp_path):
+def test_lora_reaches_the_gated_feed_forward(family_models, corpus, tmp_path, run_cli, train):
     """--lora_target_modules=wi adapts wi_0 and wi_1 of a gated decoder: they (merged) move, nothing else does;
     a name the model lacks is one error line naming the layers it has."""
     source = family_models["flan"]
@@ -155,21 +161,22 @@ def test_lora_reaches_the_gated_feed_forward(family_models, corpus, tmp_path):
     assert not (tmp_path / "bad").exists()  # refused before the run folder is made
 
 
-def test_tokenizer_larger_than_the_embedding_is_one_line(family_models, corpus, tmp_path):
+def test_tokenizer_larger_than_the_embedding_is_one_line(family_models, corpus, tmp_path, cli_in_process):
     """A padded embedding (640 rows for 500 tokens) trains; a tokenizer past the embedding does not."""
-    proc = run_cli("train", "--is_finetune=True", f"--init_from={family_models['byt5']}",
-                   f"--tokenizer_dir={family_models['flan']}", f"--train_file={corpus[0]}", f"--eval_file={corpus[1]}",
-                   f"--output_dir={tmp_path / 'run'}", *FAST)
+    proc = cli_in_process("train", "--is_finetune=True", f"--init_from={family_models['byt5']}",
+                          f"--tokenizer_dir={family_models['flan']}", f"--train_file={corpus[0]}",
+                          f"--eval_file={corpus[1]}", f"--output_dir={tmp_path / 'run'}", *FAST)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert "the tokenizer has 500 tokens but the model's embedding only 384 rows" in proc.stderr
 
 
-def test_a_column_of_numbers_or_booleans_is_named(tmp_path):
+def test_a_column_of_numbers_or_booleans_is_named(tmp_path, cli_in_process):
     numbers = write_rows(tmp_path / "numbers.jsonl", [{"prompt": f"what is {i}", "response": i} for i in range(40)])
     flags = write_rows(tmp_path / "flags.parquet", [{"prompt": f"is {i} even", "answer": i % 2 == 0}
                                                     for i in range(40)])
-    proc = run_cli("train", f"--train_file={numbers}", f"--output_dir={tmp_path / 'a'}")
+    proc = cli_in_process("train", f"--train_file={numbers}", f"--output_dir={tmp_path / 'a'}")
     assert proc.returncode == 2 and "column 'response'" in proc.stderr
     assert "holds numbers (int), not text" in proc.stderr
-    proc = run_cli("train", f"--train_file={flags}", "--response_column=answer", f"--output_dir={tmp_path / 'b'}")
+    proc = cli_in_process("train", f"--train_file={flags}", "--response_column=answer",
+                          f"--output_dir={tmp_path / 'b'}")
     assert proc.returncode == 2 and "column 'answer'" in proc.stderr and "holds booleans, not text" in proc.stderr

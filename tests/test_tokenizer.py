@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -35,13 +34,13 @@ def test_trained_tokenizer_layout_and_round_trip(tmp_path):
         assert tok.decode(ids, skip_special_tokens=True) == text
 
 
-def test_tokenizer_loads_offline_without_protobuf(tmp_path):
+def test_tokenizer_loads_offline_without_protobuf(tmp_path, processes):
     code = ("import sys; from transformers import AutoTokenizer; "
             f"t = AutoTokenizer.from_pretrained({str(REPO / 'data' / 'tokenizer')!r}); "
             f"assert t.decode(t({CHINESE!r}).input_ids, skip_special_tokens=True) == {CHINESE!r}; "
             "assert 'google.protobuf' not in sys.modules; print(len(t))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    proc = processes.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.strip()) == 8100
 
@@ -128,12 +127,10 @@ def test_a_tokenizer_is_identified_by_how_it_splits_text_not_by_its_vocabulary_a
     assert tokenizer_json_sha1(shipped) == before
 
 
-def test_a_run_folder_as_tokenizer_dir_names_its_export(tmp_path):
+def test_a_run_folder_as_tokenizer_dir_names_its_export(tmp_path, cli_in_process):
     """A run folder passed as --tokenizer_dir used to start training a tokenizer into it, then be refused as a
     folder of files 't5-lowmem did not write' (its own marker among them): now one line names the export."""
     import shutil
-
-    from conftest import run_cli
 
     from config import SHIPPED_TOKENIZER_DIR, STARTED_MARKER
     from data.tokenization import load_trained_tokenizer
@@ -145,7 +142,7 @@ def test_a_run_folder_as_tokenizer_dir_names_its_export(tmp_path):
         load_trained_tokenizer(run)
     shutil.copytree(SHIPPED_TOKENIZER_DIR, run / "final")
     before = sorted(p.name for p in run.iterdir())
-    proc = run_cli("train", f"--tokenizer_dir={run}", f"--output_dir={tmp_path / 'out'}", "--max_steps=1")
+    proc = cli_in_process("train", f"--tokenizer_dir={run}", f"--output_dir={tmp_path / 'out'}", "--max_steps=1")
     assert proc.returncode == 2, proc.stderr[-2000:]
     expected = (f"error: --tokenizer_dir={run} is a training run's folder; its tokenizer is in its exports: pass "
                 f"--tokenizer_dir={run / 'final'}")

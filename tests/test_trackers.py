@@ -111,17 +111,21 @@ def mlflow_series(uri: str, run_id: str, keys) -> dict[str, list[tuple[int, floa
     return {key: [(m.step, m.value) for m in sorted(ms, key=lambda m: m.timestamp)] for key, ms in history.items()}
 
 
-def trackio_series(root: Path, run_name: str) -> dict[str, list[tuple[int, float]]]:
-    code = ("import json, sys; from trackio.sqlite_storage import SQLiteStorage; "
-            f"print(json.dumps(SQLiteStorage.get_logs('t5-lowmem', {run_name!r})))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # (reads TRACKIO_DIR at import)
-                          env={**os.environ, "TRACKIO_DIR": str(root / "trackio")}, check=True)
-    series = defaultdict(list)
-    for row in json.loads(done.stdout.strip().splitlines()[-1]):
-        for key, value in row.items():
-            if key not in ("step", "timestamp"):
-                series[key].append((row["step"], value))
-    return dict(series)
+@pytest.fixture(scope="session")
+def trackio_series(processes):
+    def trackio_series(root: Path, run_name: str) -> dict[str, list[tuple[int, float]]]:
+        code = ("import json, sys; from trackio.sqlite_storage import SQLiteStorage; "
+                f"print(json.dumps(SQLiteStorage.get_logs('t5-lowmem', {run_name!r})))")
+        # (trackio reads TRACKIO_DIR at import)
+        done = processes.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "TRACKIO_DIR": str(root / "trackio")}, check=True)
+        series = defaultdict(list)
+        for row in json.loads(done.stdout.strip().splitlines()[-1]):
+            for key, value in row.items():
+                if key not in ("step", "timestamp"):
+                    series[key].append((row["step"], value))
+        return dict(series)
+    return trackio_series
 
 
 def tensorboard_series(run: Path) -> dict[str, list[tuple[int, float]]]:
@@ -132,28 +136,31 @@ def tensorboard_series(run: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def kill_between_checkpoints(run: Path, args: list[str], env: dict, log: Path) -> int:
-    """Start a run, SIGKILL it once it has logged train steps past a checkpoint, a second or more after it (trackio
-    stores what it was sent every 0.5 s); return that checkpoint's step."""
-    with open(log, "w") as fh:
-        child = subprocess.Popen(command(run, *args), cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    started, saved = time.time(), None
-    while True:
-        assert child.poll() is None and time.time() < started + 600, log.read_text()[-3000:]
-        lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").is_file() else []
-        records = [json.loads(line) for line in lines if line.endswith("}")]
-        saved = max(((r["step"], r["time"]) for r in records if r["event"] == "checkpoint"), default=None)
-        if saved and time.time() > saved[1] + 1 and any(r["event"] == "train" and r["step"] > saved[0]
-                                                        for r in records):
-            break
-        time.sleep(0.02)
-    child.kill()
-    child.wait()
-    return saved[0]
+@pytest.fixture(scope="session")
+def kill_between_checkpoints(processes):
+    def kill_between_checkpoints(run: Path, args: list[str], env: dict, log: Path) -> int:
+        """Start a run, SIGKILL it once it has logged train steps past a checkpoint, a second or more after it (trackio
+        stores what it was sent every 0.5 s); return that checkpoint's step."""
+        with open(log, "w") as fh:
+            child = processes.popen(command(run, *args), cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        started, saved = time.time(), None
+        while True:
+            assert child.poll() is None and time.time() < started + 600, log.read_text()[-3000:]
+            lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").is_file() else []
+            records = [json.loads(line) for line in lines if line.endswith("}")]
+            saved = max(((r["step"], r["time"]) for r in records if r["event"] == "checkpoint"), default=None)
+            if saved and time.time() > saved[1] + 1 and any(r["event"] == "train" and r["step"] > saved[0]
+                                                            for r in records):
+                break
+            time.sleep(0.02)
+        child.kill()
+        child.wait()
+        return saved[0]
+    return kill_between_checkpoints
 
 
 @pytest.fixture(scope="module")
-def resumed_run(tmp_path_factory):
+def resumed_run(tmp_path_factory, kill_between_checkpoints, processes):
     """A 40-step run with every installed tracker, killed after one of its checkpoints (every 10 steps) once it
     logged steps after it, then continued with --is_keep_training=True; mlflow into the file store the environment
     names."""
@@ -169,8 +176,8 @@ def resumed_run(tmp_path_factory):
     killed_at = kill_between_checkpoints(run, args, env, root / "killed.log")
     before = json.loads((run / "trackers.json").read_text())
     after_kill = expected_series(run)  # the killed run's log, steps past its checkpoint included
-    done = subprocess.run(command(run, *args, "--is_keep_training=True"), cwd=REPO, capture_output=True, text=True,
-                          env=env, timeout=1200)
+    done = processes.run(command(run, *args, "--is_keep_training=True"), cwd=REPO, capture_output=True, text=True,
+                         env=env, timeout=1200)
     assert done.returncode == 0 and f"resumed from {run / 'checkpoints' / f'step_{killed_at:06d}'}" in done.stdout, \
         done.stdout[-2000:] + done.stderr[-3000:]
     return {"root": root, "run": run, "env": env, "args": args, "killed_at": killed_at, "before": before,
@@ -189,7 +196,6 @@ def check_series(got: dict, run: Path, killed_at: int, after_kill: dict, approx:
     assert max(s for s, _ in after_kill["train/loss"]) > killed_at  # the case that matters was met
 
 
-@pytest.mark.slow
 def test_wandb_offline_resumes_its_run_with_the_series_of_metrics_jsonl(resumed_run):
     pytest.importorskip("wandb", reason="pip install '.[wandb]'")
     run, state = resumed_run["run"], json.loads((resumed_run["run"] / "trackers.json").read_text())
@@ -201,7 +207,6 @@ def test_wandb_offline_resumes_its_run_with_the_series_of_metrics_jsonl(resumed_
     check_series(wandb_series(run / "wandb", run_id), run, resumed_run["killed_at"], resumed_run["after_kill"])
 
 
-@pytest.mark.slow
 def test_mlflow_resumes_its_run_in_the_store_the_environment_names(resumed_run):
     pytest.importorskip("mlflow", reason="pip install '.[mlflow]'")
     from mlflow.tracking import MlflowClient
@@ -219,8 +224,7 @@ def test_mlflow_resumes_its_run_in_the_store_the_environment_names(resumed_run):
     check_series(got, run, resumed_run["killed_at"], resumed_run["after_kill"])
 
 
-@pytest.mark.slow
-def test_trackio_resumes_its_run_with_the_series_of_metrics_jsonl(resumed_run):
+def test_trackio_resumes_its_run_with_the_series_of_metrics_jsonl(resumed_run, trackio_series):
     pytest.importorskip("trackio", reason="pip install '.[trackio]'")
     run = resumed_run["run"]
     name = json.loads((run / "trackers.json").read_text())["trackio"]["run_id"]
@@ -229,15 +233,13 @@ def test_trackio_resumes_its_run_with_the_series_of_metrics_jsonl(resumed_run):
     check_series(got, run, resumed_run["killed_at"], resumed_run["after_kill"])
 
 
-@pytest.mark.slow
 def test_tensorboard_beside_them_hides_the_steps_trained_again(resumed_run):
     pytest.importorskip("tensorboard", reason="pip install '.[tensorboard]'")
     got = tensorboard_series(resumed_run["run"])
     check_series(got, resumed_run["run"], resumed_run["killed_at"], resumed_run["after_kill"], approx=True)
 
 
-@pytest.mark.slow
-def test_a_resume_from_an_older_checkpoint_gets_a_new_tracker_run(resumed_run, tmp_path):
+def test_a_resume_from_an_older_checkpoint_gets_a_new_tracker_run(resumed_run, tmp_path, processes):
     """The finished run's tracker runs hold steps past step 10: the continuation from there goes into a new run
     that holds the records up to step 10 and then its own, and the old runs stay as they were."""
     pytest.importorskip("mlflow", reason="pip install '.[mlflow]'")
@@ -248,9 +250,9 @@ def test_a_resume_from_an_older_checkpoint_gets_a_new_tracker_run(resumed_run, t
     shutil.copytree(resumed_run["root"] / "mlruns", tmp_path / "mlruns")
     args = [a for a in resumed_run["args"] if not a.startswith("--report_to")] + ["--report_to=mlflow"]
     old = json.loads((copy / "trackers.json").read_text())["mlflow"]
-    done = subprocess.run(command(copy, *args, "--is_keep_training=True",
+    done = processes.run(command(copy, *args, "--is_keep_training=True",
                                   f"--resume_from={copy / 'checkpoints' / 'step_000010'}"),
-                          cwd=REPO, capture_output=True, text=True, env=env, timeout=1200)
+                         cwd=REPO, capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "holds steps past step 10" in done.stdout
     new = json.loads((copy / "trackers.json").read_text())["mlflow"]
@@ -263,11 +265,11 @@ def test_a_resume_from_an_older_checkpoint_gets_a_new_tracker_run(resumed_run, t
 
 
 @pytest.mark.parametrize("name", ["wandb", "mlflow", "trackio"])
-def test_a_missing_tracker_package_is_one_line(tmp_path, name):
+def test_a_missing_tracker_package_is_one_line(tmp_path, name, processes):
     (tmp_path / "sitecustomize.py").write_text(f"import sys\nsys.modules[{PACKAGES[name]!r}] = None\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
-    done = subprocess.run(command(tmp_path / "run", f"--report_to=tensorboard,{name}"), cwd=REPO, capture_output=True,
-                          text=True, env=env, timeout=120)
+    done = processes.run(command(tmp_path / "run", f"--report_to=tensorboard,{name}"), cwd=REPO, capture_output=True,
+                         text=True, env=env, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("error: ") and f"pip install '.[{name}]'" in done.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written
@@ -277,15 +279,14 @@ def test_a_missing_tracker_package_is_one_line(tmp_path, name):
     ("comet", "--report_to: unknown tracker 'comet'; a comma list of tensorboard, wandb, mlflow, trackio (or none)"),
     ("none,wandb", "--report_to takes none or a comma list of trackers, each once (got 'none,wandb')"),
     ("wandb,wandb", "--report_to takes none or a comma list of trackers, each once (got 'wandb,wandb')")])
-def test_report_to_names_are_checked(tmp_path, value, message):
-    done = subprocess.run(command(tmp_path / "run", f"--report_to={value}"), cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+def test_report_to_names_are_checked(tmp_path, value, message, processes):
+    done = processes.run(command(tmp_path / "run", f"--report_to={value}"), cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
-def test_two_processes_log_once_from_the_main_process(tmp_path):
+def test_two_processes_log_once_from_the_main_process(tmp_path, processes):
     """Under ``accelerate launch`` (two CPU processes over gloo) one mlflow run gets metrics.jsonl's series once."""
     pytest.importorskip("mlflow", reason="pip install '.[mlflow]'")
     from mlflow.tracking import MlflowClient
@@ -299,8 +300,8 @@ def test_two_processes_log_once_from_the_main_process(tmp_path):
     args = [f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={run}", "--max_steps=8", "--save_steps=4",
             "--eval_steps=4", "--logging_steps=2", "--max_eval_samples=4", "--max_source_len=32",
             "--max_target_len=16", "--eval_generate=False", "--gradient_accumulation_steps=2", "--report_to=mlflow"]
-    done = subprocess.run(launch + args, cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env={**tracker_env(tmp_path), "ACCELERATE_USE_CPU": "true"})
+    done = processes.run(launch + args, cwd=REPO, capture_output=True, text=True, timeout=900,
+                         env={**tracker_env(tmp_path), "ACCELERATE_USE_CPU": "true"})
     assert done.returncode == 0, done.stderr[-3000:]
     uri = f"sqlite:///{run / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)

@@ -208,7 +208,7 @@ def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer)
 
 
 # ----------------------------------------------------------------------------- exports
-def test_a_lora_export_leaves_unused_packages_unimported(tmp_path):
+def test_a_lora_export_leaves_unused_packages_unimported(tmp_path, processes):
     """Packages our dependencies import whenever installed, for features no run here uses, stay out of a fresh
     process that adds LoRA adapters and exports, and stay importable for whoever wants them:
     - DeepSpeed: accelerate's unwrapping, inside every ``save_pretrained``, imported it (0.5 s, 22 MiB) to ask
@@ -217,7 +217,6 @@ def test_a_lora_export_leaves_unused_packages_unimported(tmp_path):
     - bitsandbytes: peft imported it, and asked for it again while injecting adapters, for its 8-bit layers
       (1.9 s, 44 MiB)."""
     import importlib.util
-    import subprocess
     import sys
 
     pytest.importorskip("deepspeed")
@@ -246,7 +245,7 @@ for package in ("boto3", "bitsandbytes"):
     except ImportError as error:
         print(package, "not importable:", error)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    done = processes.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "adapters: 0" not in done.stdout, done.stderr[-3000:]
     for package in ("deepspeed", "boto3", "bitsandbytes"):
         assert f"{package} imported: False" in done.stdout, done.stdout + done.stderr[-3000:]
