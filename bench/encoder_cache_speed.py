@@ -74,13 +74,8 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
     from data.sources import Example
     from data.tokenization import load_tokenizer
     from lowmem.flags import load_config
-    from lowmem.modeling import (
-        build_model,
-        freeze_parts,
-        frozen_encoder_states,
-        target_index,
-        token_loss_sum,
-    )
+    from lowmem.loss import frozen_encoder_states, target_index, token_loss_sum
+    from lowmem.modeling import build_model, freeze_parts
     from lowmem.optim import build_optimizer, parameter_groups
 
     cfg = load_config({"model_preset": preset, "is_finetune": True})[0]

@@ -21,8 +21,8 @@ import contextlib
 import torch
 
 from lowmem import deepspeed_engine
+from lowmem.loss import batch_to_device, token_loss_sum
 from lowmem.memory import MemoryGuard
-from lowmem.modeling import batch_to_device, token_loss_sum
 from lowmem.sharding import equal_counts
 
 

@@ -42,7 +42,7 @@ from data.ownership import MARKERS, claim_folder, open_own, remove_ours, write_a
 from data.readers import file_kind
 from data.sources import iter_rows, row_place
 from data.stream import batched
-from lowmem.modeling import batch_to_device, frozen_encoder_states
+from lowmem.loss import batch_to_device, frozen_encoder_states
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
            "float16": (torch.float16, torch.float16)}  # name -> (torch dtype, numpy-compatible view)

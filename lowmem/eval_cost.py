@@ -29,7 +29,7 @@ from config import AUTO, TrainConfig
 from lowmem.encoder_cache import encoder_on
 from lowmem.eval_metrics import metric_named
 from lowmem.evaluation import asked_generate_rows, eval_batches, generate_for, loss_and_inputs, loss_budget
-from lowmem.modeling import batch_to_device
+from lowmem.loss import batch_to_device
 from lowmem.sharding import is_sharded, runs_deepspeed, whole_root
 
 PROBE_STEPS = 8  # decoding steps timed (after one untimed warm-up generation and a timed one-token one)

@@ -26,8 +26,9 @@ from lowmem.batch_budget import saved_model_eval_size
 from lowmem.collector import imports_done
 from lowmem.distributed import any_process, inner_model, start_accelerator
 from lowmem.eval_metrics import metric_named, metrics_of, score_answers, scores_in
+from lowmem.loss import batch_to_device, token_loss_sum
 from lowmem.model_source import check_vocabulary, resolve_model_dir, tokenizer_folder
-from lowmem.modeling import batch_to_device, generation_cache, import_transformers_models, token_loss_sum
+from lowmem.modeling import generation_cache, import_transformers_models
 from lowmem.sharding import is_sharded, padded_window, requested_engine, runs_deepspeed, whole_root
 from lowmem.telemetry import on_terminal
 

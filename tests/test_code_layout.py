@@ -41,7 +41,6 @@ MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 400, 400, 60
 OVER_THE_LIMIT = {
     "module config": 473,
     "module data.readers": 461,
-    "module lowmem.modeling": 488,
     "module lowmem.planner": 495,
     "module trainer_low_mem": 493,
     "function lowmem.adafactor_slices.update_flat": 62,

@@ -8,7 +8,8 @@ from conftest import synthetic_rows, write_rows
 
 from data.eval_set import take_examples
 from lowmem.flags import load_config
-from lowmem.modeling import build_model, target_index, token_loss_sum
+from lowmem.loss import target_index, token_loss_sum
+from lowmem.modeling import build_model
 from trainer_low_mem import LowMemTrainer
 
 COLS = ("prompt", "response")
@@ -103,7 +104,7 @@ def test_padding_to_multiples_changes_no_loss_and_no_encoder_state(tokenizer):
     the shapes change, the loss and the frozen encoder's outputs must not."""
     from data.collate import Seq2SeqCollator
     from data.sources import Example
-    from lowmem.modeling import frozen_encoder_states
+    from lowmem.loss import frozen_encoder_states
 
     cfg, _ = load_config({"dropout_rate": 0.0})
     model = build_model(cfg, tokenizer).eval()

@@ -1,0 +1,115 @@
+"""The loss a step trains on: a micro-batch placed on its device, the LM head run at the target tokens only,
+the token losses summed (the trainer divides by the accumulation window's target tokens), and a frozen
+encoder's outputs computed a row at a time without a graph."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+
+def target_index(labels: torch.Tensor, multiple: int = 1) -> torch.Tensor:
+    """Flat positions of the target tokens (labels != -100). Found on the host, before the batch moves
+    to the GPU, this costs no device synchronisation (``nonzero`` on a CUDA tensor waits for it).
+
+    With ``multiple`` > 1 the count is rounded up to a multiple of it with padding positions (label
+    -100: the loss ignores them), which the padded ``labels`` (a multiple of it in size) always hold.
+    """
+    is_target = labels.flatten().ne(-100)
+    index = is_target.nonzero().squeeze(1)
+    extra = -len(index) % multiple
+    if extra:
+        index = torch.cat([index, is_target.logical_not().nonzero().squeeze(1)[:extra]])
+    return index
+
+
+def batch_to_device(batch: dict, device, multiple: int = 1, pin: bool = False) -> dict:
+    """The batch on ``device``, with its target positions found here on the host (``target_index``);
+    ``pin``: through pinned memory, copied without blocking (CUDA)."""
+    if "labels" in batch:
+        batch = {**batch, "target_index": target_index(batch["labels"], multiple)}
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def logits_only_at(core, index: torch.Tensor):
+    """While inside, the LM head computes logits only at the flat positions ``index`` of its input.
+
+    The head (d_model x vocabulary per position) is the largest matrix product of a small T5, and
+    padded target positions contribute nothing to the loss: skipping them saves their share of the
+    forward and the backward, and of the logits' memory. The loss and gradients are unchanged up to
+    float summation order. Returned logits are then (len(index), vocabulary).
+    """
+    handle = core.lm_head.register_forward_pre_hook(
+        lambda _module, args: (args[0].flatten(0, -2).index_select(0, index), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multiple: int = 1,
+                   encoder_calls: int = 0) -> torch.Tensor:
+    """Sum of the cross-entropy over the batch's target tokens (labels == -100 are ignored).
+
+    ``model`` is what to call (possibly wrapped for DDP), ``core`` the plain T5 inside it. With a
+    frozen encoder it runs under ``no_grad`` so none of its activations are kept; a batch from the
+    encoder cache carries ``encoder_hidden_states`` instead of ``input_ids``. Logits are computed
+    only at target positions (``batch["target_index"]`` when the caller found them on the host).
+    ``encoder_calls``: how many times a frozen encoder must run (at least once per row; see
+    ``frozen_encoder_states``).
+    """
+    labels = batch["labels"]
+    index = batch["target_index"] if "target_index" in batch else target_index(labels, multiple)
+    decoder = dict(attention_mask=batch["attention_mask"], decoder_input_ids=core._shift_right(labels),
+                   use_cache=False)
+    if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
+        encoded = batch["encoder_hidden_states"]
+    elif frozen_encoder:
+        if hasattr(model, "unshard"):  # FSDP: the shared embedding (the root's) whole, the encoder runs outside
+            model.unshard()            # the root's forward; the forward below reshards it as usual
+        encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple,
+                                        encoder_calls)
+    else:
+        encoded = None
+    with logits_only_at(core, index):
+        if encoded is None:
+            out = model(input_ids=batch["input_ids"], **decoder)
+        else:
+            from transformers.modeling_outputs import BaseModelOutput
+
+            out = model(encoder_outputs=BaseModelOutput(last_hidden_state=encoded), **decoder)
+    return F.cross_entropy(out.logits.float(), labels.flatten().index_select(0, index), reduction="sum")
+
+
+@torch.no_grad()
+def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          multiple: int = 1, calls: int = 0) -> torch.Tensor:
+    """The frozen encoder's outputs, each row computed alone at its own length (zeros at padding).
+
+    A row's result then never depends on the rows it is batched with. Batched, it would: padding
+    to a longer row, and even the number of rows (the CPU matmul kernels differ for small shapes),
+    change the floating-point reductions by ~1e-7, and training amplifies that. Computed alone, the
+    encoder cache (built once per row) gives the decoder the very same bits as an uncached run.
+    With micro-batches of 1-2 rows the extra encoder calls cost little (docs/memory.md, 'Memory modes').
+    With ``multiple`` > 1 each row runs padded to a multiple of it (still alone: the result depends
+    on the row only). ``calls`` beyond the rows run the encoder on one token, result unused: under a
+    sharded engine every call is a collective, so every process must make as many.
+    """
+    from data.collate import round_up
+
+    lengths = attention_mask.sum(dim=1).tolist()
+    hidden = None
+    for row, length in enumerate(lengths):
+        width = min(round_up(length, multiple), input_ids.shape[1])
+        states = encoder(input_ids=input_ids[row:row + 1, :width],
+                         attention_mask=attention_mask[row:row + 1, :width]).last_hidden_state
+        if hidden is None:
+            hidden = states.new_zeros(input_ids.shape[0], input_ids.shape[1], states.shape[-1])
+        hidden[row, :length] = states[0, :length]
+    for _ in range(calls - len(lengths)):
+        encoder(input_ids=input_ids[:1, :1], attention_mask=attention_mask[:1, :1])
+    return hidden
+
