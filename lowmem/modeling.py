@@ -1,4 +1,4 @@
-"""Pure builders: the model (built, loaded, frozen, adapted, stored narrow) and its export state dict. No trainer needed."""
+"""Pure builders: the model (built, loaded, frozen, adapted, stored narrow) and its export state dict."""
 
 from __future__ import annotations
 
