@@ -110,7 +110,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         speed = run_time(trial, device, reads)
         # Of modes equally fast, the larger micro-batch, then the one needing the least memory: on a GPU the
         # least host RAM first (bf16 storage of a frozen encoder the cache parks on the host halves it: xl LoRA
-        # 7.1 -> 4.7 GiB; under bf16 autocast frozen matrices are cast to bf16 at every use anyway)
+        # 7.1 -> 4.8 GiB; under bf16 autocast frozen matrices are cast to bf16 at every use anyway)
         rank = (speed, -batch, plan["host_peak_mb"], peak)
         if best is None or rank < best[5]:
             flags = {"gradient_checkpointing": ckpt, "mixed_precision": prec, "optimizer": opt, "batch_size": batch,
