@@ -3,7 +3,7 @@
 Resolution order: dataclass defaults -> optional YAML file (``--config=FILE.yaml``) -> CLI flags ->
 run-dependent defaults (output folders, shipped data) -> low-memory caps -> one validation pass that
 collects every problem and raises a single ``UserError``. Reading the YAML file and the flags, and
-the ``--help`` listing, live in ``lowmem.flags`` (``load_config``).
+the ``--help`` listing, live in ``lowmem.cli.flags`` (``load_config``).
 
 Each field's ``help`` says what it does and, where it matters, which way saves memory.
 Runtime state (step, examples seen, ...) never lives here: see ``trainer_low_mem.TrainState``.
@@ -18,8 +18,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowmem.eval_metrics import DEFAULT_METRICS, metric_problems
-from lowmem.presets import AUTO, CAPPED_PROFILES, FEED_FORWARD_WIDTHS, LOW_MEMORY_CAPS, MEMORY_PROFILES, MODEL_PRESETS
+from lowmem.model.presets import (
+    AUTO,
+    CAPPED_PROFILES,
+    FEED_FORWARD_WIDTHS,
+    LOW_MEMORY_CAPS,
+    MEMORY_PROFILES,
+    MODEL_PRESETS,
+)
+from lowmem.training.eval_metrics import DEFAULT_METRICS, metric_problems
 
 REPO_DIR = Path(__file__).resolve().parent
 SHIPPED_DATA_DIR = REPO_DIR / "data"
@@ -39,7 +46,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo", "wi_0", "wi_1")
 ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
 FROZEN_DTYPES = ("float32", "bfloat16", "int8", "float8")
-QUANTIZED_DTYPES = ("int8", "float8")  # optimum-quanto weights (lowmem.quantize)
+QUANTIZED_DTYPES = ("int8", "float8")  # optimum-quanto weights (lowmem.model.quantize)
 FREEZE_CHOICES = ("encoder", "embeddings", "none")
 OBJECTIVE_CHOICES = ("pairs", "span_corruption", "prefix_lm")
 
@@ -249,7 +256,7 @@ class TrainConfig:
         if self.is_finetune and self.init_from is None:
             self.init_from = str(Path("runs") / "pretrain" / "best")
         if self.tokenizer_dir is None and self.init_from is None:
-            # With --init_from it stays None: the model's own tokenizer (lowmem.model_source.tokenizer_folder).
+            # With --init_from it stays None: the model's own tokenizer (lowmem.model.source.tokenizer_folder).
             self.tokenizer_dir = str(SHIPPED_TOKENIZER_DIR)
         if self.freeze == "auto":
             self.freeze = "encoder" if self.is_finetune else "none"
@@ -277,7 +284,7 @@ class TrainConfig:
 
     def apply_caps(self) -> list[str]:
         """Under a capped profile (host16g), lower values above the low-memory caps (``auto`` becomes
-        the cap); return one message per change. Other runs are sized by ``lowmem.batch_budget``.
+        the cap); return one message per change. Other runs are sized by ``lowmem.memory.batch_budget``.
 
         A training batch above its cap keeps its size as micro-batches times accumulation: the
         largest micro-batch within the cap that divides it, and that many times the accumulation
@@ -359,7 +366,7 @@ class TrainConfig:
             problems.append("--prompt_column and --response_column must differ")
         if self.resume_from and not self.is_keep_training:
             problems.append("--resume_from needs --is_keep_training=True")
-        names = [n.strip() for n in self.report_to.split(",")]  # (which trackers exist: lowmem.trackers)
+        names = [n.strip() for n in self.report_to.split(",")]  # (which trackers exist: lowmem.monitoring.trackers)
         if not all(names) or len(set(names)) < len(names) or "none" in names and len(names) > 1:
             problems.append(f"--report_to takes none or a comma list of trackers, each once (got {self.report_to!r})")
         problems += self._memory_mode_problems() + self._objective_problems()

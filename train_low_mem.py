@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def _interrupted_while_starting(_signum, _frame) -> None:
-    """Ctrl-C before a command begins (lowmem.cli.run_cli hands SIGINT back to Python there): nothing is written
+    """Ctrl-C before a command begins (lowmem.cli.runner.run_cli hands SIGINT back to Python there): nothing is written
     yet, so leave at once with one line. Raised as KeyboardInterrupt inside an import, it could leave a module half
     made, whose use at exit printed a traceback of its own."""
     os.write(2, b"error: interrupted (Ctrl-C)\n")
@@ -39,16 +39,16 @@ if not sys.stderr.isatty():  # progress bars (weights written, files fetched) on
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from config import SHIPPED_CORPORA, SHIPPED_TOKENIZER_DIR, UserError  # noqa: E402
-from lowmem.cli import die_with_launcher, print_error, run_cli  # noqa: E402
-from lowmem.collector import imports_done  # noqa: E402
-from lowmem.flags import (  # noqa: E402
+from lowmem.cli.flags import (  # noqa: E402
     load_config,
     load_saved_model_config,
     to_bool,
     unread_flag_notes,
     unused_answer_notes,
 )
-from lowmem.model_source import (  # noqa: E402
+from lowmem.cli.runner import die_with_launcher, print_error, run_cli  # noqa: E402
+from lowmem.memory.collector import imports_done  # noqa: E402
+from lowmem.model.source import (  # noqa: E402
     check_weights,
     model_folder_config,
     refuse_untrained,
@@ -63,8 +63,8 @@ def train(config: str | None = None, **flags) -> dict:
     notes += unread_flag_notes("train", flags) + unused_answer_notes(cfg, flags)
     files, tokenizer_dir, tokenizer = claim_output_dir(cfg)  # before the heavy imports below: refusals come at
     # once, and a run killed this early can still be continued
-    from lowmem.memory import StoppedForMemory
-    from lowmem.stopping import StoppedAtOnce
+    from lowmem.memory.probes import StoppedForMemory
+    from lowmem.training.stopping import StoppedAtOnce
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
     trainer = LowMemTrainer(cfg, tokenizer=tokenizer, files=files, tokenizer_dir=tokenizer_dir)
@@ -96,10 +96,10 @@ def claim_output_dir(cfg):
         For the trainer: the checked data files (``data.pipeline.DataFiles``), and from --init_from the
         tokenizer's folder and the tokenizer, checked against the model (else None, None).
     """
-    from data.objectives import objective_for
+    from data.objectives.base import objective_for
     from data.pipeline import check_data  # light: pyarrow is imported only to read a parquet file's columns
-    from lowmem.run_start import refuse_early
-    from lowmem.trackers import check_report_to
+    from lowmem.checkpointing.run_start import refuse_early
+    from lowmem.monitoring.trackers import check_report_to
 
     files, tokenizer_dir, tokenizer = check_data(cfg, objective_for(cfg)), None, None
     check_report_to(cfg.report_to)  # an unknown tracker, or its package missing: one line
@@ -109,13 +109,13 @@ def claim_output_dir(cfg):
         check_weights(cfg.init_from)
     extras = cfg.init_from or cfg.optimizer == "adamw8bit"
     if extras and not cfg.is_keep_training:
-        from lowmem.memory import import_extras
-        from lowmem.modeling import import_transformers_models
+        from lowmem.memory.probes import import_extras
+        from lowmem.model.build import import_transformers_models
 
         import_transformers_models()  # first, as the trainer does: without scipy and boto3 (peft imports both)
         import_extras(cfg)  # peft, bitsandbytes, optimum-quanto: one installed but broken is refused
     if cfg.init_from and not cfg.is_keep_training:  # before the folder is made
-        from lowmem.modeling import check_init_from
+        from lowmem.model.build import check_init_from
 
         check_init_from(cfg)  # LoRA's targets are layers of that model
         tokenizer_dir, tokenizer = tokenizer_for_model(cfg, files)
@@ -127,8 +127,8 @@ def plan(config: str | None = None, **flags) -> None:
     """Predicted peak memory by component (--json: one JSON object); --budget_gb=X --device=cpu|gpu
     recommends the fastest modes that fit (exit code 1 when nothing does); --num_processes=N
     [--num_machines=M] plans N processes, --sharding=fsdp|zero2|zero3 one process of a sharded run."""
-    from lowmem.plan_command import plan_command
-    from lowmem.sharding import planned_sharding, requested_engine
+    from lowmem.cli.plan_command import plan_command
+    from lowmem.parallel.sharding import planned_sharding, requested_engine
 
     as_json = to_bool("json", flags.pop("json", False))
     budget_gb, device = flags.pop("budget_gb", None), flags.pop("device", None)
@@ -156,7 +156,7 @@ def say_notes(notes: list[str], stream=None) -> None:
 
 def evaluate(config: str | None = None, **flags) -> dict:
     """Eval loss and --eval_metrics of --init_from (default: OUTPUT_DIR/best) on --eval_file."""
-    from lowmem.evaluation import load_saved_model
+    from lowmem.training.evaluation import load_saved_model
 
     cfg, notes = load_saved_model_config(flags, config)
     say_notes(notes + unread_flag_notes("evaluate", flags) + unused_answer_notes(cfg, flags))
@@ -168,7 +168,7 @@ def evaluate(config: str | None = None, **flags) -> dict:
 
 def generate(config: str | None = None, **flags) -> None:
     """Answer --prompt (or the first eval prompts) with --init_from (default: OUTPUT_DIR/best)."""
-    from lowmem.evaluation import answer_text, load_saved_model
+    from lowmem.training.evaluation import answer_text, load_saved_model
 
     cfg, notes = load_saved_model_config(flags, config)
     say_notes(notes + unread_flag_notes("generate", flags))
@@ -185,7 +185,7 @@ def generate(config: str | None = None, **flags) -> None:
 def train_tokenizer(config: str | None = None, **flags) -> dict:
     """Train the sentencepiece tokenizer on a capped, streamed sample of --train_file
     (default: both shipped corpora) into --tokenizer_dir (default: data/tokenizer)."""
-    from data.sources import check_columns, formats_for, resolve_files
+    from data.sources.corpus import check_columns, formats_for, resolve_files
     from data.tokenization import train_tokenizer as train_spm
     from data.tokenization import vocab_shortfall
 
@@ -210,7 +210,7 @@ def prepare(config: str | None = None, **flags) -> dict:
     """Tokenize --train_file once into parquet shards in --prepared_dir (default: runs/prepared);
     then train with --train_file=PREPARED_DIR (no tokenization in any epoch)."""
     from data.prepare import prepare_command
-    from lowmem.model_source import tokenizer_folder
+    from lowmem.model.source import tokenizer_folder
 
     out_dir = flags.pop("prepared_dir", "runs/prepared")
     cfg, notes = load_config(flags, config)
@@ -226,7 +226,7 @@ def preview(config: str | None = None, **flags) -> None:
 
     from data.preview import preview_examples
     from data.tokenization import load_trained_tokenizer
-    from lowmem.model_source import tokenizer_folder
+    from lowmem.model.source import tokenizer_folder
 
     count = flags.pop("num_examples", 5)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -242,7 +242,7 @@ def preview(config: str | None = None, **flags) -> None:
 def plot(config: str | None = None, **flags) -> dict:
     """PNG charts of OUTPUT_DIR/metrics.jsonl (loss, scores, learning rate, tokens/s, RSS) into --plot_dir
     (default: OUTPUT_DIR/plots)."""
-    from lowmem.plots import plot_run
+    from lowmem.monitoring.plots import plot_run
 
     plot_dir = flags.pop("plot_dir", None)
     cfg, notes = load_config(flags, config)

@@ -8,9 +8,9 @@
 Lifecycle: ``setup()`` (check the inputs, then the accelerator, run folder, tokenizer, data, plan,
 model, optimizer, resume) -> ``train()`` (the loop; one optimizer step is ``train_step``) ->
 ``close()``. Everything else has its own module: the data entry point (``data.pipeline``), what the
-processes agree on (``lowmem.distributed``), logs and records (``lowmem.telemetry``), checkpoints and
-exports (``lowmem.checkpointer``), evaluation (``lowmem.evaluation``), stopping on a signal
-(``lowmem.stopping``) and the encoder cache (``lowmem.encoder_cache``). docs/architecture.md walks
+processes agree on (``lowmem.parallel.distributed``), logs and records (``lowmem.monitoring.telemetry``), checkpoints
+and exports (``lowmem.checkpointing.checkpointer``), evaluation (``lowmem.training.evaluation``), stopping on a signal
+(``lowmem.training.stopping``) and the encoder cache (``lowmem.training.encoder_cache``). docs/architecture.md walks
 through one step.
 """
 
@@ -26,31 +26,23 @@ from tqdm import tqdm
 
 from config import TrainConfig
 from data.collate import CachedEncoderCollator, shape_multiple
-from data.objectives import objective_for
+from data.objectives.base import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
-from data.stream import batched
+from data.streams.file_stream import batched
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
-from lowmem import deepspeed_engine, encoder_cache
-from lowmem.accumulation import window_backward
-from lowmem.adapters import adapter_export
-from lowmem.batch_budget import batch_request, size_run
-from lowmem.checkpointer import Checkpointer
-from lowmem.collector import freeze_long_lived, imports_done, thaw_long_lived
-from lowmem.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
-from lowmem.eval_cost import plan_evals, rows_at
-from lowmem.eval_metrics import scores_in
-from lowmem.evaluation import eval_log_line, evaluate_model, is_better
-from lowmem.flags import TRAINED_WITH
-from lowmem.memory import free_memory
-from lowmem.model_source import check_vocabulary, tokenizer_folder, tokenizer_for_model
-from lowmem.modeling import check_init_from, ready_to_train
-from lowmem.optim import build_optimizer, build_scheduler, parameter_group_sizes, parameter_groups
-from lowmem.run_folder import RunFolder
-from lowmem.run_memory import MemoryStop, peak_against_plan, plan_run
-from lowmem.sharding import full_value, padded_window, planned_sharding, shard_model, weights_finite
-from lowmem.stopping import SignalWatch, StoppedBySignal, count_nonfinite_step
-from lowmem.streamed_load import base_model_identity, model_for_run
-from lowmem.telemetry import (
+from lowmem.checkpointing.checkpointer import Checkpointer
+from lowmem.checkpointing.run_folder import RunFolder
+from lowmem.cli.flags import TRAINED_WITH
+from lowmem.memory.batch_budget import batch_request, size_run
+from lowmem.memory.collector import freeze_long_lived, imports_done, thaw_long_lived
+from lowmem.memory.eval_cost import plan_evals, rows_at
+from lowmem.memory.probes import free_memory
+from lowmem.memory.run_memory import MemoryStop, peak_against_plan, plan_run
+from lowmem.model.adapters import adapter_export
+from lowmem.model.build import check_init_from, ready_to_train
+from lowmem.model.source import check_vocabulary, tokenizer_folder, tokenizer_for_model
+from lowmem.model.streamed_load import base_model_identity, model_for_run
+from lowmem.monitoring.telemetry import (
     IntervalMeter,
     Telemetry,
     check_bad_rows,
@@ -61,6 +53,15 @@ from lowmem.telemetry import (
     schedule_note,
     startup_summary,
 )
+from lowmem.parallel import deepspeed_engine
+from lowmem.parallel.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
+from lowmem.parallel.sharding import full_value, padded_window, planned_sharding, shard_model, weights_finite
+from lowmem.training import encoder_cache
+from lowmem.training.accumulation import window_backward
+from lowmem.training.eval_metrics import scores_in
+from lowmem.training.evaluation import eval_log_line, evaluate_model, is_better
+from lowmem.training.optim import build_optimizer, build_scheduler, parameter_group_sizes, parameter_groups
+from lowmem.training.stopping import SignalWatch, StoppedBySignal, count_nonfinite_step
 
 
 @dataclass
@@ -78,7 +79,7 @@ class TrainState:
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     nonfinite_in_a_row: int = 0
     last_eval: dict | None = None  # step, eval_loss and the scores of the latest evaluation
-    eval_plan: dict | None = None  # what each evaluation generates (lowmem.eval_cost): planned once, kept on resume
+    eval_plan: dict | None = None  # what each evaluation generates (memory.eval_cost): planned once, kept on resume
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -105,7 +106,7 @@ class LowMemTrainer:
         self.signals = SignalWatch(self.say)
         self.folder = RunFolder(self.out)
         self.start_time = time.time()  # of this process's part of the run (state.elapsed_s: the parts before)
-        self.memory = MemoryStop(cfg.max_rss_gb, self.telemetry.record)  # --max_rss_gb's guard (lowmem.run_memory)
+        self.memory = MemoryStop(cfg.max_rss_gb, self.telemetry.record)  # --max_rss_gb's guard (memory.run_memory)
         # Built by setup(), in this order:
         self.files: DataFiles | None = files  # checked before anything heavy (by the CLI, before its imports)
         self.accelerator = None
@@ -166,13 +167,13 @@ class LowMemTrainer:
                                self.accelerator.num_processes, objective=objective, pad_multiple=self.shape_multiple,
                                indexes=indexes_from_main(self.accelerator, self.files.train), report=self.say,
                                warn=self.warn)
-        self.batch_request = batch_request(cfg)  # the sizes used, from here on in the config (lowmem.batch_budget)
+        self.batch_request = batch_request(cfg)  # the sizes used, from here on in the config (memory.batch_budget)
         sizes = size_run(cfg, self.data, self.accelerator, len(self.tokenizer), planned_sharding(self.engine),
                          resume_dir, self.say)
         cfg = self.cfg = self.telemetry.resolved(replace(cfg, **sizes.flags()))  # planned before the model exists:
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
                                     resume_dir is not None, planned_sharding(self.engine), sizes.lengths, self.say)
-        imports_done()  # before the weights: lowmem.collector
+        imports_done()  # before the weights: lowmem.memory.collector
         self._build_model()
         per_epoch, self.total_steps = self.data.steps(cfg)
         self._build_optimizer()
@@ -180,7 +181,7 @@ class LowMemTrainer:
         if resume_dir is not None:
             self.load_checkpoint(resume_dir)
         self.telemetry.record("memory_plan", **self.memory_plan)  # after a resume has cut metrics.jsonl back
-        self.telemetry.start_trackers()  # a resume continues their runs (lowmem.tracker_feed)
+        self.telemetry.start_trackers()  # a resume continues their runs (lowmem.monitoring.tracker_feed)
         if cfg.encoder_cache != "off":
             self._open_encoder_cache()
         plan = plan_evals(self.model, self.core, self.data, cfg, self.accelerator, self.shape_multiple, self.state)
@@ -418,7 +419,7 @@ class LowMemTrainer:
 
     # ------------------------------------------------------------------ evaluation, checkpoints, exports
     def evaluate(self) -> dict:
-        """Eval loss and --eval_metrics on the eval set (``lowmem.evaluation.evaluate_model``), the encoder
+        """Eval loss and --eval_metrics on the eval set (``lowmem.training.evaluation.evaluate_model``), the encoder
         brought back for it when the encoder cache took it off the GPU."""
         start = time.time()
         free_memory()  # before evaluation

@@ -72,8 +72,8 @@ def answers(cwd: Path, generate_command: str, count: int) -> list[tuple[str, str
     code = (
         "import json, sys\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
-        "from lowmem.flags import load_saved_model_config\n"
-        "from lowmem.evaluation import load_saved_model\n"
+        "from lowmem.cli.flags import load_saved_model_config\n"
+        "from lowmem.training.evaluation import load_saved_model\n"
         f"cfg, _ = load_saved_model_config({flags!r})\n"
         "saved = load_saved_model(cfg, say=lambda line: None)\n"
         f"prompts = [e.prompt for e in saved.eval_examples[:{count}]]\n"

@@ -71,12 +71,12 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
             seed: int = 0) -> dict:
     from config import SHIPPED_TOKENIZER_DIR
     from data.collate import Seq2SeqCollator, shape_multiple
-    from data.sources import Example
+    from data.sources.corpus import Example
     from data.tokenization import load_tokenizer
-    from lowmem.flags import load_config
-    from lowmem.loss import frozen_encoder_states, target_index, token_loss_sum
-    from lowmem.modeling import build_model, freeze_parts
-    from lowmem.optim import build_optimizer, parameter_groups
+    from lowmem.cli.flags import load_config
+    from lowmem.model.build import build_model, freeze_parts
+    from lowmem.model.loss import frozen_encoder_states, target_index, token_loss_sum
+    from lowmem.training.optim import build_optimizer, parameter_groups
 
     cfg = load_config({"model_preset": preset, "is_finetune": True})[0]
     tokenizer = load_tokenizer(cfg.tokenizer_dir or SHIPPED_TOKENIZER_DIR)

@@ -9,7 +9,7 @@ rows; the gradients are averaged over the processes (all-reduce for the plain mo
 reduce otherwise) and gathered whole. Printed per engine: the largest difference from the plain model's
 gradient and how many tensors differ at all, then the same against the plain model with the engine's
 autograd functions reproduced:
-- FSDP (``fully_shard`` on each block, then the root, as ``lowmem/sharding.py`` does) passes each block's
+- FSDP (``fully_shard`` on each block, then the root, as ``lowmem/parallel/sharding.py`` does) passes each block's
   inputs that need a gradient through one autograd function, so that it knows when they are done. The
   gradients several blocks send to one tensor (the encoder output, which every decoder block's
   cross-attention reads twice) are then summed per block before they meet.
@@ -125,7 +125,7 @@ def worker(args) -> None:
         return grads
 
     def fsdp() -> dict:
-        from lowmem.sharding import shard_model
+        from lowmem.parallel.sharding import shard_model
 
         model = shard_model(fresh(), {"reshard_after_forward": True, "offload_params": False}, torch.device("cpu"))
         model.train()

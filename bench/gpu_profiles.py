@@ -142,7 +142,7 @@ def sweep(preset: str, micro_batches: list[int], length: int, repeats: int) -> d
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from lowmem.presets import preset_shape
+    from lowmem.model.presets import preset_shape
 
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(vocab_size=32128, decoder_start_token_id=0, dropout_rate=0.0,

@@ -117,7 +117,7 @@ def micro(args) -> None:
     sys.path.insert(0, str(REPO))
     from types import SimpleNamespace
 
-    from lowmem.quantize import quantize_block
+    from lowmem.model.quantize import quantize_block
 
     print(f"one frozen linear layer, forward + input-gradient backward, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}:")

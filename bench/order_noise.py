@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data.collate import pad  # noqa: E402
-from lowmem.optim import Adafactor  # noqa: E402
-from lowmem.presets import FEED_FORWARD_WIDTHS, MODEL_PRESETS, preset_shape  # noqa: E402
+from lowmem.model.presets import FEED_FORWARD_WIDTHS, MODEL_PRESETS, preset_shape  # noqa: E402
+from lowmem.training.optim import Adafactor  # noqa: E402
 
 WINDOW, PEAK_LR, WARMUP = 32, 3e-3, 30
 

@@ -13,7 +13,7 @@ Kinds:
                (``pyarrow.json.read_json``), then a plain PyTorch loop: shuffled DataLoader over it,
                tokenization per micro-batch, Adafactor, gradient accumulation by hand.
 
-All three use the model ``lowmem.modeling.build_model`` builds for ``--model_preset`` (same seed, so
+All three use the model ``lowmem.model.build.build_model`` builds for ``--model_preset`` (same seed, so
 the same initial weights as this trainer), the shipped tokenizer, Adafactor with the learning rate
 applied as given, linear warmup and decay, gradient clipping at 1.0, and the loss this trainer uses:
 sum of the token losses / target tokens of the whole accumulation window. For the Seq2SeqTrainer that
@@ -65,8 +65,8 @@ def build(options):
     from transformers import set_seed
 
     from data.tokenization import load_tokenizer
-    from lowmem.flags import load_config
-    from lowmem.modeling import build_model
+    from lowmem.cli.flags import load_config
+    from lowmem.model.build import build_model
 
     set_seed(options.seed)  # the trainer seeds before building the model: same initial weights
     tokenizer = load_tokenizer(options.tokenizer_dir or REPO / "data" / "tokenizer")
@@ -76,7 +76,7 @@ def build(options):
 
 def builder_of(path: str) -> str:
     """The datasets builder for a file: parquet, csv, or json (JSON lines or one JSON array)."""
-    from data.readers import file_kind
+    from data.sources.readers import file_kind
 
     kind = file_kind(Path(path))
     return kind if kind in ("parquet", "csv") else "json"
@@ -186,7 +186,7 @@ class InMemoryTable(torch.utils.data.Dataset):
     """The whole corpus as one in-memory Arrow table (the reference read its table with ``pq.read_table``)."""
 
     def __init__(self, path: str, prompt_column: str, response_column: str):
-        from data.readers import file_kind
+        from data.sources.readers import file_kind
 
         kind = file_kind(Path(path))
         if kind == "parquet":

@@ -52,7 +52,7 @@ def plain_loop(preset: str, steps: int, job: str) -> None:
 
     sys.path.insert(0, str(REPO))
     from config import SHIPPED_TOKENIZER_DIR
-    from lowmem.presets import preset_shape
+    from lowmem.model.presets import preset_shape
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER_DIR))

@@ -31,7 +31,7 @@ from make_corpus import load_sources
 from memory_modes import REPO, make_corpora, measure, run
 
 sys.path.insert(0, str(REPO))
-from lowmem.presets import MEMORY_PROFILES  # noqa: E402
+from lowmem.model.presets import MEMORY_PROFILES  # noqa: E402
 
 
 def more_corpora(folder: Path, made: dict) -> dict:

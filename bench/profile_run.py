@@ -31,7 +31,7 @@ PHASES = [
     ("tokenization and padding", ["token_ids (data/collate", "pad (data/collate"]),
     ("reading and shuffling rows", ["iter_epoch (data/stream", "_upstream", "iter_rows"]),
     ("backward", ["backward ("]),
-    ("optimizer step", ["(lowmem/optim.py"]),
+    ("optimizer step", ["(lowmem/training/optim.py"]),
     ("forward and loss", ["token_loss_sum"]),
     ("grad norm and counts", ["clip_grad_norm", "window_counts"]),
     ("logging and gc", ["maybe_log", "log_interval", "free_memory", "log_memory"]),
@@ -74,7 +74,7 @@ def operators(flags: list[str], rows: int) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from lowmem.flags import load_config
+    from lowmem.cli.flags import load_config
     from trainer_low_mem import LowMemTrainer
 
     options = dict(f.lstrip("-").split("=", 1) for f in flags)

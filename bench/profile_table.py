@@ -5,7 +5,7 @@
 Pretraining with the shipped tokenizer, every batch at --max_source_len=128 --max_target_len=128
 (the longest the defaults allow), the framework baseline measured in this process. host16g is
 planned on the CPU (host RAM), the gpu* profiles on a GPU (GPU memory, plus the host RAM beside it)
-at the micro-batch their ``auto`` picks for a GPU of the profile's size (``lowmem.batch_budget.choose``,
+at the micro-batch their ``auto`` picks for a GPU of the profile's size (``lowmem.memory.batch_budget.choose``,
 an effective batch of 32; shown as micro x accumulation). Relative step time is the planner's ranking
 model, not a measurement.
 """
@@ -20,10 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import SHIPPED_TOKENIZER_DIR  # noqa: E402
 from data.tokenization import load_tokenizer  # noqa: E402
-from lowmem import plan_command, planner  # noqa: E402
-from lowmem.batch_budget import choose  # noqa: E402
-from lowmem.flags import load_config  # noqa: E402
-from lowmem.presets import MEMORY_PROFILES, MODEL_PRESETS, gpu_profile_gib  # noqa: E402
+from lowmem.cli import plan_command  # noqa: E402
+from lowmem.cli.flags import load_config  # noqa: E402
+from lowmem.memory import planner
+from lowmem.memory.batch_budget import choose  # noqa: E402
+from lowmem.model.presets import MEMORY_PROFILES, MODEL_PRESETS, gpu_profile_gib  # noqa: E402
 
 
 def main() -> None:

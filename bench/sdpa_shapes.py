@@ -6,7 +6,7 @@ and at the varying shapes of dynamic padding, beside float32.
 
 Why: recent torch tries cuDNN's attention first on Hopper and Blackwell GPUs for bf16, and cuDNN builds
 an execution plan for each new shape. The trainer turns that backend off on CUDA
-(``lowmem.distributed.attention_without_shape_plans``). This script measures what that choice is worth:
+(``lowmem.parallel.distributed.attention_without_shape_plans``). This script measures what that choice is worth:
 plain torch, outside the trainer, forward + backward + AdamW step under bf16 autocast (float32 without),
 ``--steps`` timed steps after two warm-up steps. "varying" draws every step's source and target lengths
 anew (8-128 and 4-64 tokens, the micro-batch 1 to --batch rows), as dynamic padding does; "fixed" keeps
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lowmem.presets import preset_shape  # noqa: E402
+from lowmem.model.presets import preset_shape  # noqa: E402
 
 
 def shapes(varying: bool, steps: int, batch: int, seed: int) -> list[tuple[int, int, int]]:

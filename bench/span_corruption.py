@@ -5,7 +5,7 @@
     python bench/span_corruption.py --model_preset=small --lengths=512 --threads=0   # a bigger machine
     python bench/span_corruption.py --corpus_dir=/tmp/span_bench --json_out=span.json --markdown_out=span.md
 
-Four contenders train the same T5 (``lowmem.modeling.build_model`` for ``--model_preset``, same seed, so
+Four contenders train the same T5 (``lowmem.model.build.build_model`` for ``--model_preset``, same seed, so
 the same initial weights) at the same ``--max_source_len`` L, micro-batch 2 x accumulation 16, Adafactor at
 the same learning rate and schedule, each in its own process:
 
@@ -223,10 +223,10 @@ def nanot5_child(options) -> None:
     import torch
 
     from data.tokenization import load_tokenizer
-    from lowmem.flags import load_config
-    from lowmem.memory import peak_rss_bytes
-    from lowmem.modeling import build_model
-    from lowmem.optim import Adafactor, build_scheduler
+    from lowmem.cli.flags import load_config
+    from lowmem.memory.probes import peak_rss_bytes
+    from lowmem.model.build import build_model
+    from lowmem.training.optim import Adafactor, build_scheduler
 
     raw, target_len = expanded_length(options.max_source_len)
     torch.manual_seed(options.seed)
@@ -364,7 +364,7 @@ def data_path(name: str, files: dict, length: int, target: int, options) -> dict
     (steps 2..N). This trainer's stream and collator are rebuilt from its flags (same seed, same stream)."""
     import itertools
 
-    from data.stream import batched
+    from data.streams.file_stream import batched
     from data.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(REPO / "data" / "tokenizer")
@@ -373,9 +373,9 @@ def data_path(name: str, files: dict, length: int, target: int, options) -> dict
         loader = nanot5_loader(files["span"][0], expanded_length(length)[0], tokenizer, options)
         windows = batched(loader, options.accumulation)
     else:
-        from data.objectives import objective_for
+        from data.objectives.base import objective_for
         from data.pipeline import build_data, check_data
-        from lowmem.flags import load_config
+        from lowmem.cli.flags import load_config
 
         flags = our_flags(name, *files[name], Path(tempfile.gettempdir()) / "span_bench_replay", length, target,
                           options)

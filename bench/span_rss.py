@@ -11,7 +11,7 @@ long (log-uniform), in lines of 6 to 20 words: the .txt holds them separated by 
 layout, lines joined with newlines), the jsonl the same documents as ``{"text": ...}``. A corpus of
 ``--big_docs_from_mb`` MB or more also holds ``--big_docs`` single documents of ``--big_doc_mb`` MB: the first
 is placed at the row the shuffle buffer hands out first (``random.Random(seed).randrange(buffer)``, as
-data/stream.py draws), so the packer streams it from the first step (checked with ``--dump_consumed``);
+data/streams/file_stream.py draws), so the packer streams it from the first step (checked with ``--dump_consumed``);
 the others lie a third and two thirds into the file (indexed, not reached in a short run).
 
 Each run is ``train_low_mem.py train --objective=span_corruption`` with the defaults a user gets (tiny, micro 2
@@ -104,8 +104,8 @@ def write_corpus(folder: Path, size_mb: float, big_docs: int, big_doc_mb: float,
 
 
 def first_drawn_row(seed: int = 42) -> int:
-    """The row a full shuffle buffer hands out first: data/stream.py fills it, then draws the slot to give out
-    with ``random.Random(seed).randrange(buffer)`` (the trainer's --seed, default 42)."""
+    """The row a full shuffle buffer hands out first: data/streams/file_stream.py fills it, then draws the slot to give
+    out with ``random.Random(seed).randrange(buffer)`` (the trainer's --seed, default 42)."""
     return random.Random(seed).randrange(SHUFFLE_BUFFER)
 
 

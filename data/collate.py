@@ -7,8 +7,8 @@ import re
 
 import torch
 
-from data.sources import Example
-from data.stream import batched
+from data.sources.corpus import Example
+from data.streams.file_stream import batched
 
 # sentencepiece pieces are at most 16 characters, so cutting the text after 16 characters per allowed
 # token never changes the truncated result, and a megabyte-long row costs no more than a short one.

@@ -6,7 +6,7 @@
 ``check_data`` resolves ``--train_file`` / ``--eval_file`` and checks their columns; ``build_data``
 indexes the training files (or takes the indexes the main process read), splits off the eval set,
 and opens this process's stream and the objective's collator. A Hugging Face dataset as
-``--train_file`` (``data.hf_datasets``) is the run's one "file", read by a ``DatasetStream`` (the
+``--train_file`` (``data.sources.hf_datasets``) is the run's one "file", read by a ``DatasetStream`` (the
 interface of ``ExampleStream``) instead. The trainer and the planner both take
 their data from here: the planner replays ``TrainData.fresh_stream()`` instead of rebuilding the
 pipeline.
@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import TrainConfig, UserError
-from data.dataset_stream import DatasetStream
-from data.eval_set import eval_files_of, eval_source, eval_split
-from data.hf_datasets import DatasetRef, dataset_of, describe, has_rows
-from data.packing import text_slices
 from data.prepare import check_manifest
-from data.readers import FileIndex, index_file, manifest_of
-from data.sources import DataProblems, Example, check_columns, formats_for, resolve_files
-from data.stream import ExampleStream, largest_share, share_range, steps_per_epoch, total_steps
-from data.text_files import layout_note
+from data.sources.corpus import DataProblems, Example, check_columns, formats_for, resolve_files
+from data.sources.eval_set import eval_files_of, eval_source, eval_split
+from data.sources.hf_datasets import DatasetRef, dataset_of, describe, has_rows
+from data.sources.readers import FileIndex, index_file, manifest_of
+from data.sources.text_files import layout_note
+from data.streams.dataset_stream import DatasetStream
+from data.streams.file_stream import ExampleStream, largest_share, share_range, steps_per_epoch, total_steps
+from data.streams.packed_text import text_slices
 from data.tokenization import tokenizer_fingerprint
 
 SAMPLE_DOCUMENTS = 512  # documents tokenized to count (small corpora) or estimate an epoch's packed chunks

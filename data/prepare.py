@@ -17,9 +17,9 @@ import shutil
 from pathlib import Path
 
 from config import UserError
-from data.ownership import MARKERS, check_folder, claim_folder, move_in, remove_ours
-from data.readers import MANIFEST, TOKEN_COLUMNS, manifest_of
-from data.sources import DataProblems, iter_rows, spec_parts, too_many_bad_rows
+from data.sources.corpus import DataProblems, iter_rows, spec_parts, too_many_bad_rows
+from data.sources.readers import MANIFEST, TOKEN_COLUMNS, manifest_of
+from lowmem.checkpointing.ownership import MARKERS, check_folder, claim_folder, move_in, remove_ours
 
 GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
 SHARD_ROWS = 25 * GROUP_ROWS  # 102,400 rows per shard (whole row groups): several shards let each epoch visit
@@ -30,7 +30,7 @@ STAGING = ".partial"  # inside --prepared_dir: shards are written here, then mov
 def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     """The ``prepare`` command: resolve and check the corpus, load the tokenizer, write the shards."""
     from data.collate import Seq2SeqCollator
-    from data.sources import check_columns, resolve_files
+    from data.sources.corpus import check_columns, resolve_files
     from data.tokenization import load_trained_tokenizer, tokenizer_fingerprint
 
     if cfg.objective != "pairs":

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from config import TrainConfig, UserError
-from data.eval_set import eval_files_of
-from data.objectives import objective_for
-from data.packing import PackedStream
+from data.objectives.base import objective_for
 from data.pipeline import build_data, check_data
+from data.sources.eval_set import eval_files_of
+from data.streams.packed_text import PackedStream
 
 
 def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = False, report=print) -> Iterator[dict]:

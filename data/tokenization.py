@@ -21,9 +21,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from config import UserError, saved_json
-from data.ownership import MARKERS, check_folder, claim_folder, is_run_folder, move_in, remove_ours
-from data.packing import text_slices
-from data.sources import iter_rows
+from data.sources.corpus import iter_rows
+from data.streams.packed_text import text_slices
+from lowmem.checkpointing.ownership import MARKERS, check_folder, claim_folder, is_run_folder, move_in, remove_ours
 
 EXTRA_IDS = 100
 MIN_PIECES = 3 + 256  # pad, eos, unk and the byte-fallback pieces: any vocabulary needs these

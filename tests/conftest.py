@@ -163,7 +163,7 @@ def kill_at_first_checkpoint_and_resume(processes, run_cli):
 @pytest.fixture
 def cli_in_process(monkeypatch):
     """``cli_in_process(*args, cwd=, env=)``: ``train_low_mem.main(ARGS)`` in this process, through the same
-    ``lowmem.cli.run_cli`` as a user's command (a ``UserError`` is one ``error:`` line and exit code 2). Returns
+    ``lowmem.cli.runner.run_cli`` as a user's command (a ``UserError`` is one ``error:`` line and exit code 2). Returns
     a ``CompletedProcess`` as ``run_cli`` does. For refusals that come before anything heavy is built: a run
     that trains belongs in its own process (``run_cli``), where its signal handlers and threads are its own."""
     import contextlib
@@ -254,7 +254,7 @@ def folder_state(folder: Path) -> set[tuple[str, int, int]]:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    from lowmem.metrics import read_metrics
+    from lowmem.monitoring.metrics_log import read_metrics
 
     return read_metrics(Path(run_dir) / "metrics.jsonl")
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lowmem.adafactor_slices import Layout, Slice
-from lowmem.optim import Adafactor
+from lowmem.parallel.adafactor_slices import Layout, Slice
+from lowmem.training.optim import Adafactor
 
 WORLD = 2
 # matrices wider and taller than a partition, a stack of matrices, vectors, and weights smaller than

@@ -1,4 +1,4 @@
-"""Micro-batches sized to the memory budget (lowmem.batch_budget): the same maths at any split, auto
+"""Micro-batches sized to the memory budget (lowmem.memory.batch_budget): the same maths at any split, auto
 within --max_rss_gb, requests lowered with one line, token budgets, evaluation independent of its batch."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from test_training_math import COLS, grads, make_trainer
 
 from config import SHIPPED_CORPORA
 from data.collate import CALL_TOKENS, length_groups, micro_batches
-from data.eval_set import take_examples
-from lowmem import planner
-from lowmem.batch_budget import size_batches
-from lowmem.flags import load_config
+from data.sources.eval_set import take_examples
+from lowmem.cli.flags import load_config
+from lowmem.memory import planner
+from lowmem.memory.batch_budget import size_batches
 
 
 def weights(trainer) -> torch.Tensor:
@@ -129,7 +129,7 @@ def test_length_groups_are_the_cheapest_split_within_the_budget():
 def test_eval_loss_grouped_by_each_side_equals_one_forward():
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from lowmem.evaluation import loss_and_encoded
+    from lowmem.training.evaluation import loss_and_encoded
 
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=2,

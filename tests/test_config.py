@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from config import LOW_MEMORY_CAPS, TrainConfig, UserError
-from lowmem.flags import help_text, load_config, unused_answer_notes
+from lowmem.cli.flags import help_text, load_config, unused_answer_notes
 
 
 def test_values_are_converted_to_declared_types():
@@ -122,7 +122,7 @@ def test_help_lists_every_option_with_default():
 
 def test_cli_user_errors_are_one_line_with_exit_code_2(run_cli):
     # End to end, as a shell sees it: the process's exit code and its standard error. The other refusals run
-    # in-process (the cli_in_process fixture) through the same lowmem.cli.run_cli.
+    # in-process (the cli_in_process fixture) through the same lowmem.cli.runner.run_cli.
     for args in (["train", "--learnrate=0.1"], ["train", "--mixed_precision=fp16"],
                  ["train", "--train_file=/nonexistent/x.jsonl"], ["nosuchcommand"]):
         proc = run_cli(*args)
@@ -169,7 +169,7 @@ def test_text_flags_reach_the_config_verbatim():
     """fire reads "hello, world" as a tuple and "1e3" as a number; the CLI passes text flags as literals."""
     import fire
 
-    from lowmem.cli import verbatim_text
+    from lowmem.cli.runner import verbatim_text
 
     seen = {}
     for argv in (["--prompt=hello, world", "--output_dir=1e3"], ["--prompt", "hello, world", "--output_dir", "1e3"]):
@@ -179,7 +179,7 @@ def test_text_flags_reach_the_config_verbatim():
 
 
 def test_each_distinct_error_line_is_printed_once_per_launch(tmp_path, monkeypatch, capsys):
-    from lowmem.cli import print_error
+    from lowmem.cli.runner import print_error
 
     # the layout torch's elastic agent gives each worker: <launch folder>/attempt_0/<local rank>/error.json
     (tmp_path / "launch" / "attempt_0").mkdir(parents=True)
@@ -197,7 +197,7 @@ def test_each_distinct_error_line_is_printed_once_per_launch(tmp_path, monkeypat
 def test_evaluate_and_generate_read_output_dir_best_unless_init_from_is_given(tmp_path):
     """SFT training starts from runs/pretrain/best by default; the commands that read a trained model read
     OUTPUT_DIR/best (they read the pretrained model, named in the SFT run's place, before)."""
-    from lowmem.flags import load_saved_model_config
+    from lowmem.cli.flags import load_saved_model_config
 
     cfg, _ = load_saved_model_config({"is_finetune": True, "output_dir": "runs/sft"})
     assert cfg.init_from is None and cfg.output_dir == "runs/sft" and cfg.tokenizer_dir
@@ -213,7 +213,7 @@ def test_evaluate_and_generate_take_the_objective_and_lengths_the_model_was_trai
     masks (6.59 against the run's 6.28) and other chunk lengths, unless the flags were repeated."""
     import json
 
-    from lowmem.flags import load_saved_model_config
+    from lowmem.cli.flags import load_saved_model_config
 
     model = tmp_path / "best"
     model.mkdir()
@@ -237,7 +237,7 @@ def test_evaluate_and_generate_take_the_objective_and_lengths_the_model_was_trai
 
 
 def test_each_command_notes_the_options_it_does_not_read():
-    from lowmem.flags import READ_ONLY, TRAINING_ONLY, unread_flag_notes
+    from lowmem.cli.flags import READ_ONLY, TRAINING_ONLY, unread_flag_notes
 
     assert unread_flag_notes("train", {"learn_rate": 1, "max-new-tokens": 4}) == [
         "note: --max_new_tokens has no effect on train (it is read by generate)"]

@@ -12,10 +12,10 @@ from conftest import synthetic_rows, write_rows
 
 from config import UserError
 from data.collate import Seq2SeqCollator
-from data.eval_set import hold_out, read_ranges, take_examples
-from data.readers import index_file, read_range
-from data.sources import DataProblems, Example, check_columns, iter_rows, repeated_files, resolve_files
-from data.stream import ExampleStream, example_bytes, largest_share
+from data.sources.corpus import DataProblems, Example, check_columns, iter_rows, repeated_files, resolve_files
+from data.sources.eval_set import hold_out, read_ranges, take_examples
+from data.sources.readers import index_file, read_range
+from data.streams.file_stream import ExampleStream, example_bytes, largest_share
 
 COLS = ("prompt", "response")
 
@@ -109,9 +109,9 @@ def test_a_json_array_cut_anywhere_by_the_reading_window(tmp_path, monkeypatch):
     """A window of a few bytes cuts every element somewhere (inside numbers, strings, escapes,
     nested arrays): every row still reads whole, from the start or from any index entry, and a file
     cut short anywhere before its closing ']' is an error, never a shorter corpus."""
-    import data.readers
+    import data.sources.readers
 
-    monkeypatch.setattr(data.readers, "SEEK_EVERY", 5)
+    monkeypatch.setattr(data.sources.readers, "SEEK_EVERY", 5)
     rows = [{"prompt": 'a "[x]" \\', "response": "中😀"}, -1.5e-300, 12345678901234, [1, [2, {"k": "}"}]], True,
             None, "s,]", {}, {"prompt": "p", "response": "r", "n": 1e20}]
     path = tmp_path / "c.json"
@@ -325,8 +325,8 @@ def test_a_byte_bounded_buffer_of_token_ids_resumes_exactly_through_a_saved_chec
     bound counts their content, so a resumed stream hands them out in the same order."""
     import torch
 
-    from data.readers import TOKEN_COLUMNS
-    from lowmem.checkpoint import load_state
+    from data.sources.readers import TOKEN_COLUMNS
+    from lowmem.checkpointing.checkpoint import load_state
 
     rng = random.Random(3)
     rows = [{"input_ids": [rng.randrange(300, 8000) for _ in range(rng.randint(50, 2000))], "labels": [5, 6]}
@@ -477,7 +477,7 @@ def test_folders_skip_hidden_entries_follow_links_and_refuse_the_run_inside(tmp_
     (tmp_path / "d" / "loop").symlink_to(tmp_path / "d")
     (tmp_path / "d" / "c.jsonl.gz").write_bytes(b"")
     assert resolve_files(str(tmp_path / "d")) == [a, tmp_path / "d" / "link" / linked.name]
-    from data.sources import ignored_in_folders
+    from data.sources.corpus import ignored_in_folders
 
     assert ignored_in_folders(str(tmp_path / "d")) == [tmp_path / "d" / "c.jsonl.gz"]
     with pytest.raises(UserError, match="is inside --train_file"):
@@ -507,7 +507,7 @@ def test_a_stream_refuses_a_position_taken_on_other_files_and_a_file_that_shrank
 def test_a_file_is_found_by_its_name_even_when_it_looks_like_a_pattern_or_a_list(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from data.sources import resolve_files
+    from data.sources.corpus import resolve_files
 
     rows = synthetic_rows(3)
     bracket = write_rows(tmp_path / "c[1].jsonl", rows)
@@ -527,7 +527,7 @@ def test_a_file_is_found_by_its_name_even_when_it_looks_like_a_pattern_or_a_list
 def test_a_blank_line_is_one_reason_in_every_text_format(tmp_path):
     from pathlib import Path
 
-    from data.readers import read_range
+    from data.sources.readers import read_range
 
     (tmp_path / "a.csv").write_text("prompt,response\na,b\n\nc,d\n")
     (tmp_path / "a.jsonl").write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c", "response": "d"}\n')

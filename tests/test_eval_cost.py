@@ -1,4 +1,4 @@
-"""Evaluation defaults sane at every model size (lowmem.eval_cost): the start-up line says what each evaluation
+"""Evaluation defaults sane at every model size (lowmem.memory.eval_cost): the start-up line says what each evaluation
 costs and what was chosen; options left at auto are made cheaper past --eval_budget_s, options given never are;
 the eval loss does not depend on which rows generate; a resumed run keeps its plan."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import metrics, synthetic_rows, write_rows
 
-from lowmem.eval_cost import choose
-from lowmem.flags import load_config
+from lowmem.cli.flags import load_config
+from lowmem.memory.eval_cost import choose
 
 LINE = re.compile(r"^eval: .*$", re.M)
 # 8 eval rows in batches of 4, answers of up to 16 tokens: a tiny model evaluates in a second or two
@@ -67,7 +67,7 @@ def test_choose_counts_the_batches_of_the_busiest_process():
 
 
 def plan(**fields):
-    from lowmem.eval_cost import EvalPlan
+    from lowmem.memory.eval_cost import EvalPlan
 
     base = dict(rows=100, world=1, batch_size=4, max_new_tokens=128, asked_rows=100, generate_rows=100,
                 baseline_generates=True, loss_s=20.0, batch_generate_s=2.5, budget_s=300.0, cheaper=False)
@@ -101,10 +101,10 @@ def test_a_plan_generates_at_the_baseline_only_where_it_said_so():
 def test_the_eval_loss_does_not_depend_on_which_rows_generate(tmp_path, tokenizer):
     from accelerate import Accelerator
 
-    from data.objectives import objective_for
+    from data.objectives.base import objective_for
     from data.pipeline import build_data, check_data
-    from lowmem.evaluation import evaluate_model
-    from lowmem.modeling import build_model
+    from lowmem.model.build import build_model
+    from lowmem.training.evaluation import evaluate_model
 
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(100, seed=1))
     cfg = load_config(dict(train_file=str(train), output_dir=str(tmp_path / "run"), max_eval_samples=10,

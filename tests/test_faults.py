@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, metrics, synthetic_rows, write_rows
 
-from data.ownership import MARKERS
-from lowmem import checkpoint
+from lowmem.checkpointing import checkpoint
+from lowmem.checkpointing.ownership import MARKERS
 
 SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=2",
          "--gradient_accumulation_steps=4", "--eval_generate=False"]
@@ -487,7 +487,7 @@ def test_a_ctrl_c_lost_in_a_finalizer_during_setup_still_stops_the_run():
     import os
     import signal
 
-    from lowmem.stopping import SignalWatch
+    from lowmem.training.stopping import SignalWatch
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     hook, shown = sys.unraisablehook, []

@@ -1,4 +1,4 @@
-"""The planner's GPU activation bytes (``lowmem.tensor_bytes.gpu_layer_bytes``) against a T5's saved tensors.
+"""The planner's GPU activation bytes (``lowmem.memory.tensor_bytes.gpu_layer_bytes``) against a T5's saved tensors.
 
 No GPU here, so the forward runs on the CPU with the two things a CUDA GPU does differently put in
 (what the planner's docstring names): attention as a fused kernel that saves q, k, v, the bias mask
@@ -14,8 +14,8 @@ from transformers import T5Config, T5ForConditionalGeneration
 from transformers.integrations import sdpa_attention
 
 from config import TrainConfig
-from lowmem.modeling import fuse_gelu
-from lowmem.tensor_bytes import gpu_layer_bytes
+from lowmem.memory.tensor_bytes import gpu_layer_bytes
+from lowmem.model.build import fuse_gelu
 
 DROPOUT = 0.1
 SHAPE = dict(d_model=128, d_ff=512, num_heads=4, d_kv=32)

@@ -1,7 +1,7 @@
-"""Hugging Face datasets as --train_file (data/hf_datasets.py, data/dataset_stream.py), offline: a folder written
-by save_to_disk, and a local copy of a hub dataset repository (a README.md dataset card declaring configs), which
-goes through the code a hub id goes through (load_dataset_builder(...).as_streaming_dataset). Pairs and span
-corruption: preview, the stream resumed exactly at any example, disjoint shares per process, the eval-set rule,
+"""Hugging Face datasets as --train_file (data/sources/hf_datasets.py, data/streams/dataset_stream.py), offline: a
+folder written by save_to_disk, and a local copy of a hub dataset repository (a README.md dataset card declaring
+configs), which goes through the code a hub id goes through (load_dataset_builder(...).as_streaming_dataset). Pairs and
+span corruption: preview, the stream resumed exactly at any example, disjoint shares per process, the eval-set rule,
 a killed run resumed bit-identically, and one error line per mistake. conftest sets HF_HUB_OFFLINE=1."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from conftest import metrics, synthetic_rows
 from test_resume import assert_same_training
 
 from config import UserError
-from data.dataset_stream import DatasetStream
-from data.hf_datasets import dataset_ref
-from data.objectives import objective_for
+from data.objectives.base import objective_for
 from data.pipeline import build_data, check_data
-from data.sources import resolve_files
-from lowmem.flags import load_config
+from data.sources.corpus import resolve_files
+from data.sources.hf_datasets import dataset_ref
+from data.streams.dataset_stream import DatasetStream
+from lowmem.cli.flags import load_config
 
 WORDS = "the river runs over stone and light falls on the quiet town while birds sing in tall green trees".split()
 PAIRS = ("prompt", "response")

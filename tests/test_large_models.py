@@ -21,7 +21,7 @@ SHARD_BYTES = 300_000  # the tiny shape is 5 MB in float32: several shards
 
 
 def config_for(**flags):
-    from lowmem.flags import load_config
+    from lowmem.cli.flags import load_config
 
     return load_config(flags)[0]
 
@@ -39,7 +39,7 @@ def hub(tmp_path_factory):
 def test_streamed_load_is_from_pretrained_in_float32(hub, layout):
     from transformers import AutoModelForSeq2SeqLM
 
-    from lowmem.streamed_load import load_for_training
+    from lowmem.model.streamed_load import load_for_training
 
     folder = hub[layout]
     reference = AutoModelForSeq2SeqLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -58,8 +58,8 @@ def test_streamed_load_is_from_pretrained_in_float32(hub, layout):
 def test_streamed_load_stores_the_training_form(hub):
     """LoRA with int8: block linears 8-bit, wo and the embedding and head bf16, norms float32; the model computes
     within the 8-bit error of the float32 one."""
-    from lowmem.quantize import is_quantized
-    from lowmem.streamed_load import load_for_training
+    from lowmem.model.quantize import is_quantized
+    from lowmem.model.streamed_load import load_for_training
 
     cfg = config_for(init_from=str(hub["fp32"]), is_finetune=True, lora_r=4, frozen_dtype="int8")
     model, narrow, eight_bit = load_for_training(cfg, hub["fp32"])
@@ -85,10 +85,10 @@ PEAK_SCRIPT = """
 import sys, json
 sys.path.insert(0, {repo!r})
 import torch
-from lowmem.flags import load_config
-from lowmem.memory import peak_rss_bytes, process_rss_bytes
-from lowmem.modeling import import_transformers_models
-from lowmem.streamed_load import load_for_training
+from lowmem.cli.flags import load_config
+from lowmem.memory.probes import peak_rss_bytes, process_rss_bytes
+from lowmem.model.build import import_transformers_models
+from lowmem.model.streamed_load import load_for_training
 import_transformers_models()
 import optimum.quanto
 cfg = load_config(dict(init_from={folder!r}, is_finetune=True, lora_r=4, frozen_dtype={dtype!r}))[0]
@@ -197,7 +197,7 @@ def test_adapter_export_loads_in_peft_and_the_merged_export_equals_it(hub, corpu
 
     with_peft = peft.PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(base), str(adapter))
     merged = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "merged" / "final"))
-    from lowmem.adapters import load_saved_model_weights
+    from lowmem.model.adapters import load_saved_model_weights
 
     ours = load_saved_model_weights(adapter)  # what evaluate and generate load: the base as trained, the adapters
     reference = logits(with_peft)
@@ -213,10 +213,10 @@ GPU_LOAD_SCRIPT = """
 import sys, json
 sys.path.insert(0, {repo!r})
 import torch
-from lowmem.flags import load_config
-from lowmem.memory import peak_rss_bytes, process_rss_bytes
-from lowmem.modeling import import_transformers_models
-from lowmem.streamed_load import load_for_training
+from lowmem.cli.flags import load_config
+from lowmem.memory.probes import peak_rss_bytes, process_rss_bytes
+from lowmem.model.build import import_transformers_models
+from lowmem.model.streamed_load import load_for_training
 import_transformers_models()
 cfg = load_config(dict(init_from={folder!r}, is_finetune=True, lora_r=8, frozen_dtype="bfloat16",
                        mixed_precision="bf16"))[0]

@@ -13,8 +13,8 @@ import torch
 from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 
 from config import installed
-from lowmem.flags import load_config
-from lowmem.presets import MEMORY_PROFILES
+from lowmem.cli.flags import load_config
+from lowmem.model.presets import MEMORY_PROFILES
 
 FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5", "--eval_generate=False"]
 
@@ -131,7 +131,7 @@ def test_lora_trains_only_adapters_and_exports_a_merged_plain_model(tmp_path, pr
 
 
 def test_merged_weights_give_the_lora_models_outputs(tokenizer):
-    from lowmem.modeling import add_lora, build_model, export_state_dict
+    from lowmem.model.build import add_lora, build_model, export_state_dict
 
     cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "lora_r": 4, "lora_target_modules": "q,v,wi"})
     torch.manual_seed(0)
@@ -186,7 +186,13 @@ def test_frozen_weights_in_bf16_train_and_export_float32(tmp_path, pretrained, s
 
 
 def test_bf16_frozen_weights_are_float32_while_exported(tokenizer):
-    from lowmem.modeling import build_model, export_state_dict, freeze_parts, store_frozen_in_bf16, weights_in_float32
+    from lowmem.model.build import (
+        build_model,
+        export_state_dict,
+        freeze_parts,
+        store_frozen_in_bf16,
+        weights_in_float32,
+    )
 
     cfg, _ = load_config({"is_finetune": True, "init_from": "unused", "tie_word_embeddings": True})
     model = build_model(cfg, tokenizer)  # tied: the frozen embedding is the output layer too
@@ -240,7 +246,7 @@ def test_adamw8bit_trains_and_exports(tmp_path, pretrained, sft):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tokenizer):
-    from lowmem.modeling import apply_memory_modes, build_model
+    from lowmem.model.build import apply_memory_modes, build_model
 
     cfg, _ = load_config({"dropout_rate": 0.0})
     torch.manual_seed(0)
@@ -277,7 +283,7 @@ def test_profile_trains_on_the_cpu(tmp_path, profile, run_cli):
 
 
 def test_the_shuffle_buffer_is_planned_within_its_text_bound():
-    from lowmem import planner
+    from lowmem.memory import planner
 
     def buffers(row_bytes, **flags):
         lengths = {"max_source": 128, "max_target": 128, "mean_source": 128, "row_bytes": row_bytes, "rows": 1500,
@@ -292,7 +298,7 @@ def test_the_shuffle_buffer_is_planned_within_its_text_bound():
 
 
 def test_a_one_step_run_has_no_optimizer_state_in_its_backward():
-    from lowmem import planner
+    from lowmem.memory import planner
 
     # The optimizers make their state at their first step: a run of one step peaks either in a
     # backward without it or at that step (activations freed). A resumed run loads it first.
@@ -328,7 +334,7 @@ def test_the_measured_peak_is_the_process_own_not_its_parents(processes):
     """
     ballast = bytearray(1024 * 2**20)
     ballast[::4096] = b"\1" * (len(ballast) // 4096)  # resident: one byte per page
-    probe = ("import json, resource; from lowmem.memory import memory_snapshot; print(json.dumps("
+    probe = ("import json, resource; from lowmem.memory.probes import memory_snapshot; print(json.dumps("
              "[memory_snapshot()['peak_rss_mb'], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))")
     done = processes.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     del ballast
@@ -432,7 +438,7 @@ def planned(device: str | None = "cpu", num_processes: int = 1, num_machines: in
     """What ``plan --json`` gives for ``flags``, planned in this process: for how the terms relate to one
     another. The CLI's start-up (~10 s a call) is paid where the command line itself is what is tested, and
     where a budget is: the framework baseline measured here is the test process's, not a fresh run's."""
-    from lowmem.plan_command import plan_command
+    from lowmem.cli.plan_command import plan_command
 
     cfg, _ = load_config(flags)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -470,7 +476,7 @@ def test_plan_json_table_and_recommendation(tmp_path, run_cli):
 
 @pytest.mark.skipif(not installed("bitsandbytes"), reason="the search tries adamw8bit only with bitsandbytes")
 def test_a_recommendation_is_what_plan_predicts_for_its_flags_and_leaves_headroom(run_cli):
-    from lowmem.plan_command import RECOMMEND_HEADROOM
+    from lowmem.cli.plan_command import RECOMMEND_HEADROOM
 
     # small with Adafactor plans ~910 MiB and with 8-bit AdamW ~1,050: 1.25 GiB lets the search pick adamw8bit,
     # whose bitsandbytes import (not in an Adafactor run's baseline) must be counted in its peak
@@ -490,7 +496,7 @@ def preset_shaped_model(folder, preset: str):
     for the planner, which reads the ``--init_from`` model's shape from it."""
     from transformers import T5Config
 
-    from lowmem.presets import preset_shape
+    from lowmem.model.presets import preset_shape
 
     T5Config(**preset_shape(preset, "gated-gelu"), vocab_size=8000).save_pretrained(folder)
     return str(folder)
@@ -499,9 +505,10 @@ def preset_shaped_model(folder, preset: str):
 def test_recommendation_of_equally_fast_modes_takes_the_one_needing_least_memory(tmp_path):
     from dataclasses import replace
 
-    from lowmem import plan_command, planner
+    from lowmem.cli import plan_command
 
     # with LoRA the base decoder is frozen too (the encoder cache already takes the encoder off the GPU)
+    from lowmem.memory import planner
     cfg, _ = load_config({"is_finetune": True, "init_from": preset_shaped_model(tmp_path, "base"), "lora_r": 8})
     lengths = {"max_source": 128, "max_target": 128, "mean_source": 60, "row_bytes": 500, "rows": 1000,
                "pairs": [(128, 128)] * 1000}
@@ -525,7 +532,7 @@ def test_recommendation_of_equally_fast_modes_takes_the_one_needing_least_memory
 def test_recommendation_takes_the_encoder_cache_for_speed_only_when_rows_are_read_again(tmp_path):
     from dataclasses import replace
 
-    from lowmem import plan_command
+    from lowmem.cli import plan_command
 
     cfg, _ = load_config({"is_finetune": True, "init_from": preset_shaped_model(tmp_path, "small")})
     lengths = {"max_source": 64, "max_target": 64, "mean_source": 40, "row_bytes": 300, "rows": 3200,
@@ -601,7 +608,7 @@ def test_plan_counts_the_extras_a_run_imports(pretrained, run_cli):
 
 
 def test_a_long_batch_in_the_first_step_is_planned_without_the_optimizer_state():
-    from lowmem import planner
+    from lowmem.memory import planner
 
     # Replayed windows of 2 micro-batches of 2 rows: one long batch (200/200 tokens), short ones elsewhere
     long, short = [(200, 200)] * 2, [(20, 20)] * 2
@@ -628,9 +635,8 @@ def test_a_long_batch_in_the_first_step_is_planned_without_the_optimizer_state()
 
 
 def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
-    from lowmem import planner, tensor_bytes
-
     # 1,000 rows: 990 with 20-token targets, 10 at the 128-token cap (1 %)
+    from lowmem.memory import planner, tensor_bytes
     pairs = [(100, 20)] * 990 + [(100, 128)] * 10
     lengths = {"max_source": 100, "max_target": 128, "mean_source": 100, "row_bytes": 500, "rows": 1000,
                "pairs": pairs}
@@ -657,7 +663,7 @@ def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer, run
     from conftest import WORDS
 
     from data.collate import Seq2SeqCollator
-    from lowmem import planner, tensor_bytes
+    from lowmem.memory import planner, tensor_bytes
 
     rng = random.Random(3)  # 2 to 50 words on both sides (under the 128-token caps): every run meets other maxima
     rows = [{"prompt": " ".join(rng.choices(WORDS, k=rng.randint(2, 50))),
@@ -689,8 +695,8 @@ def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer, run
 
 
 def test_the_plan_counts_evaluation_and_its_generation_cache(tokenizer):
-    from lowmem import planner, tensor_bytes
-    from lowmem.modeling import build_model
+    from lowmem.memory import planner, tensor_bytes
+    from lowmem.model.build import build_model
 
     # the cache the planner counts is the one generate() builds (2 rows, a 30-token source, 20 new tokens)
     for beams in (1, 3):
@@ -726,8 +732,8 @@ STEP_MEMORY = """
 import json, sys
 import torch
 from config import TrainConfig
-from lowmem.optim import build_optimizer
-from lowmem.tensor_bytes import optimizer_bytes
+from lowmem.training.optim import build_optimizer
+from lowmem.memory.tensor_bytes import optimizer_bytes
 cfg = TrainConfig(optimizer=sys.argv[1])
 warm = torch.nn.Parameter(torch.randn(64, 64))  # a first step's kernels and thread pools, made here
 warm.grad = torch.randn(64, 64)
@@ -736,7 +742,7 @@ shape = (2048, 2048)
 p = torch.nn.Parameter(torch.randn(shape))
 p.grad = torch.randn(shape)
 optimizer = build_optimizer(cfg, [p])
-from lowmem.memory import peak_rss_bytes as high_water_mark
+from lowmem.memory.probes import peak_rss_bytes as high_water_mark
 with open("/proc/self/clear_refs", "w") as refs:
     refs.write("5")  # the high-water mark restarts at the current RSS
 rss = high_water_mark()
@@ -766,21 +772,21 @@ def test_an_optimizer_step_takes_the_memory_the_plan_gives_its_state_and_tempora
 def test_trim_heap_returns_freed_memory():
     import gc
 
-    from lowmem import memory
+    from lowmem.memory import probes
 
-    if memory._LIBC is None:
+    if probes._LIBC is None:
         pytest.skip("malloc_trim is glibc's")
     blocks = [b"\1" * 65536 for _ in range(3000)]  # 188 MiB in heap-sized blocks (below mmap's threshold)
     pin = b"\2" * 65536  # allocated last: the heap's top stays in use, so free() alone returns nothing
     del blocks
     gc.collect()
-    before = memory.process_rss_bytes()
-    memory.trim_heap()
-    assert before - memory.process_rss_bytes() > 100 * 2**20 and pin
+    before = probes.process_rss_bytes()
+    probes.trim_heap()
+    assert before - probes.process_rss_bytes() > 100 * 2**20 and pin
 
 
 def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
-    from lowmem import plan_batches, planner
+    from lowmem.memory import plan_batches, planner
 
     lengths = {"max_source": 50, "max_target": 20, "mean_source": 40, "row_bytes": 500, "rows": 1000,
                "pairs": [(40, 20)] * 1000}

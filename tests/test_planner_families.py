@@ -11,7 +11,7 @@ import torch
 from t5_family import FAMILIES
 
 from config import SHIPPED_CORPORA, UserError
-from lowmem.flags import load_config
+from lowmem.cli.flags import load_config
 
 FREEZES = ("encoder", "embeddings", "none")
 GATED = ("flan", "v1_1", "mt5", "umt5", "byt5")
@@ -22,8 +22,8 @@ LENGTHS = {"max_source": 48, "max_target": 32, "mean_source": 30, "row_bytes": 3
 
 def built(cfg, tokenizer=None):
     """The model as the trainer builds it (LowMemTrainer._build_model): loaded or new, frozen, adapted."""
-    from lowmem.modeling import ready_to_train
-    from lowmem.streamed_load import model_for_run
+    from lowmem.model.build import ready_to_train
+    from lowmem.model.streamed_load import model_for_run
 
     model, stored = model_for_run(cfg, tokenizer, "cpu")
     return ready_to_train(model, cfg, stored)[0]
@@ -31,14 +31,14 @@ def built(cfg, tokenizer=None):
 
 def counts(model) -> tuple[int, int]:
     """(parameters, trainable) as the trainer reports them."""
-    from lowmem.modeling import count_parameters
+    from lowmem.model.build import count_parameters
 
     trainable, frozen = count_parameters(model)
     return trainable + frozen, trainable
 
 
 def planned(cfg, vocab_size: int = 8000) -> tuple[int, int]:
-    from lowmem import planner
+    from lowmem.memory import planner
 
     plan = planner.predict(cfg, vocab_size, LENGTHS, 300.0)
     return plan["parameters"], plan["trainable_parameters"]
@@ -67,7 +67,7 @@ def test_plan_counts_the_built_model_for_every_freeze_choice(family_models, fami
 def test_plan_counts_lora_adapters_and_merged_weights(family_models, family, flags):
     from peft.tuners.lora import LoraLayer
 
-    from lowmem import tensor_bytes
+    from lowmem.memory import tensor_bytes
 
     cfg = config(family_models[family], **flags)
     model = built(cfg)
@@ -87,8 +87,8 @@ def test_plan_counts_lora_on_one_gated_projection(family_models):
 
 @pytest.mark.parametrize("family", ["t5", "flan", "umt5", "byt5"])
 def test_plan_counts_the_weights_stored_in_bf16(family_models, family):
-    from lowmem import tensor_bytes
-    from lowmem.modeling import store_frozen_in_bf16
+    from lowmem.memory import tensor_bytes
+    from lowmem.model.build import store_frozen_in_bf16
 
     for flags in ({"is_finetune": True}, {"freeze": "embeddings"}, {"lora_r": 4, "lora_target_modules": "q,wi"}):
         cfg = config(family_models[family], mixed_precision="bf16", frozen_dtype="bfloat16", **flags)
@@ -100,7 +100,7 @@ def test_plan_counts_the_weights_stored_in_bf16(family_models, family):
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_plan_counts_a_new_model_from_a_preset(tokenizer, preset):
     """Each feed-forward as built (gated-gelu's wi_0 and wi_1, ReLU's wi), with about the same weights."""
-    from lowmem import tensor_bytes
+    from lowmem.memory import tensor_bytes
 
     sizes = {}
     for proj, layers in (("gated-gelu", {"wi_0", "wi_1", "wo"}), ("relu", {"wi", "wo"})):
@@ -114,7 +114,7 @@ def test_plan_counts_a_new_model_from_a_preset(tokenizer, preset):
 
 
 def test_plan_reads_the_shape_the_family_builds(family_models):
-    from lowmem import tensor_bytes
+    from lowmem.memory import tensor_bytes
 
     dims = {family: tensor_bytes.model_dims(config(family_models[family]), 0) for family in FAMILIES}
     assert dims["t5"]["tied"] and not dims["t5"]["gated"]
@@ -132,7 +132,7 @@ def test_plan_reads_the_shape_the_family_builds(family_models):
 def test_a_gated_feed_forward_saves_more_for_backward(family_models):
     from dataclasses import replace
 
-    from lowmem import tensor_bytes
+    from lowmem.memory import tensor_bytes
 
     cfg = config(family_models["flan"])
     gated = tensor_bytes.model_dims(cfg, 0)
@@ -166,8 +166,8 @@ def test_the_gated_feed_forward_term_is_what_torch_saves():
     from transformers import T5Config
     from transformers.models.t5.modeling_t5 import T5LayerFF
 
-    from lowmem import tensor_bytes
-    from lowmem.modeling import fuse_gelu
+    from lowmem.memory import tensor_bytes
+    from lowmem.model.build import fuse_gelu
 
     def saved(proj, dropout, fused=True):
         torch.manual_seed(0)
@@ -201,7 +201,7 @@ def test_plan_json_and_table_for_an_init_from_model(family_models, run_cli):
         rows, d = plan["embedding_shape"]
         assert plan["lm_head"] == "untied" and rows % 128 == 0 and d == 64
         assert plan["model_parts_mb"]["lm_head"] == round(rows * d * 4 / 2**20, 1)
-        # --init_from is read whole into the run's own memory (lowmem.streamed_load): every row of the embedding
+        # --init_from is read whole into the run's own memory (lowmem.model.streamed_load): every row of the embedding
         assert plan["model_parts_mb"]["embedding"] == round(rows * d * 4 / 2**20, 1)
         assert plan["model_parts_mb"]["logits"] > 0
     table = run_cli("plan", f"--init_from={folder}", f"--train_file={pretrain_file}", "--max_steps=4")

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 
-from lowmem.plots import plot_run, series
+from lowmem.monitoring.plots import plot_run, series
 
 CHARTS = {"loss.png", "bleu.png", "learning_rate.png", "tokens_per_s.png", "rss.png"}
 TINY = ["--max_steps=12", "--eval_steps=4", "--logging_steps=2", "--save_steps=4", "--save_total_limit=3",

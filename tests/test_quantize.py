@@ -11,14 +11,14 @@ import pytest
 import torch
 from conftest import REPO, metrics, synthetic_rows, write_rows
 
-from lowmem.flags import load_config
+from lowmem.cli.flags import load_config
 
 pytest.importorskip("optimum.quanto")
 
 
 def quantized_model(folder, **flags):
     """The model as the trainer builds it: loaded, frozen, adapted, quantized (``ready_to_train``)."""
-    from lowmem.modeling import load_model, ready_to_train
+    from lowmem.model.build import load_model, ready_to_train
 
     cfg = load_config({"init_from": str(folder), **flags})[0]
     model, counts = ready_to_train(load_model(folder), cfg)
@@ -35,9 +35,9 @@ def layers(model):
     ("flan", {"is_finetune": True, "lora_r": 4, "lora_target_modules": "q,wi_1", "frozen_dtype": "int8"}),
 ])
 def test_frozen_linear_layers_are_stored_in_8_bits_and_counted_by_the_planner(family_models, family, flags):
-    from lowmem import planner, tensor_bytes
-    from lowmem.modeling import load_model
-    from lowmem.quantize import is_quantized
+    from lowmem.memory import planner, tensor_bytes
+    from lowmem.model.build import load_model
+    from lowmem.model.quantize import is_quantized
 
     source = load_model(family_models[family]).state_dict()
     cfg, model, counts = quantized_model(family_models[family], **flags)
@@ -61,7 +61,7 @@ def test_frozen_linear_layers_are_stored_in_8_bits_and_counted_by_the_planner(fa
         expected = in_frozen_stack and not trainable and (cfg.quantize_wo or not is_wo) and "lora_" not in name
         assert is_quantized(weight) == expected, name
     assert not is_quantized(model.shared.weight) and not is_quantized(model.lm_head.weight)
-    from lowmem.quantize import row_block_forward  # on the CPU, computed a block of rows at a time
+    from lowmem.model.quantize import row_block_forward  # on the CPU, computed a block of rows at a time
 
     layer_of = dict(model.named_modules())
     assert all(layer_of[name.removesuffix(".weight")].forward.func is row_block_forward for name in eight_bit)
@@ -84,7 +84,7 @@ def test_an_8_bit_layer_computes_as_its_dequantized_weight_a_block_of_rows_at_a_
                                                                                       tolerance):
     """Output and input gradient against float64 math with the dequantized weight (float32: within float32
     rounding; bf16: within bf16's), never more than BLOCK_BYTES of it in float at once, no weight gradient."""
-    from lowmem import quantize
+    from lowmem.model import quantize
 
     monkeypatch.setattr(quantize, "BLOCK_BYTES", 4096)  # 517 rows of 300: several blocks, the last one short
     blocks, float_blocks = [], quantize.float_blocks
@@ -120,9 +120,9 @@ def test_an_8_bit_layer_computes_as_its_dequantized_weight_a_block_of_rows_at_a_
 def test_an_export_dequantizes_and_merges_one_shard_at_a_time(family_models, tmp_path, monkeypatch):
     from transformers import AutoModelForSeq2SeqLM
 
-    from lowmem import quantize
-    from lowmem.modeling import export_state_dict
-    from lowmem.run_folder import RunFolder
+    from lowmem.checkpointing.run_folder import RunFolder
+    from lowmem.model import quantize
+    from lowmem.model.build import export_state_dict
 
     cfg, model, _ = quantized_model(family_models["flan"], is_finetune=True, lora_r=4, frozen_dtype="int8")
     with torch.no_grad():
@@ -152,8 +152,8 @@ def test_an_export_dequantizes_and_merges_one_shard_at_a_time(family_models, tmp
 def test_a_lora_export_over_8_bit_weights_with_bf16_scales_is_float32(family_models):
     """Under --mixed_precision=bf16 an 8-bit weight's scales are bf16 and the weight reports that dtype: the
     merge was cast to it on the CPU (its rounding, 1.9e-3, was most of the adapters' update, 2.8e-3)."""
-    from lowmem import quantize
-    from lowmem.modeling import export_state_dict
+    from lowmem.model import quantize
+    from lowmem.model.build import export_state_dict
 
     _, model, _ = quantized_model(family_models["flan"], is_finetune=True, lora_r=4, frozen_dtype="int8",
                                   mixed_precision="bf16")

@@ -151,9 +151,9 @@ def test_fsdp_steps_adafactor_like_ddp_checkpoints_shards_exports_plainly_and_re
 
 
 def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenizer, trained):
-    from lowmem.flags import load_config
-    from lowmem.modeling import build_model
-    from lowmem.run_folder import RunFolder
+    from lowmem.checkpointing.run_folder import RunFolder
+    from lowmem.cli.flags import load_config
+    from lowmem.model.build import build_model
 
     torch.manual_seed(0)  # a tiny T5 to fine-tune, written as an export is
     base = tmp_path / "base"
@@ -236,7 +236,7 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     # embedding stay as they were.
     from transformers import AutoTokenizer
 
-    from lowmem.run_folder import RunFolder
+    from lowmem.checkpointing.run_folder import RunFolder
 
     base = tmp_path / "untied"
     model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach() * -0.5)
@@ -300,7 +300,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
 from transformers import UMT5Config, UMT5ForConditionalGeneration
 from t5_family import TINY
-from lowmem.sharding import shard_model
+from lowmem.parallel.sharding import shard_model
 
 dist.init_process_group("gloo", init_method="file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
 for config, model_class in ((T5Config, T5ForConditionalGeneration), (MT5Config, MT5ForConditionalGeneration),

@@ -1,4 +1,4 @@
-"""T5's span corruption (data/span_corruption.py): lengths, masks, sentinels and their order, checked
+"""T5's span corruption (data/objectives/span_noise.py): lengths, masks, sentinels and their order, checked
 against transcriptions of T5's own definitions and against an independent drawing of the same masks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from config import SHIPPED_TOKENIZER_DIR, UserError
-from data.span_corruption import (
+from data.objectives.span_noise import (
     corrupt,
     corrupted_lengths,
     example_rng,
@@ -273,7 +273,7 @@ def test_a_tokenizer_without_sentinels_is_a_user_error():
 
 
 def test_answer_text_keeps_sentinels_and_drops_padding_and_eos(tokenizer):
-    from lowmem.evaluation import answer_text
+    from lowmem.training.evaluation import answer_text
 
     s0, s1 = sentinel_ids(tokenizer, 2)
     cat, park = (tokenizer("cute dog", add_special_tokens=False)["input_ids"],
@@ -287,7 +287,7 @@ def test_answer_text_keeps_sentinels_and_drops_padding_and_eos(tokenizer):
 
 def test_settings_no_chunk_can_follow_are_refused_with_what_to_change():
     from config import TrainConfig
-    from data.objectives import objective_for
+    from data.objectives.base import objective_for
     from data.tokenization import load_tokenizer
 
     def objective(**flags):
@@ -314,9 +314,9 @@ def test_byt5_sentinels_are_the_top_byte_ids_counting_down():
     its tokenizer's <extra_id_N> (259 up) were never trained: continued pretraining used them."""
     from transformers import ByT5Tokenizer
 
-    from data.objectives import objective_for
-    from data.span_corruption import BYT5_SENTINELS, sentinel_ids, sentinels_in
-    from lowmem.flags import load_config
+    from data.objectives.base import objective_for
+    from data.objectives.span_noise import BYT5_SENTINELS, sentinel_ids, sentinels_in
+    from lowmem.cli.flags import load_config
 
     tokenizer = ByT5Tokenizer()
     assert sentinel_ids(tokenizer, 3) == [258, 257, 256]

@@ -12,12 +12,12 @@ from conftest import REPO, metrics
 from test_resume import assert_same_training
 
 from config import SHIPPED_TOKENIZER_DIR
-from data import span_corruption
-from data.objectives import objective_for
+from data.objectives import span_noise
+from data.objectives.base import objective_for
 from data.pipeline import build_data, check_data
 from data.preview import preview_examples
 from data.tokenization import load_tokenizer
-from lowmem.flags import load_config
+from lowmem.cli.flags import load_config
 
 WORDS = ("the river runs over stone and light falls on the quiet town while birds sing in tall green trees "
          "a cat sleeps under warm sun near old walls").split()
@@ -46,12 +46,12 @@ def test_preview_gives_the_t5_recipe_for_txt_and_jsonl_alike(tmp_path):
                               "max_eval_samples": 4})  # --max_source_len=128: chunks of 141 tokens
         previews.append(list(preview_examples(cfg, tokenizer, 200, report=lambda _: None)))
     assert [(r["input_ids"], r["labels"]) for r in previews[0]] == [(r["input_ids"], r["labels"]) for r in previews[1]]
-    raw, targets = span_corruption.corrupted_lengths(128)
-    sentinels = span_corruption.sentinel_ids(tokenizer, 100)
+    raw, targets = span_noise.corrupted_lengths(128)
+    sentinels = span_noise.sentinel_ids(tokenizer, 100)
     densities, spans = [], []
     for record in previews[0]:
         assert (len(record["original_ids"]), len(record["input_ids"]), len(record["labels"])) == (raw, 128, targets)
-        assert span_corruption.restore(record["input_ids"], record["labels"], sentinels,
+        assert span_noise.restore(record["input_ids"], record["labels"], sentinels,
                                        tokenizer.eos_token_id) == record["original_ids"]
         used = [t for t in record["labels"] if t in sentinels]
         assert used == sentinels[:len(used)]  # <extra_id_0>, <extra_id_1>, ... in order
@@ -94,7 +94,7 @@ def test_each_chunk_names_every_document_it_holds_tokens_of(tmp_path):
     data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
     chunks = list(data.stream.iter_epoch())
     lengths = [len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1 for d in documents(60)]  # + EOS
-    raw = span_corruption.corrupted_lengths(128)[0]
+    raw = span_noise.corrupted_lengths(128)[0]
     starts = np.cumsum([0, *lengths])
     for k, chunk in enumerate(chunks):
         holding = [row for row in range(60) if starts[row] < (k + 1) * raw and starts[row + 1] > k * raw]
@@ -103,7 +103,7 @@ def test_each_chunk_names_every_document_it_holds_tokens_of(tmp_path):
 
 
 def test_a_long_document_is_packed_a_slice_at_a_time_and_resumes_mid_document(tmp_path):
-    from data.packing import SLICE_CHARS, text_slices
+    from data.streams.packed_text import SLICE_CHARS, text_slices
 
     docs = [" ".join(documents(400, seed=1)), *documents(5, seed=2), "x" * (2 * SLICE_CHARS + 5)]  # ~140 KB; no spaces
     jsonl = tmp_path / "long.jsonl"
@@ -150,7 +150,7 @@ def test_an_epoch_of_packed_chunks_is_counted_or_estimated_without_max_steps(tmp
     chunks, second = (sum(1 for _ in stream.iter_epoch()) for _epoch in range(2))
     per_epoch, total = data.steps(cfg)
     tokens, how = data.epoch_tokens
-    estimated = tokens[0] / span_corruption.corrupted_lengths(128)[0]
+    estimated = tokens[0] / span_noise.corrupted_lengths(128)[0]
     if documents_in_corpus < 512:  # the second epoch starts with the first's leftover tokens: it may hold one more
         assert how == "counted" and int(estimated) == chunks and per_epoch == -(-chunks // 8)
         assert total == -(-chunks // 8) + -(-second // 8) and second == int(2 * estimated) - chunks
@@ -174,7 +174,7 @@ def test_an_epochs_estimate_takes_each_files_own_document_length(tmp_path):
     data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
     chunks = sum(1 for _ in data.fresh_stream().iter_epoch())
     tokens, how = data.epoch_tokens
-    assert how.startswith("estimated from") and abs(tokens[0] / span_corruption.corrupted_lengths(128)[0] / chunks
+    assert how.startswith("estimated from") and abs(tokens[0] / span_noise.corrupted_lengths(128)[0] / chunks
                                                     - 1) < 0.1
 
 
@@ -182,7 +182,7 @@ def test_an_epochs_estimate_takes_each_files_own_document_length(tmp_path):
 def test_steps_past_an_estimated_schedule_keep_its_last_rate(name):
     import torch
 
-    from lowmem.optim import warmup_schedule
+    from lowmem.training.optim import warmup_schedule
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     schedule = warmup_schedule(optimizer, name, 2, 10)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from data.readers import index_file
-from data.text_files import LINES, PARAGRAPHS, SEEK_EVERY, txt_range
+from data.sources.readers import index_file
+from data.sources.text_files import LINES, PARAGRAPHS, SEEK_EVERY, txt_range
 
 
 def test_blank_lines_separate_documents_and_a_file_without_them_is_one_per_line(tmp_path):
@@ -34,7 +34,7 @@ def test_any_document_is_reached_by_a_seek_and_bad_utf8_is_a_reason(tmp_path):
 
 
 def test_a_byte_order_mark_is_not_text_and_any_text_column_name_is_accepted(tmp_path):
-    from data.sources import check_columns
+    from data.sources.corpus import check_columns
 
     plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
     plain.write_text("stone river\nlight day\n", encoding="utf-8")

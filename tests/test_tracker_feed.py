@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from lowmem.metrics import MetricsLog
-from lowmem.tracker_feed import TrackerFeed
-from lowmem.trackers import TRACKERS, Tracker
+from lowmem.monitoring.metrics_log import MetricsLog
+from lowmem.monitoring.tracker_feed import TrackerFeed
+from lowmem.monitoring.trackers import TRACKERS, Tracker
 
 RUNS: dict[str, list] = {}  # run id -> [(step, values)] as the tracker got them
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, metrics, synthetic_rows, write_rows
 
-from lowmem.metrics import tracker_scalars
+from lowmem.monitoring.metrics_log import tracker_scalars
 
 ARGS = ["--max_steps=40", "--save_steps=10", "--eval_steps=10", "--logging_steps=2", "--save_total_limit=4",
         "--gradient_accumulation_steps=4", "--warmup_steps=2", "--max_eval_samples=4", "--max_source_len=32",

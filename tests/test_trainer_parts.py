@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import REPO, synthetic_rows, write_rows
 
-from data.objectives import PairsObjective, objective_for
+from data.objectives.base import PairsObjective, objective_for
 from data.pipeline import build_data, check_data
-from data.readers import TOKEN_COLUMNS
-from lowmem.flags import load_config
-from lowmem.telemetry import IntervalMeter, Telemetry
+from data.sources.readers import TOKEN_COLUMNS
+from lowmem.cli.flags import load_config
+from lowmem.monitoring.telemetry import IntervalMeter, Telemetry
 
 
 class State:  # the counters a Telemetry reads its step from
@@ -129,10 +129,10 @@ def test_logs_are_cut_back_to_a_checkpoint_and_its_record_written_again(tmp_path
 
 # ----------------------------------------------------------------------------- checkpointer
 def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path, tokenizer):
-    from lowmem.checkpointer import Checkpointer
-    from lowmem.modeling import build_model
-    from lowmem.optim import build_optimizer, build_scheduler
-    from lowmem.run_folder import RunFolder
+    from lowmem.checkpointing.checkpointer import Checkpointer
+    from lowmem.checkpointing.run_folder import RunFolder
+    from lowmem.model.build import build_model
+    from lowmem.training.optim import build_optimizer, build_scheduler
 
     cfg = config(tmp_path, model_preset="tiny", optimizer="adamw")
     objective = objective_for(cfg)
@@ -183,8 +183,8 @@ def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path,
 
 # ----------------------------------------------------------------------------- evaluation and generation
 def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer):
-    from lowmem.evaluation import answer_text, evaluate_model, generate_answers, generation_options
-    from lowmem.modeling import build_model
+    from lowmem.model.build import build_model
+    from lowmem.training.evaluation import answer_text, evaluate_model, generate_answers, generation_options
 
     cfg = config(tmp_path, model_preset="tiny", eval_batch_size=3, max_new_tokens=5)
     objective = objective_for(cfg)
@@ -226,9 +226,9 @@ import sys
 sys.path.insert(0, {str(REPO)!r})
 from config import SHIPPED_TOKENIZER_DIR
 from data.tokenization import load_tokenizer
-from lowmem.flags import load_config
-from lowmem.modeling import add_lora, build_model
-from lowmem.run_folder import RunFolder
+from lowmem.cli.flags import load_config
+from lowmem.model.build import add_lora, build_model
+from lowmem.checkpointing.run_folder import RunFolder
 
 tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
 cfg = load_config({{"model_preset": "tiny", "is_finetune": True, "init_from": "unused", "lora_r": 4,
@@ -261,7 +261,7 @@ for package in ("boto3", "bitsandbytes"):
 
 
 def test_bleu_reads_chinese_rows_by_character_in_a_mixed_set():
-    from lowmem.eval_metrics import bleu_score, bleu_tokenizer
+    from lowmem.training.eval_metrics import bleu_score, bleu_tokenizer
 
     english = ["the cat sat on the mat", "a quick brown fox jumps"]
     chinese = ["哈尔有几个问题需要解决。", "今天天气很好，我们去公园吧。"]
@@ -274,7 +274,7 @@ def test_bleu_reads_chinese_rows_by_character_in_a_mixed_set():
 
 
 def test_the_best_model_is_chosen_by_its_metric_and_a_bleu_tie_by_the_eval_loss():
-    from lowmem.evaluation import is_better
+    from lowmem.training.evaluation import is_better
 
     assert is_better({"eval_loss": 2.0}, 3.0, 3.0, "eval_loss")
     assert not is_better({"eval_loss": 3.0}, 3.0, 3.0, "eval_loss")
@@ -289,7 +289,7 @@ def test_the_best_model_is_chosen_by_its_metric_and_a_bleu_tie_by_the_eval_loss(
 def test_cuda_attention_stays_off_cudnn_unless_the_user_prefers_it(monkeypatch):
     # cuDNN's attention builds a plan per shape (start_accelerator calls this on CUDA); torch's own
     # TORCH_CUDNN_SDPA_PREFERRED=1 keeps it
-    from lowmem.distributed import attention_without_shape_plans
+    from lowmem.parallel.distributed import attention_without_shape_plans
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

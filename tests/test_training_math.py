@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import synthetic_rows, write_rows
 
-from data.eval_set import take_examples
-from lowmem.flags import load_config
-from lowmem.loss import target_index, token_loss_sum
-from lowmem.modeling import build_model
+from data.sources.eval_set import take_examples
+from lowmem.cli.flags import load_config
+from lowmem.model.build import build_model
+from lowmem.model.loss import target_index, token_loss_sum
 from trainer_low_mem import LowMemTrainer
 
 COLS = ("prompt", "response")
@@ -51,7 +51,7 @@ def test_micro_2_x_accumulation_16_equals_one_batch_of_32(tmp_path, tokenizer):
 
 def test_window_pairs_rows_of_similar_length(tokenizer):
     from data.collate import Seq2SeqCollator
-    from data.sources import Example
+    from data.sources.corpus import Example
 
     collate = Seq2SeqCollator(tokenizer, max_source_len=64, max_target_len=64)
     examples = [Example("word " * n, "reply " * (n % 7 + 1), 0, n) for n in (1, 40, 2, 30, 3, 50, 4, 20)]
@@ -80,7 +80,7 @@ def test_token_loss_sum_matches_transformers_loss(tmp_path, tokenizer):
     model = build_model(cfg, tokenizer).eval()
     rows = synthetic_rows(6)
     from data.collate import Seq2SeqCollator
-    from data.sources import Example
+    from data.sources.corpus import Example
 
     batch = Seq2SeqCollator(tokenizer, 32, 32)([Example(r["prompt"], r["response"], 0, i) for i, r in enumerate(rows)])
     assert (batch["labels"] == -100).any()  # padded targets: the logits skip them
@@ -103,8 +103,8 @@ def test_padding_to_multiples_changes_no_loss_and_no_encoder_state(tokenizer):
     """bf16 on the CPU pads lengths and target counts to multiples of 16 (trainer.shape_multiple):
     the shapes change, the loss and the frozen encoder's outputs must not."""
     from data.collate import Seq2SeqCollator
-    from data.sources import Example
-    from lowmem.loss import frozen_encoder_states
+    from data.sources.corpus import Example
+    from lowmem.model.loss import frozen_encoder_states
 
     cfg, _ = load_config({"dropout_rate": 0.0})
     model = build_model(cfg, tokenizer).eval()
@@ -196,7 +196,7 @@ def test_warmup_longer_than_the_run_is_kept_and_said(tmp_path, tokenizer, capsys
 def test_our_adafactor_is_transformers_adafactor_bit_for_bit(beta1, weight_decay):
     from transformers.optimization import Adafactor as Reference
 
-    from lowmem.optim import Adafactor
+    from lowmem.training.optim import Adafactor
 
     torch.manual_seed(0)
     shapes = [(16, 8), (8,), (3, 4, 5)]
@@ -220,7 +220,7 @@ def test_our_adafactor_is_transformers_adafactor_bit_for_bit(beta1, weight_decay
 def test_schedules_match_transformers_after_a_warmup_whose_first_step_trains(name):
     from transformers import get_scheduler
 
-    from lowmem.optim import warmup_schedule
+    from lowmem.training.optim import warmup_schedule
 
     rates = []
     for make in (lambda o: warmup_schedule(o, name, 7, 40),
@@ -245,7 +245,7 @@ def test_schedules_match_transformers_after_a_warmup_whose_first_step_trains(nam
 
 
 def test_a_resume_applies_this_commands_rate_and_schedule_from_its_first_step():
-    from lowmem.optim import Adafactor, resume_schedule, warmup_schedule
+    from lowmem.training.optim import Adafactor, resume_schedule, warmup_schedule
 
     def run(lr, total, steps, state=None):
         param = torch.nn.Parameter(torch.ones(3))
@@ -276,7 +276,7 @@ def test_a_resume_applies_this_commands_rate_and_schedule_from_its_first_step():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_weight_decay_leaves_layer_norms_and_position_biases_alone(tokenizer, optimizer):
-    from lowmem.optim import build_optimizer, parameter_groups, resume_schedule, warmup_schedule
+    from lowmem.training.optim import build_optimizer, parameter_groups, resume_schedule, warmup_schedule
 
     cfg, _ = load_config({"optimizer": optimizer, "weight_decay": 0.5, "learn_rate": 0.1, "warmup_steps": 0})
     model = build_model(cfg, tokenizer)
@@ -301,7 +301,7 @@ def test_weight_decay_leaves_layer_norms_and_position_biases_alone(tokenizer, op
 
 def test_a_resume_keeps_the_optimizer_state_in_its_parameter_groups(tmp_path):
     from config import UserError
-    from lowmem.run_folder import compare_settings
+    from lowmem.checkpointing.run_folder import compare_settings
 
     decayed = {"weight_decay": 0.01, "parameter_group_sizes": [40, 25]}
     compare_settings(decayed, {**decayed, "weight_decay": 0.1}, tmp_path)  # another non-zero value: same groups
@@ -321,7 +321,7 @@ def test_a_signal_stops_an_evaluation_at_its_next_batch_and_checkpoints(tmp_path
     checkpoints and exits with the signal's code (a resume runs the evaluation again)."""
     from tqdm import tqdm
 
-    from lowmem.stopping import StoppedBySignal
+    from lowmem.training.stopping import StoppedBySignal
 
     trainer = make_trainer(tmp_path, tokenizer, eval_generate=True)
     trainer.bar = tqdm(disable=True)
@@ -337,8 +337,8 @@ def test_the_fused_gelu_computes_the_models_own_activation(tokenizer):
     the model the trainer trains is the one its config (and export) names; ReLU models are left alone."""
     import copy
 
-    from lowmem.modeling import fuse_gelu
-    from lowmem.presets import MODEL_PRESETS
+    from lowmem.model.build import fuse_gelu
+    from lowmem.model.presets import MODEL_PRESETS
 
     cfg, _ = load_config({"dropout_rate": 0.0, "model_preset": "tiny"})
     model = build_model(cfg, tokenizer).eval()

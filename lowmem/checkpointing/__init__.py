@@ -1,0 +1,9 @@
+"""The run folder on disk: what may be written where, and crash-safe checkpoints that resume exactly.
+
+- ``checkpointer``: ``Checkpointer``, the one object the trainer saves, resumes and exports through.
+- ``run_folder``: the files of a run folder: checkpoint contents, model exports, what a resume reads back.
+- ``run_start``: the checks on OUTPUT_DIR that decide whether a run starts, resumes or is refused.
+- ``checkpoint``: crash-safe folders: written beside, synced, renamed into place, the oldest pruned.
+- ``ownership``: which folders the commands may write into (new, empty or ours); a leaf module that
+  ``data.prepare`` uses too.
+"""

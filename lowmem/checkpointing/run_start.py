@@ -1,0 +1,183 @@
+"""Where a run starts: the checks on OUTPUT_DIR that decide it, without importing torch.
+
+The command line runs them before the trainer's imports (torch, transformers: several seconds), so a
+folder that cannot take the run is refused in about half a second; the trainer runs them again once
+its processes are up (the state may have changed meanwhile) and then holds the folder's lock. The
+refusals leave the folder as they found it; a new run's folder, once accepted, is claimed here (made, with
+its marker: ``lowmem.checkpointing.ownership.claim_folder``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from config import STARTED_MARKER, TrainConfig, UserError, saved_json
+from lowmem.checkpointing import checkpoint
+from lowmem.checkpointing.ownership import LEGACY_STARTED_MARKER, check_folder, claim_folder, is_ours, is_run_folder
+from lowmem.model.source import resolve_model_dir
+from lowmem.monitoring.metrics_log import read_metrics
+
+LOCK_FILE = ".lock"
+
+
+def run_files(path: Path) -> list[Path]:
+    """The files a run leaves in ``path`` (what starting over removes)."""
+    files = [path / "checkpoints", path / "best", path / "final", path / "metrics.jsonl",
+             path / "tensorboard", path / "wandb", path / "mlflow.db", path / "trackers.json", path / "plots",
+             *path.glob("consumed-rank*.tsv"),
+             path / ".old-best", path / ".old-final"]  # (an export's swap cut between its two renames)
+    return [p for p in files if p.is_symlink() or p.exists() and not checkpoint.only_foreign(p)]
+
+
+def removable(cfg: TrainConfig, used: list[Path]) -> list[Path]:
+    """``used``, once none is a link: starting over removes these, and a link (checkpoints/ moved to another
+    disk) is the user's, as is what it leads to. Refused before anything is removed."""
+    links = [p.name for p in used if p.is_symlink()]
+    if links:
+        raise UserError(f"--output_dir={cfg.output_dir}: {', '.join(links)} is a symbolic link, and starting over "
+                        "would remove what it leads to; remove the link yourself, or choose another --output_dir")
+    return used
+
+
+def check_owned(cfg: TrainConfig, path: Path) -> None:
+    """Refuse an OUTPUT_DIR that is the model the run starts from, a saved model or inside one (a run's
+    best/ and final/ are replaced whole, checkpoints/ rotated), or a folder of files not ours (for a
+    resume: anything but a run's folder)."""
+    if cfg.init_from and path.resolve() in [init := resolve_model_dir(cfg.init_from).resolve(), *init.parents]:
+        raise UserError(f"--output_dir={cfg.output_dir} contains --init_from={cfg.init_from}: a run must not "
+                        "write into the model it starts from; choose another --output_dir")
+    for outer in path.resolve().parents:  # a run replaces its exports whole and removes old checkpoints
+        run = outer.parent
+        if outer.name in ("best", "final", "checkpoints") and is_ours(run, "run", is_run_folder):
+            raise UserError(f"--output_dir={cfg.output_dir} is inside {outer}, which the run in {run} replaces or "
+                            "removes as a whole, with what is inside; choose an --output_dir outside it")
+    if (saved_json(path / "config.json") or {}).get("model_type"):  # a run's config.json has none
+        raise UserError(f"--output_dir={cfg.output_dir} holds a saved model (config.json, weights), which a run "
+                        "there would overwrite; choose another --output_dir")
+    if cfg.is_keep_training:  # a run to continue, or nothing (said in starting_point): not a folder to start one in
+        check_folder(path, "--output_dir", "run", is_run_folder, "pass the --output_dir of the run to continue")
+    else:
+        claim_folder(path, "--output_dir", "run", is_run_folder, "choose a new or empty --output_dir")
+
+
+def lock_holder(path: Path) -> str | None:
+    """The process id written in ``path``/.lock while another process holds that lock (``?`` if it wrote
+    none yet), or None when nobody holds it. Only looks: the lock is left as it was."""
+    import fcntl
+
+    try:
+        handle = open(path / LOCK_FILE)
+    except OSError:  # no lock file (or none readable): no run has held this folder
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return handle.read().strip() or "?"
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
+def in_use_error(output_dir: str, owner: str) -> UserError:
+    return UserError(f"--output_dir={output_dir} is in use by another run (process {owner}); wait for it to end or "
+                     "choose another --output_dir")
+
+
+def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None, list[Path]]:
+    """The checkpoint a run in ``path`` resumes from (None: step 0), and the old run files to remove first.
+
+    Raises:
+        UserError: a run already there (without --is_keep_training or --overwrite_output_dir), a
+            ``--resume_from`` that is not one of its usable checkpoints, nothing to resume.
+    """
+    used = run_files(path)
+    checkpoints = path / "checkpoints"
+    if not cfg.is_keep_training:
+        if used and not cfg.overwrite_output_dir:
+            if not stopped_before_training(path, used):
+                raise UserError(f"--output_dir={cfg.output_dir} already holds a run; continue it with "
+                                "--is_keep_training=True, start over with --overwrite_output_dir=True, "
+                                "or choose another --output_dir")
+            say(f"the last run in {cfg.output_dir} stopped before its first step: starting over")
+        return None, removable(cfg, used)
+    if cfg.resume_from:
+        if Path(cfg.resume_from).resolve().parent != checkpoints.resolve():
+            raise UserError(f"--resume_from={cfg.resume_from} is not one of this run's checkpoints: pass a "
+                            f"step_NNNNNN folder of {checkpoints} (--output_dir names the run)")
+        kept = ", ".join(f.name for f in checkpoint.step_folders(checkpoints)) or "none"
+        if not Path(cfg.resume_from).is_dir():
+            raise UserError(f"--resume_from={cfg.resume_from} does not exist (--save_total_limit prunes old "
+                            f"checkpoints); this run's checkpoints: {kept}")
+        if not checkpoint.is_step_name(Path(cfg.resume_from).name):
+            raise UserError(f"--resume_from={cfg.resume_from} is not named step_NNNNNN: a copy of a checkpoint is "
+                            f"never resumed from; pass one of this run's checkpoints: {kept}")
+        problem = checkpoint.validate(Path(cfg.resume_from))
+        if problem:
+            raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")
+        return _steps_left(cfg, Path(cfg.resume_from)), []
+    found = checkpoint.find_latest_valid(checkpoints, warn=say)
+    if found is not None:
+        return _steps_left(cfg, found), []
+    if not any((path / name).is_file() for name in ("config.json", STARTED_MARKER, LEGACY_STARTED_MARKER)):
+        raise UserError(f"--is_keep_training: no run to continue in {cfg.output_dir} (no checkpoint); "
+                        "run without --is_keep_training to start one")
+    if has_trained_models(path):
+        why = "damaged or removed" if checkpoint.step_folders(checkpoints) else "none was written"
+        raise UserError(f"--is_keep_training: no checkpoint of the run in {cfg.output_dir} is usable ({why}), "
+                        "and starting it again would replace the models it trained (best/, final/); "
+                        "start over with --overwrite_output_dir=True, or train into another --output_dir")
+    # Stopped before its first checkpoint, or every checkpoint damaged before any trained model was
+    # exported: the same seed replays the run exactly, and nothing is lost.
+    say(f"no usable checkpoint in {checkpoints}: starting the run again from step 0")
+    return None, removable(cfg, used)
+
+
+def _steps_left(cfg: TrainConfig, folder: Path) -> Path:
+    """``folder``, the checkpoint a run continues from, unless --max_steps ends the run before its step: it
+    would train nothing and export that checkpoint's weights again as the final model."""
+    step = checkpoint.step_number(folder)
+    if 0 < cfg.max_steps < step:
+        raise UserError(f"--max_steps={cfg.max_steps} is below step {step}, where the run continues from ({folder}); "
+                        f"pass a --max_steps above {step} to train on, or use a new --output_dir")
+    return folder
+
+
+def has_trained_models(path: Path) -> bool:
+    """Whether the run exported a model trained past step 0 (final/, or a best/ from a later evaluation)."""
+    # (.old-best, .old-final: an export's swap cut between its two renames holds the previous one there)
+    best = saved_json(path / "best" / "training_info.json") or saved_json(path / ".old-best" / "training_info.json")
+    exported = [path / "final", path / ".old-final"]
+    return any(p.exists() and not checkpoint.only_foreign(p) for p in exported) or (best or {}).get("step", 0) > 0
+
+
+def stopped_before_training(path: Path, used: list[Path]) -> bool:
+    """True when the run in ``path`` stopped before its first optimizer step (bad data, a wrong flag,
+    out of memory while building): it left a metrics.jsonl of step-0 records and at most the
+    step-0 evaluation's ``best/`` (the model it started from), nothing that starting over would
+    lose, so fixing the cause and running the same command again just works."""
+    metrics = path / "metrics.jsonl"
+    # What setup opens before the first step: the consumed-example logs and the trackers' files
+    # (empty of steps then), and the step-0 evaluation's best/
+    opened = {metrics, path / "best", path / "tensorboard", path / "wandb", path / "mlflow.db", path / "trackers.json",
+              *path.glob("consumed-rank*.tsv")}
+    if metrics not in used or not set(used) <= opened:
+        return False
+    try:
+        records = read_metrics(metrics)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return all(r.get("step") == 0 and r.get("event") not in ("train", "checkpoint") for r in records)
+
+
+def refuse_early(cfg: TrainConfig) -> None:
+    """Every refusal of ``starting_point`` and ``check_owned``, and a lock another run holds, before the
+    trainer's imports. Only the first process of a launch looks at the lock: the others may start after
+    it has taken it."""
+    path = Path(cfg.output_dir)
+    check_owned(cfg, path)
+    owner = lock_holder(path) if int(os.environ.get("RANK", 0)) == 0 else None
+    if owner is not None:
+        raise in_use_error(cfg.output_dir, owner)
+    starting_point(cfg, path, say=lambda _line: None)  # what it would say, the trainer says

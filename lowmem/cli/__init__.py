@@ -1,0 +1,6 @@
+"""The command line (the commands themselves are ``train_low_mem.py``'s).
+
+- ``runner``: one command run through fire, a user's mistake shown as one ``error:`` line (exit 2).
+- ``flags``: command-line and YAML values into a ``TrainConfig``, with suggestions and ``--help``.
+- ``plan_command``: the ``plan`` command: predicted peak memory and the memory modes that fit a budget.
+"""

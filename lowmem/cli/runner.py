@@ -1,0 +1,141 @@
+"""What the command line needs besides its commands: running one through fire with a user's mistake
+shown as one ``error:`` line, passing text flags to fire verbatim, and, under ``accelerate launch``,
+printing an error once per machine and dying with the launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from config import UserError
+from lowmem.cli.flags import help_text, text_flags
+from lowmem.memory import collector
+
+
+def verbatim_text(argv: list[str]) -> list[str]:
+    """Text flags' values as Python string literals, which fire hands over unchanged."""
+    text = text_flags() | {"config", "prepared_dir", "plot_dir"}
+    out = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.removeprefix("--").partition("=")
+        if arg.startswith("--") and eq and name in text:
+            arg = f"--{name}={value!r}"
+        elif i and argv[i - 1].startswith("--") and "=" not in argv[i - 1] and argv[i - 1][2:] in text:
+            arg = repr(arg)  # --prompt "hello, world"
+        out.append(arg)
+    return out
+
+
+def print_error(message: str) -> None:
+    """Print ``error: message`` on stderr, once per machine under ``accelerate launch``.
+
+    A wrong flag or bad data is met by every process alike, and N identical lines (interleaved, as
+    processes write at once) bury it. The launcher's per-launch folder (the parent of each worker's
+    ``TORCHELASTIC_ERROR_FILE``) holds the lines already printed; a process prints only a line no
+    other process on this machine has, so a mistake met by one process alone is still shown.
+    """
+    line = f"error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import fcntl
+
+        key = line.replace("\n", "\\n")
+        try:
+            with open(Path(error_file).parent.parent / "t5_lowmem_errors.txt", "a+") as seen:
+                fcntl.flock(seen, fcntl.LOCK_EX)  # released when the file closes
+                seen.seek(0)
+                if key in seen.read().splitlines():
+                    return
+                seen.write(key + "\n")
+        except OSError:
+            pass  # cannot share the folder: print the line anyway
+    print(line, file=sys.stderr, flush=True)
+
+
+def die_with_launcher() -> None:
+    """Under ``accelerate launch`` / torchrun, die when the launcher dies.
+
+    torch's elastic agent starts each worker in a session of its own, so a SIGKILL of the launcher
+    (or of its process group) would leave the workers training and writing checkpoints into the run
+    folder, racing the run that resumes it. Linux only (prctl); elsewhere nothing changes.
+    """
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os._exit(1)
+
+
+def run_cli(commands: dict, argv: list[str], startup_handler=None) -> None:
+    """Run ``argv``'s command through fire. A user's mistake (``UserError``, a full disk) prints one
+    ``error:`` line and exits with code 2; ``--debug`` shows the traceback instead. ``startup_handler``: the
+    SIGINT handler of the imports before, replaced by Python's own as the command begins."""
+    import fire
+
+    if not argv or "--help" in argv or "-h" in argv:
+        print(help_text())
+        return
+    if argv[0] not in commands:
+        print_error(f"unknown command {argv[0]!r}; use one of {', '.join(commands)} (see --help)")
+        sys.exit(2)
+    for before, arg in zip(argv, argv[1:]):  # a word that is no option's value: fire would take it for --config
+        if not arg.startswith("-") and not (before.startswith("--") and "=" not in before):
+            print_error(f"unexpected argument {arg!r}: options are --name=value (a YAML file of them: --config=FILE)")
+            sys.exit(2)
+    debug = any(a in ("--debug", "--debug=True", "--debug=true") for a in argv)
+    collector.during_imports()
+    try:
+        if startup_handler is not None and signal.getsignal(signal.SIGINT) is startup_handler:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt, handled below
+        fire.Fire(commands, command=verbatim_text(argv), name="train_low_mem.py")
+        if "LOCAL_RANK" in os.environ:  # a launched worker whose work is done and flushed
+            # Skip interpreter teardown: C++ threads of the gloo process group left to static
+            # destructors can abort a finished worker ("terminate called without an active exception").
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+    except UserError as err:
+        if debug:
+            raise
+        print_error(str(err))
+        sys.exit(2)
+    except RuntimeError as err:  # under a launcher: another process died in the middle of a collective
+        if debug or "LOCAL_RANK" not in os.environ or not any(sign in str(err) for sign in PEER_LOST):
+            raise
+        print_error("another process of this launch stopped (killed, or out of memory) inside a collective this one "
+                    "was waiting in; checkpoints are written whole, so the last one is intact: continue with "
+                    "--is_keep_training=True")
+        sys.exit(1)
+    except Exception as err:  # a write the user can make possible (an OSError, or a Rust library's "(os error N)")
+        import errno
+
+        from lowmem.checkpointing.checkpoint import write_failure
+
+        where = getattr(err, "filename", None)
+        failure = None if debug else write_failure(err, None)
+        if debug or not (failure or getattr(err, "errno", None) == errno.ENAMETOOLONG):
+            raise
+        if not failure:  # a path given on the command line, or one made from it
+            print_error(f"file name too long: {str(where)[:120]}...; shorten the path you passed")
+        else:  # (checkpoints and exports say so themselves, naming the folder: checkpoint.atomic_folder)
+            again = ("continue it with --is_keep_training=True (its checkpoints are written whole)"
+                     if argv[0] == "train" else "run the command again")
+            print_error(f"{failure[0]}" + (f" ({where})" if where else "") + f": {failure[1]}, then {again}")
+        sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C where no handler checkpoints (train's loop has one): a line, not a traceback
+        if debug:
+            raise
+        print_error("interrupted (Ctrl-C)")
+        sys.exit(130)
+    finally:
+        collector.before_exit()
+
+
+# How gloo and NCCL report a peer gone in the middle of a collective
+PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "communicator was aborted")

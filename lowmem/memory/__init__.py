@@ -1,0 +1,12 @@
+"""Memory: predicted before a run, sized to a budget, measured and guarded while it runs.
+
+- ``tensor_bytes``: bytes of a T5's tensors from its shapes (weights, gradients, optimizer state, activations).
+- ``planner``: a run's peak memory by component, from those bytes and the micro-batches it will train on.
+- ``plan_batches``: which micro-batches a run will train on (token lengths sampled from its stream).
+- ``plan_sharding``: what one process of an FSDP or ZeRO run holds, for the planner.
+- ``batch_budget``: micro-batch sizes from the memory budget.
+- ``eval_cost``: what an evaluation costs, and the evaluation defaults that keep it within --eval_budget_s.
+- ``run_memory``: a run's plan beside its measured peak, and the guard's message.
+- ``probes``: RSS and device memory probes, heap trimming, and the ``--max_rss_gb`` guard (``MemoryGuard``).
+- ``collector``: Python's cyclic garbage collector over a process's life.
+"""

@@ -1,0 +1,51 @@
+"""What one process of a sharded run holds, for the planner: FSDP's full shard and DeepSpeed ZeRO-3 (each
+process keeps 1/N of the weights, gradients and optimizer state) and ZeRO-2 (the weights whole, the
+rest split), against the whole-model terms a data-parallel process holds.
+
+Beside its shards a process holds what it gathers for the step's computation: the weights of the block
+it computes and of the next one (prefetched), and the shared embedding, which the encoder, the decoder
+and a tied output layer all use (FSDP keeps it in the root group, gathered for the whole step). A
+backward also makes each block's gradients whole before they are reduce-scattered. Exports gather the
+whole model on the main process (counted by the planner as a save's copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowmem.memory.tensor_bytes import part_elements
+
+SHARDINGS = ("fsdp", "zero2", "zero3")  # as `plan --sharding` and the trainer name them
+
+
+@dataclass(frozen=True)
+class ShardedSizes:
+    """Bytes a sharded process holds at its step's peak, by term (``gathered`` is part of ``weights``)."""
+
+    weights: float
+    gathered: float
+    gradients: float
+    optimizer: float
+    optimizer_temp: float
+
+
+def block_elements(dims: dict) -> int:
+    """Elements of the largest T5 block: a decoder block's self- and cross-attention and feed-forward."""
+    d, f, inner = dims["d_model"], dims["d_ff"], dims["num_heads"] * dims["d_kv"]
+    attention = 4 * inner * d + d
+    return 2 * attention + (3 if dims["gated"] else 2) * f * d + d
+
+
+def sharded_sizes(sharding: str, world: int, dims: dict, shapes: dict, weights: float, gradients: float,
+                  optimizer: float, optimizer_temp: float) -> ShardedSizes:
+    """The sharded terms of one process of ``world``, from the whole-model ones."""
+    block = 4 * block_elements(dims)
+    if sharding == "zero2":  # weights whole; DeepSpeed steps a float32 copy of this process's partition
+        return ShardedSizes(weights + weights / world, 0.0, gradients / world + block, optimizer / world,
+                            3 * block)
+    embedding = 4 * part_elements(shapes, "shared")
+    gathered = 2 * block + embedding * (1 - 1 / world)
+    # FSDP steps each weight's shard (the largest one's temporaries); DeepSpeed one sub-group of a block's
+    # size at a time (its flat copy of the sub-group's gradients, and the optimizer's temporaries)
+    temp = optimizer_temp / world if sharding == "fsdp" else 3 * block
+    return ShardedSizes(weights / world + gathered, gathered, gradients / world + block, optimizer / world, temp)

@@ -1,0 +1,11 @@
+"""The model a run trains, from its source to the folder it is exported as.
+
+- ``source``: ``--init_from`` as a folder or hub id, its family, its tokenizer.
+- ``presets``: named model shapes and memory profiles (a leaf module: ``config`` validates against it).
+- ``streamed_load``: a checkpoint read one block at a time straight into the form the run trains in.
+- ``weight_files``: a model folder's weight files read a few tensors at a time, and their fingerprint.
+- ``build``: the model built, loaded, frozen, adapted and stored narrow, and its export state dict.
+- ``quantize``: frozen linear layers in 8 bits (optimum-quanto), and back to float for exports.
+- ``adapters``: LoRA runs exported as peft adapter folders, and loaded back onto their base model.
+- ``loss``: the loss a step trains on (LM head at the target tokens only, summed token losses).
+"""

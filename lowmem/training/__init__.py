@@ -1,0 +1,9 @@
+"""The optimisation a run performs, one accumulation window at a time.
+
+- ``accumulation``: one window's backward, the same gradient whatever engine runs it.
+- ``optim``: Adafactor and the warmup + decay schedules.
+- ``stopping``: clean stops on SIGTERM / SIGINT, and the count of skipped non-finite steps.
+- ``encoder_cache``: a frozen encoder's outputs computed once per example and read back.
+- ``evaluation``: eval loss, generation and the best-model comparison.
+- ``eval_metrics``: the scores of ``--eval_metrics`` (one ``Metric`` class each; a leaf module).
+"""
