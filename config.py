@@ -1,9 +1,10 @@
 """Typed run configuration for t5-lowmem.
 
 Resolution order: dataclass defaults -> optional YAML file (``--config=FILE.yaml``) -> CLI flags ->
-run-dependent defaults (output folders, shipped data) -> low-memory caps -> one validation pass that
-collects every problem and raises a single ``UserError``. Reading the YAML file and the flags, and
-the ``--help`` listing, live in ``lowmem.cli.flags`` (``load_config``).
+a --memory_profile's flags -> run-dependent defaults (output folders, shipped data) -> low-memory caps
+(``lowmem.memory.profiles``) -> one validation pass that collects every problem (``TrainConfig.problems``,
+and the objective's own from its class in ``data.objectives``) and raises a single ``UserError``. Reading
+the YAML file and the flags, that pass and the ``--help`` listing live in ``lowmem.cli.flags`` (``load_config``).
 
 Each field's ``help`` says what it does and, where it matters, which way saves memory.
 Runtime state (step, examples seen, ...) never lives here: see ``trainer_low_mem.TrainState``.
@@ -18,14 +19,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowmem.model.presets import (
-    AUTO,
-    CAPPED_PROFILES,
-    FEED_FORWARD_WIDTHS,
-    LOW_MEMORY_CAPS,
-    MEMORY_PROFILES,
-    MODEL_PRESETS,
-)
+from lowmem.model.presets import AUTO, FEED_FORWARD_WIDTHS, MEMORY_PROFILES, MODEL_PRESETS
 from lowmem.training.eval_metrics import DEFAULT_METRICS, metric_problems
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -48,7 +42,6 @@ CACHE_DTYPES = ("float32", "bfloat16", "float16")
 FROZEN_DTYPES = ("float32", "bfloat16", "int8", "float8")
 QUANTIZED_DTYPES = ("int8", "float8")  # optimum-quanto weights (lowmem.model.quantize)
 FREEZE_CHOICES = ("encoder", "embeddings", "none")
-OBJECTIVE_CHOICES = ("pairs", "span_corruption", "prefix_lm")
 
 
 class UserError(Exception):
@@ -103,10 +96,8 @@ class TrainConfig:
                                      "(10% of them at most), held out of training.")
     prompt_column: str = _f("prompt", "Column holding the model input.")
     response_column: str = _f("response", "Column holding the target text.")
-    objective: str = _f("pairs", "What the model learns: pairs (each row a prompt -> response example), "
-                                 "span_corruption (T5's pretraining on raw text in --text_column, .txt files too: "
-                                 "documents packed into chunks, spans of tokens replaced by sentinels) or prefix_lm "
-                                 "(the same chunks split at a random point: prefix -> rest).")
+    objective: str = _f("pairs", "What the model learns: one of the objectives of data/objectives/, listed below "
+                                 "(those reading raw text take --text_column, and .txt files).")
     text_column: str = _f("text", "Column holding the raw text for --objective=span_corruption / prefix_lm.")
     noise_density: float = _f(0.15, "span_corruption: fraction of a chunk's tokens masked (T5: 0.15).")
     mean_noise_span_length: float = _f(3.0, "span_corruption: mean length of a masked span (T5: 3).")
@@ -261,60 +252,9 @@ class TrainConfig:
         if self.freeze == "auto":
             self.freeze = "encoder" if self.is_finetune else "none"
 
-    def unused_flags(self) -> list[tuple[str, str]]:
-        """(flag, why) for the settings this configuration does not read."""
-        unused = []
-        if not self.lora_r:
-            unused += [(name, "without --lora_r") for name in ("lora_alpha", "lora_dropout", "lora_target_modules")]
-        if self.encoder_cache == "off":
-            unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
-        if not self.eval_generate:
-            unused += [(n, "with --eval_generate=False (no answers are generated)") for n in ("eval_generate_samples",
-                                                                                               "eval_metrics")]
-        if self.init_from:
-            unused += [(name, "with --init_from (that model's shape is trained)")
-                       for name in ("model_preset", "feed_forward_proj", "tie_word_embeddings")]
-        if self.effective_batch_size:
-            unused.append(("gradient_accumulation_steps", "with --effective_batch_size (accumulation follows)"))
-        if self.is_keep_training:
-            unused.append(("overwrite_output_dir", "with --is_keep_training=True (the run is continued)"))
-        text_flags = {"pairs": ("text_column", "noise_density", "mean_noise_span_length"),  # raw text's, span
-                      "prefix_lm": ("noise_density", "mean_noise_span_length")}.get(self.objective, ())  # corruption's
-        return unused + [(name, f"with --objective={self.objective}") for name in text_flags]
-
-    def apply_caps(self) -> list[str]:
-        """Under a capped profile (host16g), lower values above the low-memory caps (``auto`` becomes
-        the cap); return one message per change. Other runs are sized by ``lowmem.memory.batch_budget``.
-
-        A training batch above its cap keeps its size as micro-batches times accumulation: the
-        largest micro-batch within the cap that divides it, and that many times the accumulation
-        steps, so the gradient (and the learning rate tuned for it) is the one asked for.
-        """
-        notes = []
-        if self.memory_profile not in CAPPED_PROFILES:
-            return notes
-        cap = LOW_MEMORY_CAPS["batch_size"]
-        if self.batch_size == AUTO:
-            self.batch_size = cap
-        if isinstance(self.batch_size, int) and self.batch_size > cap:
-            micro = next(m for m in range(cap, 0, -1) if self.batch_size % m == 0)
-            times = self.batch_size // micro
-            notes.append(f"--batch_size={self.batch_size} is above the low-memory cap of {cap}: training "
-                         f"micro-batches of {micro} with --gradient_accumulation_steps="
-                         f"{self.gradient_accumulation_steps * times} ({self.gradient_accumulation_steps} x {times}), "
-                         f"the same batch of {self.batch_size * self.gradient_accumulation_steps} examples per "
-                         "optimizer step")
-            self.batch_size, self.gradient_accumulation_steps = micro, self.gradient_accumulation_steps * times
-        cap = LOW_MEMORY_CAPS["eval_batch_size"]
-        if self.eval_batch_size == AUTO:
-            self.eval_batch_size = cap
-        if isinstance(self.eval_batch_size, int) and self.eval_batch_size > cap:
-            notes.append(f"--eval_batch_size={self.eval_batch_size} is above the low-memory cap; using {cap}")
-            self.eval_batch_size = cap
-        return notes
-
-    def validate(self) -> None:
-        """Collect every problem, then raise once."""
+    def problems(self) -> list[str]:
+        """Every problem of the flags, one line each (the validation pass: ``lowmem.cli.flags.load_config`` adds
+        the objective's own, ``data.objectives.base.objective_problems``, and raises one ``UserError``)."""
         problems = [f"--{f.name} must be a finite number (got {getattr(self, f.name)})"
                     for f in dataclasses.fields(self)
                     if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
@@ -369,24 +309,7 @@ class TrainConfig:
         names = [n.strip() for n in self.report_to.split(",")]  # (which trackers exist: lowmem.monitoring.trackers)
         if not all(names) or len(set(names)) < len(names) or "none" in names and len(names) > 1:
             problems.append(f"--report_to takes none or a comma list of trackers, each once (got {self.report_to!r})")
-        problems += self._memory_mode_problems() + self._objective_problems()
-        if problems:
-            raise UserError("; ".join(problems))
-
-    def _objective_problems(self) -> list[str]:
-        if self.objective not in OBJECTIVE_CHOICES:
-            return [f"--objective must be one of {', '.join(OBJECTIVE_CHOICES)} (got {self.objective!r})"]
-        if self.objective == "pairs":
-            return []
-        problems = []
-        if self.objective == "span_corruption" and not 0 < self.noise_density < 1:
-            problems.append(f"--noise_density must be in (0, 1) (got {self.noise_density})")
-        if self.objective == "span_corruption" and self.mean_noise_span_length < 1:
-            problems.append(f"--mean_noise_span_length must be at least 1 (got {self.mean_noise_span_length})")
-        if self.encoder_cache != "off":
-            problems.append(f"--encoder_cache caches the encoder's outputs of fixed rows; --objective={self.objective} "
-                            "makes new inputs every epoch: leave --encoder_cache off")
-        return problems
+        return problems + self._memory_mode_problems()
 
     def _memory_mode_problems(self) -> list[str]:
         problems = []
@@ -449,11 +372,6 @@ class TrainConfig:
     def gpu_profile(self) -> bool:
         """Whether --memory_profile names one of the GPU profiles (all but the CPU's, host16g)."""
         return bool(self.memory_profile) and not MEMORY_PROFILES[self.memory_profile].get("cpu")
-
-    @property
-    def text_columns(self) -> tuple[str, ...]:
-        """The text columns rows are read from: the raw text, or the prompt and the response."""
-        return (self.text_column,) if self.objective != "pairs" else (self.prompt_column, self.response_column)
 
     @property
     def frozen_encoder(self) -> bool:

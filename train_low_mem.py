@@ -185,7 +185,8 @@ def generate(config: str | None = None, **flags) -> None:
 def train_tokenizer(config: str | None = None, **flags) -> dict:
     """Train the sentencepiece tokenizer on a capped, streamed sample of --train_file
     (default: both shipped corpora) into --tokenizer_dir (default: data/tokenizer)."""
-    from data.sources.corpus import check_columns, formats_for, resolve_files
+    from data.objectives.base import objective_class
+    from data.sources.corpus import check_columns, resolve_files
     from data.tokenization import train_tokenizer as train_spm
     from data.tokenization import vocab_shortfall
 
@@ -197,9 +198,11 @@ def train_tokenizer(config: str | None = None, **flags) -> dict:
         raise UserError(f"--tokenizer_dir={tokenizer_dir} holds a tokenizer already; pass a new folder, or "
                         "remove that one first")
     spec = cfg.train_file if "train_file" in flags else ",".join(str(t) for t, _ in SHIPPED_CORPORA.values())
-    files = resolve_files(spec, "--train_file", formats=formats_for(cfg), dataset_config=cfg.dataset_config)
-    check_columns(files, cfg.text_columns, "--train_file")  # (sentencepiece's own words for no text: "INTERNAL")
-    tokenizer = train_spm(files, tokenizer_dir, cfg.text_columns, cfg.vocab_size,
+    objective = objective_class(cfg.objective)
+    files = resolve_files(spec, "--train_file", formats=objective.formats, dataset_config=cfg.dataset_config)
+    columns = objective.text_columns(cfg)
+    check_columns(files, columns, "--train_file")  # (sentencepiece's own words for no text: "INTERNAL")
+    tokenizer = train_spm(files, tokenizer_dir, columns, cfg.vocab_size,
                           cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
     summary = {"tokenizer_dir": tokenizer_dir, "vocab_size": len(tokenizer), "files": len(files)}
     shortfall = vocab_shortfall(tokenizer, cfg.vocab_size)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from config import TrainConfig, UserError
 from data.prepare import check_manifest
-from data.sources.corpus import DataProblems, Example, check_columns, formats_for, resolve_files
+from data.sources.corpus import DataProblems, Example, check_columns, resolve_files
 from data.sources.eval_set import eval_files_of, eval_source, eval_split
 from data.sources.hf_datasets import DatasetRef, dataset_of, describe, has_rows
 from data.sources.readers import FileIndex, index_file, manifest_of
@@ -51,14 +51,14 @@ class DataFiles:
 
 def check_data(cfg: TrainConfig, objective, eval_set: bool = True) -> DataFiles:
     """Resolve and check the data flags (``eval_set``: the eval set's too); ``UserError`` names what to change."""
-    train = resolve_files(cfg.train_file, "--train_file", cfg.output_dir, formats_for(cfg), cfg.dataset_config)
+    train = resolve_files(cfg.train_file, "--train_file", cfg.output_dir, objective.formats, cfg.dataset_config)
     if dataset_of(train) is not None:
         _check_dataset(cfg, dataset_of(train))
     elif cfg.dataset_config is not None:
         raise UserError(f"--dataset_config={cfg.dataset_config} names a configuration of a hub dataset, but "
                         f"--train_file={cfg.train_file} is files; leave --dataset_config out")
     prepared = manifest_of(train)  # a corpus tokenized by `prepare`: token-id columns
-    if prepared and objective.name != "pairs":
+    if prepared and not objective.prepared_data:
         raise UserError(f"--train_file holds prepared shards (prompt/response token ids); --objective={objective.name} "
                         "reads raw text: pass the text corpus")
     columns = objective.columns(prepared)

@@ -30,10 +30,11 @@ STAGING = ".partial"  # inside --prepared_dir: shards are written here, then mov
 def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     """The ``prepare`` command: resolve and check the corpus, load the tokenizer, write the shards."""
     from data.collate import Seq2SeqCollator
+    from data.objectives.base import objective_class
     from data.sources.corpus import check_columns, resolve_files
     from data.tokenization import load_trained_tokenizer, tokenizer_fingerprint
 
-    if cfg.objective != "pairs":
+    if not objective_class(cfg.objective).prepared_data:
         raise UserError(f"prepare tokenizes prompt/response pairs; --objective={cfg.objective} reads raw text, "
                         "which train tokenizes as it packs: train from the text corpus directly")
     check_prepared_dir(out_dir)  # before any work

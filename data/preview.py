@@ -24,6 +24,8 @@ def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = Fal
     files = files if files.prepared else replace(files, eval=eval_files_of(cfg, files.train))
     data = build_data(cfg, files, tokenizer, objective=objective, report=report, warn=report,
                       eval_set=not files.prepared)
+    shape = objective.describe()
+    report(f"--objective={objective.name}" + (f": {shape}" if shape else ": each row one example"))
     if data.held_out_rows:
         report(f"{data.held_out_rows} row(s) at the end of --train_file are held out as the eval set, as train holds "
                "them out, so none of them is shown: pass --eval_file to train (and preview) every row")

@@ -21,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from config import UserError, saved_json
+from data.objectives.base import objective_class
 from data.sources.corpus import iter_rows
 from data.streams.packed_text import text_slices
 from lowmem.checkpointing.ownership import MARKERS, check_folder, claim_folder, is_run_folder, move_in, remove_ours
@@ -266,7 +267,7 @@ def tokenizer_for_run(cfg, folder: Path, files, is_main: bool = True, wait=lambd
                         f"({files.prepared['tokenizer_dir']})")
     say(f"no tokenizer in {folder}: training one on {cfg.train_file}")
     if is_main:
-        train_tokenizer(files.train, folder, cfg.text_columns, cfg.vocab_size,
+        train_tokenizer(files.train, folder, objective_class(cfg.objective).text_columns(cfg), cfg.vocab_size,
                         cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
     wait()
     tokenizer = load_tokenizer(folder)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from config import LOW_MEMORY_CAPS, TrainConfig, UserError
+from config import TrainConfig, UserError
 from lowmem.cli.flags import help_text, load_config, unused_answer_notes
+from lowmem.model.presets import LOW_MEMORY_CAPS
 
 
 def test_values_are_converted_to_declared_types():
@@ -251,3 +252,37 @@ def test_each_command_notes_the_options_it_does_not_read():
     assert unread_flag_notes("plot", {"output_dir": "r", "init_from": "m"}) == [
         "note: --init_from has no effect on plot (it is read by train)"]
     assert unread_flag_notes("train_tokenizer", dict.fromkeys(READ_ONLY["train_tokenizer"])) == []
+
+
+def test_objectives_come_from_the_registry_and_their_problems_join_the_config_error():
+    import pkgutil
+    import sys
+
+    import data.objectives
+    from data.objectives.base import Objective, objective_class, registry
+
+    # Discovery: asking the registry imports every module of data/objectives/, each subclass named registered
+    names = list(registry())
+    modules = [m.name for m in pkgutil.iter_modules(data.objectives.__path__) if not m.name.startswith("_")]
+    assert {"base", "pairs", "packed_text", "span_corruption", "prefix_lm"} <= set(modules)
+    assert all(f"data.objectives.{m}" in sys.modules for m in modules)
+    assert {"pairs", "span_corruption", "prefix_lm"} <= set(names)
+    names = list(registry())
+    assert all(issubclass(registry()[name], Objective) and registry()[name].name == name for name in names)
+    with pytest.raises(UserError) as err:  # an unknown name lists the registry's, in the one error
+        load_config({"objective": "nope", "learn_rate": -1})
+    assert str(err.value) == f"--learn_rate must be positive (got -1.0); --objective must be one of " \
+                             f"{', '.join(names)} (got 'nope')"
+    with pytest.raises(UserError) as err:  # the objective's own problems come after the config's
+        load_config({"objective": "span_corruption", "noise_density": 2, "mean_noise_span_length": 0.5,
+                     "learn_rate": -1})
+    assert str(err.value).split("; ") == ["--learn_rate must be positive (got -1.0)",
+                                          "--noise_density must be in (0, 1) (got 2.0)",
+                                          "--mean_noise_span_length must be at least 1 (got 0.5)"]
+    with pytest.raises(UserError, match="--objective=prefix_lm makes new inputs every epoch"):
+        load_config({"objective": "prefix_lm", "is_finetune": True, "encoder_cache": "memory"})
+    load_config({"objective": "pairs", "noise_density": 2})  # pairs reads no noise: nothing to refuse
+    assert ".txt" in objective_class("prefix_lm").formats and ".txt" not in objective_class("pairs").formats
+    assert objective_class("pairs").prepared_data and not objective_class("span_corruption").prepared_data
+    text = help_text()  # --help lists each objective with its summary
+    assert all(f"{name}: {registry()[name].summary}" in text for name in names)

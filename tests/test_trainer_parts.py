@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import REPO, synthetic_rows, write_rows
 
-from data.objectives.base import PairsObjective, objective_for
+from data.objectives.base import objective_for
+from data.objectives.pairs import PairsObjective
 from data.pipeline import build_data, check_data
 from data.sources.readers import TOKEN_COLUMNS
 from lowmem.cli.flags import load_config

@@ -32,11 +32,6 @@ FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # file endings read by data.s
 TEXT_FORMATS = (*FORMATS, ".txt")  # raw-text objectives also read plain text (data.sources.text_files)
 
 
-def formats_for(cfg) -> tuple[str, ...]:
-    """The file endings a run reads: plain text too when its objective reads raw text."""
-    return FORMATS if cfg.objective == "pairs" else TEXT_FORMATS
-
-
 @dataclass(frozen=True)
 class Example:
     """One prompt/response pair and where it came from (file index in the run's file list, row).

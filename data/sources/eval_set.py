@@ -9,7 +9,8 @@ import dataclasses
 from pathlib import Path
 
 from config import UserError
-from data.sources.corpus import DataProblems, Example, check_columns, formats_for, iter_rows, resolve_files
+from data.objectives.base import objective_class
+from data.sources.corpus import DataProblems, Example, check_columns, iter_rows, resolve_files
 from data.sources.hf_datasets import EVAL_SPLITS, DatasetRef, dataset_of, eval_split_name, row_count, with_split
 from data.sources.readers import FileIndex, index_file, manifest_of
 
@@ -63,12 +64,13 @@ def eval_files_of(cfg, train_files: list[Path]) -> list[Path]:
             raise UserError("--train_file holds prepared shards (token ids), so no eval rows can be held out of "
                             "it: pass --eval_file with text rows (BLEU compares decoded answers)")
         return []
-    files = resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir, formats_for(cfg), cfg.dataset_config)
+    objective = objective_class(cfg.objective)
+    files = resolve_files(cfg.eval_file, "--eval_file", cfg.output_dir, objective.formats, cfg.dataset_config)
     files = [with_split(f, (*EVAL_SPLITS, "train")) if isinstance(f, DatasetRef) else f for f in files]
     if manifest_of(files):
         raise UserError("--eval_file must be text (BLEU compares decoded answers): pass the original corpus, "
                         "not prepared shards")
-    check_columns(files, cfg.text_columns, "--eval_file")
+    check_columns(files, objective.text_columns(cfg), "--eval_file")
     return files
 
 
@@ -81,7 +83,7 @@ def eval_split(cfg, eval_files: list[Path], train_files: list[Path], indexes: li
     training files (``hold_out``; the files are indexed here when ``indexes`` is None), which the
     returned indexes then leave out.
     """
-    columns = cfg.text_columns
+    columns = objective_class(cfg.objective).text_columns(cfg)
     if dataset_of(train_files) is not None:
         return dataset_eval_split(cfg, eval_files, dataset_of(train_files), problems)
     if indexes is None and not eval_files:
@@ -112,19 +114,19 @@ def dataset_eval_split(cfg, eval_files: list[Path], source: DatasetRef,
     training split, whose first ``min(--max_eval_samples, 10 % of its rows)`` rows (``--max_eval_samples``
     when its row count is unknown) are then held out: training starts after them. The returned index
     holds the training rows (0 when the dataset does not say how many)."""
-    rows = row_count(source)
+    rows, columns = row_count(source), objective_class(cfg.objective).text_columns(cfg)
     held, split = 0, eval_split_name(source)
     if not eval_files and split is None:
         held = cfg.max_eval_samples if rows is None else min(cfg.max_eval_samples, int(rows * HOLD_OUT_AT_MOST))
     index = FileIndex(0 if rows is None else rows - held, kind="dataset")
     if eval_files or split is not None:
-        examples = take_examples(eval_files or [with_split(source, (split,))], cfg.text_columns,
+        examples = take_examples(eval_files or [with_split(source, (split,))], columns,
                                  cfg.max_eval_samples, problems)
         if not examples:
             raise UserError(f"{cfg.eval_file or f'the {split} split of --train_file={cfg.train_file}'} holds no "
                             "usable rows; pass --eval_file")
         return examples, [index], 0
-    examples = [e for e in iter_rows(source, 0, cfg.text_columns, 0, held, None, problems) if e is not None]
+    examples = [e for e in iter_rows(source, 0, columns, 0, held, None, problems) if e is not None]
     if not examples:
         raise UserError(f"--train_file={cfg.train_file}: the {held} row(s) it would hold out for evaluation (its "
                         f"first, {HOLD_OUT_AT_MOST:.0%} of its rows at most) are none or all bad; pass --eval_file")

@@ -15,7 +15,9 @@ import typing
 from pathlib import Path
 
 from config import SHIPPED_TOKENIZER_DIR, TrainConfig, UserError, saved_json
-from lowmem.model.presets import AUTO, MEMORY_PROFILES
+from data.objectives.base import objective_class, objective_problems, registry
+from lowmem.memory.profiles import apply_caps, profile_flags
+from lowmem.model.presets import AUTO
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
@@ -135,27 +137,36 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
             problems.append(str(err))
     if problems:
         raise UserError("; ".join(problems))
-    notes = []
-    profile = converted.get("memory_profile")
-    if profile in MEMORY_PROFILES:  # an unknown name is reported by validate()
-        for name, value in MEMORY_PROFILES[profile].items():
-            if name == "effective_batch_size" and "gradient_accumulation_steps" in converted:
-                if "effective_batch_size" not in converted:  # the accumulation given explicitly sets it
-                    notes.append(f"--memory_profile={profile}: --gradient_accumulation_steps="
-                                 f"{converted['gradient_accumulation_steps']} given explicitly replaces the profile's "
-                                 f"--effective_batch_size={value}: each optimizer step takes the micro-batch the "
-                                 "budget allows times it (pass --effective_batch_size to fix the rows per step)")
-                continue
-            if name in converted and converted[name] != value:
-                notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
-                             f"wins over the profile's {value!r}")
-            converted.setdefault(name, value)
+    notes = profile_flags(converted)
     cfg = TrainConfig(**converted)
     cfg.resolve_defaults()
-    notes += cfg.apply_caps()
-    cfg.validate()
-    notes += [f"note: --{name} has no effect {why}" for name, why in cfg.unused_flags() if name in converted]
+    notes += apply_caps(cfg)
+    problems = cfg.problems() + objective_problems(cfg)  # one error naming every mistake
+    if problems:
+        raise UserError("; ".join(problems))
+    notes += [f"note: --{name} has no effect {why}" for name, why in unused_flags(cfg) if name in converted]
     return cfg, notes
+
+
+def unused_flags(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(flag, why) for the settings this configuration does not read (the objective's: its class says)."""
+    unused = []
+    if not cfg.lora_r:
+        unused += [(name, "without --lora_r") for name in ("lora_alpha", "lora_dropout", "lora_target_modules")]
+    if cfg.encoder_cache == "off":
+        unused.append(("encoder_cache_dtype", "with --encoder_cache=off"))
+    if not cfg.eval_generate:
+        unused += [(n, "with --eval_generate=False (no answers are generated)") for n in ("eval_generate_samples",
+                                                                                           "eval_metrics")]
+    if cfg.init_from:
+        unused += [(name, "with --init_from (that model's shape is trained)")
+                   for name in ("model_preset", "feed_forward_proj", "tie_word_embeddings")]
+    if cfg.effective_batch_size:
+        unused.append(("gradient_accumulation_steps", "with --effective_batch_size (accumulation follows)"))
+    if cfg.is_keep_training:
+        unused.append(("overwrite_output_dir", "with --is_keep_training=True (the run is continued)"))
+    objective = objective_class(cfg.objective)
+    return unused + [(name, f"with --objective={cfg.objective}") for name in objective.unused_flags]
 
 
 # Options only training reads: the optimizer and its schedule, what trains and how, checkpoints, logs. Given on
@@ -203,10 +214,10 @@ def unused_answer_notes(cfg: TrainConfig, flags: dict) -> list[str]:
 
 # What a model's eval numbers depend on besides its weights and the eval rows, recorded in its exports'
 # training_info.json: evaluate and generate take them from there unless given (a span-corruption model was
-# scored as prompt/response pairs, its masks drawn with another seed, its chunks of other lengths).
+# scored as prompt/response pairs, its masks drawn with another seed, its chunks of other lengths). Of these,
+# the ones its objective reads are taken (``Objective.trained_with``).
 TRAINED_WITH = ("objective", "seed", "max_source_len", "max_target_len", "noise_density", "mean_noise_span_length",
                 "text_column", "prompt_column", "response_column")
-PAIRS_TRAINED_WITH = ("max_source_len", "max_target_len", "prompt_column", "response_column")  # what pairs read
 
 
 def load_saved_model_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig, list[str]]:
@@ -217,9 +228,10 @@ def load_saved_model_config(flags: dict, yaml_path: str | None = None) -> tuple[
     given = _given_names(flags, yaml_path)
     info = saved_json(Path(cfg.init_from or Path(cfg.output_dir) / "best") / "training_info.json") or {}
     trained = info.get("trained_with") or {}
-    raw_text = trained.get("objective", "pairs") != "pairs"  # else the masks' seed and shape read nothing
-    adopt = {key: value for key, value in trained.items() if key in TRAINED_WITH and key not in given
-             and getattr(cfg, key) != value and (raw_text or key in PAIRS_TRAINED_WITH)}
+    objective = registry().get(trained.get("objective", FIELDS["objective"].default))  # None: unknown here
+    reads = TRAINED_WITH if objective is None else ("objective", *objective.trained_with)  # (validation says so)
+    adopt = {key: value for key, value in trained.items() if key in TRAINED_WITH and key in reads and key not in given
+             and getattr(cfg, key) != value}
     if not adopt:
         return cfg, notes
     cfg, notes = _saved_model_config({**adopt, **flags}, yaml_path)
@@ -278,6 +290,8 @@ def help_text() -> str:
         kind = f"{kinds[0].__name__} or auto" if str in kinds[1:] else kinds[0].__name__  # (lowmem.memory.batch_budget)
         lines.append(f"  --{f.name} ({kind}, default {f.default!r})")
         lines.append(f"      {f.metadata['help']}")
+        if f.name == "objective":  # the registry's (data.objectives): one line each
+            lines += [f"        {name}: {found.summary}" for name, found in registry().items()]
     lines.append("  --config (str)")
     lines.append("      YAML file of option: value pairs; CLI flags override it.")
     return "\n".join(lines)

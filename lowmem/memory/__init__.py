@@ -4,7 +4,8 @@
 - ``planner``: a run's peak memory by component, from those bytes and the micro-batches it will train on.
 - ``plan_batches``: which micro-batches a run will train on (token lengths sampled from its stream).
 - ``plan_sharding``: what one process of an FSDP or ZeRO run holds, for the planner.
-- ``batch_budget``: micro-batch sizes from the memory budget.
+- ``profiles``: a --memory_profile's flags put on a configuration, and host16g's low-memory caps.
+- ``batch_budget``: micro-batch sizes from the memory budget (the other profiles, and auto).
 - ``eval_cost``: what an evaluation costs, and the evaluation defaults that keep it within --eval_budget_s.
 - ``run_memory``: a run's plan beside its measured peak, and the guard's message.
 - ``probes``: RSS and device memory probes, heap trimming, and the ``--max_rss_gb`` guard (``MemoryGuard``).

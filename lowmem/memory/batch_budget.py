@@ -10,7 +10,7 @@ for); ``auto`` takes the largest that fits. ``--eval_batch_size`` follows the sa
     sizes = size_batches(cfg, data, vocab_size, framework_mb, "cpu", world=1)
     cfg = replace(cfg, **sizes.flags())
 
-``--memory_profile=host16g`` keeps the reference's caps (``TrainConfig.apply_caps``), within which the
+``--memory_profile=host16g`` keeps the reference's caps (``lowmem.memory.profiles.apply_caps``), within which the
 same check runs.
 """
 

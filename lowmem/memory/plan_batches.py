@@ -28,27 +28,29 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     items = (item for index, path in enumerate(files) for item in iter_rows(path, index, columns, 0, rows)
              if item is not None)
     s, t, held, text_bytes = [], [], [], []  # what each row costs the shuffle buffer; its text in the file
+    packed = bool(data.objective.chunk_length)  # examples (the eval set's too) are packed chunks, not rows
     for chunk in batched(itertools.islice(items, rows), CHUNK_ROWS, CHUNK_BYTES):
         held += [example_bytes(item) for item in chunk]
         text_bytes += [sum(len(p.encode()) for p in example_parts(item) if isinstance(p, str)) for item in chunk]
-        if not data.objective.chunk_length:
+        if not packed:
             s += [len(x) for x in data.collator.token_ids([item.prompt for item in chunk], cfg.max_source_len)]
             t += [len(x) for x in data.collator.token_ids([item.response for item in chunk], cfg.max_target_len)]
     if not text_bytes:
         return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
-                "row_bytes": 0, "rows": 0, "pairs": []}
-    if data.objective.chunk_length:  # packed chunks: planned at their longest (span corruption's
+                "row_bytes": 0, "rows": 0, "pairs": [], "packed": packed}
+    if packed:  # packed chunks: planned at their longest (span corruption's
         s, t = ([length] * len(text_bytes) for length in data.objective.longest)  # lengths are all the same)
     mean_text = sum(text_bytes) / len(text_bytes)
     return {"max_source": max(s), "max_target": max(t), "mean_source": sum(s) / len(s),
             "row_bytes": sum(held) / len(held), "rows": estimated_rows(files, mean_text, columns),
-            "pairs": list(zip(s, t))}
+            "pairs": list(zip(s, t)), "packed": packed}
 
 
 def eval_example_bytes(cfg: TrainConfig, lengths: dict) -> float:
     """What one example of the eval set holds: a row of text like the training rows', or for raw text a packed
-    chunk's token ids (data.streams.file_stream.example_bytes), however long the documents it was cut from."""
-    if cfg.objective == "pairs":
+    chunk's token ids (data.streams.file_stream.example_bytes), however long the documents it was cut from
+    (``lengths["packed"]``, from ``sample_lengths``)."""
+    if not lengths.get("packed"):
         return lengths["row_bytes"] * 2 + 400
     return 2 * 56 + 36 * (lengths["max_source"] + lengths["max_target"])
 

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from config import SHIPPED_TOKENIZER_DIR, TrainConfig, UserError
-from data.sources.corpus import bad_rows_report, file_notes, formats_for, too_many_bad_rows
+from data.sources.corpus import bad_rows_report, file_notes, too_many_bad_rows
 from lowmem.checkpointing.ownership import open_own
 from lowmem.memory.probes import memory_snapshot
 from lowmem.model.build import head_is_tied, lora_stacks
@@ -293,6 +293,53 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     world = accelerator.num_processes
     lengths = data.objective.longest or (cfg.max_source_len, cfg.max_target_len)  # the longest example
     effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
+    tokenizer = ("the shipped one" if cfg.tokenizer_dir == str(SHIPPED_TOKENIZER_DIR) else cfg.tokenizer_dir
+                 or "the model's own")  # (a run without --tokenizer_dir used the shipped one silently)
+    lines = [
+        f"device {accelerator.device} x {world} process(es) | model {cfg.init_from or cfg.model_preset} | "
+        f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,} | tokenizer {tokenizer} "
+        f"({len(data.collator.tokenizer):,} tokens)",
+        f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
+        f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}"
+        + (f" | micro-batches of up to {cfg.max_tokens_per_batch:,} padded tokens" if cfg.max_tokens_per_batch else "")
+        + f" | eval batch {cfg.eval_batch_size}",
+        data_line(cfg, data, per_epoch) + f"total steps {total_steps} | start step {start_step}",
+        f"eval {data.objective.example_noun} {len(data.eval_examples):,} from " + data.eval_source,
+        eval_plan.line(),
+        "memory: " + ", ".join(memory_features(cfg, parameters, cache, core)),
+    ]
+    if cfg.gpu_profile and accelerator.device.type == "cpu":
+        lines.append(f"--memory_profile={cfg.memory_profile} is a GPU profile but this run is on the CPU: its "
+                     "bf16 autocast saves no host memory there (it measured more); host16g is the CPU profile")
+    if cfg.warmup_steps >= total_steps:
+        lines.append(f"--warmup_steps={cfg.warmup_steps} is not below the run's {total_steps} steps: the run ends "
+                     f"in the warmup, at {total_steps}/{cfg.warmup_steps + 1} of --learn_rate (lower --warmup_steps "
+                     "to reach it)")
+    lines += file_notes(cfg.train_file, data.files.train, data.files.eval, bool(cfg.eval_file), data.objective.formats)
+    record = dict(trainable_params=parameters["trainable"], frozen_params=parameters["frozen"],
+                  frozen_bf16_params=parameters["frozen_bf16"], frozen_8bit_params=parameters["frozen_8bit"],
+                  effective_batch=effective, micro_batch_size=cfg.batch_size,
+                  gradient_accumulation_steps=cfg.gradient_accumulation_steps, eval_batch_size=cfg.eval_batch_size,
+                  max_tokens_per_batch=cfg.max_tokens_per_batch, train_rows=data.rows,
+                  held_out_rows=data.held_out_rows, eval_rows=len(data.eval_examples), total_steps=total_steps,
+                  world_size=world, **eval_plan.record())
+    return lines, record
+
+
+def data_line(cfg: TrainConfig, data, per_epoch: int) -> str:
+    """The start-up line on the training data, in its objective's words, and an epoch's steps where known."""
+    known = data.epoch_rows_known  # else the source says its count is unknown (a dataset without one)
+    objective, rows, shape = data.objective, f" {data.rows:,}" if known else "", data.objective.describe()
+    line = f"train {objective.noun}{rows} from {data.source}" + (f", {shape}" if shape else "") + " | "
+    if not objective.chunk_length:  # rows are examples: an epoch's steps are counted from the files
+        return line + (f"{per_epoch} optimizer steps per epoch | " if known else "")
+    # packed text: steps counted or estimated from its tokens; not at all when --max_steps ends the run
+    counted = data.epoch_tokens[1] if cfg.max_steps <= 0 else ""
+    return line + (f"{per_epoch} optimizer steps per epoch (tokens {counted}) | " if counted else "")
+
+
+def memory_features(cfg: TrainConfig, parameters: dict, cache, core) -> list[str]:
+    """Which memory features the run has on, in the start-up line's words."""
     features = [f"mixed_precision={cfg.mixed_precision}", f"optimizer={cfg.optimizer}",
                 f"gradient_checkpointing={cfg.gradient_checkpointing}",
                 f"shuffle_buffer={cfg.shuffle_buffer_size} rows / {cfg.shuffle_buffer_mb} MiB", "dynamic padding",
@@ -308,46 +355,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     if parameters["frozen_8bit"]:
         features.append(f"{parameters['frozen_8bit']:,} frozen weights stored in {cfg.frozen_dtype} (optimum-quanto"
                         f"{', wo included' if cfg.quantize_wo else '; wo and embeddings in bf16'}; norms float32)")
-    known = data.epoch_rows_known  # else the source says its count is unknown (a dataset without one)
-    rows = f" {data.rows:,}" if known else ""
-    tokenizer = ("the shipped one" if cfg.tokenizer_dir == str(SHIPPED_TOKENIZER_DIR) else cfg.tokenizer_dir
-                 or "the model's own")  # (a run without --tokenizer_dir used the shipped one silently)
-    lines = [
-        f"device {accelerator.device} x {world} process(es) | model {cfg.init_from or cfg.model_preset} | "
-        f"params trainable {parameters['trainable']:,} / frozen {parameters['frozen']:,} | tokenizer {tokenizer} "
-        f"({len(data.collator.tokenizer):,} tokens)",
-        f"effective batch {effective} (micro {cfg.batch_size} x accumulation {cfg.gradient_accumulation_steps} "
-        f"x {world}) | tokens per optimizer step <= {effective * sum(lengths):,}"
-        + (f" | micro-batches of up to {cfg.max_tokens_per_batch:,} padded tokens" if cfg.max_tokens_per_batch else "")
-        + f" | eval batch {cfg.eval_batch_size}",
-        (f"train rows{rows} from {data.source} | " + (f"{per_epoch} optimizer steps per epoch | " if known else "")
-         if not data.objective.chunk_length else
-         f"train documents{rows} from {data.source}, packed into chunks of "
-         f"{data.objective.chunk_length} tokens: {data.objective.describe()} | "
-         + ("" if cfg.max_steps > 0 else f"{per_epoch} optimizer steps per epoch (tokens {data.epoch_tokens[1]}) | "))
-        + f"total steps {total_steps} | start step {start_step}",
-        f"eval {'chunks' if data.objective.chunk_length else 'rows'} {len(data.eval_examples):,} from "
-        + data.eval_source,
-        eval_plan.line(),
-        "memory: " + ", ".join(features),
-    ]
-    if cfg.gpu_profile and accelerator.device.type == "cpu":
-        lines.append(f"--memory_profile={cfg.memory_profile} is a GPU profile but this run is on the CPU: its "
-                     "bf16 autocast saves no host memory there (it measured more); host16g is the CPU profile")
-    if cfg.warmup_steps >= total_steps:
-        lines.append(f"--warmup_steps={cfg.warmup_steps} is not below the run's {total_steps} steps: the run ends "
-                     f"in the warmup, at {total_steps}/{cfg.warmup_steps + 1} of --learn_rate (lower --warmup_steps "
-                     "to reach it)")
-    lines += file_notes(cfg.train_file, data.files.train, data.files.eval, bool(cfg.eval_file), formats_for(cfg))
-    record = dict(trainable_params=parameters["trainable"], frozen_params=parameters["frozen"],
-                  frozen_bf16_params=parameters["frozen_bf16"], frozen_8bit_params=parameters["frozen_8bit"],
-                  effective_batch=effective,
-                  micro_batch_size=cfg.batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                  max_tokens_per_batch=cfg.max_tokens_per_batch, eval_batch_size=cfg.eval_batch_size,
-                  train_rows=data.rows,
-                  held_out_rows=data.held_out_rows, eval_rows=len(data.eval_examples), total_steps=total_steps,
-                  world_size=world, **eval_plan.record())
-    return lines, record
+    return features
 
 
 def report_data_errors(telemetry: Telemetry, data) -> dict:

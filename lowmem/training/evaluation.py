@@ -17,7 +17,7 @@ from tqdm import tqdm
 from config import AUTO, SHIPPED_CORPORA, TrainConfig, UserError, saved_json
 from data.collate import by_source_length, length_groups, round_up, shape_multiple
 from data.objectives.base import objective_for
-from data.sources.corpus import DataProblems, formats_for, resolve_files
+from data.sources.corpus import DataProblems, resolve_files
 from data.sources.eval_set import eval_files_of, eval_split
 from data.streams.file_stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer, load_trained_tokenizer
@@ -297,7 +297,7 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     own_data = info.get("train_file") not in (None, *(str(t) for t, _ in SHIPPED_CORPORA.values()))
     try:  # Without --eval_file: the rows that training on --train_file held out
         train_files = [] if cfg.eval_file is not None or not eval_set else resolve_files(
-            cfg.train_file, "--train_file", formats=formats_for(cfg), dataset_config=cfg.dataset_config)
+            cfg.train_file, "--train_file", formats=objective.formats, dataset_config=cfg.dataset_config)
         eval_files = eval_files_of(cfg, train_files) if eval_set else []
     except UserError as err:
         if not (shipped_eval and own_data):
