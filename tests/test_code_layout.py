@@ -42,7 +42,6 @@ MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 400, 400, 60
 # and when an entry is larger than what it counts (so that the list follows each split down).
 OVER_THE_LIMIT = {
     "module config": 480,
-    "module data.sources.readers": 461,
     "module lowmem.memory.planner": 495,
     "module trainer_low_mem": 494,
     "function lowmem.parallel.adafactor_slices.update_flat": 62,
