@@ -42,13 +42,11 @@ MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 400, 400, 60
 # and when an entry is larger than what it counts (so that the list follows each split down).
 OVER_THE_LIMIT = {
     "module config": 480,
-    "module lowmem.memory.planner": 495,
     "module trainer_low_mem": 494,
     "function lowmem.parallel.adafactor_slices.update_flat": 62,
     "function lowmem.cli.runner.run_cli": 63,
     "function lowmem.cli.plan_command.plan_command": 61,
     "function lowmem.cli.plan_command.recommend": 62,
-    "function lowmem.memory.planner.step_sizes": 68,
     "function lowmem.monitoring.telemetry.startup_summary": 64,
 }
 
