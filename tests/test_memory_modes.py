@@ -636,14 +636,14 @@ def test_a_long_batch_in_the_first_step_is_planned_without_the_optimizer_state()
 
 def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
     # 1,000 rows: 990 with 20-token targets, 10 at the 128-token cap (1 %)
-    from lowmem.memory import planner, tensor_bytes
+    from lowmem.memory import plan_batches, planner, tensor_bytes
     pairs = [(100, 20)] * 990 + [(100, 128)] * 10
     lengths = {"max_source": 100, "max_target": 128, "mean_source": 100, "row_bytes": 500, "rows": 1000,
                "pairs": pairs}
     dims = tensor_bytes.model_dims(load_config({})[0], 8000)
 
     def target_len(**flags):
-        return planner.peak_batch_lengths(load_config(flags)[0], dims, lengths, "cpu", 1)[1]
+        return plan_batches.peak_batch_lengths(load_config(flags)[0], dims, lengths, "cpu", 1)[1]
 
     # 8 rows: the costliest of 8 draws is a short row more often than not; 400 rows: almost surely a long one
     assert target_len(max_steps=1, batch_size=2, gradient_accumulation_steps=4) == 20
@@ -651,7 +651,7 @@ def test_short_runs_plan_for_the_batch_they_are_likely_to_meet():
     assert target_len() == 128  # a whole epoch meets every row
     # ... on every process: each of 2 processes reads all of its half, which may hold the one longest row
     one_long = {**lengths, "pairs": [(100, 20)] * 999 + [(100, 128)]}
-    assert planner.peak_batch_lengths(load_config({})[0], dims, one_long, "cpu", 2)[1] == 128
+    assert plan_batches.peak_batch_lengths(load_config({})[0], dims, one_long, "cpu", 2)[1] == 128
     plan_short = planner.predict(load_config({"max_steps": 1})[0], 8000, lengths, 300.0)
     plan_epoch = planner.predict(load_config({})[0], 8000, lengths, 300.0)
     assert plan_short["host_mb"]["activations"] < plan_epoch["host_mb"]["activations"]
@@ -663,7 +663,7 @@ def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer, run
     from conftest import WORDS
 
     from data.collate import Seq2SeqCollator
-    from lowmem.memory import planner, tensor_bytes
+    from lowmem.memory import plan_batches, tensor_bytes
 
     rng = random.Random(3)  # 2 to 50 words on both sides (under the 128-token caps): every run meets other maxima
     rows = [{"prompt": " ".join(rng.choices(WORDS, k=rng.randint(2, 50))),
@@ -687,7 +687,7 @@ def test_the_plan_replays_the_batches_the_run_trains_on(tmp_path, tokenizer, run
         cost = tensor_bytes.batch_cost(cfg, tensor_bytes.model_dims(cfg, len(tokenizer)), "cpu")
         # the first step (no optimizer state yet) and the later ones are planned apart: the plan is
         # the costliest micro-batch of one or the other
-        candidates = [max(planner.micro_batch_lengths(part, 2), key=cost) for part in (windows[:1], windows[1:])]
+        candidates = [max(plan_batches.micro_batch_lengths(part, 2), key=cost) for part in (windows[:1], windows[1:])]
         planned = (plan["max_source_tokens"], plan["max_target_tokens"], plan["peak_batch_target_tokens"],
                    plan["peak_batch_rows"])
         assert planned in candidates, (planned, candidates)

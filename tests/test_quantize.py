@@ -35,7 +35,7 @@ def layers(model):
     ("flan", {"is_finetune": True, "lora_r": 4, "lora_target_modules": "q,wi_1", "frozen_dtype": "int8"}),
 ])
 def test_frozen_linear_layers_are_stored_in_8_bits_and_counted_by_the_planner(family_models, family, flags):
-    from lowmem.memory import planner, tensor_bytes
+    from lowmem.memory import plan_sizes, tensor_bytes
     from lowmem.model.build import load_model
     from lowmem.model.quantize import is_quantized
 
@@ -72,8 +72,8 @@ def test_frozen_linear_layers_are_stored_in_8_bits_and_counted_by_the_planner(fa
     shapes = tensor_bytes.parameter_shapes(tensor_bytes.model_dims(cfg, 0))
     assert sum(tensor_bytes.numel(s) for s in tensor_bytes.quantized_shapes(cfg, shapes)) == counts["frozen_8bit"]
     stored = sum(w._data.untyped_storage().nbytes() + w._scale.untyped_storage().nbytes() for w in eight_bit.values())
-    plan = planner.step_sizes(cfg, 8000, {"max_source": 16, "max_target": 16, "mean_source": 10, "row_bytes": 100,
-                                          "rows": 50, "pairs": [(16, 16)] * 50}, "cpu", 1)
+    plan = plan_sizes.step_sizes(cfg, 8000, {"max_source": 16, "max_target": 16, "mean_source": 10, "row_bytes": 100,
+                                             "rows": 50, "pairs": [(16, 16)] * 50}, "cpu", 1)
     assert plan.saved_8bit == pytest.approx(4 * counts["frozen_8bit"] - stored, abs=8 * len(eight_bit))
 
 

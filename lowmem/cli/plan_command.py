@@ -113,21 +113,28 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         # 7.1 -> 4.8 GiB; under bf16 autocast frozen matrices are cast to bf16 at every use anyway)
         rank = (speed, -batch, plan["host_peak_mb"], peak)
         if best is None or rank < best[5]:
-            flags = {"gradient_checkpointing": ckpt, "mixed_precision": prec, "optimizer": opt, "batch_size": batch,
-                     "gradient_accumulation_steps": accumulation}
-            if cfg.frozen_encoder:
-                flags["encoder_cache"] = cache
-            if has_frozen:
-                flags["frozen_dtype"] = frozen_dtype
-            if wo:
-                flags["quantize_wo"] = True
-            if device == "cpu" or cfg.cpu:  # a GPU plan undoes --cpu=True (given, or from host16g)
-                flags["cpu"] = device == "cpu"
-            best = (speed, flags, peak, trial, plan["host_peak_mb"], rank)
+            best = (speed, recommended_flags(cfg, trial, device), peak, trial, plan["host_peak_mb"], rank)
     if best is None:
         return None
     return {"flags": best[1], "predicted_peak_mb": best[2], "relative_step_time": relative_time(best[3], device),
             "host_peak_mb": best[4]}
+
+
+def recommended_flags(cfg: TrainConfig, trial: TrainConfig, device: str) -> dict:
+    """The flags that turn ``cfg`` into ``trial``, a combination of modes ``recommend`` tried: those it
+    searches, the encoder cache and the frozen weights' storage only where ``cfg`` has them."""
+    flags = {"gradient_checkpointing": trial.gradient_checkpointing, "mixed_precision": trial.mixed_precision,
+             "optimizer": trial.optimizer, "batch_size": trial.batch_size,
+             "gradient_accumulation_steps": trial.gradient_accumulation_steps}
+    if cfg.frozen_encoder:
+        flags["encoder_cache"] = trial.encoder_cache
+    if frozen_parts(cfg):
+        flags["frozen_dtype"] = trial.frozen_dtype
+    if trial.quantize_wo:
+        flags["quantize_wo"] = True
+    if device == "cpu" or cfg.cpu:  # a GPU plan undoes --cpu=True (given, or from host16g)
+        flags["cpu"] = device == "cpu"
+    return flags
 
 
 def format_table(plan: dict) -> str:
@@ -175,19 +182,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     if cfg.init_from:  # as train checks it: a plan's lengths come from the tokenizer the run would refuse
         check_vocabulary(cfg, model_folder_config(cfg.init_from)["vocab_size"], tokenizer)
     data = planner.plan_data(cfg, tokenizer, num_processes)
-    # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
-    # then what importing it adds, so every optimizer the search tries gets its own baseline.
-    # Each extra's import is measured against the RSS just before it (imports pile up in this process: measured
-    # against the first baseline, optimum-quanto's counted bitsandbytes' 44 MiB too).
-    core = before = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="float32"))
-    import_mb = {}
-    if cfg.frozen_dtype in QUANTIZED_DTYPES or (budget_gb is not None and installed("optimum.quanto")):
-        after = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="int8"))  # optimum-quanto
-        import_mb["int8"] = import_mb["float8"] = max(0.0, after - before)
-        before = after
-    if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
-        after = planner.framework_mb(replace(cfg, optimizer="adamw8bit", frozen_dtype="float32"))
-        import_mb["adamw8bit"] = max(0.0, after - before)
+    core, import_mb = framework_baselines(cfg, budget_gb)  # after reading, as in the trainer
     baseline = core + import_mb.get(cfg.optimizer, 0.0) + import_mb.get(cfg.frozen_dtype, 0.0)
     cfg = sized(cfg, data, len(tokenizer), baseline, device, num_processes, per_machine, sharding, budget_gb)
     lengths = run_lengths(cfg, data)
@@ -211,6 +206,26 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     else:
         print_plan(cfg, result)
     return result
+
+
+def framework_baselines(cfg: TrainConfig, budget_gb: float | None) -> tuple[float, dict[str, float]]:
+    """(the framework baseline without the optional extras, MiB; what importing each adds, by the flag value
+    that imports it: int8 / float8 for optimum-quanto, adamw8bit for bitsandbytes), for those the run or a
+    recommendation may import."""
+    # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
+    # then what importing it adds, so every optimizer the search tries gets its own baseline.
+    # Each extra's import is measured against the RSS just before it (imports pile up in this process: measured
+    # against the first baseline, optimum-quanto's counted bitsandbytes' 44 MiB too).
+    core = before = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="float32"))
+    import_mb = {}
+    if cfg.frozen_dtype in QUANTIZED_DTYPES or (budget_gb is not None and installed("optimum.quanto")):
+        after = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="int8"))  # optimum-quanto
+        import_mb["int8"] = import_mb["float8"] = max(0.0, after - before)
+        before = after
+    if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
+        after = planner.framework_mb(replace(cfg, optimizer="adamw8bit", frozen_dtype="float32"))
+        import_mb["adamw8bit"] = max(0.0, after - before)
+    return core, import_mb
 
 
 def sized(cfg: TrainConfig, data, vocab_size: int, baseline_mb: float, device: str, num_processes: int,

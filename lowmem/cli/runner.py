@@ -113,20 +113,10 @@ def run_cli(commands: dict, argv: list[str], startup_handler=None) -> None:
                     "--is_keep_training=True")
         sys.exit(1)
     except Exception as err:  # a write the user can make possible (an OSError, or a Rust library's "(os error N)")
-        import errno
-
-        from lowmem.checkpointing.checkpoint import write_failure
-
-        where = getattr(err, "filename", None)
-        failure = None if debug else write_failure(err, None)
-        if debug or not (failure or getattr(err, "errno", None) == errno.ENAMETOOLONG):
+        message = None if debug else write_error(err, argv[0])
+        if message is None:
             raise
-        if not failure:  # a path given on the command line, or one made from it
-            print_error(f"file name too long: {str(where)[:120]}...; shorten the path you passed")
-        else:  # (checkpoints and exports say so themselves, naming the folder: checkpoint.atomic_folder)
-            again = ("continue it with --is_keep_training=True (its checkpoints are written whole)"
-                     if argv[0] == "train" else "run the command again")
-            print_error(f"{failure[0]}" + (f" ({where})" if where else "") + f": {failure[1]}, then {again}")
+        print_error(message)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C where no handler checkpoints (train's loop has one): a line, not a traceback
         if debug:
@@ -135,6 +125,25 @@ def run_cli(commands: dict, argv: list[str], startup_handler=None) -> None:
         sys.exit(130)
     finally:
         collector.before_exit()
+
+
+def write_error(err: Exception, command: str) -> str | None:
+    """The ``error:`` line for a write the user can make possible (a full disk, a file name too long) that
+    failed ``command``, or None when ``err`` is no such failure."""
+    import errno
+
+    from lowmem.checkpointing.checkpoint import write_failure
+
+    where = getattr(err, "filename", None)
+    failure = write_failure(err, None)
+    if not (failure or getattr(err, "errno", None) == errno.ENAMETOOLONG):
+        return None
+    if not failure:  # a path given on the command line, or one made from it
+        return f"file name too long: {str(where)[:120]}...; shorten the path you passed"
+    # (checkpoints and exports say so themselves, naming the folder: checkpoint.atomic_folder)
+    again = ("continue it with --is_keep_training=True (its checkpoints are written whole)"
+             if command == "train" else "run the command again")
+    return f"{failure[0]}" + (f" ({where})" if where else "") + f": {failure[1]}, then {again}"
 
 
 # How gloo and NCCL report a peer gone in the middle of a collective

@@ -1,4 +1,5 @@
-"""Which micro-batches a run will train on: token lengths sampled from, or replayed through, its stream.
+"""Which micro-batches a run will train on: token lengths sampled from, or replayed through, its stream,
+and the costliest of them (``peak_batch_lengths``).
 
 The planner (``lowmem.memory.planner``) sizes activations from these lengths. Only lengths are kept (rows are
 tokenized a chunk at a time): a replay of 10,000 rows holds a few hundred KB, however long its rows.
@@ -11,6 +12,7 @@ import math
 from pathlib import Path
 
 from config import TrainConfig
+from lowmem.memory.tensor_bytes import batch_cost
 
 REPLAY_ROWS = 10_000  # runs reading at most this many rows have their stream replayed (seconds)
 CHUNK_ROWS = 256  # rows tokenized at a time, and at most CHUNK_BYTES of them (long rows fewer at a time)
@@ -149,6 +151,74 @@ def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int, m
             out.append((max(window[i][0] for i in rows), max(window[i][1] for i in rows),
                         sum(window[i][1] for i in rows), len(rows)))
     return out
+
+
+def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str, world: int) -> tuple[int, ...]:
+    """Source and target lengths (and, when replayed, target tokens) of the costliest micro-batch the
+    run is expected to meet.
+
+    When the run's stream was replayed (``lengths["windows"]``, see ``replay_windows``), that
+    is the costliest micro-batch it will train on. Otherwise a run that reads every row meets the
+    longest source and the longest target (rows of similar length share a micro-batch, so both can
+    meet in one), and a shorter run (``--max_steps``) reading n of the m sampled rows meets the
+    median of the costliest of n draws: the row at rank ``m * 0.5 ** (1 / n)`` when the sample is
+    sorted by the activation bytes a row costs.
+    """
+    cost = batch_cost(cfg, dims, device)
+    if lengths.get("windows"):
+        return max(micro_batch_lengths(lengths["windows"], cfg.batch_size, cfg.max_tokens_per_batch,
+                                       padding_multiple(cfg, device)), key=cost)
+    pairs = lengths["pairs"]
+    share = lengths["rows"] / world  # the rows each process reads per epoch
+    read = share * cfg.epochs
+    if cfg.max_steps > 0:
+        read = min(read, cfg.max_steps * cfg.batch_size * cfg.gradient_accumulation_steps)
+    if not pairs or read >= share:
+        return token_budget_rows(cfg, (lengths["max_source"], lengths["max_target"]))
+    ranked = sorted(pairs, key=cost)
+    rank = math.ceil(len(ranked) * 0.5 ** (1 / max(read, 1)))
+    return token_budget_rows(cfg, ranked[min(max(rank, 1), len(ranked)) - 1])
+
+
+def runner_up_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str) -> tuple[int, ...] | None:
+    """The second costliest micro-batch of a replayed run (None when not replayed, or only one).
+
+    The heap the allocator keeps from earlier micro-batches sits beside the costliest one at the
+    peak: it was shaped by the other batches. A long batch met once leaves less than a run of them.
+    """
+    batches = micro_batch_lengths(lengths["windows"], cfg.batch_size, cfg.max_tokens_per_batch,
+                                  padding_multiple(cfg, device)) if lengths.get("windows") else []
+    if len(batches) < 2:
+        return None
+    return sorted(batches, key=batch_cost(cfg, dims, device))[-2]
+
+
+def padded_peak_batches(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
+                        world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The lengths of the costliest micro-batch and of the runner-up, padded as the trainer pads them."""
+    from data.collate import round_up
+
+    peak = peak_batch_lengths(cfg, dims, lengths, device, world)
+    runner_up = runner_up_lengths(cfg, dims, lengths, device) or peak
+    multiple = padding_multiple(cfg, device)
+    if multiple > 1:  # the lengths padded as the trainer pads them (not the token and row counts)
+        peak, runner_up = ((*(round_up(n, multiple) for n in batch[:2]), *batch[2:]) for batch in (peak, runner_up))
+    return peak, runner_up
+
+
+def token_budget_rows(cfg: TrainConfig, batch: tuple[int, int]) -> tuple[int, ...]:
+    """With --max_tokens_per_batch, the micro-batch of rows at these lengths the budget lets in (as many
+    as fit, within one window); without, the lengths as given (--batch_size rows)."""
+    if not cfg.max_tokens_per_batch:
+        return tuple(batch)
+    rows = max(1, min(cfg.batch_size * cfg.gradient_accumulation_steps, cfg.max_tokens_per_batch // max(sum(batch), 1)))
+    return batch[0], batch[1], rows * batch[1], rows
+
+
+def padding_multiple(cfg: TrainConfig, device: str) -> int:
+    from data.collate import shape_multiple
+
+    return shape_multiple(cfg.mixed_precision, device == "cpu")
 
 
 def eval_pairs(cfg: TrainConfig, data) -> list[tuple[int, int]]:

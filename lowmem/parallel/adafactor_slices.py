@@ -129,15 +129,7 @@ def update_flat(p: torch.Tensor, group: dict, state: dict, layout: Layout) -> No
     blocks = {i: _Block(piece, grad.device) for i, piece in factored if piece.count}
 
     # 1. every matrix's row and column sums of grad^2 + eps over the elements held here, then over all
-    sums = grad.new_zeros(n_rows + n_columns)
-    row_sums, column_sums = sums[:n_rows], sums[n_rows:]
-    for i, block in blocks.items():
-        piece, (row_at, column_at, _) = slices[i], where[i]
-        squared = block.widen(_held(grad, piece).square().add_(eps))
-        row_sums[row_at + block.first:row_at + block.first + block.n_rows] += squared.sum(dim=-1)
-        columns = column_sums[column_at:column_at + piece.columns]
-        columns.view(piece.matrices, -1).index_add_(0, block.matrix, squared)
-    summed(sums, layout.group)
+    row_sums, column_sums = _square_sums(grad, layout, where, blocks, eps)
 
     # 2. the moving averages (whole row and column vectors: the same on every process) and the update
     update = torch.zeros_like(grad)
@@ -171,6 +163,23 @@ def update_flat(p: torch.Tensor, group: dict, state: dict, layout: Layout) -> No
         rms = squares[i].sqrt() / (piece.numel ** 0.5)
         _held(update, piece).div_((rms / group["clip_threshold"]).clamp_(min=1.0))
     apply_update(p, update, state, group)
+
+
+def _square_sums(grad: torch.Tensor, layout: Layout, where: list, blocks: dict,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every factored weight's row and column sums of grad^2 + ``eps``, from the elements held here (the
+    ``blocks``), summed over ``layout.group``: the concatenated row and column vectors."""
+    n_rows, n_columns, _ = where[-1]
+    sums = grad.new_zeros(n_rows + n_columns)
+    row_sums, column_sums = sums[:n_rows], sums[n_rows:]
+    for i, block in blocks.items():
+        piece, (row_at, column_at, _) = layout.slices[i], where[i]
+        squared = block.widen(_held(grad, piece).square().add_(eps))
+        row_sums[row_at + block.first:row_at + block.first + block.n_rows] += squared.sum(dim=-1)
+        columns = column_sums[column_at:column_at + piece.columns]
+        columns.view(piece.matrices, -1).index_add_(0, block.matrix, squared)
+    summed(sums, layout.group)
+    return row_sums, column_sums
 
 
 def apply_update(weights: torch.Tensor, update: torch.Tensor, state: dict, group: dict) -> None:
