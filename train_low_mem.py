@@ -128,7 +128,7 @@ def plan(config: str | None = None, **flags) -> None:
     recommends the fastest modes that fit (exit code 1 when nothing does); --num_processes=N
     [--num_machines=M] plans N processes, --sharding=fsdp|zero2|zero3 one process of a sharded run."""
     from lowmem.cli.plan_command import plan_command
-    from lowmem.parallel.sharding import planned_sharding, requested_engine
+    from lowmem.parallel.engines import engine_for_launch
 
     as_json = to_bool("json", flags.pop("json", False))
     budget_gb, device = flags.pop("budget_gb", None), flags.pop("device", None)
@@ -136,7 +136,7 @@ def plan(config: str | None = None, **flags) -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     num_processes = flags.pop("num_processes", world)
     num_machines = flags.pop("num_machines", world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    sharding = flags.pop("sharding", planned_sharding(requested_engine()))
+    sharding = flags.pop("sharding", engine_for_launch().sharding)
     cfg, notes = load_config(flags, config)
     if int(os.environ.get("RANK", 0)) != 0:
         return

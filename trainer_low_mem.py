@@ -54,8 +54,9 @@ from lowmem.monitoring.telemetry import (
     startup_summary,
 )
 from lowmem.parallel import deepspeed_engine
-from lowmem.parallel.distributed import indexes_from_main, prepare_for_training, start_accelerator, window_counts
-from lowmem.parallel.sharding import full_value, padded_window, planned_sharding, shard_model, weights_finite
+from lowmem.parallel.distributed import indexes_from_main, start_accelerator, window_counts
+from lowmem.parallel.engines import Engine
+from lowmem.parallel.sharding import padded_window, weights_finite
 from lowmem.training import encoder_cache
 from lowmem.training.accumulation import window_backward
 from lowmem.training.eval_metrics import scores_in
@@ -110,7 +111,7 @@ class LowMemTrainer:
         # Built by setup(), in this order:
         self.files: DataFiles | None = files  # checked before anything heavy (by the CLI, before its imports)
         self.accelerator = None
-        self.sharding: dict | None = None  # {"engine": "fsdp" or "deepspeed", ...} under a sharded launch config
+        self.engine: Engine | None = None  # plain, FSDP or DeepSpeed, as the launch config asks
         self.shape_multiple = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU)
         self.checkpointer: Checkpointer | None = None
         self.tokenizer = tokenizer
@@ -132,11 +133,6 @@ class LowMemTrainer:
         self.grad_norm = self.step_lr = None  # of the last optimizer step, for its log record
 
     @property
-    def engine(self) -> str | None:
-        """The sharded engine: "fsdp", "deepspeed", or None (one process, or plain data parallelism)."""
-        return self.sharding and self.sharding["engine"]
-
-    @property
     def main(self) -> bool:
         return self.telemetry.main
 
@@ -148,7 +144,7 @@ class LowMemTrainer:
         self.files = self.files or check_data(cfg, objective)
         if self.model is None:
             check_init_from(cfg)
-        self.accelerator, self.sharding = start_accelerator(cfg)
+        self.accelerator, self.engine = start_accelerator(cfg)
         self.telemetry.attach(self.accelerator)
         self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
         self.start_time = time.time()
@@ -168,11 +164,10 @@ class LowMemTrainer:
                                indexes=indexes_from_main(self.accelerator, self.files.train), report=self.say,
                                warn=self.warn)
         self.batch_request = batch_request(cfg)  # the sizes used, from here on in the config (memory.batch_budget)
-        sizes = size_run(cfg, self.data, self.accelerator, len(self.tokenizer), planned_sharding(self.engine),
-                         resume_dir, self.say)
+        sizes = size_run(cfg, self.data, self.accelerator, len(self.tokenizer), self.engine, resume_dir, self.say)
         cfg = self.cfg = self.telemetry.resolved(replace(cfg, **sizes.flags()))  # planned before the model exists:
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
-                                    resume_dir is not None, planned_sharding(self.engine), sizes.lengths, self.say)
+                                    resume_dir is not None, self.engine.sharding, sizes.lengths, self.say)
         imports_done()  # before the weights: lowmem.memory.collector
         self._build_model()
         per_epoch, self.total_steps = self.data.steps(cfg)
@@ -208,17 +203,15 @@ class LowMemTrainer:
         stored = None  # (bf16, 8-bit) elements of a model read in its training form
         if self.model is None:
             with deepspeed_engine.loading_whole(self.accelerator):  # under ZeRO-3 too: not into partitions
-                self.model, stored = model_for_run(cfg, self.tokenizer, self.accelerator.device, self.engine,
+                self.model, stored = model_for_run(cfg, self.tokenizer, self.accelerator.device, self.engine.shards,
                                                    self.memory.guard.check)
         else:  # a model handed in; --init_from's was checked in setup, and a new one is sized to the tokenizer
             check_vocabulary(cfg, self.model.get_input_embeddings().num_embeddings, self.tokenizer)
-        self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request, "sharding": planned_sharding(
-            self.engine), **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows,
-            **base_model_identity(cfg)}
+        self.run_config = {**cfg.to_dict(), "batch_request": self.batch_request, "sharding": self.engine.sharding,
+                           **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows,
+                           **base_model_identity(cfg)}
         self.model, self.parameters = ready_to_train(self.model, cfg, stored)
-        if self.engine == "fsdp":  # before the optimizer: sharding replaces the parameters
-            self.model = shard_model(self.model, self.sharding, self.accelerator.device)
-            free_memory()  # the whole weights each process built go back to the OS
+        self.model = self.engine.shard(self.model, self.accelerator.device)  # FSDP's: before the optimizer
         self.telemetry.log_memory("model_built")
 
     def _build_optimizer(self) -> None:
@@ -228,7 +221,7 @@ class LowMemTrainer:
         self.optimizer = build_optimizer(self.cfg, groups)
         self.scheduler = build_scheduler(self.cfg, self.optimizer, self.total_steps)
         # The scheduler is not prepared: accelerate's wrapper would step it once per process per call.
-        self.model, self.optimizer, self.core = prepare_for_training(self.accelerator, self.model, self.optimizer)
+        self.model, self.optimizer, self.core = self.engine.prepare(self.accelerator, self.model, self.optimizer)
         self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
         self.telemetry.log_memory("prepared")
 
@@ -326,26 +319,20 @@ class LowMemTrainer:
         Returns:
             False when the step was skipped because the loss or gradient was not finite.
         """
-        if self.engine is not None:  # every forward is a collective: as many on every process
+        if self.engine.shards:  # every forward is a collective: as many on every process
             window = padded_window(window, self.train_collator.empty, self.accelerator.num_processes)
         loss_sum = self.accumulate_gradients(window, counts["tokens"])
         if self.memory.tripped_in_window(self.accelerator):
             self.stop_for_memory(in_window=True)  # before the optimizer step: the window is dropped on every process
         self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (logged with it)
-        if self.engine == "deepspeed":  # DeepSpeed clips, skips a non-finite step and zeroes the gradients itself
-            self.grad_norm = deepspeed_engine.step(self.model)
-        else:
-            # The norm of the all-reduced gradient (clip at infinity = measure only) is the same on every
-            # process, so all of them take the same decision; a NaN loss anywhere makes it NaN.
-            self.grad_norm = full_value(self.accelerator.clip_grad_norm_(self.trainable_params,
-                                                                         self.cfg.max_grad_norm or math.inf))
+        # the same norm on every process (DeepSpeed clips, skips a non-finite step and zeroes the gradients itself)
+        self.grad_norm = self.engine.clip(self.accelerator, self.model, self.trainable_params, self.cfg.max_grad_norm)
         if not math.isfinite(float(self.grad_norm)):  # one host sync per optimizer step
             self.optimizer.zero_grad(set_to_none=True)  # the step is skipped: its gradient dropped, the skip counted
             count_nonfinite_step(self.state, self.cfg.max_nonfinite_steps, self.say, self.telemetry.record)
             return False
         self.state.nonfinite_in_a_row = 0
-        if self.engine != "deepspeed":
-            self.optimizer.step()
+        self.engine.step(self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
@@ -458,7 +445,7 @@ class LowMemTrainer:
 
     def _checkpointed(self) -> tuple:
         """What a checkpoint holds: (model, optimizer, scheduler, run_config); DeepSpeed saves through its engine."""
-        return self.model if self.engine == "deepspeed" else self.core, self.optimizer, self.scheduler, self.run_config
+        return self.engine.saved_model(self.model, self.core), self.optimizer, self.scheduler, self.run_config
 
     def save_checkpoint(self, position: dict | None = None) -> Path:  # position: held at a window's start
         parts = self._checkpointed()

@@ -17,19 +17,19 @@ from lowmem.checkpointing.run_folder import RunFolder, eval_changes
 from lowmem.memory.probes import free_memory
 from lowmem.model.build import export_state_dict, weights_in_float32
 from lowmem.monitoring.metrics_log import MetricsLog
-from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.distributed import any_process
-from lowmem.parallel.sharding import full_state_dict, local_state
+from lowmem.parallel.engines import Engine, PlainEngine
 from lowmem.training.optim import resume_schedule
 
 
 class Checkpointer:
     """Checkpoints and exports of one run. Collective: every process calls ``save`` and ``export``."""
 
-    def __init__(self, folder: RunFolder, accelerator, telemetry, engine: str | None = None):
+    def __init__(self, folder: RunFolder, accelerator, telemetry, engine: Engine | None = None):
         self.folder = folder
-        # "fsdp" or "deepspeed": each process writes and reads its own shard; exports gather the weights
-        self.engine = engine
+        # the run's engine (lowmem.parallel.engines); a sharded one: each process writes and reads its own shard,
+        # exports gather the weights
+        self.engine = PlainEngine() if engine is None else engine
         self.accelerator = accelerator
         self.telemetry = telemetry
         self.saved_step: int | None = None  # the step of the newest checkpoint written or resumed from
@@ -65,11 +65,11 @@ class Checkpointer:
                 "checkpoint_record": record if self.telemetry.metrics is not None else None}
         process_states = gather_object([mine])  # small: RNG + data position per rank
         model, optimizer, scheduler, run_config = training
-        if self.engine is not None:
+        if self.engine.shards:
             self._write_shard(folder, model, optimizer)
         if self.accelerator.is_main_process:
             self.folder.write_checkpoint(step, model, optimizer, scheduler, trainer_state, run_config,
-                                         process_states, keep=keep, staged=self.engine is not None)
+                                         process_states, keep=keep, staged=self.engine.shards)
             self.telemetry.metrics.write_line(record)
             self.telemetry.checkpointed()  # the trackers that wait for a checkpoint get the records it keeps
         self.accelerator.wait_for_everyone()
@@ -82,10 +82,7 @@ class Checkpointer:
         if self.accelerator.is_main_process:
             checkpoint.new_staging(folder)
         self.accelerator.wait_for_everyone()
-        if self.engine == "deepspeed":
-            deepspeed_engine.save(model, checkpoint.staging_path(folder))
-        else:
-            self.folder.write_shard(folder, self.accelerator.process_index, *local_state(model, optimizer))
+        self.engine.save(model, optimizer, checkpoint.staging_path(folder), self.accelerator.process_index)
         self.accelerator.wait_for_everyone()
 
     def load(self, folder: Path, training, stream, learn_rate: float, weight_decay: float) -> tuple[dict, dict]:
@@ -124,14 +121,13 @@ class Checkpointer:
         """``core`` as a plain transformers folder (float32, LoRA merged), written by the main process; with
         ``adapter`` (``lowmem.model.adapters.adapter_export``) a peft adapter folder of its base model instead."""
         self.accelerator.wait_for_everyone()
-        if adapter is not None and self.engine is None:
+        if adapter is not None and not self.engine.shards:
             if self.accelerator.is_main_process:
                 self.folder.export_adapter(folder, core, adapter["base"], tokenizer,
                                            {**info, "base_form": adapter["base_form"]}, tokenizer_source,
                                            then=self.folder.how_to_continue)
-        elif self.engine is not None:  # the whole weights gathered on the main process's host (all take part)
-            whole = (deepspeed_engine.full_state_dict(core, self.accelerator.is_main_process)
-                     if self.engine == "deepspeed" else full_state_dict(core))
+        elif self.engine.shards:  # the whole weights gathered on the main process's host (all take part)
+            whole = self.engine.full_state_dict(core, self.accelerator.is_main_process)
             if self.accelerator.is_main_process:
                 self.folder.export(folder, core, tokenizer, info, state_dict=whole, tokenizer_source=tokenizer_source,
                                    then=self.folder.how_to_continue)

@@ -25,12 +25,9 @@ from lowmem.checkpointing import checkpoint
 from lowmem.checkpointing.ownership import open_own, write_atomic
 from lowmem.checkpointing.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.parallel import deepspeed_engine
-from lowmem.parallel.sharding import load_local_state
+from lowmem.parallel.engines import Engine, PlainEngine, engine_that_wrote
+from lowmem.parallel.layouts import layout_title
 from lowmem.training.eval_metrics import metric_named
-
-SHARD_WEIGHTS = "model-shard{rank:05d}.safetensors"  # sharded (FSDP) checkpoints: one pair per process
-SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
-
 
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
 # The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
@@ -57,8 +54,6 @@ EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_
 GENERATION_SETTINGS = ("num_beams", "no_repeat_ngram_size", "repetition_penalty")
 # What a run records beside its flags (compared above where it matters; the flags behind it are logged)
 NOT_FLAGS = ("batch_request", "held_out_rows", "parameter_group_sizes", "sharding", "base_model")
-SHARDING_NAMES = {"fsdp": "FSDP", "zero2": "DeepSpeed ZeRO-1/2", "zero3": "DeepSpeed ZeRO-3",
-                  None: "neither FSDP nor DeepSpeed"}
 
 
 class RunFolder:
@@ -173,17 +168,8 @@ class RunFolder:
         return folder
 
     @staticmethod
-    def write_shard(folder: Path, rank: int, weights: dict, optimizer_state: dict) -> None:
-        """Process ``rank``'s shards of a sharded checkpoint, into its staging folder."""
-        from safetensors.torch import save_file
-
-        staging = checkpoint.staging_path(folder)
-        save_file(weights, str(staging / SHARD_WEIGHTS.format(rank=rank)))
-        torch.save(optimizer_state, staging / SHARD_OPTIMIZER.format(rank=rank))
-
-    @staticmethod
     def read_checkpoint(folder: Path, model, optimizer, scheduler, run_config: dict, rank: int, world: int,
-                        say=print, engine: str | None = None) -> tuple[dict, dict]:
+                        say=print, engine: Engine | None = None) -> tuple[dict, dict]:
         """Load weights, optimizer and scheduler of ``folder`` in place.
 
         Returns:
@@ -196,26 +182,14 @@ class RunFolder:
                             f"number (this run has {world})")
         # Tensors and plain values only, all read before anything is restored: a checkpoint from
         # elsewhere holding other objects is refused whole, and none of its code runs.
-        written = ("fsdp" if (folder / SHARD_WEIGHTS.format(rank=0)).is_file()
-                   else "deepspeed" if deepspeed_engine.written_with(folder) else None)
-        if written != engine:
-            names = {"fsdp": "FSDP", "deepspeed": "DeepSpeed", None: "neither FSDP nor DeepSpeed"}
-            raise UserError(f"checkpoint {folder} was written with {names[written]} and this run uses "
-                            f"{names[engine]}; resume with the launch config the run began with")
+        engine = PlainEngine() if engine is None else engine
+        written = engine_that_wrote(folder)
+        if not isinstance(engine, written):
+            raise UserError(f"checkpoint {folder} was written with {written.title} and this run uses "
+                            f"{engine.title}; resume with the launch config the run began with")
         scheduler_state, process_state = (checkpoint.load_state(folder / name)
                                           for name in ("scheduler.pt", f"process_{rank}.pt"))
-        if engine == "deepspeed":  # DeepSpeed's files (each process its partition): weights and optimizer
-            deepspeed_engine.load(model, folder)
-        elif engine == "fsdp":
-            from safetensors.torch import load_file
-
-            optimizer_state = checkpoint.load_state(folder / SHARD_OPTIMIZER.format(rank=rank))
-            load_local_state(model, optimizer, load_file(str(folder / SHARD_WEIGHTS.format(rank=rank))),
-                             optimizer_state)
-        else:
-            optimizer_state = checkpoint.load_state(folder / "optimizer.pt")
-            checkpoint.load_trained(model, folder / "model.safetensors")
-            optimizer.load_state_dict(optimizer_state)
+        engine.load(model, optimizer, folder, rank)  # weights and optimizer: whole, or this process's shard
         scheduler.load_state_dict(scheduler_state)
         trainer_state = json.loads((folder / "trainer_state.json").read_text())
         return trainer_state, process_state
@@ -306,8 +280,8 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
                             f"{current[key]}; resume with the --{flag} the run began with (model, tokenizer, "
                             "optimizer and LoRA shape cannot change), or use a new --output_dir")
     if "sharding" in saved and saved["sharding"] != current.get("sharding"):  # each engine its own files
-        raise UserError(f"checkpoint {folder} was written with {SHARDING_NAMES[saved['sharding']]} and this run uses "
-                        f"{SHARDING_NAMES[current.get('sharding')]}; resume with the launch config the run began with")
+        raise UserError(f"checkpoint {folder} was written with {layout_title(saved['sharding'])} and this run uses "
+                        f"{layout_title(current.get('sharding'))}; resume with the launch config the run began with")
     _compare_parameter_groups(saved, current, folder)
     _compare_rows_per_step(saved, current, folder)
     _compare_base_model(saved, current, folder)

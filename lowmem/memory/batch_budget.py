@@ -238,19 +238,15 @@ def batch_request(cfg: TrainConfig) -> dict:
                                                   "effective_batch_size", "max_tokens_per_batch")}
 
 
-def size_run(cfg: TrainConfig, data, accelerator, vocab_size: int, sharding: str | None, resume_dir=None,
+def size_run(cfg: TrainConfig, data, accelerator, vocab_size: int, engine, resume_dir=None,
              say=print) -> BatchSizes:
-    """The trainer's sizes, its notes said, and DeepSpeed's settings set to them: a resumed run's as it
-    began (``reused``), else ``size_batches``' for this process, the smallest on any process (each plans
-    its own share of the data)."""
-    from lowmem.parallel import deepspeed_engine
-    from lowmem.parallel.sharding import runs_deepspeed
-
-    sizes = agreed_sizes(cfg, data, accelerator, vocab_size, sharding, resume_dir)
+    """The trainer's sizes, its notes said, and the ``engine``'s settings set to them (DeepSpeed's bookkeeping
+    checks them; ``lowmem.parallel.engines``): a resumed run's as it began (``reused``), else ``size_batches``' for
+    this process, the smallest on any process (each plans its own share of the data)."""
+    sizes = agreed_sizes(cfg, data, accelerator, vocab_size, engine.sharding, resume_dir)
     for note in sizes.notes:
         say(note)
-    if runs_deepspeed(accelerator):
-        deepspeed_engine.set_batch_sizes(accelerator, sizes.micro, sizes.accumulation)
+    engine.set_batch_sizes(accelerator, sizes.micro, sizes.accumulation)
     return sizes
 
 

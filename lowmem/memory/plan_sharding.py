@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowmem.memory.tensor_bytes import part_elements
+from lowmem.parallel.layouts import LAYOUTS
 
-SHARDINGS = ("fsdp", "zero2", "zero3")  # as `plan --sharding` and the trainer name them
+SHARDINGS = tuple(LAYOUTS)  # as `plan --sharding` and the trainer name them ("fsdp", "zero2", "zero3")
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,16 @@ def block_elements(dims: dict) -> int:
 
 def sharded_sizes(sharding: str, world: int, dims: dict, shapes: dict, weights: float, gradients: float,
                   optimizer: float, optimizer_temp: float) -> ShardedSizes:
-    """The sharded terms of one process of ``world``, from the whole-model ones."""
+    """The sharded terms of one process of ``world``, from the whole-model ones (``sharding``: a name in
+    ``lowmem.parallel.layouts.LAYOUTS``)."""
+    layout = LAYOUTS[sharding]
     block = 4 * block_elements(dims)
-    if sharding == "zero2":  # weights whole; DeepSpeed steps a float32 copy of this process's partition
+    if layout.whole_weights:  # ZeRO-2: DeepSpeed steps a float32 copy of this process's partition
         return ShardedSizes(weights + weights / world, 0.0, gradients / world + block, optimizer / world,
                             3 * block)
     embedding = 4 * part_elements(shapes, "shared")
     gathered = 2 * block + embedding * (1 - 1 / world)
     # FSDP steps each weight's shard (the largest one's temporaries); DeepSpeed one sub-group of a block's
     # size at a time (its flat copy of the sub-group's gradients, and the optimizer's temporaries)
-    temp = optimizer_temp / world if sharding == "fsdp" else 3 * block
+    temp = optimizer_temp / world if layout.steps_by_shard else 3 * block
     return ShardedSizes(weights / world + gathered, gathered, gradients / world + block, optimizer / world, temp)

@@ -20,7 +20,7 @@ def plan_run(cfg: TrainConfig, data, device: str, resuming: bool, sharding: str 
 
     Made before the model exists (the framework baseline is measured here). A run from the start
     replays this process's stream to find its costliest micro-batch; a resumed one, which starts
-    mid-stream, is planned from the sampled lengths. ``sharding``: ``lowmem.parallel.sharding.planned_sharding``;
+    mid-stream, is planned from the sampled lengths. ``sharding``: ``Engine.sharding``;
     ``lengths``: those already read for these sizes (``lowmem.memory.batch_budget``). A resumed run keeps the sizes
     it began with, whatever --max_rss_gb is now: a note says when they are planned above its guard.
     """

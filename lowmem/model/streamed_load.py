@@ -123,17 +123,18 @@ def base_model_identity(cfg: TrainConfig) -> dict:
     return {"base_model": {"init_from": cfg.init_from, "fingerprint": fingerprint(resolve_model_dir(cfg.init_from))}}
 
 
-def model_for_run(cfg: TrainConfig, tokenizer, device, engine: str | None = None, guard=None) -> tuple:
+def model_for_run(cfg: TrainConfig, tokenizer, device, shards: bool = False, guard=None) -> tuple:
     """(model, (bf16, 8-bit) elements or None): --init_from read in its training form, or a new one of the preset.
 
-    One process's model goes straight to its ``device`` as it is read; a sharded ``engine`` shards a host copy.
+    One process's model goes straight to its ``device`` as it is read; a sharded engine (``shards``) shards a
+    host copy.
     """
     from lowmem.model.build import build_model
     from lowmem.model.source import resolve_model_dir
 
     if not cfg.init_from:
         return build_model(cfg, tokenizer), None
-    device = device if engine is None else torch.device("cpu")
+    device = torch.device("cpu") if shards else device
     model, *stored = load_for_training(cfg, resolve_model_dir(cfg.init_from), device, guard)
     return model, tuple(stored)
 

@@ -62,8 +62,8 @@ def process_group_kwargs() -> list:
     return [InitProcessGroupKwargs(backend="gloo")]
 
 
-def configure(accelerator, cfg: TrainConfig) -> dict:
-    """Fill the launch config's DeepSpeed settings the trainer owns; returns the run's sharding record."""
+def configure(accelerator, cfg: TrainConfig) -> None:
+    """Fill the launch config's DeepSpeed settings the trainer owns."""
     # DeepSpeed 0.19 calls the collectives torch 2.13 deprecated, at every gather and reduce: the warnings,
     # which nothing in this run can act on, would repeat thousands of times a run (17,000 lines in 8 steps of
     # the tiny preset on 2 processes)
@@ -76,7 +76,6 @@ def configure(accelerator, cfg: TrainConfig) -> dict:
     # torch's AdamW, as DDP and FSDP runs use (with optimizer offload too: DeepSpeed would insist on its own)
     settings.setdefault("zero_allow_untested_optimizer", True)
     settings.setdefault("zero_force_ds_cpu_optimizer", False)
-    return {"engine": "deepspeed"}
 
 
 def set_batch_sizes(accelerator, micro: int, accumulation: int) -> None:

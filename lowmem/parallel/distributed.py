@@ -12,19 +12,17 @@ import torch
 from config import TrainConfig, UserError
 from data.sources.readers import index_file
 from lowmem.memory.probes import MemoryGuard, import_accelerate, map_large_blocks, peak_rss_bytes
-from lowmem.parallel import deepspeed_engine
-from lowmem.parallel.sharding import check_shardable, fsdp_settings, is_sharded, requested_engine, runs_deepspeed
+from lowmem.parallel.engines import engine_for_launch
 
 
 def start_accelerator(cfg: TrainConfig):
-    """The run's ``Accelerator``: device, mixed precision, DDP settings, tracker; seeds every RNG. With
-    a sharded launch config, also how the model is sharded: ``{"engine": "fsdp", ...}`` (the trainer
-    shards the model itself, ``lowmem.parallel.sharding``: accelerate runs as plain data parallelism then) or
-    ``{"engine": "deepspeed"}`` (accelerate starts DeepSpeed, ``lowmem.parallel.deepspeed_engine``);
-    None for plain data parallelism.
+    """The run's ``Accelerator``: device, mixed precision, DDP settings, tracker; seeds every RNG. Also the
+    engine the launch config asks for (``lowmem.parallel.engines``): FSDP (the trainer shards the model
+    itself: accelerate runs as plain data parallelism then), DeepSpeed (accelerate starts it), or the plain
+    engine (one process, or plain data parallelism).
 
     Returns:
-        (accelerator, sharding or None)
+        (accelerator, engine)
 
     Raises:
         UserError: bf16 on a GPU without it; options the sharded engine does not run with.
@@ -36,30 +34,22 @@ def start_accelerator(cfg: TrainConfig):
     if cfg.mixed_precision == "bf16" and torch.cuda.is_available() and not cfg.cpu \
             and not torch.cuda.is_bf16_supported():
         raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=no")
-    engine = requested_engine()
-    # FSDP's settings are read before accelerate starts (they are taken out of its environment)
-    sharding = {"engine": "fsdp", **fsdp_settings()} if engine == "fsdp" else None
-    if engine is not None:
-        check_shardable(cfg, engine)
+    engine = engine_for_launch()
+    engine.check(cfg)
+    if engine.shards:
         map_large_blocks()  # gathered weights and gradients, freed at every block, go back to the OS
-    if engine == "deepspeed":
-        deepspeed_engine.check_deepspeed(cfg)
     # DDP all-reduces through buckets that, by default, are a second copy of every gradient; as
     # views the gradients live in the buckets themselves (one copy fewer per process).
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
-    # Under DeepSpeed, accelerate's CPU flag would mean MULTI_CPU (plain data parallelism): DeepSpeed
-    # finds the device itself, and CPU processes talk over gloo
-    handlers = [ddp] + (deepspeed_engine.process_group_kwargs() if engine == "deepspeed" else [])
-    accelerator = Accelerator(cpu=(cfg.cpu or launched_without_gpu()) and engine != "deepspeed",
-                              mixed_precision=cfg.mixed_precision,
+    options = engine.accelerator_options(cfg.cpu or launched_without_gpu())  # FSDP's read before accelerate starts
+    accelerator = Accelerator(cpu=options["cpu"], mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              kwargs_handlers=handlers)
-    if engine == "deepspeed":
-        sharding = deepspeed_engine.configure(accelerator, cfg)
+                              kwargs_handlers=[ddp] + options["kwargs_handlers"])
+    engine.configure(accelerator, cfg)
     if accelerator.device.type == "cuda":
         attention_without_shape_plans()
     set_seed(cfg.seed)
-    return accelerator, sharding
+    return accelerator, engine
 
 
 def attention_without_shape_plans() -> None:
@@ -86,32 +76,6 @@ def launched_without_gpu() -> bool:
     one would run alone, the whole run on every process. With no GPU to run on, CPU processes are what
     the launch can only mean."""
     return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-
-
-def prepare_for_training(accelerator, model, optimizer):
-    """(model, optimizer, the plain model inside) as accelerate prepares them: DDP-wrapped with several
-    processes, or a DeepSpeed engine; a model FSDP has sharded already is left as it is (accelerate would
-    wrap it for DDP too)."""
-    if is_sharded(model):
-        return model, accelerator.prepare(optimizer), model
-    if runs_deepspeed(accelerator):
-        deepspeed_engine.size_buckets(accelerator, model.config.d_model)
-        deepspeed_engine.import_muon_uncompiled()
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if runs_deepspeed(accelerator):
-        deepspeed_engine.share_master_weights(model)
-        deepspeed_engine.describe_partitions(model)
-    return model, optimizer, inner_model(accelerator, model)
-
-
-def inner_model(accelerator, model):
-    """The plain model inside what ``accelerator.prepare`` returned: the ``module`` of a DDP wrapper or a
-    DeepSpeed engine, else the model itself. Not ``accelerator.unwrap_model``: it imports DeepSpeed
-    wherever it is installed (0.6 s, 25 MiB and a warning line on CPU machines) before training starts
-    (exports keep it out too: ``deepspeed_engine.unwrapped_without_import``)."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or runs_deepspeed(accelerator):
-        return model.module
-    return model
 
 
 def indexes_from_main(accelerator, files: list) -> list:

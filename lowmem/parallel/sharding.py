@@ -3,9 +3,10 @@
 Why not through accelerate: accelerate runs CPU processes as MULTI_CPU and silently applies no FSDP
 there, and its FSDP plugin fails on T5 in transformers 5 (``encoder.embed_tokens`` and
 ``decoder.embed_tokens`` are two modules holding the one shared Parameter). So an ``accelerate launch``
-with an FSDP config (``ACCELERATE_USE_FSDP``) is read here, accelerate itself is started without it,
-and the model is sharded with torch's own API: each block (``T5Block``, ``MT5Block``, ``UMT5Block``) is
-one unit, then the root, which keeps the shared embedding (and a head tied to it) in one group.
+with an FSDP config (``ACCELERATE_USE_FSDP``) is read by ``lowmem.parallel.engines.FSDPEngine``, accelerate
+itself is started without it, and the model is sharded here with torch's own API: each block (``T5Block``,
+``MT5Block``, ``UMT5Block``) is one unit, then the root, which keeps the shared embedding (and a head tied
+to it) in one group.
 
 Under sharding every forward is a collective (each unit's weights are all-gathered), so every process
 must run the same number of forwards: ``equal_count`` gives the count to pad windows and eval passes to.
@@ -18,53 +19,9 @@ weights and optimizer state, written by that process); an export gathers the who
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
-
-FSDP_ENV = "ACCELERATE_USE_FSDP"
-
-
-def requested_engine() -> str | None:
-    """The sharded engine ``accelerate launch`` was given (its config's ``distributed_type``): "fsdp",
-    "deepspeed", or None for plain data parallelism."""
-    if os.environ.get(FSDP_ENV, "false").lower() == "true":
-        return "fsdp"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return "deepspeed"
-    return None
-
-
-def planned_sharding(engine: str | None) -> str | None:
-    """The planner's name for a launch's sharding (``lowmem.memory.plan_sharding``): "fsdp", "zero2" or "zero3"
-    (the ZeRO stage accelerate's launcher passes on), None for plain data parallelism."""
-    if engine == "deepspeed":
-        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # accelerate's own default
-        return "zero3" if stage == "3" else "zero2"  # stage 1 splits less: planned as 2, a little low
-    return engine
-
-
-def fsdp_settings() -> dict:
-    """The FSDP options of the launch config that apply to ``fully_shard``, taken out of the
-    environment so that accelerate does not start its own FSDP (see the module's docstring)."""
-    os.environ.pop(FSDP_ENV, None)
-    return {"reshard_after_forward": os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true",
-            "offload_params": os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true",
-            "version": os.environ.get("FSDP_VERSION", "2")}
-
-
-def check_shardable(cfg, engine: str) -> None:
-    """Refuse, in one line each, the options sharding (``engine``: fsdp or deepspeed) does not run with."""
-    from config import UserError
-
-    refused = {"--lora_r": cfg.lora_r > 0, "--encoder_cache": cfg.encoder_cache != "off",
-               f"--frozen_dtype={cfg.frozen_dtype}": cfg.frozen_dtype != "float32"}
-    name = {"fsdp": "FSDP", "deepspeed": "DeepSpeed"}[engine]
-    for flag, on in refused.items():
-        if on:
-            raise UserError(f"{flag} is not supported with {name}: leave it out, or launch without the {name} "
-                            "config (accelerate_configs/multi_gpu.yaml, cpu_2proc.yaml)")
 
 
 def blocks(model) -> list:

@@ -16,17 +16,15 @@ makes the same calls. The trainer then agrees with the others and drops the wind
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from lowmem.memory.probes import MemoryGuard
 from lowmem.model.loss import batch_to_device, token_loss_sum
-from lowmem.parallel import deepspeed_engine
+from lowmem.parallel.engines import Engine
 from lowmem.parallel.sharding import equal_counts
 
 
-def window_backward(model, core, window: list[dict], total_tokens: int, accelerator, engine: str | None,
+def window_backward(model, core, window: list[dict], total_tokens: int, accelerator, engine: Engine,
                     frozen_encoder: bool, multiple: int, pin: bool, guard: MemoryGuard | None = None,
                     empty=None) -> torch.Tensor:
     """Backward over ``window`` (collated micro-batches), gradients left in place for the optimizer step.
@@ -34,7 +32,7 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
     Args:
         model: the model as prepared (DDP-wrapped, FSDP-sharded or a DeepSpeed engine); core: the plain one.
         total_tokens: target tokens of the window on all processes.
-        engine: "fsdp", "deepspeed" or None.
+        engine: the run's engine (``lowmem.parallel.engines``).
         guard: the memory guard, read after each micro-batch; empty: makes a micro-batch without targets.
 
     Returns:
@@ -42,7 +40,7 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
     """
     # accelerator.backward divides by gradient_accumulation_steps (DeepSpeed's backward, as driven here,
     # does not), and DDP and ZeRO average over processes: this scale makes it sum(token losses) / tokens.
-    divided = 1 if engine == "deepspeed" else len(window)
+    divided = len(window) if engine.divides_window else 1
     scale = divided * accelerator.num_processes / max(total_tokens, 1)
     accelerator.gradient_accumulation_steps = len(window)
     accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
@@ -51,7 +49,7 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
     # its calls gathers weights from every process: each process makes as many calls as the one with the
     # most rows in that micro-batch (token budgets, an epoch's last window and skipped rows make them differ).
     rows = [len(micro["labels"]) for micro in window]
-    encoder_calls = equal_counts(rows, accelerator.num_processes) if engine and frozen_encoder else rows
+    encoder_calls = equal_counts(rows, accelerator.num_processes) if engine.shards and frozen_encoder else rows
     for k, micro in enumerate(window):
         if guard is not None and guard.tripped is not None:  # over the memory budget: none of the window's work
             if accelerator.num_processes == 1:
@@ -59,14 +57,11 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
             micro = empty()  # but the other processes' collectives go on
         last = k == len(window) - 1
         batch = batch_to_device(micro, accelerator.device, multiple, pin)
-        with contextlib.nullcontext() if engine == "deepspeed" else accelerator.accumulate(model):
+        with engine.accumulating(accelerator, model):
             with accelerator.autocast():
                 loss = token_loss_sum(model, core, batch, frozen_encoder=frozen_encoder, multiple=multiple,
                                       encoder_calls=encoder_calls[k])
-            if engine == "deepspeed":
-                deepspeed_engine.backward(model, loss * scale, last=last)
-            else:
-                accelerator.backward(loss * scale)  # all-reduce only on the window's last micro-batch
+            engine.backward(accelerator, model, loss * scale, last)  # DDP: all-reduce only on the window's last
         loss_sum += loss.detach()
         del batch, loss  # free this micro-batch's activations before the next one
         if guard is not None:

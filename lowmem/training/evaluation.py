@@ -6,7 +6,6 @@ functions).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,8 +27,9 @@ from lowmem.model.build import generation_cache, import_transformers_models
 from lowmem.model.loss import batch_to_device, token_loss_sum
 from lowmem.model.source import check_vocabulary, resolve_model_dir, tokenizer_folder
 from lowmem.monitoring.telemetry import on_terminal
-from lowmem.parallel.distributed import any_process, inner_model, start_accelerator
-from lowmem.parallel.sharding import is_sharded, padded_window, requested_engine, runs_deepspeed, whole_root
+from lowmem.parallel.distributed import any_process, start_accelerator
+from lowmem.parallel.engines import engine_for_launch, inner_model
+from lowmem.parallel.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
 from lowmem.training.eval_metrics import metric_named, metrics_of, score_answers, scores_in
 
 CPU_LOSS_TOKENS = 2048  # padded tokens per eval forward on the CPU (the encoder's sources, the decoder's targets)
@@ -310,8 +310,7 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     imports_done()  # before the weights (lowmem.memory.collector)
     model = load_saved_model_weights(model_dir)  # an adapter folder's base and adapters, or a whole model
     model_dir = resolve_model_dir(str(model_dir))
-    if requested_engine() == "deepspeed":  # whole weights on every process, as under FSDP: accelerate would
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"  # start a DeepSpeed engine, which needs a training batch
+    engine_for_launch().for_inference()  # whole weights on every process (DeepSpeed's engine is left out)
     accelerator, _ = start_accelerator(cfg)  # evaluate / generate keep whole weights on every process
     # The model's own tokenizer unless --tokenizer_dir names one (without --init_from it holds the
     # shipped default, which OUTPUT_DIR/best's own wins over).
