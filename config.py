@@ -7,7 +7,7 @@ and the objective's own from its class in ``data.objectives``) and raises a sing
 the YAML file and the flags, that pass and the ``--help`` listing live in ``lowmem.cli.flags`` (``load_config``).
 
 Each field's ``help`` says what it does and, where it matters, which way saves memory.
-Runtime state (step, examples seen, ...) never lives here: see ``trainer_low_mem.TrainState``.
+Runtime state (step, examples seen, ...) never lives here: see ``lowmem.training.state.TrainState``.
 """
 
 from __future__ import annotations

@@ -7,18 +7,15 @@
 
 Lifecycle: ``setup()`` (check the inputs, then the accelerator, run folder, tokenizer, data, plan,
 model, optimizer, resume) -> ``train()`` (the loop; one optimizer step is ``train_step``) ->
-``close()``. Everything else has its own module: the data entry point (``data.pipeline``), what the
-processes agree on (``lowmem.parallel.distributed``), logs and records (``lowmem.monitoring.telemetry``), checkpoints
-and exports (``lowmem.checkpointing.checkpointer``), evaluation (``lowmem.training.evaluation``), stopping on a signal
-(``lowmem.training.stopping``) and the encoder cache (``lowmem.training.encoder_cache``). docs/architecture.md walks
-through one step.
+``close()``. Everything else has its own module: the data entry point is ``data.pipeline``, and
+``lowmem/__init__.py`` maps the rest by concern. docs/architecture.md walks through one step.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,31 +25,22 @@ from config import TrainConfig
 from data.collate import CachedEncoderCollator, shape_multiple
 from data.objectives.base import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
-from data.streams.file_stream import batched
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
 from lowmem.checkpointing.checkpointer import Checkpointer
 from lowmem.checkpointing.run_folder import RunFolder
 from lowmem.cli.flags import TRAINED_WITH
 from lowmem.memory.batch_budget import batch_request, size_run
 from lowmem.memory.collector import freeze_long_lived, imports_done, thaw_long_lived
-from lowmem.memory.eval_cost import plan_evals, rows_at
+from lowmem.memory.eval_cost import plan_evals
 from lowmem.memory.probes import free_memory
 from lowmem.memory.run_memory import MemoryStop, peak_against_plan, plan_run
 from lowmem.model.adapters import adapter_export
 from lowmem.model.build import check_init_from, ready_to_train
 from lowmem.model.source import check_vocabulary, tokenizer_folder, tokenizer_for_model
 from lowmem.model.streamed_load import base_model_identity, model_for_run
-from lowmem.monitoring.telemetry import (
-    IntervalMeter,
-    Telemetry,
-    check_bad_rows,
-    check_no_examples,
-    log_interval,
-    on_terminal,
-    report_data_errors,
-    schedule_note,
-    startup_summary,
-)
+from lowmem.monitoring.bad_rows import check_bad_rows, check_no_examples, report_data_errors
+from lowmem.monitoring.run_summary import schedule_note, startup_summary
+from lowmem.monitoring.telemetry import IntervalMeter, Telemetry, log_interval, on_terminal
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.distributed import indexes_from_main, start_accelerator, window_counts
 from lowmem.parallel.engines import Engine
@@ -60,38 +48,10 @@ from lowmem.parallel.sharding import padded_window, weights_finite
 from lowmem.training import encoder_cache
 from lowmem.training.accumulation import window_backward
 from lowmem.training.eval_metrics import scores_in
-from lowmem.training.evaluation import eval_log_line, evaluate_model, is_better
-from lowmem.training.optim import build_optimizer, build_scheduler, parameter_group_sizes, parameter_groups
+from lowmem.training.evaluation import eval_log_line, evaluate_in_run, is_better
+from lowmem.training.optim import optimizer_for_run
+from lowmem.training.state import TrainState
 from lowmem.training.stopping import SignalWatch, StoppedBySignal, count_nonfinite_step
-
-
-@dataclass
-class TrainState:
-    """Runtime counters saved in every checkpoint (never on the config)."""
-
-    step: int = 0
-    epoch: int = 0  # epochs every process has finished
-    examples: int = 0
-    target_tokens: int = 0  # non-pad target tokens trained on: what the losses are averaged over
-    best_metric: float | None = None
-    best_step: int | None = None
-    best_eval_loss: float | None = None  # of the best model (breaks BLEU ties)
-    elapsed_s: float = 0.0
-    nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
-    nonfinite_in_a_row: int = 0
-    last_eval: dict | None = None  # step, eval_loss and the scores of the latest evaluation
-    eval_plan: dict | None = None  # what each evaluation generates (memory.eval_cost): planned once, kept on resume
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def eval_generate_rows(self) -> int:
-        """Eval rows whose answers the evaluation at this step generates and scores (as ``eval_plan`` chose)."""
-        return rows_at(self.eval_plan, self.step)
-
-    def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():  # "tokens": the name in checkpoints before 2026-11-28
-            setattr(self, {"tokens": "target_tokens"}.get(key, key), value)
 
 
 class LowMemTrainer:
@@ -156,7 +116,8 @@ class LowMemTrainer:
             self.tokenizer_dir = tokenizer_folder(cfg)
             self.tokenizer = tokenizer_for_run(cfg, self.tokenizer_dir, self.files, self.main,
                                                self.accelerator.wait_for_everyone, self.say)
-        self._claim_run_folder(old_files, resume_dir)
+        self.folder.claim(self.accelerator, old_files, resume_dir, bool(cfg.resume_from), self.say)
+        self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry, engine=self.engine)
         self.telemetry.open(self.out, cfg, resuming=resume_dir is not None)
         self.telemetry.log_memory("start")
         self.data = build_data(cfg, self.files, self.tokenizer, self.accelerator.process_index,
@@ -187,16 +148,6 @@ class LowMemTrainer:
         self.telemetry.record("setup", **record)
         return self
 
-    def _claim_run_folder(self, old_files: list[Path], resume_dir: Path | None) -> None:
-        """Remove a stopped run's files from --output_dir (``RunFolder.check`` listed them), and set aside
-        the checkpoints newer than an older one resumed from: every process has looked first."""
-        self.accelerator.wait_for_everyone()
-        if self.main:
-            self.folder.remove(old_files)
-            self.folder.set_aside_newer(resume_dir if self.cfg.resume_from else None, self.say)
-        self.accelerator.wait_for_everyone()
-        self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry, engine=self.engine)
-
     def _build_model(self) -> None:
         """Build (from scratch) or load (--init_from) the model, freeze what --freeze names, apply the memory modes."""
         cfg = self.cfg
@@ -216,10 +167,8 @@ class LowMemTrainer:
 
     def _build_optimizer(self) -> None:
         """Optimizer state for the trainable tensors only, the schedule, and accelerate's wrapping."""
-        groups = parameter_groups(self.model, self.cfg.weight_decay)
-        self.run_config["parameter_group_sizes"] = parameter_group_sizes(groups)  # checked on resume
-        self.optimizer = build_optimizer(self.cfg, groups)
-        self.scheduler = build_scheduler(self.cfg, self.optimizer, self.total_steps)
+        self.optimizer, self.scheduler, group_sizes = optimizer_for_run(self.cfg, self.model, self.total_steps)
+        self.run_config["parameter_group_sizes"] = group_sizes  # checked on resume
         # The scheduler is not prepared: accelerate's wrapper would step it once per process per call.
         self.model, self.optimizer, self.core = self.engine.prepare(self.accelerator, self.model, self.optimizer)
         self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
@@ -234,10 +183,7 @@ class LowMemTrainer:
             reads, self.out, self.say, progress=self.main and on_terminal())
         self.train_collator = CachedEncoderCollator(self.data.collator, self.encoder_cache)
         self.telemetry.log_memory("encoder_cache")
-        if self.accelerator.device.type == "cuda":
-            # Training no longer runs the encoder: its blocks leave GPU memory (evaluation brings them back).
-            encoder_cache.move_encoder(self.core, "cpu")
-            free_memory()
+        encoder_cache.park_encoder(self.core, self.accelerator.device)  # training no longer runs it
 
     # ------------------------------------------------------------------ train
     def train(self) -> dict:
@@ -254,7 +200,7 @@ class LowMemTrainer:
         self.meter.start(self.accelerator.device, self.resumed_interval)  # after the baseline: rates time training
         while not self._finished():
             free_memory()  # at each epoch start
-            windows = self._epoch_windows()
+            windows = self.data.epoch_windows(state.epoch, cfg.batch_size * cfg.gradient_accumulation_steps)
             while True:
                 epoch = stream.epoch  # before drawing: the last window of an epoch moves it on
                 self.memory.hold(self.checkpointer, stream, self.meter)  # what a stop within the window saves
@@ -296,17 +242,6 @@ class LowMemTrainer:
         if self.cfg.max_steps > 0:
             return self.state.step >= self.cfg.max_steps
         return self.state.epoch >= self.cfg.epochs
-
-    def _epoch_windows(self):
-        """This process's accumulation windows (batch_size x accumulation examples) for the epoch.
-
-        A process whose share ran out before the others' is already at the next epoch: until all
-        agree the epoch is over it has nothing more (it was checkpointed in that state, or is resuming).
-        """
-        stream = self.data.stream
-        if stream.epoch > self.state.epoch:
-            return iter(())
-        return batched(stream.iter_epoch(), self.cfg.batch_size * self.cfg.gradient_accumulation_steps)
 
     def _set_train_mode(self) -> None:
         self.model.train()
@@ -361,8 +296,8 @@ class LowMemTrainer:
         # Every condition here is the same on all processes: the interval's reduce is a collective.
         if (force or self.state.step % self.cfg.logging_steps == 0) and self.meter.steps:
             lr = self.scheduler.get_last_lr()[0] if self.step_lr is None else self.step_lr
-            log_interval(self.telemetry, self.meter, self.accelerator, lr, self.grad_norm, self.elapsed(),
-                         self.total_steps, self.bar)
+            log_interval(self.telemetry, self.meter, self.accelerator, lr, self.grad_norm,
+                         self.state.elapsed(self.start_time), self.total_steps, self.bar)
             self.meter.start(self.accelerator.device)
 
     def maybe_eval_and_save(self) -> None:
@@ -406,21 +341,13 @@ class LowMemTrainer:
 
     # ------------------------------------------------------------------ evaluation, checkpoints, exports
     def evaluate(self) -> dict:
-        """Eval loss and --eval_metrics on the eval set (``lowmem.training.evaluation.evaluate_model``), the encoder
-        brought back for it when the encoder cache took it off the GPU."""
-        start = time.time()
-        free_memory()  # before evaluation
-        self.telemetry.log_memory("eval_start")
-        with encoder_cache.encoder_on(self.core, self.accelerator.device):  # the eval set is not in the cache
-            result = evaluate_model(self.model, self.core, self.tokenizer, self.data.collator, self.data.eval_examples,
-                                    self.cfg, self.accelerator, self.shape_multiple, self.main and on_terminal(),
-                                    interrupted=self.signals.pending, generate_rows=self.state.eval_generate_rows())
-            self._set_train_mode()
+        """Eval loss and --eval_metrics on the eval set (``lowmem.training.evaluation.evaluate_in_run``)."""
+        result = evaluate_in_run(self.model, self.core, self.tokenizer, self.data, self.cfg, self.accelerator,
+                                 self.shape_multiple, self.state.eval_generate_rows(), self.signals.pending,
+                                 self.telemetry.log_memory)
+        self._set_train_mode()
         if self.signals.requested(self.accelerator):  # cut short: a resume runs this evaluation again
             self.stop_for_signal()
-        free_memory()  # after evaluation: the heap generation's growing cache left goes back to the OS
-        result["eval_s"] = round(time.time() - start, 2)
-        self.telemetry.log_memory("eval_end")
         return result
 
     def evaluate_and_keep_best(self) -> dict:
@@ -429,10 +356,8 @@ class LowMemTrainer:
         if improved and not weights_finite(self.core):
             improved = False  # never export non-finite weights as best
             self.say("the weights hold non-finite values: not saved as best")
-        self.state.last_eval = {"step": self.state.step, "eval_loss": result["eval_loss"], **scores_in(result)}
+        self.state.note_eval(result, self.cfg.metric_for_best if improved else None)
         if improved:  # the export's training_info.json holds the state: this evaluation, this best
-            self.state.best_metric, self.state.best_step = result[self.cfg.metric_for_best], self.state.step
-            self.state.best_eval_loss = result["eval_loss"]
             self.export(self.out / "best")
         self.telemetry.record("eval", **result, best=improved)
         self.say(eval_log_line(self.state.step, result, improved))
@@ -440,7 +365,8 @@ class LowMemTrainer:
 
     def export(self, folder: Path) -> None:
         info = {"kind": self.cfg.kind, "train_file": self.cfg.train_file, "held_out_rows": self.data.held_out_rows,
-                "trained_with": {key: getattr(self.cfg, key) for key in TRAINED_WITH}, **self.state_now()}
+                "trained_with": {key: getattr(self.cfg, key) for key in TRAINED_WITH},
+                **self.state.now(self.start_time)}
         self.checkpointer.export(folder, self.core, self.tokenizer, info, self.tokenizer_dir, adapter_export(self.cfg))
 
     def _checkpointed(self) -> tuple:
@@ -448,9 +374,8 @@ class LowMemTrainer:
         return self.engine.saved_model(self.model, self.core), self.optimizer, self.scheduler, self.run_config
 
     def save_checkpoint(self, position: dict | None = None) -> Path:  # position: held at a window's start
-        parts = self._checkpointed()
-        return self.checkpointer.save(self.state.step, self.state_now(), parts, self.data.stream, self.meter,
-                                      keep=self.cfg.save_total_limit, position=position)
+        return self.checkpointer.save(self.state.step, self.state.now(self.start_time), self._checkpointed(),
+                                      self.data.stream, self.meter, keep=self.cfg.save_total_limit, position=position)
 
     def load_checkpoint(self, folder: Path) -> None:
         trainer_state, self.resumed_interval = self.checkpointer.load(folder, self._checkpointed(), self.data.stream,
@@ -458,15 +383,6 @@ class LowMemTrainer:
         self.state.load_state_dict(trainer_state)
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.state.epoch})")
         self.telemetry.record("resume", path=str(folder))
-
-    def state_now(self) -> dict:
-        """The counters with the time trained so far. ``self.state.elapsed_s`` stays the time before
-        this process started, which ``elapsed()`` adds to (storing the sum there at each checkpoint
-        counted the same seconds again at the next one)."""
-        return {**self.state.state_dict(), "elapsed_s": round(self.elapsed(), 2)}
-
-    def elapsed(self) -> float:
-        return self.state.elapsed_s + time.time() - self.start_time
 
     def close(self) -> None:
         thaw_long_lived()

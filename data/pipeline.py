@@ -27,7 +27,7 @@ from data.sources.hf_datasets import DatasetRef, dataset_of, describe, has_rows
 from data.sources.readers import FileIndex, index_file, manifest_of
 from data.sources.text_files import layout_note
 from data.streams.dataset_stream import DatasetStream
-from data.streams.file_stream import ExampleStream, largest_share, share_range, steps_per_epoch, total_steps
+from data.streams.file_stream import ExampleStream, batched, largest_share, share_range, steps_per_epoch, total_steps
 from data.streams.packed_text import text_slices
 from data.tokenization import tokenizer_fingerprint
 
@@ -109,6 +109,14 @@ class TrainData:
     def eval_source(self) -> str:
         """Where the eval set comes from, for the log."""
         return eval_source(self.cfg, self.files.train, self.held_out_rows)
+
+    def epoch_windows(self, epoch: int, size: int):
+        """This process's accumulation windows of ``size`` examples for the run's epoch ``epoch`` (the one
+        every process is in). A process whose share ran out before the others' is at the next epoch already:
+        until all agree the epoch is over it has nothing more (it was checkpointed so, or is resuming)."""
+        if self.stream.epoch > epoch:
+            return iter(())
+        return batched(self.stream.iter_epoch(), size)
 
     def steps(self, cfg: TrainConfig) -> tuple[int, int]:
         """(optimizer steps per epoch, total steps). The process with the most rows (or packed chunks)

@@ -42,9 +42,7 @@ MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 400, 400, 60
 # Today's offenders and their sizes in lines (a module: its lines; a function: from `def` to its last line).
 # Split by concern, then lower or remove the entry: the test fails when one grows, when a new one appears
 # and when an entry is larger than what it counts (so that the list follows each split down).
-OVER_THE_LIMIT = {
-    "module trainer_low_mem": 481,
-}
+OVER_THE_LIMIT: dict[str, int] = {}
 
 
 def product_files() -> list[Path]:

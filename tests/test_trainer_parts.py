@@ -102,7 +102,7 @@ def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
 
 
 def test_a_checkpoint_from_before_target_tokens_was_named_restores_the_count():
-    from trainer_low_mem import TrainState
+    from lowmem.training.state import TrainState
 
     state = TrainState()
     state.load_state_dict({"step": 3, "tokens": 517})  # the counter's name in checkpoints before 2026-11-28

@@ -114,6 +114,15 @@ class RunFolder:
             self.lock.close()
             self.lock = None
 
+    def claim(self, accelerator, old_files: list[Path], resume_dir: Path | None, set_aside: bool, say=print) -> None:
+        """Remove a stopped run's files (``check`` listed them) and, with ``set_aside`` (--resume_from), set aside
+        the checkpoints newer than the one resumed from: on the main process, once every process has looked."""
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            self.remove(old_files)
+            self.set_aside_newer(resume_dir if set_aside else None, say)
+        accelerator.wait_for_everyone()
+
     @staticmethod
     def remove(paths: list[Path]) -> None:
         for path in paths:

@@ -1,6 +1,8 @@
 """What a run tells, and where.
 
-- ``telemetry``: log lines, the start-up summary, the interval meter, and the records of metrics.jsonl.
+- ``telemetry``: log lines, memory probes in the log, the interval meter, and the records of metrics.jsonl.
+- ``run_summary``: the start-up summary, and the note when the steps trained differ from the schedule's.
+- ``bad_rows``: bad rows checked against --max_bad_rows_fraction, an epoch with no example refused, the report.
 - ``metrics_log``: the append-only logs (metrics.jsonl, consumed examples).
 - ``trackers``: the trackers of ``--report_to``, one ``Tracker`` class per library.
 - ``tracker_feed``: metrics.jsonl fed to those trackers, once per step across kills and resumes.

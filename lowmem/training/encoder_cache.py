@@ -42,6 +42,7 @@ from data.sources.corpus import iter_rows, row_place
 from data.sources.readers import file_kind
 from data.streams.file_stream import batched
 from lowmem.checkpointing.ownership import MARKERS, claim_folder, open_own, remove_ours, write_atomic
+from lowmem.memory.probes import free_memory
 from lowmem.model.loss import batch_to_device, frozen_encoder_states
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
@@ -232,6 +233,14 @@ def _available_ram() -> int:
     import psutil
 
     return psutil.virtual_memory().available
+
+
+def park_encoder(core, device) -> None:
+    """Off the GPU while training reads the cache instead of running the encoder (evaluation brings its
+    blocks back: ``encoder_on``); nothing moves on the CPU."""
+    if torch.device(device).type == "cuda":
+        move_encoder(core, "cpu")
+        free_memory()
 
 
 def move_encoder(core, device) -> None:

@@ -22,6 +22,7 @@ from data.streams.file_stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer, load_trained_tokenizer
 from lowmem.memory.batch_budget import saved_model_eval_size
 from lowmem.memory.collector import imports_done
+from lowmem.memory.probes import free_memory
 from lowmem.model.adapters import load_saved_model_weights
 from lowmem.model.build import generation_cache, import_transformers_models
 from lowmem.model.loss import batch_to_device, token_loss_sum
@@ -30,6 +31,7 @@ from lowmem.monitoring.telemetry import on_terminal
 from lowmem.parallel.distributed import any_process, start_accelerator
 from lowmem.parallel.engines import engine_for_launch, inner_model
 from lowmem.parallel.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
+from lowmem.training.encoder_cache import encoder_on
 from lowmem.training.eval_metrics import metric_named, metrics_of, score_answers, scores_in
 
 CPU_LOSS_TOKENS = 2048  # padded tokens per eval forward on the CPU (the encoder's sources, the decoder's targets)
@@ -338,3 +340,21 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
             "an --eval_file of its own")
     return SavedModel(cfg, accelerator, model, inner_model(accelerator, model), tokenizer, collator, eval_examples,
                       multiple)
+
+
+def evaluate_in_run(model, core, tokenizer, data, cfg: TrainConfig, accelerator, multiple: int, generate_rows: int,
+                    interrupted, log_memory) -> dict:
+    """One evaluation of a training run (``data``: its ``TrainData``): ``evaluate_model`` with memory given back
+    to the OS before and after, the encoder brought back when the encoder cache took it off the GPU (the eval
+    set is not in the cache), and the seconds it took as ``eval_s``."""
+    start = time.time()
+    free_memory()  # before evaluation
+    log_memory("eval_start")
+    with encoder_on(core, accelerator.device):
+        result = evaluate_model(model, core, tokenizer, data.collator, data.eval_examples, cfg, accelerator, multiple,
+                                accelerator.is_main_process and on_terminal(), interrupted=interrupted,
+                                generate_rows=generate_rows)
+    free_memory()  # after evaluation: the heap generation's growing cache left goes back to the OS
+    result["eval_s"] = round(time.time() - start, 2)
+    log_memory("eval_end")
+    return result

@@ -236,3 +236,11 @@ def build_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     # depend on the run's length, and a run shorter than its warmup ends before the peak. (Squeezing the ramp
     # into a short run took a fresh model to the peak within a few steps: loss spikes, docs/correctness.md.)
     return warmup_schedule(optimizer, cfg.lr_scheduler, cfg.warmup_steps, total_steps)
+
+
+def optimizer_for_run(cfg: TrainConfig, model, total_steps: int) -> tuple:
+    """(optimizer, scheduler, its parameter groups' sizes): the optimizer of the trainable tensors and its
+    schedule over ``total_steps``; the sizes are kept in run_config.json, checked on resume."""
+    groups = parameter_groups(model, cfg.weight_decay)
+    optimizer = build_optimizer(cfg, groups)
+    return optimizer, build_scheduler(cfg, optimizer, total_steps), parameter_group_sizes(groups)
