@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = [
     ("background threads (mostly idle)", ["Thread._bootstrap", "Condition.wait (threading"]),
     ("imports", ["_find_and_load"]),
-    ("evaluation", ["LowMemTrainer.evaluate (", "evaluate_and_keep_best", "evaluate_model"]),
+    ("evaluation", ["LowMemTrainer.evaluate (", "evaluate_and_keep_best", "evaluate_in_run", "evaluate_model"]),
     ("checkpoint and export", ["save_checkpoint", "LowMemTrainer.export", "Checkpointer.", "peak_against_plan"]),
     ("setup (model, planner, index)", ["LowMemTrainer.setup ("]),
     ("tokenization and padding", ["token_ids (data/collate", "pad (data/collate"]),
