@@ -261,7 +261,12 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def pytest_collection_modifyitems(config, items):
     """Tests that start processes (the ``processes`` fixture, directly or through another fixture) are marked
-    ``e2e``; tests marked ``gpu`` skip cleanly on machines without CUDA."""
+    ``e2e``; tests marked ``gpu`` skip cleanly on machines without CUDA.
+
+    The longest tests run first: multi-process launches (``accelerate_launch`` or a module's own ``launch``, at
+    any depth of a test's fixtures), then the other e2e tests, then the rest. pytest-xdist hands each worker a slice of this order and
+    an idle worker takes tests from the end of another's, so the run ends on short tests, not on a launch
+    started last (file order put the sharded launches near the end: minutes of one busy core)."""
     import torch
 
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
@@ -270,6 +275,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+
+    def weight(item) -> int:
+        fixtures = getattr(item, "fixturenames", ())
+        return 0 if {"accelerate_launch", "launch"} & set(fixtures) else 1 if "processes" in fixtures else 2
+
+    items.sort(key=weight)  # stable: file order within each weight
 
 
 @pytest.fixture(scope="session")
