@@ -264,8 +264,8 @@ def pytest_collection_modifyitems(config, items):
     ``e2e``; tests marked ``gpu`` skip cleanly on machines without CUDA.
 
     The longest tests run first: multi-process launches (``accelerate_launch`` or a module's own ``launch``, at
-    any depth of a test's fixtures), then the other e2e tests, then the rest. pytest-xdist hands each worker a slice of this order and
-    an idle worker takes tests from the end of another's, so the run ends on short tests, not on a launch
+    any depth of a test's fixtures), then the other e2e tests, then the rest. pytest-xdist hands each worker a slice of
+    this order and an idle worker takes tests from the end of another's, so the run ends on short tests, not on a launch
     started last (file order put the sharded launches near the end: minutes of one busy core)."""
     import torch
 
