@@ -101,6 +101,19 @@ def test_every_subpackage_is_walked():
     assert {"config", "train_low_mem", "trainer_low_mem", "data.pipeline", "lowmem.model.presets"} <= names
 
 
+def test_each_package_docstring_maps_its_modules():
+    # A package's __init__ docstring is its map: every module and subpackage in it is named there
+    for init in [*(REPO / "data").rglob("__init__.py"), *(REPO / "lowmem").rglob("__init__.py")]:
+        if "__pycache__" in init.parts:
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        here = [p.stem for p in init.parent.glob("*.py") if p.stem != "__init__"]
+        here += [p.name for p in init.parent.iterdir() if (p / "__init__.py").is_file()]
+        unnamed = [name for name in here if f"``{name}``" not in doc and f"{name}.py" not in doc
+                   and not re.search(rf"``[\w.]*\b{name}``", doc)]
+        assert not unnamed, f"{init.relative_to(REPO)}'s docstring does not name {unnamed}"
+
+
 def test_imports_go_one_way_and_leaf_modules_import_no_project_module():
     graph = import_graph()
     assert set(LEAF_MODULES) <= set(graph), sorted(set(LEAF_MODULES) - set(graph))
