@@ -96,7 +96,7 @@ class Checkpointer:
         model, optimizer, scheduler, run_config = training
         trainer_state, process_state = self.folder.read_checkpoint(
             folder, model, optimizer, scheduler, run_config, self.accelerator.process_index,
-            self.accelerator.num_processes, self.telemetry.say, engine=self.engine)
+            self.accelerator.num_processes, self.engine, self.telemetry.say)
         resume_schedule(optimizer, scheduler, learn_rate, weight_decay)
         self.saved_step = trainer_state["step"]
         # best/ set aside with a continuation --resume_from replaces (or removed): the model the state names as

@@ -25,7 +25,7 @@ from lowmem.checkpointing import checkpoint
 from lowmem.checkpointing.ownership import open_own, write_atomic
 from lowmem.checkpointing.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.parallel import deepspeed_engine
-from lowmem.parallel.engines import Engine, PlainEngine, engine_that_wrote
+from lowmem.parallel.engines import Engine, engine_that_wrote
 from lowmem.parallel.layouts import layout_title
 from lowmem.training.eval_metrics import metric_named
 
@@ -178,7 +178,7 @@ class RunFolder:
 
     @staticmethod
     def read_checkpoint(folder: Path, model, optimizer, scheduler, run_config: dict, rank: int, world: int,
-                        say=print, engine: Engine | None = None) -> tuple[dict, dict]:
+                        engine: Engine, say=print) -> tuple[dict, dict]:
         """Load weights, optimizer and scheduler of ``folder`` in place.
 
         Returns:
@@ -191,7 +191,6 @@ class RunFolder:
                             f"number (this run has {world})")
         # Tensors and plain values only, all read before anything is restored: a checkpoint from
         # elsewhere holding other objects is refused whole, and none of its code runs.
-        engine = PlainEngine() if engine is None else engine
         written = engine_that_wrote(folder)
         if not isinstance(engine, written):
             raise UserError(f"checkpoint {folder} was written with {written.title} and this run uses "

@@ -112,12 +112,13 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         # least host RAM first (bf16 storage of a frozen encoder the cache parks on the host halves it: xl LoRA
         # 7.1 -> 4.8 GiB; under bf16 autocast frozen matrices are cast to bf16 at every use anyway)
         rank = (speed, -batch, plan["host_peak_mb"], peak)
-        if best is None or rank < best[5]:
-            best = (speed, recommended_flags(cfg, trial, device), peak, trial, plan["host_peak_mb"], rank)
+        if best is None or rank < best[0]:
+            best = (rank, trial, peak, plan["host_peak_mb"])
     if best is None:
         return None
-    return {"flags": best[1], "predicted_peak_mb": best[2], "relative_step_time": relative_time(best[3], device),
-            "host_peak_mb": best[4]}
+    _, trial, peak, host_mb = best
+    return {"flags": recommended_flags(cfg, trial, device), "predicted_peak_mb": peak,
+            "relative_step_time": relative_time(trial, device), "host_peak_mb": host_mb}
 
 
 def recommended_flags(cfg: TrainConfig, trial: TrainConfig, device: str) -> dict:

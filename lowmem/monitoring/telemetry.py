@@ -1,6 +1,7 @@
 """What a run tells: log lines, ``metrics.jsonl`` records (fed to the trackers of ``--report_to``:
-``lowmem.monitoring.tracker_feed``), memory probes, the consumed-examples log, the start-up summary, and the interval
-meter behind each ``train`` record's loss and rates.
+``lowmem.monitoring.tracker_feed``), memory probes, the consumed-examples log, and the interval meter behind each
+``train`` record's loss and rates (the start-up summary: ``lowmem.monitoring.run_summary``; bad rows:
+``lowmem.monitoring.bad_rows``).
 
 Log lines come from the main process (``say``) or from any process with its rank (``warn``); a
 terminal gets a tqdm bar and the lines are written through it. Only the main process writes

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from lowmem.parallel import deepspeed_engine
+from lowmem.parallel.layouts import UNSHARDED_TITLE
 from lowmem.parallel.sharding import full_value, runs_deepspeed
 
 FSDP_ENV = "ACCELERATE_USE_FSDP"
@@ -126,7 +127,7 @@ class Engine:
 class PlainEngine(Engine):
     """One process, or plain data parallelism: accelerate's own path."""
 
-    title = "neither FSDP nor DeepSpeed"  # in "written with ... and this run uses ..."
+    title = UNSHARDED_TITLE  # in "written with ... and this run uses ..."
 
 
 class FSDPEngine(Engine):
