@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -103,11 +104,17 @@ class Objective:
 def registry() -> dict[str, type[Objective]]:
     """Every objective by name, in the order their modules are found. Every module of this package is
     imported first (a module whose name starts with ``_`` is private: skipped)."""
+    _import_package_modules()
+    return dict(_REGISTRY)
+
+
+@cache
+def _import_package_modules() -> None:
+    """Once per process: defining their classes registers them."""
     package = __name__.rpartition(".")[0]
     for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if not module.name.startswith("_"):
             importlib.import_module(f"{package}.{module.name}")
-    return dict(_REGISTRY)
 
 
 def unknown_objective(name) -> str:
