@@ -97,12 +97,26 @@ class Processes:
 
         mp.spawn(fn, args=args, nprocs=nprocs)
 
+    def __init__(self):
+        self.fork_server: ForkServer | None = None
+
     def cli(self, *args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None,
             **kwargs) -> subprocess.CompletedProcess:
-        """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process."""
+        """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process. A child of the fork
+        server (tests/fork_server.py) where the run's environment is the one the server imported its libraries
+        with, a process started from scratch otherwise."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if not kwargs:
+            if self.fork_server is None:
+                self.fork_server = ForkServer(full_env)
+            if self.fork_server.env == full_env:
+                return self.fork_server.run(args, cwd, timeout)
         return self.run([sys.executable, str(REPO / "train_low_mem.py"), *args], cwd=cwd, capture_output=True,
                         text=True, timeout=timeout, env=full_env, **kwargs)
+
+    def close(self) -> None:
+        if self.fork_server is not None:
+            self.fork_server.close()
 
     def launch_command(self, *args: str, processes: int = 2, port: int = 29517) -> list[str]:
         # `accelerate launch --cpu --num_processes 2` starts one process; this form starts two gloo ranks.
@@ -119,10 +133,47 @@ class Processes:
 LAUNCH_ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
 
 
+class ForkServer:
+    """The client of tests/fork_server.py: runs the CLI in a forked child of a process that has imported torch and
+    transformers already (~5 s of every run's start)."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "fork_server.py")], cwd=REPO, env=env,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, args: tuple[str, ...], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            out, err = Path(folder, "stdout"), Path(folder, "stderr")
+            out.touch()
+            err.touch()
+            request = {"args": list(args), "cwd": str(cwd), "env": self.env, "stdout": str(out), "stderr": str(err),
+                       "timeout": timeout}
+            self.server.stdin.write(json.dumps(request) + "\n")
+            self.server.stdin.flush()
+            reply = self.server.stdout.readline()
+            assert reply, f"the fork server ended (exit code {self.server.poll()})"
+            reply = json.loads(reply)
+            command = [sys.executable, str(REPO / "train_low_mem.py"), *args]
+            stdout = out.read_text(encoding="utf-8", errors="replace")
+            stderr = err.read_text(encoding="utf-8", errors="replace")
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(command, reply["returncode"], stdout, stderr)
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
+
+
 @pytest.fixture(scope="session")
-def processes() -> Processes:
+def processes():
     """Start processes (marks the test ``e2e``)."""
-    return Processes()
+    starter = Processes()
+    yield starter
+    starter.close()
 
 
 @pytest.fixture(scope="session")
