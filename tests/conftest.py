@@ -109,8 +109,8 @@ class Processes:
         if not kwargs:
             if self.fork_server is None:
                 self.fork_server = ForkServer(full_env)
-            if self.fork_server.env == full_env:
-                return self.fork_server.run(args, cwd, timeout)
+            if self.fork_server.serves(full_env):
+                return self.fork_server.run(args, cwd, full_env, timeout)
         return self.run([sys.executable, str(REPO / "train_low_mem.py"), *args], cwd=cwd, capture_output=True,
                         text=True, timeout=timeout, env=full_env, **kwargs)
 
@@ -137,19 +137,29 @@ class ForkServer:
     """The client of tests/fork_server.py: runs the CLI in a forked child of a process that has imported torch and
     transformers already (~5 s of every run's start)."""
 
+    # what pytest sets per test: no library reads it when imported
+    PER_TEST = ("PYTEST_CURRENT_TEST",)
+
     def __init__(self, env: dict):
         self.env = env
         self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "fork_server.py")], cwd=REPO, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def run(self, args: tuple[str, ...], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    def serves(self, env: dict) -> bool:
+        """Whether a run with ``env`` may fork from this server (its libraries were imported with the same one)."""
+        def imported_with(variables: dict) -> dict:
+            return {k: v for k, v in variables.items() if k not in self.PER_TEST}
+
+        return imported_with(env) == imported_with(self.env)
+
+    def run(self, args: tuple[str, ...], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
         import tempfile
 
         with tempfile.TemporaryDirectory() as folder:
             out, err = Path(folder, "stdout"), Path(folder, "stderr")
             out.touch()
             err.touch()
-            request = {"args": list(args), "cwd": str(cwd), "env": self.env, "stdout": str(out), "stderr": str(err),
+            request = {"args": list(args), "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
                        "timeout": timeout}
             self.server.stdin.write(json.dumps(request) + "\n")
             self.server.stdin.flush()
