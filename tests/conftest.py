@@ -137,8 +137,9 @@ class ForkServer:
     """The client of tests/fork_server.py: runs the CLI in a forked child of a process that has imported torch and
     transformers already (~5 s of every run's start)."""
 
-    # what pytest sets per test: no library reads it when imported
-    PER_TEST = ("PYTEST_CURRENT_TEST",)
+    # Set in the pytest process as tests run, and read by no library when imported: pytest's name of the running
+    # test, and the inductor cache folder torch sets (its default) the first time something compiles in-process
+    READ_WHEN_USED = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
     def __init__(self, env: dict):
         self.env = env
@@ -148,7 +149,7 @@ class ForkServer:
     def serves(self, env: dict) -> bool:
         """Whether a run with ``env`` may fork from this server (its libraries were imported with the same one)."""
         def imported_with(variables: dict) -> dict:
-            return {k: v for k, v in variables.items() if k not in self.PER_TEST}
+            return {k: v for k, v in variables.items() if k not in self.READ_WHEN_USED}
 
         return imported_with(env) == imported_with(self.env)
 
