@@ -98,39 +98,30 @@ class Processes:
         mp.spawn(fn, args=args, nprocs=nprocs)
 
     def __init__(self):
-        self.fork_server: ForkServer | None = None
+        self.fork_servers: dict[frozenset, ForkServer] = {}  # by the environment they imported their libraries in
+        self.environments: set[frozenset] = set()  # those of the runs so far
 
     def cli(self, *args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None,
             **kwargs) -> subprocess.CompletedProcess:
-        """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process. A child of the fork
-        server (tests/fork_server.py) where the run's environment is the one the server imported its libraries
-        with, a process started from scratch otherwise."""
+        """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process. A child of a fork
+        server (tests/fork_server.py) that imported its libraries in the run's environment; the first run in an
+        environment (a test's own ``HF_HOME``, or a ``PYTHONPATH`` with a ``sitecustomize``) starts from scratch,
+        the second starts a server for it (the two latest are kept)."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        if not kwargs:
-            if self.fork_server is None:
-                self.fork_server = ForkServer(full_env)
-            if self.fork_server.serves(full_env):
-                return self.fork_server.run(args, cwd, full_env, timeout)
+        key = ForkServer.key(full_env)
+        if not kwargs and key in self.environments:
+            if key not in self.fork_servers:
+                if len(self.fork_servers) == 2:
+                    self.fork_servers.pop(next(iter(self.fork_servers))).close()
+                self.fork_servers[key] = ForkServer(full_env)
+            return self.fork_servers[key].run(args, cwd, full_env, timeout)
+        self.environments.add(key)
         return self.run([sys.executable, str(REPO / "train_low_mem.py"), *args], cwd=cwd, capture_output=True,
                         text=True, timeout=timeout, env=full_env, **kwargs)
 
     def close(self) -> None:
-        if self.fork_server is not None:
-            self.fork_server.close()
-
-    def launch_command(self, *args: str, processes: int = 2, port: int = 29517) -> list[str]:
-        # `accelerate launch --cpu --num_processes 2` starts one process; this form starts two gloo ranks.
-        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                str(port), str(REPO / "train_low_mem.py"), "train", "--cpu=True", *args]
-
-    def accelerate_launch(self, *args: str, processes: int = 2, port: int = 29517) -> subprocess.CompletedProcess:
-        """``accelerate launch`` of the training CLI on ``processes`` CPU processes (2 or more)."""
-        return self.run(self.launch_command(*args, processes=processes, port=port), cwd=REPO, capture_output=True,
-                        text=True, timeout=600, env=LAUNCH_ENV)
-
-
-LAUNCH_ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
+        for server in self.fork_servers.values():
+            server.close()
 
 
 class ForkServer:
@@ -146,12 +137,10 @@ class ForkServer:
         self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "fork_server.py")], cwd=REPO, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def serves(self, env: dict) -> bool:
-        """Whether a run with ``env`` may fork from this server (its libraries were imported with the same one)."""
-        def imported_with(variables: dict) -> dict:
-            return {k: v for k, v in variables.items() if k not in self.READ_WHEN_USED}
-
-        return imported_with(env) == imported_with(self.env)
+    @classmethod
+    def key(cls, env: dict) -> frozenset:
+        """What of ``env`` a fork server's runs must share with it (all but ``READ_WHEN_USED``)."""
+        return frozenset((k, v) for k, v in env.items() if k not in cls.READ_WHEN_USED)
 
     def run(self, args: tuple[str, ...], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
         import tempfile

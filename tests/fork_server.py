@@ -4,9 +4,8 @@ per ``run_cli`` of the tests: the child sets the run's argv, working folder, env
 handlers, thread joins, the exit code of ``SystemExit`` or 1 and a traceback for an uncaught exception).
 
 Why: a test's CLI run of two steps is ~6 s, of which ~5 s is importing torch and transformers; the suite starts ~300.
-Started by ``tests/conftest.py`` with the environment the runs get, one per pytest worker. A run whose environment
-differs (its own ``HF_HOME``, a ``PYTHONPATH`` with a ``sitecustomize``) is a plain process there: the hub libraries
-read such variables when imported, which here happened before the fork.
+Started by ``tests/conftest.py``, one per environment its runs have (a test's own ``HF_HOME``, a ``PYTHONPATH`` with a
+``sitecustomize``): the hub libraries read such variables when imported, which here happened before the fork.
 
 Nothing here computes before a fork: with ``OMP_NUM_THREADS=1`` (conftest sets it) the process has one thread when it
 forks, and no OpenMP pool or CUDA context for a child to inherit.
