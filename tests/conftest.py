@@ -123,6 +123,20 @@ class Processes:
         for server in self.fork_servers.values():
             server.close()
 
+    def launch_command(self, *args: str, processes: int = 2, port: int = 29517) -> list[str]:
+        # `accelerate launch --cpu --num_processes 2` starts one process; this form starts two gloo ranks.
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                str(port), str(REPO / "train_low_mem.py"), "train", "--cpu=True", *args]
+
+    def accelerate_launch(self, *args: str, processes: int = 2, port: int = 29517) -> subprocess.CompletedProcess:
+        """``accelerate launch`` of the training CLI on ``processes`` CPU processes (2 or more)."""
+        return self.run(self.launch_command(*args, processes=processes, port=port), cwd=REPO, capture_output=True,
+                        text=True, timeout=600, env=LAUNCH_ENV)
+
+
+LAUNCH_ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
+
 
 class ForkServer:
     """The client of tests/fork_server.py: runs the CLI in a forked child of a process that has imported torch and
