@@ -127,12 +127,10 @@ class TrainConfig:
     eval_batch_size: int | str = _f(4, "Eval and generation batch, under the same budget (auto too). Larger is "
                                        "faster; lower saves memory.")
     gradient_accumulation_steps: int = _f(16, "Micro-batches per optimizer step. Higher: same batch, less memory.")
-    effective_batch_size: int = _f(0, "Examples per optimizer step over all processes (0: --batch_size x "
-                                      "--gradient_accumulation_steps x processes); accumulation follows the "
-                                      "micro-batch, so the maths stays the same whatever --batch_size runs.")
-    max_tokens_per_batch: int = _f(0, "Form micro-batches by padded tokens (source + target) instead of rows, up to "
-                                      "this many each (0: off; a longer row goes alone), inside each optimizer "
-                                      "step's rows: short rows many together, long ones few.")
+    effective_batch_size: int = _f(0, "Examples per optimizer step on all processes (0: --batch_size x accumulation "
+                                      "x processes); accumulation follows the micro-batch: the same maths.")
+    max_tokens_per_batch: int = _f(0, "Micro-batches of up to this many padded tokens (source + target) instead of "
+                                      "rows (0: off; a longer row alone), within each optimizer step's rows.")
     epochs: int = _f(1, "Passes over the training data.")
     max_steps: int = _f(-1, "Stop after this many optimizer steps (-1 = run all --epochs).")
     learn_rate: float = _f(3e-3, "Peak learning rate (Adafactor, applied as given).")
@@ -147,8 +145,10 @@ class TrainConfig:
                                 "every micro-batch's backward (peaks in between included), the step in progress "
                                 "is dropped, the last step's checkpoint written, and the run stops with exit code "
                                 "3 instead of meeting the OOM killer.")
-    mixed_precision: str = _f("no", "no or bf16 (on a GPU bf16 keeps 0.67-0.79 of float32's activation "
-                                    "memory). fp16 is refused.")
+    mixed_precision: str = _f("no", "no, bf16 or fp16 (on a GPU bf16 keeps 0.67-0.79 of float32's activation "
+                                    "memory; fp16, with a loss scaler, for GPUs without bf16: T4, V100).")
+    loss_chunk_size: int | str = _f(AUTO, "Target tokens per chunk of the LM head + loss (auto: logits of at most "
+                                          "128 MiB per chunk; 0: all logits at once).")
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
 
     # --- memory modes (see docs/memory.md, 'Memory modes'; `plan` predicts what each costs) ---
@@ -290,10 +290,10 @@ class TrainConfig:
         if self.feed_forward_proj not in FEED_FORWARD_WIDTHS:
             problems.append(f"--feed_forward_proj must be one of {', '.join(FEED_FORWARD_WIDTHS)} "
                             f"(got {self.feed_forward_proj!r})")
-        if self.mixed_precision == "fp16":
-            problems.append("--mixed_precision=fp16 overflows in T5 (known upstream); use --mixed_precision=bf16 or no")
-        elif self.mixed_precision not in ("no", "bf16"):
-            problems.append(f"--mixed_precision must be no or bf16 (got {self.mixed_precision!r})")
+        if self.loss_chunk_size != AUTO and not (isinstance(self.loss_chunk_size, int) and self.loss_chunk_size >= 0):
+            problems.append(f"--loss_chunk_size must be auto, 0 or a number of tokens (got {self.loss_chunk_size!r})")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            problems.append(f"--mixed_precision must be no, bf16 or fp16 (got {self.mixed_precision!r})")
         if self.lr_scheduler not in ("linear", "cosine", "constant"):
             problems.append(f"--lr_scheduler must be linear, cosine or constant (got {self.lr_scheduler!r})")
         problems += metric_problems(self.eval_metrics, self.metric_for_best, self.eval_generate)
@@ -356,6 +356,8 @@ class TrainConfig:
             problems.append("--frozen_dtype=bfloat16 needs frozen weights (--is_finetune=True, --freeze=encoder or "
                             "embeddings, or --lora_r) and --mixed_precision=bf16 (bf16 weights are only used inside "
                             "bf16 autocast)")
+        elif self.frozen_dtype in QUANTIZED_DTYPES and self.mixed_precision == "fp16":
+            problems.append(f"--frozen_dtype={self.frozen_dtype} does not run with --mixed_precision=fp16: use bf16")
         elif self.frozen_dtype in QUANTIZED_DTYPES and self.freeze != "encoder" and not self.lora_r:
             problems.append(f"--frozen_dtype={self.frozen_dtype} quantizes frozen linear layers and this run has none: "
                             "use it with --is_finetune=True and --freeze=encoder, or with --lora_r")

@@ -13,6 +13,7 @@ model, optimizer, resume) -> ``train()`` (the loop; one optimizer step is ``trai
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import replace
@@ -39,7 +40,7 @@ from lowmem.model.build import check_init_from, ready_to_train
 from lowmem.model.source import check_vocabulary, tokenizer_folder, tokenizer_for_model
 from lowmem.model.streamed_load import base_model_identity, model_for_run
 from lowmem.monitoring.bad_rows import check_bad_rows, check_no_examples, report_data_errors
-from lowmem.monitoring.run_summary import schedule_note, startup_summary
+from lowmem.monitoring.run_summary import run_result, schedule_note, startup_summary
 from lowmem.monitoring.telemetry import IntervalMeter, Telemetry, log_interval, on_terminal
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.distributed import indexes_from_main, start_accelerator, window_counts
@@ -47,11 +48,11 @@ from lowmem.parallel.engines import Engine
 from lowmem.parallel.sharding import padded_window, weights_finite
 from lowmem.training import encoder_cache
 from lowmem.training.accumulation import window_backward
-from lowmem.training.eval_metrics import scores_in
 from lowmem.training.evaluation import eval_log_line, evaluate_in_run, is_better
 from lowmem.training.optim import optimizer_for_run
+from lowmem.training.precision import Precision, precision_for
 from lowmem.training.state import TrainState
-from lowmem.training.stopping import SignalWatch, StoppedBySignal, count_nonfinite_step
+from lowmem.training.stopping import SignalWatch, StoppedBySignal, again_after_nonfinite, all_finite
 
 
 class LowMemTrainer:
@@ -72,6 +73,7 @@ class LowMemTrainer:
         self.files: DataFiles | None = files  # checked before anything heavy (by the CLI, before its imports)
         self.accelerator = None
         self.engine: Engine | None = None  # plain, FSDP or DeepSpeed, as the launch config asks
+        self.precision: Precision | None = None  # --mixed_precision: its autocast, fp16's loss scaler
         self.shape_multiple = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU)
         self.checkpointer: Checkpointer | None = None
         self.tokenizer = tokenizer
@@ -105,6 +107,7 @@ class LowMemTrainer:
         if self.model is None:
             check_init_from(cfg)
         self.accelerator, self.engine = start_accelerator(cfg)
+        self.precision = precision_for(cfg.mixed_precision, self.accelerator.device.type)
         self.telemetry.attach(self.accelerator)
         self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
         self.start_time = time.time()
@@ -162,6 +165,7 @@ class LowMemTrainer:
                            **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows,
                            **base_model_identity(cfg)}
         self.model, self.parameters = ready_to_train(self.model, cfg, stored)
+        self.precision.prepare(self.model)
         self.model = self.engine.shard(self.model, self.accelerator.device)  # FSDP's: before the optimizer
         self.telemetry.log_memory("model_built")
 
@@ -249,30 +253,29 @@ class LowMemTrainer:
             self.core.encoder.eval()  # frozen: no dropout, and it runs under no_grad
 
     def train_step(self, window: list[dict], counts: dict) -> bool:
-        """One optimizer step over an accumulation window of collated micro-batches.
-
-        Returns:
-            False when the step was skipped because the loss or gradient was not finite.
-        """
+        """One optimizer step over an accumulation window of collated micro-batches. False: it was skipped (a
+        non-finite loss or gradient); fp16's overflow of the loss scale runs the window again at the lower scale."""
         if self.engine.shards:  # every forward is a collective: as many on every process
             window = padded_window(window, self.train_collator.empty, self.accelerator.num_processes)
-        loss_sum = self.accumulate_gradients(window, counts["tokens"])
-        if self.memory.tripped_in_window(self.accelerator):
-            self.stop_for_memory(in_window=True)  # before the optimizer step: the window is dropped on every process
+        while True:
+            loss_sum = self.accumulate_gradients(window, counts["tokens"])
+            if self.memory.tripped_in_window(self.accelerator):  # before the optimizer step: the window is
+                self.stop_for_memory(in_window=True)  # dropped on every process
+            self.precision.unscale(self.optimizer)  # (fp16's) then the same norm on every process (DeepSpeed
+            params, clip = self.trainable_params, self.cfg.max_grad_norm  # clips, skips a non-finite step itself)
+            self.grad_norm = self.engine.clip(self.accelerator, self.model, params, clip)
+            if math.isfinite(float(self.grad_norm)):  # one host sync per optimizer step
+                break
+            self.optimizer.zero_grad(set_to_none=True)  # the gradient dropped, the skip counted
+            finite = functools.partial(all_finite, self.accelerator, loss_sum)  # a collective, asked when needed
+            if not again_after_nonfinite(self.state, self.precision, finite, self.cfg.max_nonfinite_steps, self.say,
+                                         self.telemetry.record):
+                return False
         self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (logged with it)
-        # the same norm on every process (DeepSpeed clips, skips a non-finite step and zeroes the gradients itself)
-        self.grad_norm = self.engine.clip(self.accelerator, self.model, self.trainable_params, self.cfg.max_grad_norm)
-        if not math.isfinite(float(self.grad_norm)):  # one host sync per optimizer step
-            self.optimizer.zero_grad(set_to_none=True)  # the step is skipped: its gradient dropped, the skip counted
-            count_nonfinite_step(self.state, self.cfg.max_nonfinite_steps, self.say, self.telemetry.record)
-            return False
-        self.state.nonfinite_in_a_row = 0
-        self.engine.step(self.optimizer)
+        self.precision.step(self.engine, self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.state.step += 1
-        self.state.target_tokens += counts["tokens"]
-        self.state.examples += counts["examples"]
+        self.state.count_step(counts["tokens"], counts["examples"])
         self.meter.add(loss_sum, counts["local_tokens"], counts["local_all_tokens"], counts["local_padded_tokens"])
         self.bar.update()
         return True
@@ -288,8 +291,8 @@ class LowMemTrainer:
             total_tokens = window_counts(self.accelerator, window, self.data.stream, self.state.epoch)["tokens"]
         pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"
         return window_backward(self.model, self.core, window, total_tokens, self.accelerator, self.engine,
-                               self.cfg.frozen_encoder, self.shape_multiple, pin, self.memory.guard,
-                               self.train_collator.empty)
+                               self.precision, self.cfg.frozen_encoder, self.shape_multiple, pin, self.memory.guard,
+                               self.train_collator.empty, self.cfg.loss_chunk_size)
 
     # ------------------------------------------------------------------ hooks between steps
     def maybe_log(self, force: bool = False) -> None:
@@ -297,7 +300,7 @@ class LowMemTrainer:
         if (force or self.state.step % self.cfg.logging_steps == 0) and self.meter.steps:
             lr = self.scheduler.get_last_lr()[0] if self.step_lr is None else self.step_lr
             log_interval(self.telemetry, self.meter, self.accelerator, lr, self.grad_norm,
-                         self.state.elapsed(self.start_time), self.total_steps, self.bar)
+                         self.state.elapsed(self.start_time), self.total_steps, self.bar, self.precision.log_fields())
             self.meter.start(self.accelerator.device)
 
     def maybe_eval_and_save(self) -> None:
@@ -335,9 +338,7 @@ class LowMemTrainer:
         errors = report_data_errors(self.telemetry, self.data)
         self.telemetry.run_ended()  # the trackers get what came after the last checkpoint
         self.accelerator.wait_for_everyone()  # no process leaves while another is still in a collective
-        return {"output_dir": str(self.out), "steps": self.state.step, "step_s": self.meter.mean_step_seconds(),
-                "eval_loss": metrics["eval_loss"], **scores_in(metrics), "best_metric": self.state.best_metric,
-                "best_step": self.state.best_step, "bad_rows": errors["bad_rows"] + errors.get("prepared_bad_rows", 0)}
+        return run_result(self.out, self.state, self.meter.mean_step_seconds(), metrics, errors)
 
     # ------------------------------------------------------------------ evaluation, checkpoints, exports
     def evaluate(self) -> dict:
@@ -374,6 +375,7 @@ class LowMemTrainer:
         return self.engine.saved_model(self.model, self.core), self.optimizer, self.scheduler, self.run_config
 
     def save_checkpoint(self, position: dict | None = None) -> Path:  # position: held at a window's start
+        self.state.loss_scaler = self.precision.state_dict()
         return self.checkpointer.save(self.state.step, self.state.now(self.start_time), self._checkpointed(),
                                       self.data.stream, self.meter, keep=self.cfg.save_total_limit, position=position)
 
@@ -381,6 +383,7 @@ class LowMemTrainer:
         trainer_state, self.resumed_interval = self.checkpointer.load(folder, self._checkpointed(), self.data.stream,
                                                                       self.cfg.learn_rate, self.cfg.weight_decay)
         self.state.load_state_dict(trainer_state)
+        self.precision.load_state_dict(self.state.loss_scaler)
         self.say(f"resumed from {folder} at step {self.state.step} (epoch {self.state.epoch})")
         self.telemetry.record("resume", path=str(folder))
 

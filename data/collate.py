@@ -41,7 +41,7 @@ def shape_multiple(mixed_precision: str, on_cpu: bool) -> int:
     16k vocabulary). Multiples of 16 keep a few dozen shapes and RSS flat. fp32 and CUDA kernels keep
     no such state: no rounding.
     """
-    return 16 if mixed_precision == "bf16" and on_cpu else 1
+    return 16 if mixed_precision != "no" and on_cpu else 1
 
 
 def pad(rows: list[list[int]], value: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,7 +71,7 @@ def test_low_memory_defaults():
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    ({"mixed_precision": "fp16"}, "fp16 overflows in T5"),
+    ({"mixed_precision": "fp8"}, "--mixed_precision must be no, bf16 or fp16"),
     ({"model_preset": "huge"}, "--model_preset must be one of tiny, small, base"),
     ({"gradient_accumulation_steps": 0}, "--gradient_accumulation_steps must be at least 1"),
     ({"num_workers": 2}, "--num_workers must be 0"),
@@ -124,7 +124,7 @@ def test_help_lists_every_option_with_default():
 def test_cli_user_errors_are_one_line_with_exit_code_2(run_cli):
     # End to end, as a shell sees it: the process's exit code and its standard error. The other refusals run
     # in-process (the cli_in_process fixture) through the same lowmem.cli.runner.run_cli.
-    for args in (["train", "--learnrate=0.1"], ["train", "--mixed_precision=fp16"],
+    for args in (["train", "--learnrate=0.1"], ["train", "--mixed_precision=fp32"],
                  ["train", "--train_file=/nonexistent/x.jsonl"], ["nosuchcommand"]):
         proc = run_cli(*args)
         assert proc.returncode == 2, (args, proc.stderr)

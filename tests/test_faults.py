@@ -141,7 +141,7 @@ def test_a_run_stopped_by_bad_data_starts_over_once_fixed_and_a_trained_run_is_k
     (["train", "--learnrate=0.1"], "did you mean --learn_rate"),
     (["train", "--batch_size=two"], "--batch_size"),
     (["train", "--epochs=0"], "--epochs must be at least 1"),
-    (["train", "--mixed_precision=fp16"], "fp16"),
+    (["train", "--mixed_precision=half"], "--mixed_precision must be no, bf16 or fp16"),
     (["train", "--model_preset=huge"], "--model_preset must be one of"),
     (["train", "--max_bad_rows_fraction=2"], "--max_bad_rows_fraction"),
     (["train", "--train_file=/nonexistent/x.jsonl"], "does not exist"),

@@ -19,6 +19,7 @@ from data.streams.file_stream import total_steps
 from lowmem.memory import planner
 from lowmem.memory.plan_batches import run_lengths
 from lowmem.memory.plan_sharding import SHARDINGS
+from lowmem.memory.profiles import gpu_without_bf16
 from lowmem.memory.tensor_bytes import frozen_parts
 from lowmem.model.presets import MODEL_PRESETS
 
@@ -36,7 +37,7 @@ SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.
 def relative_time(cfg: TrainConfig, device: str) -> float:
     """Step time relative to fp32, no checkpointing, AdamW (a ranking model, not a measurement)."""
     factor = SPEED["checkpointing"] if cfg.gradient_checkpointing else 1.0
-    if cfg.mixed_precision == "bf16":
+    if cfg.mixed_precision != "no":
         factor *= SPEED["bf16_gpu"] if device == "gpu" else SPEED["bf16_cpu"]
     factor *= SPEED.get(cfg.optimizer, 1.0)
     if cfg.encoder_cache != "off":
@@ -86,7 +87,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
     has_frozen = bool(frozen_parts(cfg))
     caches = ["off", "auto"] if cfg.frozen_encoder else ["off"]
-    precisions = ["no", "bf16"] if device == "gpu" else ["no"]
+    precisions = ["no", "fp16" if gpu_without_bf16() else "bf16"] if device == "gpu" else ["no"]
     frozen = ["float32", "bfloat16"] if has_frozen else ["float32"]
     if "int8" in (import_mb or {}) and (cfg.freeze == "encoder" or cfg.lora_r) and not sharding:
         frozen += ["int8", "int8+wo"]  # optimum-quanto installed: 8-bit frozen linear layers (wo too if only that fits)

@@ -31,6 +31,7 @@ from lowmem.parallel.sharding import is_sharded, runs_deepspeed, whole_root
 from lowmem.training.encoder_cache import encoder_on
 from lowmem.training.eval_metrics import metric_named
 from lowmem.training.evaluation import asked_generate_rows, eval_batches, generate_for, loss_and_inputs, loss_budget
+from lowmem.training.precision import compute_context
 
 PROBE_STEPS = 8  # decoding steps timed (after one untimed warm-up generation and a timed one-token one)
 # What a plan depends on: a resumed run where one of them differs plans again
@@ -158,9 +159,9 @@ def probe(model, core, collator, examples: list, cfg: TrainConfig, accelerator, 
     model.eval()
     batch = batch_to_device(collator(batches[len(batches) // 2][0]), accelerator.device, multiple)
     budget = loss_budget(accelerator, sharded)
-    with accelerator.autocast(), whole_root(core):
-        _, inputs = loss_and_inputs(model, core, batch, sharded, budget, multiple)
-        loss_s = _timed(lambda: loss_and_inputs(model, core, batch, sharded, budget, multiple))
+    with compute_context(accelerator, cfg.mixed_precision), whole_root(core):
+        _, inputs = loss_and_inputs(model, core, batch, sharded, budget, multiple, cfg.loss_chunk_size)
+        loss_s = _timed(lambda: loss_and_inputs(model, core, batch, sharded, budget, multiple, cfg.loss_chunk_size))
         if not generation:
             return [loss_s, 0.0, 0.0]
         generate_for(core, inputs, batch, cfg, sharded, 1, forced=True)

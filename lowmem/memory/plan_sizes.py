@@ -134,7 +134,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
         encoder_elements=part_elements(shapes, "encoder"),
         encoder_matrices=matrix_elements(shapes["encoder"]),
         weights=weights, optimizer=opt_state,
-        cast_cache=2 * n_train if cfg.mixed_precision == "bf16" else 0,
+        cast_cache=2 * n_train if cfg.mixed_precision != "no" else 0,
         cache=encoder_cache_in_ram(cfg, dims, lengths, world),
         buffers=data_buffer_bytes(cfg, lengths, world),
         alive=alive, peak_at=peak_at, act=act, before=before,
@@ -201,6 +201,8 @@ def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_sta
     # them then (mT5-small SFT measured 490 + 175 MiB above the micro-batch's start at that moment, where
     # the full logits and the head's gradient together were planned 700 + 490)
     own_head = 4 * part_elements(shapes, "lm_head") if shapes["lm_head"] and "lm_head" not in frozen else 0
+    if act.get("head_grad_in_forward"):  # the chunked loss makes the head weight's gradient in the forward
+        tied_head += own_head
     after_decoder = act["activations"] - act["decoder_saved"]
     moments = [moment(grads, temp=opt_temp, state=opt_state)]
     if world > 1 or cfg.gradient_accumulation_steps > 1:

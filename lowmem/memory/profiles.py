@@ -31,8 +31,19 @@ def profile_flags(converted: dict) -> list[str]:
         if name in converted and converted[name] != value:
             notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
                          f"wins over the profile's {value!r}")
+        elif name == "mixed_precision" and value == "bf16" and not converted.get("cpu") and gpu_without_bf16():
+            notes.append(f"--memory_profile={profile}: this GPU has no bf16 support: --mixed_precision=fp16 "
+                         "instead of the profile's bf16")
+            value = "fp16"
         converted.setdefault(name, value)
     return notes
+
+
+def gpu_without_bf16() -> bool:
+    """Whether the run's GPU (T4, V100, RTX 20xx) lacks bf16: fp16, with its loss scaler, takes bf16's place."""
+    import torch
+
+    return torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
 
 
 def apply_caps(cfg: TrainConfig) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from config import TrainConfig
-from lowmem.model.presets import preset_shape
+from lowmem.model.presets import loss_chunk_rows, preset_shape
 from lowmem.model.source import model_folder_config
 
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
@@ -192,7 +192,7 @@ def quantized_shapes(cfg: TrainConfig, shapes: dict) -> list[tuple[int, ...]]:
 def quantized_saving(cfg: TrainConfig, quantized: list[tuple[int, ...]]) -> int:
     """Bytes 8-bit storage saves against float32: 3 of each element's 4, less one scale per output row
     (in the compute dtype) and quanto's two unused activation scales per layer."""
-    scale = 2 if cfg.mixed_precision == "bf16" else 4
+    scale = 2 if cfg.mixed_precision != "no" else 4
     return sum(3 * numel(shape) - scale * shape[0] - 8 for shape in quantized)
 
 
@@ -280,7 +280,7 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
     GPU's measured peaks against the plan.
     """
     d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
-    half = cfg.mixed_precision == "bf16"
+    half = cfg.mixed_precision != "no"
     w = 2 if half else 4  # matmul outputs and the casts of their inputs
     mask = 1 if cfg.dropout_rate > 0 else 0  # a bool per dropped value
 
@@ -297,6 +297,7 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
     else:  # ReLU's output, the dropout's mask, wo's input (a bf16 cast, or the dropout's float output;
         # without either, ReLU's output itself)
         ff = norm(1) + w * f + mask * f + (w * f if half or mask else 0) + mask * d
+    ff += 2 * f if cfg.mixed_precision == "fp16" else 0  # fp16's wo runs on a float32 cast (4 bytes; bf16's: 2)
     encoder = rows * source_len * (attention(3, source_len) + ff)
     # cross-attention: q from the target, k and v (and their bf16 casts) from each source token
     decoder = (rows * target_len * (attention(3, target_len) + attention(1, source_len) + ff)
@@ -316,7 +317,7 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     d, f, h = dims["d_model"], dims["d_ff"], dims["num_heads"]
     gated = dims["gated"]
     if device == "gpu":
-        width = 2 if cfg.mixed_precision == "bf16" else 4
+        width = 2 if cfg.mixed_precision != "no" else 4
         enc_layer, dec_layer = gpu_layer_bytes(cfg, dims, b, s, t)
     else:
         width = 4  # CPU autocast measured no saving
@@ -342,13 +343,19 @@ def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: 
     else:
         decoder_saved = dec_layer * n_dec
     positions = b * t if target_tokens is None else target_tokens
-    # fp32: the log-softmax output (saved), its gradient and the logits' gradient at the loss's backward
-    # (3.05 copies measured at 8,192 x 8,100); bf16 adds the bf16 logits and their float copy
-    logits = positions * dims["vocab_size"] * (3 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
+    vocab, chunk = dims["vocab_size"], loss_chunk_rows(dims["vocab_size"], d, cfg.loss_chunk_size)
+    if chunk:  # lowmem.model.chunked_loss: one chunk's float32 logits (and their half product) at a time, and the
+        # gradient of the head's input, made in the forward (the head weight's too: ``backward_peak`` counts it)
+        logits = min(positions, chunk) * vocab * (4 if cfg.mixed_precision == "no" else 6) + positions * d * 4
+        logits_grad = positions * d * 4
+    else:  # fp32: the log-softmax output (saved), its gradient and the logits' gradient at the loss's backward
+        # (3.05 copies measured at 8,192 x 8,100); bf16 adds the bf16 logits and their float copy
+        logits = positions * vocab * (3 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
+        logits_grad = positions * vocab * 4
     encoder_out = b * s * d * 4
     return {"activations": encoder_saved + decoder_saved + encoder_peak + encoder_out + attention_grads,
-            "logits": logits, "logits_grad": positions * dims["vocab_size"] * 4, "encoder_saved": encoder_saved,
-            "decoder_saved": decoder_saved, "decoder_block": dec_layer}
+            "logits": logits, "logits_grad": logits_grad, "encoder_saved": encoder_saved,
+            "decoder_saved": decoder_saved, "decoder_block": dec_layer, "head_grad_in_forward": bool(chunk)}
 
 
 def batch_cost(cfg: TrainConfig, dims: dict, device: str):
@@ -378,15 +385,16 @@ def evaluation_bytes(cfg: TrainConfig, dims: dict, batches: list[tuple[int, int,
     Measured on the CPU (small, 512 tokens): 101 MiB predicted 119 (greedy), 511 predicted 572 (4 beams).
     """
     d, h, vocab, beams = dims["d_model"], dims["num_heads"], dims["vocab_size"], cfg.num_beams
-    width = 2 if cfg.mixed_precision == "bf16" else 4
+    width, chunk = 2 if cfg.mixed_precision != "no" else 4, loss_chunk_rows(vocab, d, cfg.loss_chunk_size)
     worst = 0.0
     for rows, source, target, tokens in batches:
         n = rows * beams
         positions = 2 * cfg.max_target_len + (2 if beams > 1 else 1) * source
         generate = (kv_cache_bytes(dims, n, positions, width) + n * source * d * 4 + 3 * n * vocab * 4
                     if cfg.eval_generate else 0)
-        # logits at the target tokens and their log-softmax, and one layer's attention scores and softmax
-        loss = (tokens * vocab * (8 if cfg.mixed_precision == "no" else 10)
-                + 2 * rows * h * max(target * (target + source), source * source) * 4)
+        # logits at the targets and their log-softmax (or one chunk's), one layer's attention scores and softmax
+        logits = (min(tokens, chunk) * vocab * (4 if cfg.mixed_precision == "no" else 6) if chunk
+                  else tokens * vocab * (8 if cfg.mixed_precision == "no" else 10))
+        loss = logits + 2 * rows * h * max(target * (target + source), source * source) * 4
         worst = max(worst, generate, loss)
     return worst

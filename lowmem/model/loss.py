@@ -9,6 +9,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from lowmem.model.chunked_loss import chunk_rows, chunked_head_loss
+from lowmem.model.presets import AUTO
+
 
 def target_index(labels: torch.Tensor, multiple: int = 1) -> torch.Tensor:
     """Flat positions of the target tokens (labels != -100). Found on the host, before the batch moves
@@ -51,13 +54,14 @@ def logits_only_at(core, index: torch.Tensor):
 
 
 def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multiple: int = 1,
-                   encoder_calls: int = 0) -> torch.Tensor:
+                   encoder_calls: int = 0, loss_chunk: int | str = AUTO) -> torch.Tensor:
     """Sum of the cross-entropy over the batch's target tokens (labels == -100 are ignored).
 
     ``model`` is what to call (possibly wrapped for DDP), ``core`` the plain T5 inside it. With a
     frozen encoder it runs under ``no_grad`` so none of its activations are kept; a batch from the
     encoder cache carries ``encoder_hidden_states`` instead of ``input_ids``. Logits are computed
-    only at target positions (``batch["target_index"]`` when the caller found them on the host).
+    only at target positions (``batch["target_index"]`` when the caller found them on the host),
+    and in chunks of target tokens (``loss_chunk``: --loss_chunk_size; ``lowmem.model.chunked_loss``).
     ``encoder_calls``: how many times a frozen encoder must run (at least once per row; see
     ``frozen_encoder_states``).
     """
@@ -74,14 +78,38 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multi
                                         encoder_calls)
     else:
         encoded = None
-    with logits_only_at(core, index):
+    targets = labels.flatten().index_select(0, index)
+    chunk = chunk_rows(core.lm_head, loss_chunk)
+    with loss_at_head(core, index, targets, chunk) if chunk is not None else logits_only_at(core, index):
         if encoded is None:
             out = model(input_ids=batch["input_ids"], **decoder)
         else:
             from transformers.modeling_outputs import BaseModelOutput
 
             out = model(encoder_outputs=BaseModelOutput(last_hidden_state=encoded), **decoder)
-    return F.cross_entropy(out.logits.float(), labels.flatten().index_select(0, index), reduction="sum")
+    if chunk is not None:  # the head gave the loss itself
+        return out.logits.float()
+    return F.cross_entropy(out.logits.float(), targets, reduction="sum")
+
+
+@contextlib.contextmanager
+def loss_at_head(core, index: torch.Tensor, targets: torch.Tensor, chunk: int):
+    """While inside, the LM head returns the summed cross-entropy of ``targets`` at the flat positions ``index`` of
+    its input instead of logits, ``chunk`` target tokens at a time (``lowmem.model.chunked_loss``)."""
+    head = core.lm_head
+
+    def loss(hidden: torch.Tensor) -> torch.Tensor:
+        return chunked_head_loss(hidden.flatten(0, -2).index_select(0, index), head.weight, targets, chunk)
+
+    own = head.__dict__.get("forward")  # (a forward set on the instance before: put back after)
+    head.forward = loss
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 @torch.no_grad()

@@ -56,3 +56,21 @@ MEMORY_PROFILES = {
 def gpu_profile_gib(name: str) -> float:
     """The GPU memory a GPU profile is named for (gpu8g: 8 GiB)."""
     return float(name.removeprefix("gpu").removesuffix("g"))
+
+
+# --loss_chunk_size=auto: each chunk of the LM head + loss holds float32 logits of at most this size
+# (lowmem.model.chunked_loss; on mT5's head 128 target tokens: 0.21x the unchunked peak, bench/loss_chunks.py)
+LOSS_CHUNK_LOGITS_BYTES = 128 * 2**20
+
+
+def loss_chunk_rows(vocabulary: int, width: int, loss_chunk: int | str) -> int | None:
+    """Target tokens per chunk of an LM head of ``vocabulary`` x ``width`` under ``--loss_chunk_size=loss_chunk``, or
+    None: the logits whole. Chunked wherever the flag is not 0 and the head has more outputs than inputs (the logits
+    outweigh the hidden states: every T5); ``auto`` is the power of two in [16, 4096] whose float32 logits fit
+    ``LOSS_CHUNK_LOGITS_BYTES`` (128 tokens for mT5's 250,112, 1,024 for T5's 32,128)."""
+    if not loss_chunk or vocabulary <= width:
+        return None
+    if loss_chunk != AUTO:
+        return int(loss_chunk)
+    rows = max(LOSS_CHUNK_LOGITS_BYTES // (4 * vocabulary), 1)
+    return min(max(1 << (rows.bit_length() - 1), 16), 4096)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from config import SHIPPED_TOKENIZER_DIR, TrainConfig
 from data.sources.corpus import file_notes
 from lowmem.model.build import head_is_tied, lora_stacks
+from lowmem.training.eval_metrics import scores_in
 
 
 def frozen_summary(cfg: TrainConfig, core) -> str:
@@ -107,3 +108,10 @@ def memory_features(cfg: TrainConfig, parameters: dict, cache, core) -> list[str
         features.append(f"{parameters['frozen_8bit']:,} frozen weights stored in {cfg.frozen_dtype} (optimum-quanto"
                         f"{', wo included' if cfg.quantize_wo else '; wo and embeddings in bf16'}; norms float32)")
     return features
+
+
+def run_result(out, state, step_s: float, metrics: dict, errors: dict) -> dict:
+    """What ``train`` returns (and the CLI prints): where the run is, its steps, its last evaluation, its best."""
+    return {"output_dir": str(out), "steps": state.step, "step_s": step_s, "eval_loss": metrics["eval_loss"],
+            **scores_in(metrics), "best_metric": state.best_metric, "best_step": state.best_step,
+            "bad_rows": errors["bad_rows"] + errors.get("prepared_bad_rows", 0)}

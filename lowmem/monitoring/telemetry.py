@@ -233,9 +233,9 @@ class IntervalMeter:
 
 
 def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: float, grad_norm, elapsed: float,
-                 total_steps: int, bar) -> None:
-    """The ``train`` record of an interval (and its log line, or the bar's numbers on a terminal).
-    Collective: every process calls it at the same step."""
+                 total_steps: int, bar, extra: dict | None = None) -> None:
+    """The ``train`` record of an interval (and its log line, or the bar's numbers on a terminal); ``extra``:
+    more fields for the record (fp16's loss scale). Collective: every process calls it at the same step."""
     state = telemetry.state
     mem = memory_snapshot()
     interval = meter.close(accelerator)
@@ -248,6 +248,7 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
         fields["rss_mb_per_process"] = [round(v, 1) for v in rss.tolist()]
     if grad_norm is not None:
         fields["grad_norm"] = round(float(grad_norm), 7)
+    fields.update(extra or {})
     telemetry.record("train", **fields)
     if telemetry.main:
         bar.set_postfix(loss=f"{fields['loss']:.3f}", lr=f"{lr:.1e}", tok_s=f"{fields['tokens_per_s']:.0f}",
@@ -255,19 +256,3 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
         if not on_terminal():
             telemetry.say(train_line(state.step, total_steps, fields["loss"], lr, fields["tokens_per_s"],
                                      fields["padding_pct"], mem["rss_mb"]))
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -45,6 +45,9 @@ def check_deepspeed(cfg: TrainConfig) -> None:
     if cfg.optimizer not in ("adamw", "adafactor"):
         raise UserError(f"--optimizer={cfg.optimizer} is not supported with DeepSpeed (ZeRO hands the optimizer flat "
                         "slices of the weights); use --optimizer=adamw or adafactor")
+    if cfg.mixed_precision == "fp16":
+        raise UserError("--mixed_precision=fp16 is not supported with DeepSpeed (its fp16 mode keeps float16 weights, "
+                        "which T5 overflows); use --mixed_precision=bf16 or no, or launch with the FSDP config")
     if torch.cuda.is_available():
         if cfg.cpu or os.environ.get(CPU_ENV, "false").lower() == "true":
             raise UserError("--cpu=True with a DeepSpeed launch config: DeepSpeed trains on the GPUs it finds; leave "

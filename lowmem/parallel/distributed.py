@@ -13,6 +13,7 @@ from config import TrainConfig, UserError
 from data.sources.readers import index_file
 from lowmem.memory.probes import MemoryGuard, import_accelerate, map_large_blocks, peak_rss_bytes
 from lowmem.parallel.engines import engine_for_launch
+from lowmem.training.precision import PRECISIONS
 
 
 def start_accelerator(cfg: TrainConfig):
@@ -33,7 +34,7 @@ def start_accelerator(cfg: TrainConfig):
 
     if cfg.mixed_precision == "bf16" and torch.cuda.is_available() and not cfg.cpu \
             and not torch.cuda.is_bf16_supported():
-        raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=no")
+        raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=fp16 (or no)")
     engine = engine_for_launch()
     engine.check(cfg)
     if engine.shards:
@@ -42,7 +43,7 @@ def start_accelerator(cfg: TrainConfig):
     # views the gradients live in the buckets themselves (one copy fewer per process).
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
     options = engine.accelerator_options(cfg.cpu or launched_without_gpu())  # FSDP's read before accelerate starts
-    accelerator = Accelerator(cpu=options["cpu"], mixed_precision=cfg.mixed_precision,
+    accelerator = Accelerator(cpu=options["cpu"], mixed_precision=PRECISIONS[cfg.mixed_precision].accelerate_name,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               kwargs_handlers=[ddp] + options["kwargs_handlers"])
     engine.configure(accelerator, cfg)

@@ -2,6 +2,7 @@
 
 - ``accumulation``: one window's backward, the same gradient whatever engine runs it.
 - ``optim``: Adafactor and the warmup + decay schedules.
+- ``precision``: ``--mixed_precision`` (float32, bf16, fp16 with its loss scaler), one class each.
 - ``state``: ``TrainState``, the counters every checkpoint keeps (step, epoch, tokens, the best model so far).
 - ``stopping``: clean stops on SIGTERM / SIGINT, and the count of skipped non-finite steps.
 - ``encoder_cache``: a frozen encoder's outputs computed once per example and read back.

@@ -22,18 +22,21 @@ from lowmem.memory.probes import MemoryGuard
 from lowmem.model.loss import batch_to_device, token_loss_sum
 from lowmem.parallel.engines import Engine
 from lowmem.parallel.sharding import equal_counts
+from lowmem.training.precision import Precision
 
 
 def window_backward(model, core, window: list[dict], total_tokens: int, accelerator, engine: Engine,
-                    frozen_encoder: bool, multiple: int, pin: bool, guard: MemoryGuard | None = None,
-                    empty=None) -> torch.Tensor:
+                    precision: Precision, frozen_encoder: bool, multiple: int, pin: bool,
+                    guard: MemoryGuard | None = None, empty=None, loss_chunk: int | str = 0) -> torch.Tensor:
     """Backward over ``window`` (collated micro-batches), gradients left in place for the optimizer step.
 
     Args:
         model: the model as prepared (DDP-wrapped, FSDP-sharded or a DeepSpeed engine); core: the plain one.
         total_tokens: target tokens of the window on all processes.
-        engine: the run's engine (``lowmem.parallel.engines``).
+        engine: the run's engine (``lowmem.parallel.engines``); precision: its ``--mixed_precision``
+            (``lowmem.training.precision``: the autocast, fp16's loss scale).
         guard: the memory guard, read after each micro-batch; empty: makes a micro-batch without targets.
+        loss_chunk: --loss_chunk_size (``lowmem.model.chunked_loss``).
 
     Returns:
         The local sum of token losses (a device tensor).
@@ -58,10 +61,11 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
         last = k == len(window) - 1
         batch = batch_to_device(micro, accelerator.device, multiple, pin)
         with engine.accumulating(accelerator, model):
-            with accelerator.autocast():
+            with precision.autocast(accelerator):
                 loss = token_loss_sum(model, core, batch, frozen_encoder=frozen_encoder, multiple=multiple,
-                                      encoder_calls=encoder_calls[k])
-            engine.backward(accelerator, model, loss * scale, last)  # DDP: all-reduce only on the window's last
+                                      encoder_calls=encoder_calls[k], loss_chunk=loss_chunk)
+            # (fp16: the loss scaled up so that small gradients do not underflow; DDP: all-reduce on the last only)
+            engine.backward(accelerator, model, precision.scale(loss * scale), last)
         loss_sum += loss.detach()
         del batch, loss  # free this micro-batch's activations before the next one
         if guard is not None:

@@ -44,6 +44,7 @@ from data.streams.file_stream import batched
 from lowmem.checkpointing.ownership import MARKERS, claim_folder, open_own, remove_ours, write_atomic
 from lowmem.memory.probes import free_memory
 from lowmem.model.loss import batch_to_device, frozen_encoder_states
+from lowmem.training.precision import compute_context
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
            "float16": (torch.float16, torch.float16)}  # name -> (torch dtype, numpy-compatible view)
@@ -291,7 +292,7 @@ def open_for_training(cfg, core, data, tokenizer_hash: str, accelerator, multipl
         """The frozen encoder's outputs for ``prompts``, exactly as the uncached training step computes them."""
         core.encoder.eval()
         batch = batch_to_device(data.collator.encode(prompts, cfg.max_source_len), device, multiple, pin)
-        with accelerator.autocast():
+        with compute_context(accelerator, cfg.mixed_precision):
             hidden = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple)
         return hidden, batch["attention_mask"]
 

@@ -33,6 +33,7 @@ from lowmem.parallel.engines import engine_for_launch, inner_model
 from lowmem.parallel.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
 from lowmem.training.encoder_cache import encoder_on
 from lowmem.training.eval_metrics import metric_named, metrics_of, score_answers, scores_in
+from lowmem.training.precision import compute_context, precision_for
 
 CPU_LOSS_TOKENS = 2048  # padded tokens per eval forward on the CPU (the encoder's sources, the decoder's targets)
 
@@ -89,12 +90,14 @@ def eval_batches(examples: list, collator, cfg: TrainConfig, accelerator, sharde
     return batches
 
 
-def loss_and_inputs(model, core, batch: dict, sharded: bool, budget: int, multiple: int) -> tuple[float, dict]:
+def loss_and_inputs(model, core, batch: dict, sharded: bool, budget: int, multiple: int,
+                    loss_chunk: int | str = AUTO) -> tuple[float, dict]:
     """The summed token loss of ``batch`` and the inputs ``generate`` takes for it (its encoder output, unless
     sharded: there every forward is one collective, and generate runs the encoder again)."""
     if sharded:
-        return float(token_loss_sum(model, core, batch, multiple=multiple)), {"input_ids": batch["input_ids"]}
-    return loss_and_encoded(model, core, batch, budget, multiple)
+        loss = token_loss_sum(model, core, batch, multiple=multiple, loss_chunk=loss_chunk)
+        return float(loss), {"input_ids": batch["input_ids"]}
+    return loss_and_encoded(model, core, batch, budget, multiple, loss_chunk)
 
 
 def generate_for(core, inputs: dict, batch: dict, cfg: TrainConfig, sharded: bool, new_tokens: int,
@@ -147,8 +150,8 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
         if interrupted is not None and (any_process(accelerator, interrupted()) if sharded else interrupted()):
             break  # a generation of 100 rows can outlast a job scheduler's grace period
         batch = batch_to_device(collator(chunk), accelerator.device, multiple)
-        with accelerator.autocast(), whole_root(core):
-            loss, inputs = loss_and_inputs(model, core, batch, sharded, budget, multiple)
+        with compute_context(accelerator, cfg.mixed_precision), whole_root(core):
+            loss, inputs = loss_and_inputs(model, core, batch, sharded, budget, multiple, cfg.loss_chunk_size)
             generated = generate_for(core, inputs, batch, cfg, sharded, cfg.max_target_len) if generate else None
         if not real:  # padding
             continue
@@ -180,7 +183,8 @@ def eval_log_line(step: int, result: dict, improved: bool) -> str:
     return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{scores}" + (" | new best" if improved else "")
 
 
-def loss_and_encoded(model, core, batch: dict, budget: int, multiple: int) -> tuple[float, dict]:
+def loss_and_encoded(model, core, batch: dict, budget: int, multiple: int,
+                     loss_chunk: int | str = AUTO) -> tuple[float, dict]:
     """The summed token loss of ``batch`` and its encoder output for ``generate`` (the encoder runs once
     for both). With a ``budget`` of padded tokens (0: the whole batch in one forward) the encoder runs over
     groups of similar source length and the decoder over groups of similar target length
@@ -210,7 +214,7 @@ def loss_and_encoded(model, core, batch: dict, budget: int, multiple: int) -> tu
         (index, width), (_, length) = cut(rows, sources, mask), cut(rows, targets, labels)
         part = {"attention_mask": mask[index, :width], "labels": labels[index, :length],
                 "encoder_hidden_states": hidden[index, :width]}
-        loss += float(token_loss_sum(model, core, part, multiple=multiple))
+        loss += float(token_loss_sum(model, core, part, multiple=multiple, loss_chunk=loss_chunk))
     return loss, {"encoder_outputs": BaseModelOutput(last_hidden_state=hidden)}
 
 
@@ -222,7 +226,7 @@ def generate_answers(core, tokenizer, collator, prompts: list[str], cfg: TrainCo
     answers = []
     for chunk in batched(prompts, cfg.eval_batch_size):
         batch = batch_to_device(collator.encode(chunk, cfg.max_source_len), accelerator.device, multiple)
-        with accelerator.autocast():
+        with compute_context(accelerator, cfg.mixed_precision):
             out = core.generate(**batch, **generation_options(cfg, cfg.max_new_tokens))
         answers.extend(answer_text(tokenizer, ids) for ids in out.tolist())
     return answers
@@ -319,6 +323,7 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     own = has_tokenizer(model_dir) and not (cfg.init_from and cfg.tokenizer_dir)
     tokenizer = load_tokenizer(model_dir) if own else load_trained_tokenizer(tokenizer_folder(cfg))
     check_vocabulary(cfg, model.get_input_embeddings().num_embeddings, tokenizer, model_dir)
+    precision_for(cfg.mixed_precision, accelerator.device.type).prepare(model)
     model = accelerator.prepare(model)
     multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
     collator = objective.collator(tokenizer, multiple)

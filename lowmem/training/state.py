@@ -24,6 +24,7 @@ class TrainState:
     elapsed_s: float = 0.0  # trained before this process started (``now`` adds this process's part)
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     nonfinite_in_a_row: int = 0
+    loss_scaler: dict | None = None  # fp16's: the scaler's state and its skipped steps (lowmem.training.precision)
     last_eval: dict | None = None  # step, eval_loss and the scores of the latest evaluation
     eval_plan: dict | None = None  # what each evaluation generates (memory.eval_cost): planned once, kept on resume
 
@@ -33,6 +34,13 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():  # "tokens": the name in checkpoints before 2026-11-28
             setattr(self, {"tokens": "target_tokens"}.get(key, key), value)
+
+    def count_step(self, target_tokens: int, examples: int) -> None:
+        """An optimizer step applied (a skipped one is counted by ``lowmem.training.stopping``)."""
+        self.step += 1
+        self.target_tokens += target_tokens
+        self.examples += examples
+        self.nonfinite_in_a_row = 0
 
     def elapsed(self, started: float) -> float:
         """Seconds trained so far, this process's part counted from ``started`` (its ``time.time()``)."""

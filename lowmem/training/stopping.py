@@ -6,6 +6,7 @@ nears ``--max_rss_gb``, within a step too, is ``lowmem.memory.probes.MemoryGuard
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import threading
@@ -95,3 +96,21 @@ def count_nonfinite_step(state, max_in_a_row: int, say=print, record=None) -> No
         raise UserError(f"{state.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
                         f"gradient (--max_nonfinite_steps={max_in_a_row}); lower --learn_rate, keep "
                         "--max_grad_norm on, or use --mixed_precision=no (best/ never holds non-finite weights)")
+
+
+def again_after_nonfinite(state, precision, loss_finite, max_in_a_row: int, say=print, record=None) -> bool:
+    """A window's gradient norm was not finite: whether to run the same window again. fp16's overflow of the
+    loss scale (with a finite loss on every process: ``loss_finite()``) is the scaler's to count, and it lowers
+    the scale: the window runs again, so no example is dropped for it. Anything else the non-finite guard counts
+    (``count_nonfinite_step``) and the window is dropped. Every process calls it alike (the norm is the same)."""
+    if precision.overflowed(loss_finite):
+        if record is not None:
+            record("scaler_skip", **precision.log_fields())  # (at step: the steps done before it)
+        return True
+    count_nonfinite_step(state, max_in_a_row, say, record)
+    return False
+
+
+def all_finite(accelerator, value) -> bool:
+    """Whether ``value`` (a number or a one-element tensor) is finite on every process (a collective)."""
+    return not any_process(accelerator, not math.isfinite(float(value)))
