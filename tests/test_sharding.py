@@ -169,7 +169,8 @@ def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenize
     trained("cpu_2proc", [*sft, f"--output_dir={tmp_path / 'sft_ddp'}"], 29623)
     trained("fsdp_cpu", [*sft, f"--output_dir={tmp_path / 'sft_fsdp'}"], 29624)
     tuned, tuned_ddp = weights(tmp_path / "sft_fsdp"), weights(tmp_path / "sft_ddp")
-    assert max_difference(tuned, tuned_ddp) <= 1e-5
+    # (AdamW's 8 steps amplify the engines' different reduction orders: 1.05e-5 with the chunked loss's sums)
+    assert max_difference(tuned, tuned_ddp) <= 2e-5
     norms = [r["grad_norm"] for r in train_records(tmp_path / "sft_fsdp")]
     assert max(norms) > 1  # clipped at 1.0 (the same norms and weights as DDP's)
     before = load_file(str(base / "model.safetensors"))

@@ -26,9 +26,8 @@ def chunk_rows(head, loss_chunk: int | str) -> int | None:
     """Target tokens per chunk for ``head`` (None: logits + cross-entropy whole, as transformers computes them):
     ``loss_chunk_rows`` of its shape, for a plain linear layer (an 8-bit head, or one with an adapter, runs whole)."""
     if type(head) is not torch.nn.Linear or head.bias is not None:
-        return None
-    vocabulary, width = head.weight.shape
-    return loss_chunk_rows(vocabulary, width, loss_chunk)
+        return None  # (the declared shape: under ZeRO-3 the weight is a partition outside the forward)
+    return loss_chunk_rows(head.out_features, head.in_features, loss_chunk)
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
