@@ -147,7 +147,6 @@ class ForkServer:
     READ_WHEN_USED = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
     def __init__(self, env: dict):
-        self.env = env
         self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "fork_server.py")], cwd=REPO, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 

@@ -24,6 +24,9 @@ class Precision:
     name = "no"
     accelerate_name = "no"  # what accelerate is told (fp16's autocast and scaler are this class's own)
 
+    def __init__(self, device_type: str):
+        """``device_type``: the accelerator's ("cpu", "cuda"), where a loss scaler would work."""
+
     @staticmethod
     def autocast(accelerator):
         """The context every forward of the run (training, evaluation, the encoder cache) runs in."""
@@ -118,8 +121,7 @@ PRECISIONS = {kind.name: kind for kind in (Precision, BFloat16, Float16)}
 
 
 def precision_for(mixed_precision: str, device_type: str) -> Precision:
-    kind = PRECISIONS[mixed_precision]
-    return kind(device_type) if kind is Float16 else kind()
+    return PRECISIONS[mixed_precision](device_type)
 
 
 def compute_context(accelerator, mixed_precision: str):
