@@ -33,6 +33,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # bytecode in the checkout's __pycache__ folders (git ignores them); the libraries' bytecode is pip's.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
+from forking import ForkServers  # noqa: E402
+
 from config import SHIPPED_CORPORA, SHIPPED_TOKENIZER_DIR  # noqa: E402
 
 WORDS = "the cat dog runs jumps over a lazy quick brown fox river stone light dark day night".split()
@@ -84,12 +86,21 @@ def shipped():
 
 class Processes:
     """The one way tests start processes (see the module docstring): thin wrappers of ``subprocess`` and
-    ``torch.multiprocessing``."""
+    ``torch.multiprocessing``. The training CLI's runs, and each rank of the ``accelerate launch``es ``run`` starts, are
+    forked from a process that imported torch and transformers already (tests/forking.py)."""
 
-    def run(self, *args, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(*args, **kwargs)
+    def __init__(self):
+        self.forks = ForkServers()
+        self.environments: set[frozenset] = set()  # those of the CLI runs so far
+        self.forks.server(self.cli_env(None))  # the usual one, importing while the first test sets up
+
+    def run(self, command: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+        command, env = self.forks.launch(command, dict(os.environ if env is None else env))
+        return subprocess.run(command, env=env, **kwargs)
 
     def popen(self, *args, **kwargs) -> subprocess.Popen:
+        # Not forked: the runs a test kills (the launcher's process group) die as a user's would, the launched ranks
+        # with their launcher (lowmem.cli.runner.die_with_launcher)
         return subprocess.Popen(*args, **kwargs)
 
     def spawn(self, fn, args: tuple, nprocs: int) -> None:
@@ -97,31 +108,27 @@ class Processes:
 
         mp.spawn(fn, args=args, nprocs=nprocs)
 
-    def __init__(self):
-        self.fork_servers: dict[frozenset, ForkServer] = {}  # by the environment they imported their libraries in
-        self.environments: set[frozenset] = set()  # those of the runs so far
+    @staticmethod
+    def cli_env(env: dict | None) -> dict:
+        return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
 
     def cli(self, *args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None,
             **kwargs) -> subprocess.CompletedProcess:
         """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process. A child of a fork
-        server (tests/fork_server.py) that imported its libraries in the run's environment; the first run in an
-        environment (a test's own ``HF_HOME``, or a ``PYTHONPATH`` with a ``sitecustomize``) starts from scratch,
-        the second starts a server for it (the two latest are kept)."""
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        key = ForkServer.key(full_env)
-        if not kwargs and key in self.environments:
-            if key not in self.fork_servers:
-                if len(self.fork_servers) == 2:
-                    self.fork_servers.pop(next(iter(self.fork_servers))).close()
-                self.fork_servers[key] = ForkServer(full_env)
-            return self.fork_servers[key].run(args, cwd, full_env, timeout)
+        server that imported its libraries in the run's environment; the first run in another environment than the
+        usual (a test's own ``HF_HOME``, or a ``PYTHONPATH`` with a ``sitecustomize``) starts from scratch, the
+        second starts a server for it."""
+        full_env = self.cli_env(env)
+        argv = [str(REPO / "train_low_mem.py"), *args]
+        key = ForkServers.key(full_env)
+        if not kwargs and (env is None or key in self.environments):
+            return self.forks.server(full_env).run(argv, cwd, full_env, timeout)
         self.environments.add(key)
-        return self.run([sys.executable, str(REPO / "train_low_mem.py"), *args], cwd=cwd, capture_output=True,
-                        text=True, timeout=timeout, env=full_env, **kwargs)
+        return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                              env=full_env, **kwargs)
 
     def close(self) -> None:
-        for server in self.fork_servers.values():
-            server.close()
+        self.forks.close()
 
     def launch_command(self, *args: str, processes: int = 2, port: int = 29517) -> list[str]:
         # `accelerate launch --cpu --num_processes 2` starts one process; this form starts two gloo ranks.
@@ -136,49 +143,6 @@ class Processes:
 
 
 LAUNCH_ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
-
-
-class ForkServer:
-    """The client of tests/fork_server.py: runs the CLI in a forked child of a process that has imported torch and
-    transformers already (~5 s of every run's start)."""
-
-    # Set in the pytest process as tests run, and read by no library when imported: pytest's name of the running
-    # test, and the inductor cache folder torch sets (its default) the first time something compiles in-process
-    READ_WHEN_USED = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
-
-    def __init__(self, env: dict):
-        self.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "fork_server.py")], cwd=REPO, env=env,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    @classmethod
-    def key(cls, env: dict) -> frozenset:
-        """What of ``env`` a fork server's runs must share with it (all but ``READ_WHEN_USED``)."""
-        return frozenset((k, v) for k, v in env.items() if k not in cls.READ_WHEN_USED)
-
-    def run(self, args: tuple[str, ...], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as folder:
-            out, err = Path(folder, "stdout"), Path(folder, "stderr")
-            out.touch()
-            err.touch()
-            request = {"args": list(args), "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
-                       "timeout": timeout}
-            self.server.stdin.write(json.dumps(request) + "\n")
-            self.server.stdin.flush()
-            reply = self.server.stdout.readline()
-            assert reply, f"the fork server ended (exit code {self.server.poll()})"
-            reply = json.loads(reply)
-            command = [sys.executable, str(REPO / "train_low_mem.py"), *args]
-            stdout = out.read_text(encoding="utf-8", errors="replace")
-            stderr = err.read_text(encoding="utf-8", errors="replace")
-        if reply["timed_out"]:
-            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(command, reply["returncode"], stdout, stderr)
-
-    def close(self) -> None:
-        self.server.stdin.close()
-        self.server.wait(timeout=60)
 
 
 @pytest.fixture(scope="session")
