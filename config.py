@@ -13,12 +13,12 @@ Runtime state (step, examples seen, ...) never lives here: see ``lowmem.training
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lowmem.extras import installed, optional_package_missing
 from lowmem.model.presets import AUTO, FEED_FORWARD_WIDTHS, MEMORY_PROFILES, MODEL_PRESETS
 from lowmem.training.eval_metrics import DEFAULT_METRICS, metric_problems
 
@@ -131,6 +131,8 @@ class TrainConfig:
                                       "x processes); accumulation follows the micro-batch: the same maths.")
     max_tokens_per_batch: int = _f(0, "Micro-batches of up to this many padded tokens (source + target) instead of "
                                       "rows (0: off; a longer row alone), within each optimizer step's rows.")
+    packing: bool = _f(False, "pairs, prefix_lm: pack each step's examples several to a row (segment masks, exact); "
+                              "--batch_size and --max_tokens_per_batch then count packed rows. Less padding.")
     epochs: int = _f(1, "Passes over the training data.")
     max_steps: int = _f(-1, "Stop after this many optimizer steps (-1 = run all --epochs).")
     learn_rate: float = _f(3e-3, "Peak learning rate (Adafactor, applied as given).")
@@ -387,14 +389,3 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-
-def optional_package_missing(flag: str, module: str, extra: str = "gpu") -> str:
-    return f"{flag} needs the optional package {module}: pip install '.[{extra}]' (or pip install {module})"
-
-
-def installed(module: str) -> bool:
-    """Whether an optional package can be imported (checked without importing it)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: a module blocked in sys.modules
-        return False

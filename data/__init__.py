@@ -6,8 +6,9 @@
   datasets), and raw text packed into chunks.
 - ``data.objectives``: what turns rows into ``(input_ids, labels)`` examples (pairs, span corruption, prefix LM).
 - ``pipeline``: the one entry point from files to what training reads; ``collate``: tokenization and
-  dynamic padding of micro-batches; ``prepare``: a corpus tokenized once into parquet shards; ``preview``:
-  the first examples as the model sees them; ``tokenization``: training a sentencepiece tokenizer.
+  dynamic padding of micro-batches; ``packing``: several examples to a row (``--packing``); ``prepare``: a
+  corpus tokenized once into parquet shards; ``preview``: the first examples as the model sees them;
+  ``tokenization``: training a sentencepiece tokenizer.
 
 Shipped corpora (``pinyin/``, ``chatterbot/``) and the default tokenizer (``tokenizer/``) live beside
 these modules, built by ``build_shipped_data.py`` (see data/README.md).

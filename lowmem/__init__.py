@@ -1,5 +1,5 @@
-"""The trainer's machinery, one subpackage per concern (``trainer_low_mem`` drives them; each
-``__init__`` is its package's map):
+"""The trainer's machinery, one subpackage per concern (``trainer_low_mem`` drives them; each ``__init__`` is its
+package's map), and ``extras``: which optional packages are installed.
 
 - ``lowmem.model``: the model a run trains: where it comes from, how it is built, frozen, adapted, stored
   narrow or quantised, its loss, and the standard folder it is exported as.

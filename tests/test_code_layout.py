@@ -34,6 +34,7 @@ LAYERS = ("config", "data", "lowmem", "trainer_low_mem", "train_low_mem")
 LEAF_MODULES = {
     "lowmem.model.presets": "model shapes, memory profiles and their caps (data only)",
     "lowmem.training.eval_metrics": "the scores of --eval_metrics and their names (sacrebleu, rouge imported lazily)",
+    "lowmem.extras": "whether an optional package is installed, and the line that says how to install it",
     "lowmem.checkpointing.ownership": "which folders the commands may write into: run folders and prepared data",
 }
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 
-from config import installed
 from lowmem.cli.flags import load_config
+from lowmem.extras import installed
 from lowmem.model.presets import MEMORY_PROFILES
 
 FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5", "--eval_generate=False"]

@@ -35,7 +35,7 @@ def mlflow_file_store_readable():
 
 
 def installed_trackers() -> list[str]:
-    from config import installed
+    from lowmem.extras import installed
 
     return [name for name, module in PACKAGES.items() if installed(module)]
 

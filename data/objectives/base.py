@@ -46,6 +46,7 @@ class Objective:
     # What the planner and the start-up log read:
     chunk_length = 0  # tokens per packed chunk (0: rows are examples, nothing is packed)
     fixed_lengths: tuple[int, int] | None = None  # (input, target) tokens of every example, when fixed
+    packs: ClassVar[bool] = False  # whether --packing=True packs its examples several to a row (data.packing)
     noun = "rows"  # what a training row is in the log: rows, or documents packed into chunks
     example_noun = "rows"  # what an eval example is: a row, or a chunk
 
@@ -87,10 +88,13 @@ class Objective:
         return self.text_columns(self.cfg)
 
     def collator(self, tokenizer, pad_multiple: int = 1) -> Seq2SeqCollator:
-        """Its micro-batches: each side padded to its micro-batch's longest row."""
+        """Its micro-batches: each side padded to its micro-batch's longest row; with --packing=True, several
+        examples to a row (``data.packing``)."""
         from data.collate import Seq2SeqCollator
+        from data.packing import PackingCollator
 
-        return Seq2SeqCollator(tokenizer, self.max_source_len, self.max_target_len, pad_multiple)
+        made = PackingCollator if self.cfg.packing else Seq2SeqCollator
+        return made(tokenizer, self.max_source_len, self.max_target_len, pad_multiple)
 
     def stream(self, documents, tokenizer):
         """The training stream of examples made from this process's stream of rows (``data.streams``)."""
@@ -132,7 +136,16 @@ def objective_class(name: str) -> type[Objective]:
 def objective_problems(cfg: TrainConfig) -> list[str]:
     """The objective's share of the config's validation: an unknown name, or its flags' mistakes."""
     found = registry().get(cfg.objective)
-    return [unknown_objective(cfg.objective)] if found is None else found.problems(cfg)
+    if found is None:
+        return [unknown_objective(cfg.objective)]
+    packing = []
+    if cfg.packing and not found.packs:
+        packing.append(f"--packing=True packs {', '.join(n for n, c in registry().items() if c.packs)} examples; "
+                       f"--objective={cfg.objective}'s rows are whole chunks already: leave --packing out")
+    if cfg.packing and cfg.encoder_cache != "off":
+        packing.append("--packing=True does not run with --encoder_cache (its micro-batches are one example per row): "
+                       "leave one of them out")
+    return packing + found.problems(cfg)
 
 
 def objective_for(cfg: TrainConfig) -> Objective:

@@ -16,6 +16,7 @@ class PairsObjective(Objective):
     name = "pairs"
     summary = "each row a prompt -> response example"
     prepared_data = True
+    packs = True
     unused_flags = ("text_column", "noise_density", "mean_noise_span_length")  # raw text's, span corruption's
     trained_with = ("max_source_len", "max_target_len", "prompt_column", "response_column")
 

@@ -14,6 +14,7 @@ class PrefixLMObjective(PackedTextObjective):
     padded to their longest row."""
 
     name = "prefix_lm"
+    packs = True
     summary = ("raw text in --text_column packed into chunks as for span_corruption, each split at a random "
                "point: prefix -> rest")
 

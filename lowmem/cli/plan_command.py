@@ -14,8 +14,9 @@ import math
 import sys
 from dataclasses import replace
 
-from config import QUANTIZED_DTYPES, TrainConfig, UserError, installed
+from config import QUANTIZED_DTYPES, TrainConfig, UserError
 from data.streams.file_stream import total_steps
+from lowmem.extras import installed
 from lowmem.memory import planner
 from lowmem.memory.plan_batches import run_lengths
 from lowmem.memory.plan_sharding import SHARDINGS
@@ -86,7 +87,7 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     """
     optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
     has_frozen = bool(frozen_parts(cfg))
-    caches = ["off", "auto"] if cfg.frozen_encoder else ["off"]
+    caches = ["off", "auto"] if cfg.frozen_encoder and not cfg.packing else ["off"]
     precisions = ["no", "fp16" if gpu_without_bf16() else "bf16"] if device == "gpu" else ["no"]
     frozen = ["float32", "bfloat16"] if has_frozen else ["float32"]
     if "int8" in (import_mb or {}) and (cfg.freeze == "encoder" or cfg.lora_r) and not sharding:

@@ -277,7 +277,8 @@ def import_extras(cfg) -> None:
     Raises:
         UserError: one is installed but fails to import (another version of its dependencies, say).
     """
-    from config import QUANTIZED_DTYPES, UserError, installed
+    from config import QUANTIZED_DTYPES, UserError
+    from lowmem.extras import installed
     from lowmem.monitoring.trackers import import_trackers
 
     import_trackers(cfg.report_to)
@@ -298,7 +299,8 @@ def import_extras(cfg) -> None:
 
 def optional_import(module: str, flag: str):
     """Import an optional extra, or say in one line how to install it."""
-    from config import UserError, optional_package_missing
+    from config import UserError
+    from lowmem.extras import optional_package_missing
 
     try:
         return importlib.import_module(module)

@@ -8,5 +8,6 @@
 - ``quantize``: frozen linear layers in 8 bits (optimum-quanto), and back to float for exports.
 - ``adapters``: LoRA runs exported as peft adapter folders, and loaded back onto their base model.
 - ``loss``: the loss a step trains on (LM head at the target tokens only, summed token losses).
+- ``packed_attention``: the attention masks and decoder inputs of packed rows (``--packing``).
 - ``chunked_loss``: the LM head and cross-entropy a chunk of target tokens at a time (``--loss_chunk_size``).
 """

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lowmem.model.chunked_loss import chunk_rows, chunked_head_loss
+from lowmem.model.packed_attention import cross_attention_mask, decoder_inputs, segment_masks, segment_spans
 from lowmem.model.presets import AUTO
 
 
@@ -67,20 +68,30 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multi
     """
     labels = batch["labels"]
     index = batch["target_index"] if "target_index" in batch else target_index(labels, multiple)
-    decoder = dict(attention_mask=batch["attention_mask"], decoder_input_ids=core._shift_right(labels),
-                   use_cache=False)
+    packed = "target_segments" in batch  # --packing: several examples to a row (lowmem.model.packed_attention)
+    if packed:
+        encoder_mask, decoder_mask, cross_mask = segment_masks(batch["source_segments"], batch["target_segments"])
+        decoder = dict(attention_mask=encoder_mask, decoder_attention_mask=decoder_mask, use_cache=False,
+                       decoder_input_ids=decoder_inputs(core, labels, batch["target_segments"]))
+    else:
+        decoder = dict(attention_mask=batch["attention_mask"], decoder_input_ids=core._shift_right(labels),
+                       use_cache=False)
     if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
         encoded = batch["encoder_hidden_states"]
     elif frozen_encoder:
         if hasattr(model, "unshard"):  # FSDP: the shared embedding (the root's) whole, the encoder runs outside
             model.unshard()            # the root's forward; the forward below reshards it as usual
         encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple,
-                                        encoder_calls)
+                                        encoder_calls, segment_spans(batch["source_segments"]) if packed else None)
     else:
         encoded = None
     targets = labels.flatten().index_select(0, index)
     chunk = chunk_rows(core.lm_head, loss_chunk)
-    with loss_at_head(core, index, targets, chunk) if chunk is not None else logits_only_at(core, index):
+    with contextlib.ExitStack() as inside:
+        inside.enter_context(loss_at_head(core, index, targets, chunk) if chunk is not None
+                             else logits_only_at(core, index))
+        if packed:
+            inside.enter_context(cross_attention_mask(core, cross_mask))
         if encoded is None:
             out = model(input_ids=batch["input_ids"], **decoder)
         else:
@@ -113,9 +124,11 @@ def loss_at_head(core, index: torch.Tensor, targets: torch.Tensor, chunk: int):
 
 
 @torch.no_grad()
-def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          multiple: int = 1, calls: int = 0) -> torch.Tensor:
-    """The frozen encoder's outputs, each row computed alone at its own length (zeros at padding).
+def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int = 1,
+                          calls: int = 0, spans: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """The frozen encoder's outputs, each row computed alone at its own length (zeros at padding); with ``spans``
+    ((row, start, length): the examples of packed rows, ``lowmem.model.packed_attention.segment_spans``), each
+    example alone, as unpacked.
 
     A row's result then never depends on the rows it is batched with. Batched, it would: padding
     to a longer row, and even the number of rows (the CPU matmul kernels differ for small shapes),
@@ -123,21 +136,24 @@ def frozen_encoder_states(encoder, input_ids: torch.Tensor, attention_mask: torc
     encoder cache (built once per row) gives the decoder the very same bits as an uncached run.
     With micro-batches of 1-2 rows the extra encoder calls cost little (docs/memory.md, 'Memory modes').
     With ``multiple`` > 1 each row runs padded to a multiple of it (still alone: the result depends
-    on the row only). ``calls`` beyond the rows run the encoder on one token, result unused: under a
+    on the row only). ``calls`` beyond the rows (spans) run the encoder on one token, result unused: under a
     sharded engine every call is a collective, so every process must make as many.
     """
     from data.collate import round_up
 
-    lengths = attention_mask.sum(dim=1).tolist()
+    if spans is None:
+        spans = [(row, 0, length) for row, length in enumerate(attention_mask.sum(dim=1).tolist())]
+    pad = encoder.config.pad_token_id or 0
     hidden = None
-    for row, length in enumerate(lengths):
-        width = min(round_up(length, multiple), input_ids.shape[1])
-        states = encoder(input_ids=input_ids[row:row + 1, :width],
-                         attention_mask=attention_mask[row:row + 1, :width]).last_hidden_state
+    for row, start, length in spans:
+        ids = input_ids.new_full((1, round_up(length, multiple)), pad)
+        ids[0, :length] = input_ids[row, start:start + length]
+        mask = ids.new_zeros(ids.shape)
+        mask[0, :length] = 1
+        states = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
         if hidden is None:
             hidden = states.new_zeros(input_ids.shape[0], input_ids.shape[1], states.shape[-1])
-        hidden[row, :length] = states[0, :length]
-    for _ in range(calls - len(lengths)):
+        hidden[row, start:start + length] = states[0, :length]
+    for _ in range(calls - len(spans)):
         encoder(input_ids=input_ids[:1, :1], attention_mask=attention_mask[:1, :1])
     return hidden
-

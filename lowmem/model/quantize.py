@@ -21,7 +21,8 @@ import functools
 
 import torch
 
-from config import TrainConfig, UserError, optional_package_missing
+from config import TrainConfig, UserError
+from lowmem.extras import optional_package_missing
 
 QTYPES = {"int8": "qint8", "float8": "qfloat8"}  # --frozen_dtype -> optimum.quanto's weight type
 # The state dict entries of a quantized layer (its 8-bit weight and scales; the activation scales are unused)

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from config import UserError, installed, optional_package_missing
+from config import UserError
+from lowmem.extras import installed, optional_package_missing
 
 PROJECT = "t5-lowmem"  # the project / experiment a run goes into when the user names none
 TRACKERS: dict[str, type[Tracker]] = {}  # --report_to name -> class, filled as the classes are defined

@@ -10,6 +10,7 @@ import os
 import torch
 
 from config import TrainConfig, UserError
+from data.packing import examples_in
 from data.sources.readers import index_file
 from lowmem.memory.probes import MemoryGuard, import_accelerate, map_large_blocks, peak_rss_bytes
 from lowmem.parallel.engines import engine_for_launch
@@ -105,7 +106,7 @@ def window_counts(accelerator, window: list[dict], stream, epoch: int, over_budg
     (``over_budget``: this process's reading of it).
     """
     local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
-                          sum(mb["labels"].shape[0] for mb in window),
+                          sum(examples_in(mb) for mb in window),
                           stream.problems.counted, int(over_budget),
                           int(not stream.finished_epoch(epoch)), stream.problems.total])
     total = summed(accelerator, local)

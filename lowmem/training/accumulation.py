@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from data.packing import examples_in
 from lowmem.memory.probes import MemoryGuard
 from lowmem.model.loss import batch_to_device, token_loss_sum
 from lowmem.parallel.engines import Engine
@@ -51,7 +52,7 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
     # A frozen encoder runs one row at a time (frozen_encoder_states), and under a sharded engine each of
     # its calls gathers weights from every process: each process makes as many calls as the one with the
     # most rows in that micro-batch (token budgets, an epoch's last window and skipped rows make them differ).
-    rows = [len(micro["labels"]) for micro in window]
+    rows = [examples_in(micro) for micro in window]  # (packed rows: their examples, each encoded alone)
     encoder_calls = equal_counts(rows, accelerator.num_processes) if engine.shards and frozen_encoder else rows
     for k, micro in enumerate(window):
         if guard is not None and guard.tripped is not None:  # over the memory budget: none of the window's work

@@ -1,0 +1,129 @@
+"""``--packing=True``: the examples of an accumulation window placed several to a row, as T5's own pipelines pack
+(seqio ``pack=True``), so that short pairs no longer train mostly padding.
+
+A packed row holds whole examples one after another on each side (at most ``--max_source_len`` source and
+``--max_target_len`` target tokens; an example is never split), with segment ids numbering them 1, 2, ... on
+both sides (0: padding). The model sees each example alone: ``lowmem.model.packed_attention`` turns the segment
+ids into block-diagonal masks (the encoder attends within a segment, the decoder causally within its segment,
+cross-attention to its own segment's source) and starts each segment's decoder input from the decoder start
+token. T5's relative position bias depends only on key - query offsets, so every example gets exactly the loss
+it has alone (tests/test_packing.py).
+
+Packing never crosses a window: a packed run trains the same examples at each step as an unpacked one (the same
+gradient, up to float summation order), and resume is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from data.collate import Seq2SeqCollator, micro_batches, round_up
+
+
+def packed_rows(sizes: list[tuple[int, int]], capacity: tuple[int, int]) -> list[list[int]]:
+    """Example positions grouped into as few rows as ``best_fit`` finds, the examples spread over them so that their
+    lengths are even (``balanced``): rows of a micro-batch are padded to the longest, so even rows pad little."""
+    rows = best_fit(sizes, capacity)
+    return balanced(sizes, capacity, len(rows)) or rows
+
+
+def balanced(sizes: list[tuple[int, int]], capacity: tuple[int, int], count: int) -> list[list[int]] | None:
+    """Example positions spread over ``count`` rows, longest first, each into the row with room for it where the
+    rows' longest (each side as a share of its capacity, added) grows least, among those the row holding least so
+    far; None when one finds no room."""
+    order = sorted(range(len(sizes)), key=lambda i: -(sizes[i][0] + sizes[i][1]))
+    rows: list[list[int]] = [[] for _ in range(count)]
+    held = [(0, 0)] * count
+    for i in order:
+        size = sizes[i]
+        fits = [r for r in range(count) if all(held[r][k] + size[k] <= capacity[k] for k in (0, 1))]
+        if not fits:
+            return None
+        longest = [max(h[k] for h in held) for k in (0, 1)]
+        r = min(fits, key=lambda r: (sum(max(longest[k], held[r][k] + size[k]) / capacity[k] for k in (0, 1)),  # noqa: B023
+                                     sum(held[r][k] / capacity[k] for k in (0, 1))))
+        rows[r].append(i)
+        held[r] = (held[r][0] + size[0], held[r][1] + size[1])
+    return [sorted(row) for row in rows]
+
+
+def best_fit(sizes: list[tuple[int, int]], capacity: tuple[int, int]) -> list[list[int]]:
+    """Example positions grouped into rows of at most ``capacity`` (source, target) tokens: best fit decreasing.
+
+    Examples are placed longest first (source + target tokens, ties in stream order), each into the open row it
+    leaves the least room in (the two sides' room as shares of their capacity, added), or into a new row. Each
+    row lists its examples in stream order.
+    """
+    order = sorted(range(len(sizes)), key=lambda i: -(sizes[i][0] + sizes[i][1]))
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []
+    for i in order:
+        source, target = sizes[i]
+        best, least = None, None
+        for r, (source_room, target_room) in enumerate(room):
+            if source <= source_room and target <= target_room:
+                left = (source_room - source) / capacity[0] + (target_room - target) / capacity[1]
+                if least is None or left < least:
+                    best, least = r, left
+        if best is None:
+            rows.append([i])
+            room.append((capacity[0] - source, capacity[1] - target))
+        else:
+            rows[best].append(i)
+            room[best] = (room[best][0] - source, room[best][1] - target)
+    return [sorted(row) for row in rows]
+
+
+def concatenated(pieces: list[list[list[int]]], value: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``pieces`` (each a row's token lists) laid end to end: (ids [rows, width], segment ids), padded
+    with ``value`` / segment 0 to the longest row rounded up to ``multiple``."""
+    width = round_up(max(sum(len(piece) for piece in row) for row in pieces), multiple)
+    ids = torch.full((len(pieces), width), value, dtype=torch.long)
+    segments = torch.zeros((len(pieces), width), dtype=torch.long)
+    for r, row in enumerate(pieces):
+        at = 0
+        for k, piece in enumerate(row, start=1):
+            ids[r, at:at + len(piece)] = torch.tensor(piece, dtype=torch.long)
+            segments[r, at:at + len(piece)] = k
+            at += len(piece)
+    return ids, segments
+
+
+def packed_window(sources: list[list[int]], targets: list[list[int]], capacity: tuple[int, int], pad_id: int,
+                  batch_size: int, max_tokens: int = 0, multiple: int = 1) -> list[dict]:
+    """The micro-batches of one window's examples packed into rows (``packed_rows``): ``batch_size`` rows each, or with
+    ``max_tokens`` as many rows as keep the padded tokens within it (``data.collate.micro_batches``: rows of similar
+    length together, so the last, part-filled rows of a window pad among themselves).
+
+    Each holds ``input_ids``, ``attention_mask`` (1 at tokens), ``labels`` (-100 at padding), and the segment ids
+    ``source_segments`` and ``target_segments``.
+    """
+    rows = packed_rows([(len(s), len(t)) for s, t in zip(sources, targets)], capacity)
+    source_lengths = [sum(len(sources[i]) for i in row) for row in rows]
+    target_lengths = [sum(len(targets[i]) for i in row) for row in rows]
+    out = []
+    for group in micro_batches(source_lengths, target_lengths, batch_size, max_tokens, multiple):
+        ids, source_segments = concatenated([[sources[i] for i in rows[r]] for r in group], pad_id, multiple)
+        labels, target_segments = concatenated([[targets[i] for i in rows[r]] for r in group], -100, multiple)
+        out.append({"input_ids": ids, "attention_mask": source_segments.gt(0).long(), "labels": labels,
+                    "source_segments": source_segments, "target_segments": target_segments})
+    return out
+
+
+class PackingCollator(Seq2SeqCollator):
+    """A ``Seq2SeqCollator`` whose training windows are packed (``packed_window``); single micro-batches
+    (evaluation, probes) stay one example per row."""
+
+    def window(self, examples, batch_size: int, max_tokens: int = 0, group: bool = True) -> list[dict]:
+        if not group:
+            return super().window(examples, batch_size, max_tokens, group)
+        sources = self.token_ids([e.prompt for e in examples], self.max_source_len)
+        return packed_window(sources, self.targets(examples), (self.max_source_len, self.max_target_len),
+                             self.tokenizer.pad_token_id, batch_size, max_tokens, self.pad_multiple)
+
+
+def examples_in(micro_batch: dict) -> int:
+    """How many examples a micro-batch holds: its rows, or with packing its segments."""
+    if "target_segments" in micro_batch:
+        return int(micro_batch["target_segments"].amax(dim=1).sum())
+    return len(micro_batch["labels"])
