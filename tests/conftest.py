@@ -93,6 +93,7 @@ class Processes:
         self.forks = ForkServers()
         self.environments: set[frozenset] = set()  # those of the CLI runs so far
         self.forks.server(self.cli_env(None))  # the usual one, importing while the first test sets up
+        self.environments.add(ForkServers.key(self.cli_env(None)))
 
     def run(self, command: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
         command, env = self.forks.launch(command, dict(os.environ if env is None else env))
@@ -112,16 +113,17 @@ class Processes:
     def cli_env(env: dict | None) -> dict:
         return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
 
-    def cli(self, *args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None,
+    def cli(self, *args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None, fresh: bool = False,
             **kwargs) -> subprocess.CompletedProcess:
         """Run ``python train_low_mem.py ARGS`` as a user would; return the finished process. A child of a fork
         server that imported its libraries in the run's environment; the first run in another environment than the
         usual (a test's own ``HF_HOME``, or a ``PYTHONPATH`` with a ``sitecustomize``) starts from scratch, the
-        second starts a server for it."""
+        second starts a server for it. ``fresh``: from scratch anyway, for a run whose RSS is held against a budget
+        (a forked child has not yet touched, and so does not count, the library code its parent loaded: ~30 MiB)."""
         full_env = self.cli_env(env)
         argv = [str(REPO / "train_low_mem.py"), *args]
         key = ForkServers.key(full_env)
-        if not kwargs and (env is None or key in self.environments):
+        if not kwargs and not fresh and key in self.environments:
             return self.forks.server(full_env).run(argv, cwd, full_env, timeout)
         self.environments.add(key)
         return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,

@@ -175,7 +175,7 @@ def test_auto_stays_within_max_rss_gb_and_a_resume_keeps_its_sizes(tmp_path, run
     common = [f"--train_file={train}", f"--eval_file={evals}", f"--output_dir={run}", "--batch_size=auto",
               "--eval_batch_size=auto", "--max_rss_gb=0.75", "--gradient_accumulation_steps=1", "--eval_steps=0",
               "--save_steps=0", "--max_eval_samples=64"]
-    proc = run_cli("train", *common, "--max_steps=2")
+    proc = run_cli("train", *common, "--max_steps=2", fresh=True)  # (RSS as a user's process has it)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = metrics(run)
     setup = next(r for r in records if r["event"] == "setup")
@@ -185,7 +185,7 @@ def test_auto_stays_within_max_rss_gb_and_a_resume_keeps_its_sizes(tmp_path, run
     assert (config["batch_size"], config["eval_batch_size"]) == (setup["micro_batch_size"], setup["eval_batch_size"])
     peak = next(r for r in records if r["event"] == "memory_peak")
     assert peak["measured_host_peak_mb"] < 0.75 * 1024
-    proc = run_cli("train", *common, "--max_steps=3", "--is_keep_training=True")
+    proc = run_cli("train", *common, "--max_steps=3", "--is_keep_training=True", fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "as the run began" in proc.stdout
     resumed = [r for r in metrics(run) if r["event"] == "setup"][-1]
