@@ -276,7 +276,7 @@ class LowMemTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.count_step(counts["tokens"], counts["examples"])
-        self.meter.add(loss_sum, counts["local_tokens"], counts["local_all_tokens"], counts["local_padded_tokens"])
+        self.meter.add(loss_sum, counts)
         self.bar.update()
         return True
 

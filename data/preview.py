@@ -1,6 +1,7 @@
 """``python train_low_mem.py preview``: the first training examples as the model will see them, one
 JSON object per line: ``input_ids``, ``labels`` and, for objectives that rewrite raw text,
-``original_ids`` (the chunk before corruption); with ``decode`` the texts too, sentinels shown."""
+``original_ids`` (the chunk before corruption); with ``decode`` the texts too, sentinels shown. With
+``--packing=True``: the packed rows of the first optimizer step, with their segment ids and examples."""
 
 from __future__ import annotations
 
@@ -29,22 +30,12 @@ def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = Fal
     if data.held_out_rows:
         report(f"{data.held_out_rows} row(s) at the end of --train_file are held out as the eval set, as train holds "
                "them out, so none of them is shown: pass --eval_file to train (and preview) every row")
-    examples = itertools.islice(data.stream.iter_epoch(), count)
-    originals = None
-    if isinstance(data.stream, PackedStream):  # the same documents packed again, the chunks kept as they are
-        plain = data.fresh_stream()
-        plain.make_example = lambda chunk, *_: chunk
-        originals = plain.iter_epoch()
+    if cfg.packing:
+        records = packed_preview(cfg, data, tokenizer, count, decode)
+    else:
+        records = example_records(cfg, data, tokenizer, count, decode)
     shown = 0
-    for example in examples:
-        input_ids, labels = (data.collator.token_ids([side], limit)[0] for side, limit in
-                             ((example.prompt, cfg.max_source_len), (example.response, cfg.max_target_len)))
-        record = {"input_ids": input_ids, "labels": labels}
-        if originals is not None:
-            record["original_ids"] = next(originals)
-        if decode:
-            record.update({f"{key}_text": tokenizer.decode(record[key]) for key in list(record)})
-        record.update(file=str(data.files.train[example.file_index]), row=example.row)
+    for record in records:
         shown += 1
         yield record
     problems = getattr(data.stream, "problems", None)
@@ -57,3 +48,44 @@ def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = Fal
     if bad:
         report(f"{bad} bad row(s) among the rows read so far (the shuffle buffer reads ahead): {reasons}; train "
                "counts and reports them too")
+
+
+def example_records(cfg: TrainConfig, data, tokenizer, count: int, decode: bool) -> Iterator[dict]:
+    """The first ``count`` examples, each one record."""
+    examples = itertools.islice(data.stream.iter_epoch(), count)
+    originals = None
+    if isinstance(data.stream, PackedStream):  # the same documents packed again, the chunks kept as they are
+        plain = data.fresh_stream()
+        plain.make_example = lambda chunk, *_: chunk
+        originals = plain.iter_epoch()
+    for example in examples:
+        input_ids, labels = (data.collator.token_ids([side], limit)[0] for side, limit in
+                             ((example.prompt, cfg.max_source_len), (example.response, cfg.max_target_len)))
+        record = {"input_ids": input_ids, "labels": labels}
+        if originals is not None:
+            record["original_ids"] = next(originals)
+        if decode:
+            record.update({f"{key}_text": tokenizer.decode(record[key]) for key in list(record)})
+        record.update(file=str(data.files.train[example.file_index]), row=example.row)
+        yield record
+
+
+def packed_preview(cfg: TrainConfig, data, tokenizer, count: int, decode: bool) -> Iterator[dict]:
+    """With --packing: the first ``count`` packed rows of the first optimizer step's examples, each with its
+    segment ids (1, 2, ... per example; 0: padding), and the examples it holds in order."""
+    from data.packing import packed_rows
+
+    rows = cfg.batch_size if isinstance(cfg.batch_size, int) else 2  # (auto: train sizes it; the default's window)
+    window = list(itertools.islice(data.stream.iter_epoch(), rows * cfg.gradient_accumulation_steps))
+    sources = data.collator.token_ids([e.prompt for e in window], cfg.max_source_len)
+    targets = data.collator.targets(window)
+    for row in packed_rows([(len(s), len(t)) for s, t in zip(sources, targets)],
+                           (cfg.max_source_len, cfg.max_target_len))[:count]:
+        record = {"input_ids": [i for k in row for i in sources[k]], "labels": [i for k in row for i in targets[k]],
+                  "source_segments": [n for n, k in enumerate(row, 1) for _ in sources[k]],
+                  "target_segments": [n for n, k in enumerate(row, 1) for _ in targets[k]]}
+        if decode:
+            record["segments_text"] = [{"input": tokenizer.decode(sources[k]), "labels": tokenizer.decode(targets[k])}
+                                       for k in row]
+        record["examples"] = [{"file": str(data.files.train[window[k].file_index]), "row": window[k].row} for k in row]
+        yield record

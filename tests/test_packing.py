@@ -121,3 +121,32 @@ def test_packed_sft_trains_the_weights_of_unpacked_sft_with_little_padding(run_c
     assert [r["loss"] for r in records[0]] == pytest.approx([r["loss"] for r in records[1]], rel=1e-5)
     padding = [sum(r["padding_pct"] for r in rs) / len(rs) for rs in records]
     assert padding[1] <= 5 and padding[0] >= 20, padding
+    assert all(r["examples_per_row"] > 2 for r in records[1]) and all(r["examples_per_row"] == 1 for r in records[0])
+
+
+def test_the_planner_prices_packed_rows_as_the_trainer_packs_them():
+    from lowmem.memory.plan_batches import micro_batch_lengths
+
+    sizes = skewed_sizes(64, seed=1)
+    unpacked = micro_batch_lengths([sizes], batch_size=2)
+    packed = micro_batch_lengths([sizes], batch_size=2, capacity=(128, 128))
+    assert len(unpacked) == 32 and len(packed) < 8
+    # the same target tokens, in rows near full: the costliest micro-batch is two rows of about the capacity
+    assert sum(b[2] for b in packed) == sum(b[2] for b in unpacked) == sum(t for _, t in sizes)
+    assert max(b[0] for b in packed) > 0.8 * 128 and max(b[3] for b in packed) == 2
+
+
+def test_preview_shows_the_segments_of_packed_rows(cli_in_process, tmp_path):
+    import json
+
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(64, seed=2))
+    done = cli_in_process("preview", f"--train_file={train}", "--packing=True", "--num_examples=2", "--decode=True",
+                          "--max_source_len=40", "--max_target_len=40")
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert len(row["input_ids"]) == len(row["source_segments"]) <= 40
+        assert len(row["labels"]) == len(row["target_segments"]) <= 40
+        assert row["source_segments"][0] == 1 and max(row["source_segments"]) == len(row["examples"]) > 1
+        assert len(row["segments_text"]) == len(row["examples"])

@@ -66,12 +66,18 @@ def test_each_process_gets_its_own_share_and_the_objective_makes_the_batches(tmp
 
 
 # ----------------------------------------------------------------------------- interval meter and logs
+def counts(tokens: int, all_tokens: int, positions: int, rows: int = 2, examples: int = 2) -> dict:
+    """A window's counts as ``lowmem.parallel.distributed.window_counts`` gives them to the meter."""
+    return {"local_tokens": tokens, "local_all_tokens": all_tokens, "local_padded_tokens": positions,
+            "local_rows": rows, "local_examples": examples}
+
+
 def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
     acc = accelerator()
     meter = IntervalMeter()
     meter.start(acc.device)
-    meter.add(torch.tensor(6.0), 3, 10, 16)
-    meter.add(torch.tensor(2.0), 1, 4, 4)
+    meter.add(torch.tensor(6.0), counts(3, 10, 16))
+    meter.add(torch.tensor(2.0), counts(1, 4, 4))
     saved = meter.saved()
     sums = {k: saved[k] for k in ("loss", "tokens", "steps", "real_tokens", "positions")}
     assert sums == {"loss": 8.0, "tokens": 4, "steps": 2, "real_tokens": 14, "positions": 20}
@@ -85,11 +91,13 @@ def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
     assert logged["padding_pct"] == 30.0  # 6 of 20 positions
     resumed = IntervalMeter()  # an interval a checkpoint cut in two: the padding of both parts
     resumed.start(acc.device, saved)
-    resumed.add(torch.tensor(1.0), 1, 6, 20)
-    assert resumed.close(acc)["padding_pct"] == 50.0  # 20 of 40 positions (the second part alone: 70.0)
+    resumed.add(torch.tensor(1.0), counts(1, 6, 20, rows=1, examples=5))  # (a packed row of 5 examples)
+    closed = resumed.close(acc)
+    assert closed["padding_pct"] == 50.0  # 20 of 40 positions (the second part alone: 70.0)
+    assert closed["examples_per_row"] == 1.8 and logged["examples_per_row"] == 1.0  # 9 examples in 5 rows
     carried = IntervalMeter()  # the summary's step_s covers the run's steps before the checkpoint too
     carried.start(acc.device, {**saved, "timed_seconds": 10.0, "timed_steps": 2})
-    carried.add(torch.tensor(1.0), 1, 6, 20)
+    carried.add(torch.tensor(1.0), counts(1, 6, 20))
     carried.close(acc)
     assert carried.mean_step_seconds() == pytest.approx(10.0 / 3, abs=0.05)
     assert logged["step_s"] < 0.1  # the 0.3 s inside untimed() is not training time
@@ -97,7 +105,7 @@ def test_interval_meter_gives_the_token_mean_and_leaves_untimed_work_out():
     assert meter.mean_step_seconds() == pytest.approx(logged["step_s"], abs=1e-3)
     # a resumed interval continues the sums it was saved with
     meter.start(acc.device, saved)
-    meter.add(torch.tensor(4.0), 4, 8, 8)
+    meter.add(torch.tensor(4.0), counts(4, 8, 8))
     assert meter.close(acc)["loss"] == pytest.approx(12.0 / 8)
 
 
@@ -172,7 +180,7 @@ def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path,
     trainer_state, interval = Checkpointer(RunFolder(tmp_path / "run"), acc, telemetry).load(
         folder, other, fresh.stream, cfg.learn_rate, cfg.weight_decay)
     assert trainer_state == {"step": 1} and interval == {"loss": 3.5, "tokens": 7, "steps": 1, "real_tokens": 0,
-                                                         "positions": 0, "timed_steps": 0,
+                                                         "positions": 0, "rows": 0, "row_examples": 0, "timed_steps": 0,
                                                          "timed_seconds": interval["timed_seconds"]}
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other[0].state_dict().values()))
     assert other[1].state_dict()["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]

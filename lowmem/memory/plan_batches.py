@@ -140,13 +140,19 @@ def windows_of(epochs: list[list[tuple[int, int]]], window_rows: int, max_steps:
 
 
 def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int, max_tokens: int = 0,
-                        multiple: int = 1) -> list[tuple[int, int, int, int]]:
+                        multiple: int = 1, capacity: tuple[int, int] | None = None) -> list[tuple[int, int, int, int]]:
     """(longest source, longest target, target tokens, rows) of each micro-batch, grouped as the
-    trainer's collator does (the LM head runs at the target tokens only: see ``logits_only_at``)."""
+    trainer's collator does (the LM head runs at the target tokens only: see ``logits_only_at``); with
+    ``capacity`` (--packing: ``packing_capacity``) each window's examples packed into rows as the trainer packs
+    them (``data.packing.packed_rows``)."""
     from data.collate import micro_batches
+    from data.packing import packed_rows
 
     out = []
     for window in windows:
+        if capacity is not None:
+            window = [(sum(window[i][0] for i in row), sum(window[i][1] for i in row))
+                      for row in packed_rows(window, capacity)]
         for rows in micro_batches([s for s, _ in window], [t for _, t in window], batch_size, max_tokens, multiple):
             out.append((max(window[i][0] for i in rows), max(window[i][1] for i in rows),
                         sum(window[i][1] for i in rows), len(rows)))
@@ -167,7 +173,9 @@ def peak_batch_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str,
     cost = batch_cost(cfg, dims, device)
     if lengths.get("windows"):
         return max(micro_batch_lengths(lengths["windows"], cfg.batch_size, cfg.max_tokens_per_batch,
-                                       padding_multiple(cfg, device)), key=cost)
+                                       padding_multiple(cfg, device), packing_capacity(cfg)), key=cost)
+    if cfg.packing:  # packed rows: planned full (they are filled to within a few tokens of it)
+        return token_budget_rows(cfg, packing_capacity(cfg))
     pairs = lengths["pairs"]
     share = lengths["rows"] / world  # the rows each process reads per epoch
     read = share * cfg.epochs
@@ -186,8 +194,10 @@ def runner_up_lengths(cfg: TrainConfig, dims: dict, lengths: dict, device: str) 
     The heap the allocator keeps from earlier micro-batches sits beside the costliest one at the
     peak: it was shaped by the other batches. A long batch met once leaves less than a run of them.
     """
+    if not lengths.get("windows"):
+        return None
     batches = micro_batch_lengths(lengths["windows"], cfg.batch_size, cfg.max_tokens_per_batch,
-                                  padding_multiple(cfg, device)) if lengths.get("windows") else []
+                                  padding_multiple(cfg, device), packing_capacity(cfg))
     if len(batches) < 2:
         return None
     return sorted(batches, key=batch_cost(cfg, dims, device))[-2]
@@ -213,6 +223,11 @@ def token_budget_rows(cfg: TrainConfig, batch: tuple[int, int]) -> tuple[int, ..
         return tuple(batch)
     rows = max(1, min(cfg.batch_size * cfg.gradient_accumulation_steps, cfg.max_tokens_per_batch // max(sum(batch), 1)))
     return batch[0], batch[1], rows * batch[1], rows
+
+
+def packing_capacity(cfg: TrainConfig) -> tuple[int, int] | None:
+    """The source and target tokens a packed row holds at most (--packing=True), else None."""
+    return (cfg.max_source_len, cfg.max_target_len) if cfg.packing else None
 
 
 def padding_multiple(cfg: TrainConfig, device: str) -> int:

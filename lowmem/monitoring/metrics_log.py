@@ -68,10 +68,11 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def train_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, padding_pct: float,
-               rss_mb: float) -> str:
-    """The fixed-order training log line."""
+               rss_mb: float, examples_per_row: float = 1.0) -> str:
+    """The fixed-order training log line (with --packing, the examples a row holds after the padding)."""
+    packed = f" ({examples_per_row:.1f} examples/row)" if examples_per_row > 1 else ""
     return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | tok/s {tokens_per_s:,.0f} | "
-            f"pad {padding_pct:.1f}% | rss {rss_mb / 1024:.2f} GiB")
+            f"pad {padding_pct:.1f}%{packed} | rss {rss_mb / 1024:.2f} GiB")
 
 
 def tracker_scalars(event: str, fields: dict) -> dict:

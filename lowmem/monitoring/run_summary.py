@@ -94,7 +94,9 @@ def memory_features(cfg: TrainConfig, parameters: dict, cache, core) -> list[str
     """Which memory features the run has on, in the start-up line's words."""
     features = [f"mixed_precision={cfg.mixed_precision}", f"optimizer={cfg.optimizer}",
                 f"gradient_checkpointing={cfg.gradient_checkpointing}",
-                f"shuffle_buffer={cfg.shuffle_buffer_size} rows / {cfg.shuffle_buffer_mb} MiB", "dynamic padding",
+                f"shuffle_buffer={cfg.shuffle_buffer_size} rows / {cfg.shuffle_buffer_mb} MiB",
+                f"packing (each step's examples several to a row of up to {cfg.max_source_len} + {cfg.max_target_len} "
+                "tokens; padding and examples per row in each train record)" if cfg.packing else "dynamic padding",
                 "streamed data", f"gc every {cfg.gc_every_steps} steps"]
     if cfg.lora_r:
         features.append(f"LoRA r={cfg.lora_r} alpha={cfg.lora_alpha:g} on {' and '.join(lora_stacks(cfg))} "

@@ -168,21 +168,25 @@ class IntervalMeter:
         the last log line, so the next logged loss and padding average the same steps as an uninterrupted
         run, and the training time of the steps before the checkpoint; the interval's rates (tok/s,
         step_s) count only steps timed in this process."""
-        saved = {"loss": 0.0, "tokens": 0, "steps": 0, "real_tokens": 0, "positions": 0, **(saved or {})}
+        saved = {"loss": 0.0, "tokens": 0, "steps": 0, "real_tokens": 0, "positions": 0, "rows": 0, "row_examples": 0,
+                 **(saved or {})}
         if "timed_seconds" in saved:  # (checkpoints of earlier versions carry none: this process's alone)
             self.timed = {"seconds": saved.pop("timed_seconds"), "steps": saved.pop("timed_steps")}
         self.sums = {**saved, "loss": torch.tensor(saved["loss"], device=device), "all_tokens": 0,
                      "timed_steps": 0, "t0": time.time()}
 
-    def add(self, loss_sum: torch.Tensor, tokens: int, all_tokens: int, padded_tokens: int) -> None:
-        """One optimizer step: its local loss sum, target tokens, source + target tokens, and the
-        source + target positions of its micro-batches (padding included)."""
+    def add(self, loss_sum: torch.Tensor, counts: dict) -> None:
+        """One optimizer step: its local loss sum, and ``counts`` (``lowmem.parallel.distributed.window_counts``):
+        target tokens, source + target tokens, the source + target positions of its micro-batches (padding
+        included), their rows and the examples they hold (more than the rows when packed)."""
         sums = self.sums
         sums["loss"] += loss_sum
-        sums["tokens"] += tokens
-        sums["all_tokens"] += all_tokens  # this process's timed tokens: tok/s
-        sums["real_tokens"] += all_tokens  # with the steps before a resume: the padding share
-        sums["positions"] += padded_tokens
+        sums["tokens"] += counts["local_tokens"]
+        sums["all_tokens"] += counts["local_all_tokens"]  # this process's timed tokens: tok/s
+        sums["real_tokens"] += counts["local_all_tokens"]  # with the steps before a resume: the padding share
+        sums["positions"] += counts["local_padded_tokens"]
+        sums["rows"] += counts["local_rows"]
+        sums["row_examples"] += counts["local_examples"]
         sums["steps"] += 1
         sums["timed_steps"] += 1
 
@@ -205,24 +209,26 @@ class IntervalMeter:
         of the micro-batches' positions that are padding. Collective with several processes: one small
         all-reduce."""
         sums = self.sums
-        counts = torch.tensor([sums["tokens"], sums["all_tokens"], sums["real_tokens"], sums["positions"]],
+        counts = torch.tensor([sums["tokens"], sums["all_tokens"], sums["real_tokens"], sums["positions"],
+                               sums["rows"], sums["row_examples"]],
                               dtype=torch.float64, device=sums["loss"].device)
         totals = torch.cat([sums["loss"].double().reshape(1), counts])
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, "sum")
-        loss_sum, tokens, all_tokens, real, padded = totals.tolist()
+        loss_sum, tokens, all_tokens, real, padded, rows, examples = totals.tolist()
         seconds = max(time.time() - sums["t0"], 1e-9)
         self.timed["seconds"] += seconds
         self.timed["steps"] += sums["timed_steps"]
         return {"loss": round(loss_sum / max(tokens, 1), 5), "tokens_per_s": round(all_tokens / seconds, 1),
                 "step_s": round(seconds / max(sums["timed_steps"], 1), 4),
-                "padding_pct": round(100 * (1 - real / padded), 1) if padded else 0.0}
+                "padding_pct": round(100 * (1 - real / padded), 1) if padded else 0.0,
+                "examples_per_row": round(examples / rows, 2) if rows else 1.0}  # (above 1: --packing)
 
     def saved(self) -> dict:
         """The interval's sums as a checkpoint keeps them, and the training time so far (see ``start``)."""
         now = self.untimed_since or time.time()  # a checkpoint is written inside ``untimed``
         return {**{k: float(v) if k == "loss" else v for k, v in self.sums.items()
-                   if k in ("loss", "tokens", "steps", "real_tokens", "positions")},
+                   if k in ("loss", "tokens", "steps", "real_tokens", "positions", "rows", "row_examples")},
                 "timed_seconds": self.timed["seconds"] + now - self.sums.get("t0", now),  # (none: not started)
                 "timed_steps": self.timed["steps"] + self.sums.get("timed_steps", 0)}
 
@@ -240,7 +246,7 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
     mem = memory_snapshot()
     interval = meter.close(accelerator)
     fields = dict(loss=interval["loss"], lr=lr, tokens_per_s=interval["tokens_per_s"], step_s=interval["step_s"],
-                  padding_pct=interval["padding_pct"],
+                  padding_pct=interval["padding_pct"], examples_per_row=interval["examples_per_row"],
                   elapsed_s=round(elapsed, 2), epoch=state.epoch, examples=state.examples,
                   target_tokens=state.target_tokens, **mem)
     if accelerator.num_processes > 1:  # every process's own RSS: N processes should cost about N x one
@@ -255,4 +261,4 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
                         rss=f"{mem['rss_mb'] / 1024:.2f}G")
         if not on_terminal():
             telemetry.say(train_line(state.step, total_steps, fields["loss"], lr, fields["tokens_per_s"],
-                                     fields["padding_pct"], mem["rss_mb"]))
+                                     fields["padding_pct"], mem["rss_mb"], fields["examples_per_row"]))

@@ -113,7 +113,8 @@ def window_counts(accelerator, window: list[dict], stream, epoch: int, over_budg
     source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
     padded = sum(mb["labels"].numel() + mb["attention_mask"].numel() for mb in window)  # pads included
     return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
-            "local_padded_tokens": padded,
+            "local_padded_tokens": padded, "local_rows": sum(len(mb["labels"]) for mb in window),
+            "local_examples": int(local[1]),
             "tokens": int(total[0]), "examples": int(total[1]), "bad_rows": int(total[2]),
             "memory": int(total[3]) > 0, "rows_left": int(total[4]) > 0,
             "rows_not_read": int(total[5])}  # the bad rows and the blank lines (bad_rows: those held against the limit)

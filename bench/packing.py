@@ -1,0 +1,110 @@
+"""--packing=True against unpacked micro-batches on length-skewed pairs, side by side in one run: non-padding tokens/s
+and peak RSS.
+
+    python bench/packing.py                          # tiny preset, 12 steps of 32 examples
+    python bench/packing.py --presets=tiny,small --steps=12
+
+Rows: the shipped chat turns (data/chatterbot) made skewed: 85 % cut to their first 1-4 words a side (short), 15 %
+several turns joined (a long tail, up to --max_len tokens a side). Every contender trains the same 32 examples per
+optimizer step from scratch (same seed, model, Adafactor, warmup) in its own process (bench/peers.py's runner: peak
+RSS of the process tree; tokens/s = non-padding source + target tokens over optimizer steps 2..N):
+
+- unpacked 2 x 16 (the default micro-batch) and 16 x 2;
+- unpacked at a budget: --max_tokens_per_batch=2 x --max_len padded tokens a micro-batch (as many rows as fit);
+- packed at the same budget: rows of up to --max_len + --max_len tokens, one a micro-batch.
+
+Target (issue 74): packed >= 1.3x the non-padding tokens/s of the unpacked run at the same micro-batch budget, and
+its padding <= 5 %. Figures: docs/throughput.md "Packing".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import child_env, read_steps, run_contender, summarize  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def skewed_corpus(path: Path, rows: int, seed: int = 0) -> Path:
+    turns = [json.loads(line) for line in (REPO / "data" / "chatterbot" / "train.jsonl").read_text().splitlines()]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rows):
+        if rng.random() < 0.85:
+            turn = rng.choice(turns)
+            out.append({k: " ".join(turn[k].split()[:rng.randint(1, 4)]) for k in ("prompt", "response")})
+        else:
+            joined = [rng.choice(turns) for _ in range(rng.randint(3, 8))]
+            out.append({k: " ".join(t[k] for t in joined) for k in ("prompt", "response")})
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
+    return path
+
+
+def contenders(max_len: int) -> dict[str, dict]:
+    budget = 2 * max_len
+    return {"unpacked 2 x 16": dict(batch_size=2, gradient_accumulation_steps=16),
+            "unpacked 16 x 2": dict(batch_size=16, gradient_accumulation_steps=2),
+            f"unpacked, {budget} tokens a micro-batch": dict(batch_size=32, gradient_accumulation_steps=1,
+                                                             max_tokens_per_batch=budget),
+            f"packed, {budget} tokens a micro-batch": dict(batch_size=32, gradient_accumulation_steps=1,
+                                                           max_tokens_per_batch=budget, packing=True)}
+
+
+def train(flags: dict, run_dir: Path, options) -> dict:
+    argv = [sys.executable, str(REPO / "train_low_mem.py"), "train", *(f"--{k}={v}" for k, v in flags.items())]
+    run = run_contender(argv, run_dir, child_env(run_dir, options))
+    if run["rc"]:
+        return {"error": " | ".join(run["log"].read_text(errors="replace").splitlines()[-6:])}
+    steps, ready = read_steps("lowmem", run_dir)
+    result = summarize(run, steps, ready)
+    records = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["event"] == "train"][1:]
+    result["padding_pct"] = sum(r["padding_pct"] for r in train_records) / max(len(train_records), 1)
+    result["examples_per_row"] = sum(r.get("examples_per_row", 1) for r in train_records) / max(len(train_records), 1)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="tiny")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--max_len", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of every run (0: torch's default)")
+    options = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="packing_bench_"))
+    try:
+        corpus = skewed_corpus(work / "skewed.jsonl", 4000)
+        for preset in options.presets.split(","):
+            table = {}
+            for name, sizes in contenders(options.max_len).items():
+                run_dir = work / "run"
+                shutil.rmtree(run_dir, ignore_errors=True)
+                run_dir.mkdir()
+                flags = dict(train_file=corpus, eval_file=corpus, output_dir=run_dir / "out", model_preset=preset,
+                             max_steps=options.steps, max_source_len=options.max_len, max_target_len=options.max_len,
+                             eval_steps=0, save_steps=0, logging_steps=1, max_eval_samples=4, warmup_steps=2, seed=0,
+                             **sizes)
+                table[name] = row = train(flags, run_dir, options)
+                print(f"{preset} | {name}: " + (row["error"] if "error" in row else
+                      f"{row['tokens_per_s']:,.0f} non-padding tok/s, padding {row['padding_pct']:.1f} %, "
+                      f"{row['examples_per_row']:.1f} examples/row, peak RSS {row['peak_rss_mib']:,.0f} MiB"),
+                      flush=True)
+            rates = {name: row.get("tokens_per_s") or 0 for name, row in table.items()}
+            packed, budget = (next(n for n in rates if n.startswith(kind + ",")) for kind in ("packed", "unpacked"))
+            best = max((n for n in rates if n != packed), key=rates.get)
+            print(f"{preset} | packed / unpacked at the same budget: {rates[packed] / max(rates[budget], 1e-9):.2f}x; "
+                  f"packed / best unpacked ({best}): {rates[packed] / max(rates[best], 1e-9):.2f}x", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
