@@ -150,3 +150,22 @@ def test_preview_shows_the_segments_of_packed_rows(cli_in_process, tmp_path):
         assert len(row["labels"]) == len(row["target_segments"]) <= 40
         assert row["source_segments"][0] == 1 and max(row["source_segments"]) == len(row["examples"]) > 1
         assert len(row["segments_text"]) == len(row["examples"])
+
+
+def test_a_killed_packed_run_resumes_bit_identically(kill_at_first_checkpoint_and_resume, run_cli, tmp_path):
+    from safetensors.torch import load_file
+
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(120, seed=6))
+    args = ["--model_preset=tiny", f"--train_file={train}", f"--eval_file={train}", "--max_steps=6", "--save_steps=2",
+            "--eval_steps=0", "--max_eval_samples=4", "--eval_generate=False", "--gradient_accumulation_steps=2",
+            "--batch_size=4", "--packing=True", "--logging_steps=1"]
+    straight = tmp_path / "straight"
+    done = run_cli("train", f"--output_dir={straight}", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    broken = tmp_path / "broken"
+    kill_at_first_checkpoint_and_resume(broken, args, tmp_path / "killed.log", wait_s=300)
+    a, b = (load_file(str(run / "final" / "model.safetensors")) for run in (straight, broken))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    losses = [[(r["step"], r["loss"], r["examples_per_row"]) for r in metrics(run) if r["event"] == "train"]
+              for run in (straight, broken)]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
