@@ -52,7 +52,7 @@ from lowmem.training.evaluation import eval_log_line, evaluate_in_run, is_better
 from lowmem.training.optim import optimizer_for_run
 from lowmem.training.precision import Precision, precision_for
 from lowmem.training.state import TrainState
-from lowmem.training.stopping import SignalWatch, StoppedBySignal, again_after_nonfinite, all_finite
+from lowmem.training.stopping import SignalWatch, StoppedBySignal, WindowRandomness, again_after_nonfinite, all_finite
 
 
 class LowMemTrainer:
@@ -257,6 +257,7 @@ class LowMemTrainer:
         non-finite loss or gradient); fp16's overflow of the loss scale runs the window again at the lower scale."""
         if self.engine.shards:  # every forward is a collective: as many on every process
             window = padded_window(window, self.train_collator.empty, self.accelerator.num_processes)
+        drawn = WindowRandomness(self.accelerator.device)  # run again (fp16), the window draws the same dropout
         while True:
             loss_sum = self.accumulate_gradients(window, counts["tokens"])
             if self.memory.tripped_in_window(self.accelerator):  # before the optimizer step: the window is
@@ -269,7 +270,7 @@ class LowMemTrainer:
             self.optimizer.zero_grad(set_to_none=True)  # the gradient dropped, the skip counted
             finite = functools.partial(all_finite, self.accelerator, loss_sum)  # a collective, asked when needed
             if not again_after_nonfinite(self.state, self.precision, finite, self.cfg.max_nonfinite_steps, self.say,
-                                         self.telemetry.record):
+                                         self.telemetry.record, drawn):
                 return False
         self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (logged with it)
         self.precision.step(self.engine, self.optimizer)
@@ -281,12 +282,8 @@ class LowMemTrainer:
         return True
 
     def accumulate_gradients(self, window: list[dict], total_tokens: int | None = None) -> torch.Tensor:
-        """Backward over one window; the gradient is that of (sum of token losses) / (target tokens
-        of the whole window on all processes), whatever the micro-batch split.
-
-        Returns:
-            The local sum of token losses (a device tensor).
-        """
+        """Backward over one window; the gradient is that of (sum of token losses) / (target tokens of the whole
+        window on all processes), whatever the micro-batch split. Returns the local sum of token losses (a tensor)."""
         if total_tokens is None:
             total_tokens = window_counts(self.accelerator, window, self.data.stream, self.state.epoch)["tokens"]
         pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"

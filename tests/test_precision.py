@@ -167,3 +167,21 @@ def test_the_planner_prices_fp16_like_bf16_plus_the_float32_feed_forward_input()
     sizes = {p: gpu_layer_bytes(TrainConfig(mixed_precision=p), dims, 4, 128, 64) for p in ("no", "bf16", "fp16")}
     assert sizes["bf16"][0] < sizes["fp16"][0] < sizes["no"][0]
     assert sizes["fp16"][0] - sizes["bf16"][0] == 4 * 128 * 2 * dims["d_ff"]  # rows x tokens x 2 bytes x d_ff
+
+
+def test_a_window_run_again_after_an_overflow_draws_the_same_dropout_masks():
+    from lowmem.training.precision import Float16
+    from lowmem.training.state import TrainState
+    from lowmem.training.stopping import WindowRandomness, again_after_nonfinite
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    precision = Float16("cpu")
+    drawn = WindowRandomness(torch.device("cpu"))
+    first = torch.nn.functional.dropout(torch.ones(256), 0.5)  # the window's first attempt
+    precision.scale((weight * float("inf")).sum()).backward()  # its scaled gradients overflow
+    precision.unscale(optimizer)
+    assert again_after_nonfinite(TrainState(), precision, lambda: True, 3, drawn=drawn)
+    again = torch.nn.functional.dropout(torch.ones(256), 0.5)
+    assert torch.equal(first, again) and precision.scaler.get_scale() == 65536 / 2
+    assert not torch.equal(again, torch.nn.functional.dropout(torch.ones(256), 0.5))  # (masks do differ otherwise)

@@ -11,6 +11,8 @@ import signal
 import sys
 import threading
 
+import torch
+
 from config import UserError
 from lowmem.parallel.distributed import any_process
 
@@ -98,14 +100,33 @@ def count_nonfinite_step(state, max_in_a_row: int, say=print, record=None) -> No
                         "--max_grad_norm on, or use --mixed_precision=no (best/ never holds non-finite weights)")
 
 
-def again_after_nonfinite(state, precision, loss_finite, max_in_a_row: int, say=print, record=None) -> bool:
+class WindowRandomness:
+    """The random generators as a window began (its dropout masks' source: the CPU's, and the GPU's on CUDA)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.cpu = torch.random.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.random.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+def again_after_nonfinite(state, precision, loss_finite, max_in_a_row: int, say=print, record=None,
+                          drawn: WindowRandomness | None = None) -> bool:
     """A window's gradient norm was not finite: whether to run the same window again. fp16's overflow of the
     loss scale (with a finite loss on every process: ``loss_finite()``) is the scaler's to count, and it lowers
-    the scale: the window runs again, so no example is dropped for it. Anything else the non-finite guard counts
-    (``count_nonfinite_step``) and the window is dropped. Every process calls it alike (the norm is the same)."""
+    the scale: the window runs again, so no example is dropped for it, and with the random generators as
+    ``drawn`` kept them, so it draws the same dropout masks (the same computation at a lower scale: fp16 then
+    follows float32's run but for rounding). Anything else the non-finite guard counts (``count_nonfinite_step``)
+    and the window is dropped. Every process calls it alike (the norm is the same)."""
     if precision.overflowed(loss_finite):
         if record is not None:
             record("scaler_skip", **precision.log_fields())  # (at step: the steps done before it)
+        if drawn is not None:
+            drawn.restore()
         return True
     count_nonfinite_step(state, max_in_a_row, say, record)
     return False
