@@ -80,8 +80,13 @@ def train(config: str | None = None, **flags) -> dict:
         sys.exit(EXIT_MEMORY_GUARD)
     finally:
         trainer.close()
+        if "LOCAL_RANK" in os.environ:  # a launched worker: its trainer is never destroyed (lowmem.cli.runner ends
+            LAUNCHED_TRAINERS.append(trainer)  # the process with os._exit). Destroying DDP's reducer holds the
+            # GIL while it joins gloo's threads, and one that is still freeing a finished collective waits for the
+            # GIL: a deadlock (seen at the end of a 2-process CPU run, torch 2.13)
 
 
+LAUNCHED_TRAINERS: list = []
 EXIT_MEMORY_GUARD = 3  # distinct from user errors (2): a checkpoint was written, resume with more memory
 
 
