@@ -27,6 +27,11 @@ def packed_rows(sizes: list[tuple[int, int]], capacity: tuple[int, int]) -> list
     return balanced(sizes, capacity, len(rows)) or rows
 
 
+def row_sizes(sizes: list[tuple[int, int]], rows: list[list[int]]) -> list[tuple[int, int]]:
+    """(source, target) tokens of each packed row: its examples' ``sizes`` added."""
+    return [(sum(sizes[i][0] for i in row), sum(sizes[i][1] for i in row)) for row in rows]
+
+
 def balanced(sizes: list[tuple[int, int]], capacity: tuple[int, int], count: int) -> list[list[int]] | None:
     """Example positions spread over ``count`` rows, longest first, each into the row with room for it where the
     rows' longest (each side as a share of its capacity, added) grows least, among those the row holding least so
@@ -98,11 +103,11 @@ def packed_window(sources: list[list[int]], targets: list[list[int]], capacity: 
     Each holds ``input_ids``, ``attention_mask`` (1 at tokens), ``labels`` (-100 at padding), and the segment ids
     ``source_segments`` and ``target_segments``.
     """
-    rows = packed_rows([(len(s), len(t)) for s, t in zip(sources, targets)], capacity)
-    source_lengths = [sum(len(sources[i]) for i in row) for row in rows]
-    target_lengths = [sum(len(targets[i]) for i in row) for row in rows]
+    sizes = [(len(s), len(t)) for s, t in zip(sources, targets)]
+    rows = packed_rows(sizes, capacity)
+    lengths = row_sizes(sizes, rows)
     out = []
-    for group in micro_batches(source_lengths, target_lengths, batch_size, max_tokens, multiple):
+    for group in micro_batches([s for s, _ in lengths], [t for _, t in lengths], batch_size, max_tokens, multiple):
         ids, source_segments = concatenated([[sources[i] for i in rows[r]] for r in group], pad_id, multiple)
         labels, target_segments = concatenated([[targets[i] for i in rows[r]] for r in group], -100, multiple)
         out.append({"input_ids": ids, "attention_mask": source_segments.gt(0).long(), "labels": labels,

@@ -92,8 +92,9 @@ class Processes:
     def __init__(self):
         self.forks = ForkServers()
         self.environments: set[frozenset] = set()  # those of the CLI runs so far
-        self.forks.server(self.cli_env(None))  # the usual one, importing while the first test sets up
-        self.environments.add(ForkServers.key(self.cli_env(None)))
+        usual = self.cli_env(None)
+        self.forks.server(usual)  # importing while the first test sets up
+        self.environments.add(ForkServers.key(usual))
 
     def run(self, command: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
         command, env = self.forks.launch(command, dict(os.environ if env is None else env))

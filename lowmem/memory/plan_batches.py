@@ -146,13 +146,12 @@ def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int, m
     ``capacity`` (--packing: ``packing_capacity``) each window's examples packed into rows as the trainer packs
     them (``data.packing.packed_rows``)."""
     from data.collate import micro_batches
-    from data.packing import packed_rows
+    from data.packing import packed_rows, row_sizes
 
     out = []
     for window in windows:
         if capacity is not None:
-            window = [(sum(window[i][0] for i in row), sum(window[i][1] for i in row))
-                      for row in packed_rows(window, capacity)]
+            window = row_sizes(window, packed_rows(window, capacity))
         for rows in micro_batches([s for s, _ in window], [t for _, t in window], batch_size, max_tokens, multiple):
             out.append((max(window[i][0] for i in rows), max(window[i][1] for i in rows),
                         sum(window[i][1] for i in rows), len(rows)))

@@ -119,9 +119,9 @@ def again_after_nonfinite(state, precision, loss_finite, max_in_a_row: int, say=
     """A window's gradient norm was not finite: whether to run the same window again. fp16's overflow of the
     loss scale (with a finite loss on every process: ``loss_finite()``) is the scaler's to count, and it lowers
     the scale: the window runs again, so no example is dropped for it, and with the random generators as
-    ``drawn`` kept them, so it draws the same dropout masks (the same computation at a lower scale: fp16 then
-    follows float32's run but for rounding). Anything else the non-finite guard counts (``count_nonfinite_step``)
-    and the window is dropped. Every process calls it alike (the norm is the same)."""
+    ``drawn`` kept them, so it draws the dropout masks of its first attempt (the same computation at a lower
+    scale). Anything else the non-finite guard counts (``count_nonfinite_step``) and the window is dropped. Every
+    process calls it alike (the norm is the same)."""
     if precision.overflowed(loss_finite):
         if record is not None:
             record("scaler_skip", **precision.log_fields())  # (at step: the steps done before it)
