@@ -152,6 +152,10 @@ class TrainConfig:
     loss_chunk_size: int | str = _f(AUTO, "Target tokens per chunk of the LM head + loss (auto: logits of at most "
                                           "128 MiB per chunk; 0: all logits at once).")
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
+    torch_compile: bool = _f(False, "Compile the encoder and decoder stacks for training (torch.compile; lengths "
+                                    "padded to buckets 16, 32, 64, ...: one compile per bucket). See throughput.md.")
+    torch_compile_backend: str = _f("inductor", "torch.compile's backend with --torch_compile=True (inductor; "
+                                                "aot_eager: no code generation, for checking a setup quickly).")
 
     # --- memory modes (see docs/memory.md, 'Memory modes'; `plan` predicts what each costs) ---
     memory_profile: str | None = _f(None, "A named set of the flags below for a budget: "
@@ -311,6 +315,10 @@ class TrainConfig:
         names = [n.strip() for n in self.report_to.split(",")]  # (which trackers exist: lowmem.monitoring.trackers)
         if not all(names) or len(set(names)) < len(names) or "none" in names and len(names) > 1:
             problems.append(f"--report_to takes none or a comma list of trackers, each once (got {self.report_to!r})")
+        if self.torch_compile:
+            from lowmem.model.compiled import backend_problems
+
+            problems += backend_problems(self.torch_compile_backend)
         return problems + self._memory_mode_problems()
 
     def _memory_mode_problems(self) -> list[str]:

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig
-from data.collate import CachedEncoderCollator, shape_multiple
+from data.collate import CachedEncoderCollator, shape_multiple, train_padding
 from data.objectives.base import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
@@ -37,6 +37,7 @@ from lowmem.memory.probes import free_memory
 from lowmem.memory.run_memory import MemoryStop, peak_against_plan, plan_run
 from lowmem.model.adapters import adapter_export
 from lowmem.model.build import check_init_from, ready_to_train
+from lowmem.model.compiled import CompiledStacks
 from lowmem.model.source import check_vocabulary, tokenizer_folder, tokenizer_for_model
 from lowmem.model.streamed_load import base_model_identity, model_for_run
 from lowmem.monitoring.bad_rows import check_bad_rows, check_no_examples, report_data_errors
@@ -59,8 +60,7 @@ class LowMemTrainer:
     """Streaming trainer. Optional ``tokenizer`` / ``model`` are injected as-is (the test seam)."""
 
     def __init__(self, cfg: TrainConfig, tokenizer=None, model=None, files=None, tokenizer_dir=None):
-        self.cfg = cfg
-        self.out = Path(cfg.output_dir)
+        self.cfg, self.out = cfg, Path(cfg.output_dir)
         self.state = TrainState()
         self.telemetry = Telemetry(self.state)
         self.say, self.warn = self.telemetry.say, self.telemetry.warn
@@ -75,6 +75,7 @@ class LowMemTrainer:
         self.engine: Engine | None = None  # plain, FSDP or DeepSpeed, as the launch config asks
         self.precision: Precision | None = None  # --mixed_precision: its autocast, fp16's loss scaler
         self.shape_multiple = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU)
+        self.compiled = CompiledStacks(cfg.torch_compile, cfg.torch_compile_backend)  # and the graphs compiled
         self.checkpointer: Checkpointer | None = None
         self.tokenizer = tokenizer
         self.tokenizer_dir: Path | None = tokenizer_dir  # where the tokenizer came from (its files go into exports)
@@ -124,9 +125,9 @@ class LowMemTrainer:
         self.telemetry.open(self.out, cfg, resuming=resume_dir is not None)
         self.telemetry.log_memory("start")
         self.data = build_data(cfg, self.files, self.tokenizer, self.accelerator.process_index,
-                               self.accelerator.num_processes, objective=objective, pad_multiple=self.shape_multiple,
-                               indexes=indexes_from_main(self.accelerator, self.files.train), report=self.say,
-                               warn=self.warn)
+                               self.accelerator.num_processes, objective=objective, report=self.say, warn=self.warn,
+                               pad_multiple=train_padding(cfg, self.shape_multiple),  # (--torch_compile: buckets)
+                               indexes=indexes_from_main(self.accelerator, self.files.train))
         self.batch_request = batch_request(cfg)  # the sizes used, from here on in the config (memory.batch_budget)
         sizes = size_run(cfg, self.data, self.accelerator, len(self.tokenizer), self.engine, resume_dir, self.say)
         cfg = self.cfg = self.telemetry.resolved(replace(cfg, **sizes.flags()))  # planned before the model exists:
@@ -136,6 +137,7 @@ class LowMemTrainer:
         self._build_model()
         per_epoch, self.total_steps = self.data.steps(cfg)
         self._build_optimizer()
+        self.compiled.install(self.core, self.data.collator.pad_multiple, self.say)  # (--torch_compile=True)
         self.train_collator = self.data.collator
         if resume_dir is not None:
             self.load_checkpoint(resume_dir)
@@ -297,7 +299,8 @@ class LowMemTrainer:
         if (force or self.state.step % self.cfg.logging_steps == 0) and self.meter.steps:
             lr = self.scheduler.get_last_lr()[0] if self.step_lr is None else self.step_lr
             log_interval(self.telemetry, self.meter, self.accelerator, lr, self.grad_norm,
-                         self.state.elapsed(self.start_time), self.total_steps, self.bar, self.precision.log_fields())
+                         self.state.elapsed(self.start_time), self.total_steps, self.bar,
+                         {**self.precision.log_fields(), **self.compiled.log_fields()})
             self.meter.start(self.accelerator.device)
 
     def maybe_eval_and_save(self) -> None:

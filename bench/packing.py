@@ -1,15 +1,18 @@
 """--packing=True against unpacked micro-batches on length-skewed pairs, side by side in one run: non-padding tokens/s
 and peak RSS.
 
-    python bench/packing.py                          # tiny preset, 12 steps of 32 examples
-    python bench/packing.py --presets=tiny,small --steps=12
+    python bench/packing.py                          # tiny preset, 12 steps of 32 examples, skewed chat pairs
+    python bench/packing.py --corpus=glossary --max_len=128 --presets=tiny,small --steps=12
 
-Rows: the shipped chat turns (data/chatterbot) made skewed: 85 % cut to their first 1-4 words a side (short), 15 %
-several turns joined (a long tail, up to --max_len tokens a side). Every contender trains the same 32 examples per
-optimizer step from scratch (same seed, model, Adafactor, warmup) in its own process (bench/peers.py's runner: peak
-RSS of the process tree; tokens/s = non-padding source + target tokens over optimizer steps 2..N):
+Rows (--corpus): skewed, the shipped chat turns (data/chatterbot) made skewed: 85 % cut to their first 1-4 words a
+side (short), 15 % several turns joined (a long tail, up to --max_len tokens a side); glossary, a real dictionary
+made here from the Python standard library's docstrings (a qualified name -> the first paragraph of its docstring,
+2-60 words; ~1,400 pairs); or a .jsonl file of prompt/response pairs. Every contender trains the same 32 examples
+per optimizer step from scratch (same seed, model, Adafactor, warmup) in its own process (bench/peers.py's
+runner: peak RSS of the process tree; tokens/s = non-padding source + target tokens over optimizer steps 2..N):
 
-- unpacked 2 x 16 (the default micro-batch) and 16 x 2;
+- for each --rows (micro-batch x accumulation): unpacked, and packed with the same --batch_size (then packed rows,
+  each at most --max_len + --max_len tokens, which an unpacked micro-batch of long-tailed rows pads to anyway);
 - for each --budgets (padded tokens a micro-batch, in rows of 2 x --max_len): unpacked with
   --max_tokens_per_batch at that budget (as many rows as fit), and packed at the same budget (rows of up to
   --max_len + --max_len tokens, as many as fit).
@@ -49,10 +52,39 @@ def skewed_corpus(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
-def contenders(max_len: int, budgets: list[int]) -> dict[str, dict]:
-    """The fixed-row settings, then for each budget (padded tokens a micro-batch) unpacked and packed."""
-    out = {"unpacked 2 x 16": dict(batch_size=2, gradient_accumulation_steps=16),
-           "unpacked 16 x 2": dict(batch_size=16, gradient_accumulation_steps=2)}
+def glossary_corpus(path: Path, seed: int = 0) -> Path:
+    """(qualified name, first paragraph of its docstring) of the standard library's public callables, 2-60 words."""
+    import importlib
+    import inspect
+    import re
+
+    modules = ("os os.path re json collections itertools functools math string random pathlib datetime typing shutil "
+               "subprocess statistics heapq bisect textwrap argparse logging csv sqlite3 zipfile tarfile gzip hashlib "
+               "base64 uuid decimal fractions socket threading queue asyncio inspect ast copy pickle struct enum "
+               "dataclasses contextlib io tempfile glob fnmatch time calendar unicodedata operator weakref types "
+               "warnings traceback pprint difflib html urllib.parse email.utils http.client").split()
+    out, seen = [], set()
+    for name in modules:
+        module = importlib.import_module(name)
+        for attr in sorted(a for a in dir(module) if not a.startswith("_")):
+            obj = getattr(module, attr, None)
+            doc = inspect.getdoc(obj) if callable(obj) else None
+            gloss = re.sub(r"\s+", " ", doc.split("\n\n")[0]).strip() if doc else ""
+            if 2 <= len(gloss.split()) <= 60 and gloss not in seen:
+                seen.add(gloss)
+                out.append({"prompt": f"{name}.{attr}", "response": gloss})
+    random.Random(seed).shuffle(out)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
+    return path
+
+
+def contenders(rows: list[tuple[int, int]], budgets: list[int]) -> dict[str, dict]:
+    """For each (micro-batch, accumulation) and each budget (padded tokens a micro-batch): unpacked and packed."""
+    out = {}
+    for micro, accumulation in rows:
+        for packing in (False, True):
+            out[f"{'packed' if packing else 'unpacked'} {micro} x {accumulation}"] = dict(
+                batch_size=micro, gradient_accumulation_steps=accumulation, packing=packing)
     for budget in budgets:
         for packing in (False, True):
             out[f"{'packed' if packing else 'unpacked'}, {budget} tokens a micro-batch"] = dict(
@@ -79,16 +111,21 @@ def main() -> None:
     parser.add_argument("--presets", default="tiny")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--max_len", type=int, default=64)
+    parser.add_argument("--corpus", default="skewed", help="skewed, glossary, or a .jsonl of prompt/response pairs")
+    parser.add_argument("--rows", default="16x2,4x8", help="micro-batch x accumulation settings (32 examples a step)")
     parser.add_argument("--budgets", default="1,4,16", help="micro-batch budgets, in rows of 2 x --max_len tokens")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of every run (0: torch's default)")
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="packing_bench_"))
     try:
-        corpus = skewed_corpus(work / "skewed.jsonl", 4000)
+        corpus = {"skewed": lambda: skewed_corpus(work / "skewed.jsonl", 4000),
+                  "glossary": lambda: glossary_corpus(work / "glossary.jsonl")}.get(
+            options.corpus, lambda: Path(options.corpus))()
         for preset in options.presets.split(","):
             table = {}
             budgets = [2 * options.max_len * int(k) for k in options.budgets.split(",")]
-            for name, sizes in contenders(options.max_len, budgets).items():
+            rows = [tuple(int(n) for n in setting.split("x")) for setting in options.rows.split(",") if setting]
+            for name, sizes in contenders(rows, budgets).items():
                 run_dir = work / "run"
                 shutil.rmtree(run_dir, ignore_errors=True)
                 run_dir.mkdir()
@@ -102,11 +139,12 @@ def main() -> None:
                       f"{row['examples_per_row']:.1f} examples/row, peak RSS {row['peak_rss_mib']:,.0f} MiB"),
                       flush=True)
             rates = {name: row.get("tokens_per_s") or 0 for name, row in table.items()}
-            for budget in budgets:
-                packed, unpacked = (f"{kind}, {budget} tokens a micro-batch" for kind in ("packed", "unpacked"))
+            for setting in [f"{m} x {a}" for m, a in rows] + [f", {b} tokens a micro-batch" for b in budgets]:
+                gap = "" if setting.startswith(",") else " "
+                packed, unpacked = (f"{kind}{gap}{setting}" for kind in ("packed", "unpacked"))
                 ratio = rates[packed] / max(rates[unpacked], 1e-9)
                 memory = [table[name].get("peak_rss_mib", 0) for name in (packed, unpacked)]
-                print(f"{preset} | {budget} tokens a micro-batch: packed / unpacked {ratio:.2f}x tokens/s, peak RSS "
+                print(f"{preset} | {setting.lstrip(', ')}: packed / unpacked {ratio:.2f}x tokens/s, peak RSS "
                       f"{memory[0]:,.0f} / {memory[1]:,.0f} MiB", flush=True)
             best = max(rates, key=rates.get)
             print(f"{preset} | fastest: {best} ({rates[best]:,.0f} tok/s)", flush=True)

@@ -29,8 +29,34 @@ def text_head(text: str, content_chars: int) -> str:
     return text[:end]
 
 
-def round_up(length: int, multiple: int) -> int:
+Padding = int | tuple[int, ...]  # what lengths are rounded up to: a multiple, or length buckets (round_up)
+
+
+def round_up(length: int, multiple: Padding) -> int:
+    """``length`` rounded up to a multiple of ``multiple``; given length buckets (a tuple, ``length_buckets``),
+    to the smallest bucket that holds it (past the largest, to a multiple of the largest)."""
+    if isinstance(multiple, tuple):
+        return next((bucket for bucket in multiple if bucket >= length), round_up(length, multiple[-1]))
     return -(-length // multiple) * multiple
+
+
+def length_buckets(longest: tuple[int, int], multiple: int = 1, smallest: int = 16) -> tuple[int, ...]:
+    """The lengths ``--torch_compile=True`` pads training micro-batches to: powers of two from ``smallest``, and
+    each side's longest (``longest``: --max_source_len, --max_target_len), all multiples of ``multiple``.
+
+    A compiled graph is specialised to its lengths: with dynamic padding every new longest row would compile
+    again. Rounded up to these, a side has at most log2(longest / 16) + 2 lengths (5 for 128 tokens), each
+    compiled once; a bucket pads at most half its length, and most rows of short pairs fall in the small ones.
+    """
+    tops = {round_up(n, multiple) for n in longest}
+    powers = {round_up(2 ** k, multiple) for k in range(smallest.bit_length() - 1, max(tops).bit_length())}
+    return tuple(sorted(tops | {n for n in powers if n < max(tops)}))
+
+
+def train_padding(cfg, multiple: int) -> Padding:
+    """What training micro-batches' lengths are rounded up to: ``multiple`` (``shape_multiple``), or with
+    --torch_compile=True the ``length_buckets``."""
+    return length_buckets((cfg.max_source_len, cfg.max_target_len), multiple) if cfg.torch_compile else multiple
 
 
 def shape_multiple(mixed_precision: str, on_cpu: bool) -> int:
@@ -44,10 +70,10 @@ def shape_multiple(mixed_precision: str, on_cpu: bool) -> int:
     return 16 if mixed_precision != "no" and on_cpu else 1
 
 
-def pad(rows: list[list[int]], value: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def pad(rows: list[list[int]], value: int, multiple: Padding = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B, longest], attention mask [B, longest]) with ``value`` at the padding positions;
     ``longest`` rounded up to a multiple of ``multiple``."""
-    longest = round_up(max(len(r) for r in rows), multiple)
+    longest = round_up(max(len(r) for r in rows), multiple)  # (or to the length bucket that holds it)
     ids = torch.full((len(rows), longest), value, dtype=torch.long)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     for i, r in enumerate(rows):
@@ -57,7 +83,7 @@ def pad(rows: list[list[int]], value: int, multiple: int = 1) -> tuple[torch.Ten
 
 
 def micro_batches(sources: list[int], targets: list[int], batch_size: int, max_tokens: int = 0,
-                  multiple: int = 1) -> list[list[int]]:
+                  multiple: Padding = 1) -> list[list[int]]:
     """Row positions of one accumulation window grouped into micro-batches of similar length (stable:
     ties keep stream order): ``batch_size`` rows each, or with ``max_tokens`` as many rows as keep
     the padded tokens (rows x (longest source + longest target), rounded as the collator pads) within
@@ -127,11 +153,12 @@ class Seq2SeqCollator:
     """Turn examples into ``input_ids``, ``attention_mask`` and ``labels`` tensors.
 
     Each side is padded to the longest row of its micro-batch (not to a fixed length), rounded up to
-    a multiple of ``pad_multiple`` (see ``shape_multiple`` above); label padding is -100 so
-    it never counts in the loss.
+    a multiple of ``pad_multiple`` (see ``shape_multiple`` above), or to a length bucket (``train_padding``);
+    label padding is -100 so it never counts in the loss.
     """
 
-    def __init__(self, tokenizer, max_source_len: int, max_target_len: int, pad_multiple: int = 1):
+    def __init__(self, tokenizer, max_source_len: int, max_target_len: int,
+                 pad_multiple: Padding = 1):
         self.tokenizer = tokenizer
         self.max_source_len = max_source_len
         self.max_target_len = max_target_len

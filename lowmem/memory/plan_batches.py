@@ -210,7 +210,7 @@ def padded_peak_batches(cfg: TrainConfig, dims: dict, lengths: dict, device: str
     peak = peak_batch_lengths(cfg, dims, lengths, device, world)
     runner_up = runner_up_lengths(cfg, dims, lengths, device) or peak
     multiple = padding_multiple(cfg, device)
-    if multiple > 1:  # the lengths padded as the trainer pads them (not the token and row counts)
+    if multiple != 1:  # the lengths padded as the trainer pads them (not the token and row counts)
         peak, runner_up = ((*(round_up(n, multiple) for n in batch[:2]), *batch[2:]) for batch in (peak, runner_up))
     return peak, runner_up
 
@@ -229,10 +229,11 @@ def packing_capacity(cfg: TrainConfig) -> tuple[int, int] | None:
     return (cfg.max_source_len, cfg.max_target_len) if cfg.packing else None
 
 
-def padding_multiple(cfg: TrainConfig, device: str) -> int:
-    from data.collate import shape_multiple
+def padding_multiple(cfg: TrainConfig, device: str):
+    """What the trainer rounds training lengths up to (``data.collate.train_padding``)."""
+    from data.collate import shape_multiple, train_padding
 
-    return shape_multiple(cfg.mixed_precision, device == "cpu")
+    return train_padding(cfg, shape_multiple(cfg.mixed_precision, device == "cpu"))
 
 
 def eval_pairs(cfg: TrainConfig, data) -> list[tuple[int, int]]:

@@ -10,4 +10,5 @@
 - ``loss``: the loss a step trains on (LM head at the target tokens only, summed token losses).
 - ``packed_attention``: the attention masks and decoder inputs of packed rows (``--packing``).
 - ``chunked_loss``: the LM head and cross-entropy a chunk of target tokens at a time (``--loss_chunk_size``).
+- ``compiled``: the encoder and decoder stacks compiled for training, once per length bucket (``--torch_compile``).
 """

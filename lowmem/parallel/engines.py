@@ -301,7 +301,8 @@ def check_shardable(cfg, title: str) -> None:
     from config import UserError
 
     refused = {"--lora_r": cfg.lora_r > 0, "--encoder_cache": cfg.encoder_cache != "off",
-               f"--frozen_dtype={cfg.frozen_dtype}": cfg.frozen_dtype != "float32"}
+               f"--frozen_dtype={cfg.frozen_dtype}": cfg.frozen_dtype != "float32",
+               "--torch_compile": cfg.torch_compile}
     for flag, on in refused.items():
         if on:
             raise UserError(f"{flag} is not supported with {title}: leave it out, or launch without the {title} "
