@@ -315,10 +315,6 @@ class TrainConfig:
         names = [n.strip() for n in self.report_to.split(",")]  # (which trackers exist: lowmem.monitoring.trackers)
         if not all(names) or len(set(names)) < len(names) or "none" in names and len(names) > 1:
             problems.append(f"--report_to takes none or a comma list of trackers, each once (got {self.report_to!r})")
-        if self.torch_compile:
-            from lowmem.model.compiled import backend_problems
-
-            problems += backend_problems(self.torch_compile_backend)
         return problems + self._memory_mode_problems()
 
     def _memory_mode_problems(self) -> list[str]:

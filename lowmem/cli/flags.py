@@ -142,6 +142,10 @@ def load_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig,
     cfg.resolve_defaults()
     notes += apply_caps(cfg)
     problems = cfg.problems() + objective_problems(cfg)  # one error naming every mistake
+    if cfg.torch_compile:  # (dynamo takes seconds to import: only when asked for)
+        from lowmem.model.compiled import backend_problems
+
+        problems += backend_problems(cfg.torch_compile_backend)
     if problems:
         raise UserError("; ".join(problems))
     notes += [f"note: --{name} has no effect {why}" for name, why in unused_flags(cfg) if name in converted]
