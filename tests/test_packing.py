@@ -39,6 +39,27 @@ def test_rows_hold_every_example_once_whole_within_the_limits_and_evenly(seed):
         assert max(loads) - min(loads) <= 8, loads
 
 
+def test_evening_lowers_the_padding_of_long_target_rows_and_keeps_them_whole():
+    from data.packing import balanced, evened
+
+    capacity, gains = (128, 128), []
+    for seed in range(6):
+        rng = random.Random(seed)  # glossary-like: short names, glosses of 2-60 words (one side binds)
+        sizes = [(rng.randint(3, 9), rng.choice([rng.randint(3, 20), rng.randint(20, 90)])) for _ in range(32)]
+        before = balanced(sizes, capacity, len(best_fit(sizes, capacity))) or best_fit(sizes, capacity)
+        after = evened(sizes, before, capacity)
+
+        def padded(rows):  # one micro-batch of all the rows: each side padded to its longest row
+            return len(rows) * sum(max(sum(sizes[i][k] for i in row) for row in rows) for k in (0, 1))  # noqa: B023
+
+        assert sorted(i for row in after for i in row) == list(range(len(sizes))) and len(after) == len(before)
+        assert all(sum(sizes[i][k] for i in row) <= capacity[k] for row in after for k in (0, 1))
+        assert padded(after) <= padded(before)
+        real = sum(s + t for s, t in sizes)
+        gains.append((padded(before) - real, padded(after) - real))  # padded tokens
+    assert sum(a for _, a in gains) < 0.7 * sum(b for b, _ in gains), gains
+
+
 def examples(n: int, seed: int) -> list[Example]:
     return [Example(r["prompt"], r["response"], 0, i) for i, r in enumerate(synthetic_rows(n, seed=seed))]
 

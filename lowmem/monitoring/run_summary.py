@@ -60,6 +60,10 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         eval_plan.line(),
         "memory: " + ", ".join(memory_features(cfg, parameters, cache, core)),
     ]
+    if cfg.torch_compile:
+        lines.append(f"torch.compile ({cfg.torch_compile_backend}): the encoder and decoder stacks, training lengths "
+                     f"padded to buckets {', '.join(map(str, data.collator.pad_multiple))}; a step meeting a new "
+                     "bucket compiles (tens of seconds), then runs compiled")
     if cfg.gpu_profile and accelerator.device.type == "cpu":
         lines.append(f"--memory_profile={cfg.memory_profile} is a GPU profile but this run is on the CPU: its "
                      "bf16 autocast saves no host memory there (it measured more); host16g is the CPU profile")
