@@ -3,6 +3,7 @@ length buckets met, and the loss of every step against eager's.
 
     python bench/compile.py                         # tiny preset, 100 steps of 4 x 2 on length-skewed pairs
     python bench/compile.py --presets=tiny,small --steps=40 --packing=True
+    python bench/compile.py --init_from=MODEL --corpus=glossary --max_len=64   # SFT of a trained model
 
 Rows: bench/packing.py's skewed chat pairs (85 % 1-4 words a side, 15 % several turns joined, up to --max_len
 tokens a side). Both contenders train the same examples from scratch (same seed, dropout 0, Adafactor) in their own
@@ -32,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from packing import skewed_corpus  # noqa: E402
+from packing import glossary_corpus, skewed_corpus  # noqa: E402
 from peers import child_env, run_contender  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,20 +69,25 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--max_len", type=int, default=64)
     parser.add_argument("--packing", default="False")
+    parser.add_argument("--corpus", default="skewed", help="skewed, glossary (see bench/packing.py) or a .jsonl file")
+    parser.add_argument("--init_from", default="", help="a trained model to fine-tune (SFT) instead of a preset")
     parser.add_argument("--mixed_precision", default="no")
     parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of every run (0: torch's default)")
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="compile_bench_"))
     try:
-        corpus = skewed_corpus(work / "skewed.jsonl", 4000)
-        for preset in options.presets.split(","):
+        corpus = {"skewed": lambda: skewed_corpus(work / "skewed.jsonl", 4000),
+                  "glossary": lambda: glossary_corpus(work / "glossary.jsonl")}.get(
+            options.corpus, lambda: Path(options.corpus))()
+        for preset in [options.init_from] if options.init_from else options.presets.split(","):
             table = {}
             for name, compiled, backend in (("eager", False, "inductor"), ("eager, bucketed", True, "eager"),
                                             ("compiled", True, "inductor")):
                 run_dir = work / "run"
                 shutil.rmtree(run_dir, ignore_errors=True)
                 run_dir.mkdir()
-                flags = dict(train_file=corpus, eval_file=corpus, output_dir=run_dir / "out", model_preset=preset,
+                model = dict(is_finetune=True, init_from=preset) if options.init_from else dict(model_preset=preset)
+                flags = dict(train_file=corpus, eval_file=corpus, output_dir=run_dir / "out", **model,
                              max_steps=options.steps, max_source_len=options.max_len, max_target_len=options.max_len,
                              batch_size=options.batch_size, gradient_accumulation_steps=options.accumulation,
                              packing=options.packing, mixed_precision=options.mixed_precision, dropout_rate=0,
