@@ -109,3 +109,17 @@ def test_a_compiled_stack_runs_eager_outside_training():
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()
     assert stacks.log_fields() == {"compiled_buckets": 2, "compiled_graphs": 2}
+
+
+def test_two_processes_train_compiled_as_they_train_eager(accelerate_launch, tmp_path):
+    train = corpus(tmp_path / "train.jsonl", 200, seed=3)
+    common = ["--model_preset=tiny", f"--train_file={train}", f"--eval_file={train}", "--max_steps=4", "--batch_size=4",
+              "--gradient_accumulation_steps=2", *LENGTHS, "--dropout_rate=0", "--eval_steps=0", "--save_steps=0",
+              "--logging_steps=1", "--max_eval_samples=4", "--eval_generate=False", "--torch_compile_backend=aot_eager"]
+    runs = {compiled: tmp_path / f"compiled-{compiled}" for compiled in (False, True)}
+    for (compiled, run), port in zip(runs.items(), (29561, 29562)):
+        done = accelerate_launch(*common, f"--output_dir={run}", f"--torch_compile={compiled}", port=port)
+        assert done.returncode == 0, done.stderr[-3000:]
+    eager, compiled = (train_records(run) for run in runs.values())
+    assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], abs=1e-5)
+    assert compiled[-1]["compiled_graphs"] == compiled[-1]["compiled_buckets"] >= 2  # (the main process's)
