@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from packing import glossary_corpus, skewed_corpus  # noqa: E402
+from packing import bench_corpus  # noqa: E402
 from peers import child_env, run_contender  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,9 +76,7 @@ def main() -> None:
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="compile_bench_"))
     try:
-        corpus = {"skewed": lambda: skewed_corpus(work / "skewed.jsonl", 4000),
-                  "glossary": lambda: glossary_corpus(work / "glossary.jsonl")}.get(
-            options.corpus, lambda: Path(options.corpus))()
+        corpus = bench_corpus(options.corpus, work)
         for preset in [options.init_from] if options.init_from else options.presets.split(","):
             table = {}
             for name, compiled, backend in (("eager", False, "inductor"), ("eager, bucketed", True, "eager"),

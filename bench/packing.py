@@ -78,6 +78,13 @@ def glossary_corpus(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def bench_corpus(choice: str, work: Path) -> Path:
+    """--corpus: ``skewed`` or ``glossary`` written into ``work``, else the path given."""
+    made = {"skewed": lambda: skewed_corpus(work / "skewed.jsonl", 4000),
+            "glossary": lambda: glossary_corpus(work / "glossary.jsonl")}
+    return made[choice]() if choice in made else Path(choice)
+
+
 def contenders(rows: list[tuple[int, int]], budgets: list[int]) -> dict[str, dict]:
     """For each (micro-batch, accumulation) and each budget (padded tokens a micro-batch): unpacked and packed."""
     out = {}
@@ -118,9 +125,7 @@ def main() -> None:
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="packing_bench_"))
     try:
-        corpus = {"skewed": lambda: skewed_corpus(work / "skewed.jsonl", 4000),
-                  "glossary": lambda: glossary_corpus(work / "glossary.jsonl")}.get(
-            options.corpus, lambda: Path(options.corpus))()
+        corpus = bench_corpus(options.corpus, work)
         for preset in options.presets.split(","):
             table = {}
             budgets = [2 * options.max_len * int(k) for k in options.budgets.split(",")]

@@ -78,8 +78,9 @@ def evened(sizes: list[tuple[int, int]], rows: list[list[int]], capacity: tuple[
     where = np.empty(len(sizes), dtype=np.int64)
     for r, row in enumerate(rows):
         where[row] = r
+    room = np.array(capacity, dtype=np.int64)
     for _ in range(rounds):
-        change = best_change(size, where, len(rows), np.array(capacity, dtype=np.int64))
+        change = best_change(size, where, len(rows), room)
         if change is None:
             break
         i, j, row = change

@@ -10,9 +10,13 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from config import TrainConfig
 from lowmem.memory.tensor_bytes import batch_cost
+
+if TYPE_CHECKING:
+    from data.collate import Padding
 
 REPLAY_ROWS = 10_000  # runs reading at most this many rows have their stream replayed (seconds)
 CHUNK_ROWS = 256  # rows tokenized at a time, and at most CHUNK_BYTES of them (long rows fewer at a time)
@@ -140,7 +144,8 @@ def windows_of(epochs: list[list[tuple[int, int]]], window_rows: int, max_steps:
 
 
 def micro_batch_lengths(windows: list[list[tuple[int, int]]], batch_size: int, max_tokens: int = 0,
-                        multiple: int = 1, capacity: tuple[int, int] | None = None) -> list[tuple[int, int, int, int]]:
+                        multiple: Padding = 1,
+                        capacity: tuple[int, int] | None = None) -> list[tuple[int, int, int, int]]:
     """(longest source, longest target, target tokens, rows) of each micro-batch, grouped as the
     trainer's collator does (the LM head runs at the target tokens only: see ``logits_only_at``); with
     ``capacity`` (--packing: ``packing_capacity``) each window's examples packed into rows as the trainer packs
@@ -229,7 +234,7 @@ def packing_capacity(cfg: TrainConfig) -> tuple[int, int] | None:
     return (cfg.max_source_len, cfg.max_target_len) if cfg.packing else None
 
 
-def padding_multiple(cfg: TrainConfig, device: str):
+def padding_multiple(cfg: TrainConfig, device: str) -> Padding:
     """What the trainer rounds training lengths up to (``data.collate.train_padding``)."""
     from data.collate import shape_multiple, train_padding
 
