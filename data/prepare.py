@@ -19,7 +19,7 @@ from pathlib import Path
 from config import UserError
 from data.sources.corpus import DataProblems, iter_rows, spec_parts, too_many_bad_rows
 from data.sources.readers import MANIFEST, TOKEN_COLUMNS, manifest_of
-from lowmem.checkpointing.ownership import MARKERS, check_folder, claim_folder, move_in, remove_ours
+from lowmem.checkpointing.ownership import MARKERS, check_closed, check_folder, claim_folder, move_in, remove_ours
 
 GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
 SHARD_ROWS = 25 * GROUP_ROWS  # 102,400 rows per shard (whole row groups): several shards let each epoch visit
@@ -73,6 +73,7 @@ def check_prepared_dir(out_dir: Path) -> None:
         raise UserError(f"--prepared_dir={out_dir} exists and holds a prepared corpus ({MANIFEST}); choose a new "
                         "or empty folder, or remove that one first")
     check_folder(out_dir, "--prepared_dir", "prepared")
+    check_closed(out_dir, "--prepared_dir", "prepared")  # its staging folder filled, its shards replaced: no link
 
 
 def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path, tokenizer: dict,

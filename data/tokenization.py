@@ -24,7 +24,16 @@ from config import UserError, saved_json
 from data.objectives.base import objective_class
 from data.sources.corpus import iter_rows
 from data.streams.packed_text import text_slices
-from lowmem.checkpointing.ownership import MARKERS, check_folder, claim_folder, is_run_folder, move_in, remove_ours
+from lowmem.checkpointing.ownership import (
+    MARKERS,
+    check_closed,
+    check_folder,
+    claim_folder,
+    is_ours,
+    is_run_folder,
+    move_in,
+    remove_ours,
+)
 
 EXTRA_IDS = 100
 MIN_PIECES = 3 + 256  # pad, eos, unk and the byte-fallback pieces: any vocabulary needs these
@@ -87,6 +96,7 @@ def train_tokenizer(files: list[Path], out_dir: str | Path, columns: tuple[str, 
         raise UserError(f"--vocab_size={vocab_size} is below the {MIN_PIECES} pieces any tokenizer needs "
                         "(3 special pieces + 256 bytes) before this corpus's characters; raise it")
     out_dir = check_folder(out_dir, "--tokenizer_dir", "tokenizer")  # before training: a refusal costs nothing
+    check_closed(out_dir, "--tokenizer_dir", "tokenizer")  # its files replaced, its staging folder filled: no link
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "spiece")
         try:
@@ -120,6 +130,7 @@ def _save_into(out_dir: Path, tokenizer) -> None:
     ``tokenizer.json`` moves last: a folder caught between two moves fails to load, rather than
     loading the vocabulary with another tokenizer's settings.
     """
+    check_closed(out_dir, "--tokenizer_dir", "tokenizer")
     claim_folder(out_dir, "--tokenizer_dir", "tokenizer")
     staging = out_dir / STAGING
     remove_ours(staging, "tokenizer")  # left by a save that was stopped
@@ -256,6 +267,8 @@ def tokenizer_for_run(cfg, folder: Path, files, is_main: bool = True, wait=lambd
     Raises:
         UserError: a fine-tuned model or a prepared corpus needs the tokenizer it was made with.
     """
+    if is_ours(folder, "tokenizer"):  # one a run trained: its files are read, or trained again, never through a link
+        check_closed(folder, "--tokenizer_dir", "tokenizer")
     if has_tokenizer(folder):
         return load_tokenizer(folder)
     not_a_run_folder(folder)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from config import UserError
-from lowmem.checkpointing.ownership import fsync_path, write_atomic
+from lowmem.checkpointing.ownership import CHECKPOINT_ENTRIES, fsync_path, refuse_link, refuse_links_in, write_atomic
 
 # torch is imported where tensors are read or drawn: the folder checks (validate, find_latest_valid) run
 # before the command line imports it (lowmem/checkpointing/run_start.py)
@@ -47,6 +47,7 @@ def staging_path(final: Path) -> Path:
 def new_staging(final: Path) -> Path:
     """An empty staging folder for ``final`` (what a stopped write left there removed: it is ours)."""
     final = Path(final)
+    refuse_swap_links(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_path(final)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -56,11 +57,25 @@ def new_staging(final: Path) -> Path:
 
 def restore_cut_swap(final: Path) -> Path:
     """Put back the previous ``final`` that a swap cut between its two renames left at ``.old-<name>``
-    (a SIGKILL, or a second Ctrl-C, between them); returns that aside path."""
+    (a SIGKILL, or a second Ctrl-C, between them); returns that aside path.
+
+    Raises:
+        UserError: ``final``, its staging or its aside name is a symbolic link (``refuse_swap_links``).
+    """
+    refuse_swap_links(final)
     old = final.with_name(f".old-{final.name}")
     if old.is_dir() and not final.exists():
         old.rename(final)
     return old
+
+
+def refuse_swap_links(final: Path) -> None:
+    """The closed room (``ownership.check_closed``) where a folder is replaced: the swap renames, fills and removes
+    ``final``, its staging folder and its aside name, so none may be a link (through one it would move the user's
+    files into the run's folder, or remove them)."""
+    final = Path(final)
+    for path in (final, staging_path(final), final.with_name(f".old-{final.name}")):
+        refuse_link(path)
 
 
 @contextmanager
@@ -142,7 +157,12 @@ def only_foreign(folder: Path) -> bool:
 
 def remove_ours_in(folder: Path) -> None:
     """Remove ``folder`` (starting a run over), or where the user put entries of their own in it only what we
-    wrote there, the folder and their entries left."""
+    wrote there, the folder and their entries left.
+
+    Raises:
+        UserError: ``folder`` is a symbolic link (what it leads to is not the run's to remove).
+    """
+    refuse_link(folder)
     foreign = foreign_entries(folder)
     if not foreign:
         shutil.rmtree(folder)
@@ -272,7 +292,14 @@ def find_latest_valid(root: Path, warn=print) -> Path | None:
 def prune(root: Path, keep: int, protect: Path | None = None) -> None:
     """Delete all but the ``keep`` newest complete checkpoints (never ``protect``), and the damaged ones
     older than those (a resume warned of each): damaged ones do not count, so the run keeps ``keep`` it can
-    resume from."""
+    resume from.
+
+    Raises:
+        UserError: checkpoints/, a checkpoint or ``latest`` is a symbolic link: what it leads to is not the run's
+            to remove.
+    """
+    refuse_link(root)
+    refuse_links_in(root, CHECKPOINT_ENTRIES, "--output_dir", "run")
     folders = step_folders(root)  # newest first
     complete = [f for f in folders if validate(f) is None]
     oldest_kept = step_number(complete[keep - 1]) if 0 < keep <= len(complete) else -1

@@ -161,6 +161,66 @@ def is_run_folder(path: Path) -> bool:
     return text in (b"", MARKER_TEXT.encode()) and all(RUN_ENTRIES.fullmatch(name) for name in names)
 
 
+# What each kind of folder holds of its own besides its marker (a run: in OUTPUT_DIR; a tokenizer: what save_pretrained
+# writes; prepared data: shards and manifest; plots: the charts), with the staging folder each writes in first
+OWN_ENTRIES = {"run": RUN_ENTRIES,
+               "tokenizer": re.compile(r"\.saving|tokenizer\.json|spiece\.model|tokenizer_config\.json|"
+                                       r"special_tokens_map\.json|added_tokens\.json"),
+               "prepared": re.compile(r"\.partial|shard-\d+\.parquet|prepared\.manifest"),
+               "plots": re.compile(r"\.?[\w-]+\.png(\.tmp)?")}
+# What a run writes in OUTPUT_DIR/checkpoints: step folders (staged and set aside too), the latest pointer (and its
+# temporary), the continuations a --resume_from set aside
+CHECKPOINT_ENTRIES = re.compile(r"(\.(tmp|old)-)?step_\d+|latest|\.latest\.tmp|abandoned-[\d-]+")
+
+
+def refuse_link(path: Path, flag: str = "--output_dir", kind: str = "run") -> None:
+    """Refuse ``path``, one of the folder's own entries, when it is a symbolic link: a command reads, writes, moves
+    and removes its own files and folders, and through a link it would do so to what the link leads to (the
+    closed room: nothing of ours is a link). Touches nothing.
+
+    Raises:
+        UserError: ``path`` is a symbolic link, named with where it leads.
+    """
+    if not Path(path).is_symlink():
+        return
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    raise UserError(f"{path} is a symbolic link to {target}: a {KIND_NAMES[kind]} folder's own files and folders "
+                    f"must be real ones, never links; remove the link (its target is untouched) or use another {flag}")
+
+
+def refuse_links_in(folder: Path, own: re.Pattern, flag: str, kind: str) -> None:
+    """``refuse_link`` for each entry of ``folder`` named as ``own`` (the user's entries, named otherwise, may be
+    links: they are never touched). A folder that is missing, a link or unreadable has none to look at."""
+    folder = Path(folder)
+    if folder.is_symlink() or not folder.is_dir():
+        return
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    for name in names:
+        if own.fullmatch(name):
+            refuse_link(folder / name, flag, kind)
+
+
+def check_closed(folder: str | Path, flag: str = "--output_dir", kind: str = "run") -> None:
+    """The closed room: refuse a folder of ``kind`` where one of its own entries (``OWN_ENTRIES``, its marker, and
+    for a run what it writes in checkpoints/: ``CHECKPOINT_ENTRIES``) is a symbolic link, since reading, writing,
+    moving or removing it would reach what the link leads to. Run before anything is read or written there (the
+    command line's early checks, the trainer's own), and again by what replaces, moves or removes them.
+
+    Raises:
+        UserError: the first such link, with what to do.
+    """
+    folder = Path(folder)
+    refuse_links_in(folder, re.compile(f"{OWN_ENTRIES[kind].pattern}|{re.escape(MARKERS[kind])}"), flag, kind)
+    if kind == "run":
+        refuse_links_in(folder / "checkpoints", CHECKPOINT_ENTRIES, flag, kind)
+
+
 def move_in(staging: Path, names: list[str], folder: Path) -> None:
     """Move the files ``names`` from ``staging`` into ``folder``, in that order (what makes the set complete
     last), each on disk before any moves and the folder's entries on disk after: a power cut leaves whole

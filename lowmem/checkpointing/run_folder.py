@@ -22,7 +22,7 @@ import torch
 
 from config import QUANTIZED_DTYPES, TrainConfig, UserError, saved_json
 from lowmem.checkpointing import checkpoint
-from lowmem.checkpointing.ownership import open_own, write_atomic
+from lowmem.checkpointing.ownership import check_closed, open_own, write_atomic
 from lowmem.checkpointing.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.engines import Engine, engine_that_wrote
@@ -119,6 +119,7 @@ class RunFolder:
         the checkpoints newer than the one resumed from: on the main process, once every process has looked."""
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
+            check_closed(self.path)  # again, just before: a link planted since check() is refused, its target kept
             self.remove(old_files)
             self.set_aside_newer(resume_dir if set_aside else None, say)
         accelerator.wait_for_everyone()

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from config import STARTED_MARKER, TrainConfig, UserError, saved_json
 from lowmem.checkpointing import checkpoint
-from lowmem.checkpointing.ownership import LEGACY_STARTED_MARKER, check_folder, claim_folder, is_ours, is_run_folder
+from lowmem.checkpointing.ownership import (
+    LEGACY_STARTED_MARKER,
+    check_closed,
+    check_folder,
+    claim_folder,
+    is_ours,
+    is_run_folder,
+)
 from lowmem.model.source import resolve_model_dir
 from lowmem.monitoring.metrics_log import read_metrics
 
@@ -31,16 +38,6 @@ def run_files(path: Path) -> list[Path]:
     return [p for p in files if p.is_symlink() or p.exists() and not checkpoint.only_foreign(p)]
 
 
-def removable(cfg: TrainConfig, used: list[Path]) -> list[Path]:
-    """``used``, once none is a link: starting over removes these, and a link (checkpoints/ moved to another
-    disk) is the user's, as is what it leads to. Refused before anything is removed."""
-    links = [p.name for p in used if p.is_symlink()]
-    if links:
-        raise UserError(f"--output_dir={cfg.output_dir}: {', '.join(links)} is a symbolic link, and starting over "
-                        "would remove what it leads to; remove the link yourself, or choose another --output_dir")
-    return used
-
-
 def check_owned(cfg: TrainConfig, path: Path) -> None:
     """Refuse an OUTPUT_DIR that is the model the run starts from, a saved model or inside one (a run's
     best/ and final/ are replaced whole, checkpoints/ rotated), or a folder of files not ours (for a
@@ -53,6 +50,9 @@ def check_owned(cfg: TrainConfig, path: Path) -> None:
         if outer.name in ("best", "final", "checkpoints") and is_ours(run, "run", is_run_folder):
             raise UserError(f"--output_dir={cfg.output_dir} is inside {outer}, which the run in {run} replaces or "
                             "removes as a whole, with what is inside; choose an --output_dir outside it")
+    # A link among the run's own entries (final/ to a folder of the user's, checkpoints/ to another disk) would
+    # have the run read, replace, move or remove what it leads to: refused before anything there is read
+    check_closed(path)
     if (saved_json(path / "config.json") or {}).get("model_type"):  # a run's config.json has none
         raise UserError(f"--output_dir={cfg.output_dir} holds a saved model (config.json, weights), which a run "
                         "there would overwrite; choose another --output_dir")
@@ -101,7 +101,7 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
                                 "--is_keep_training=True, start over with --overwrite_output_dir=True, "
                                 "or choose another --output_dir")
             say(f"the last run in {cfg.output_dir} stopped before its first step: starting over")
-        return None, removable(cfg, used)
+        return None, used
     if cfg.resume_from:
         if Path(cfg.resume_from).resolve().parent != checkpoints.resolve():
             raise UserError(f"--resume_from={cfg.resume_from} is not one of this run's checkpoints: pass a "
@@ -131,7 +131,7 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
     # Stopped before its first checkpoint, or every checkpoint damaged before any trained model was
     # exported: the same seed replays the run exactly, and nothing is lost.
     say(f"no usable checkpoint in {checkpoints}: starting the run again from step 0")
-    return None, removable(cfg, used)
+    return None, used
 
 
 def _steps_left(cfg: TrainConfig, folder: Path) -> Path:
@@ -177,6 +177,8 @@ def refuse_early(cfg: TrainConfig) -> None:
     it has taken it."""
     path = Path(cfg.output_dir)
     check_owned(cfg, path)
+    if cfg.tokenizer_dir and is_ours(cfg.tokenizer_dir, "tokenizer"):  # one a run trained (or trains) there
+        check_closed(cfg.tokenizer_dir, "--tokenizer_dir", "tokenizer")
     owner = lock_holder(path) if int(os.environ.get("RANK", 0)) == 0 else None
     if owner is not None:
         raise in_use_error(cfg.output_dir, owner)

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from config import UserError, saved_json
-from lowmem.checkpointing.ownership import claim_folder, is_ours, is_run_folder, write_atomic
+from lowmem.checkpointing.ownership import check_closed, claim_folder, is_ours, is_run_folder, write_atomic
 from lowmem.monitoring.metrics_log import read_metrics
 from lowmem.training.eval_metrics import DEFAULT_METRICS, METRICS, metrics_of
 
@@ -38,11 +38,15 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
 
     Raises:
         UserError: no run folder, no metrics.jsonl, or no train records in it yet; ``out_dir`` holds
-            files not ours (``lowmem.checkpointing.ownership``) or cannot be written.
+            files not ours (``lowmem.checkpointing.ownership``) or cannot be written; one of the run's own entries
+            (metrics.jsonl, plots/) is a symbolic link.
     """
     run = Path(run_dir)
+    check_closed(run)  # metrics.jsonl, config.json and plots/ read and written: none through a link
     records = _load(run)
-    out = claim_folder(Path(out_dir) if out_dir else run / "plots", "--plot_dir", "plots", _unmarked_plots)
+    out = Path(out_dir) if out_dir else run / "plots"
+    check_closed(out, "--plot_dir", "plots")  # its charts replaced: none through a link
+    out = claim_folder(out, "--plot_dir", "plots", _unmarked_plots)
 
     # Figures without pyplot: no global state, no display; savefig renders PNGs with the Agg backend.
     from matplotlib.figure import Figure
