@@ -108,10 +108,11 @@ def claim_output_dir(cfg):
 
     files, tokenizer_dir, tokenizer = check_data(cfg, objective_for(cfg)), None, None
     check_report_to(cfg.report_to)  # an unknown tracker, or its package missing: one line
-    if cfg.init_from and not cfg.is_keep_training:
+    if cfg.init_from:  # a resume reads it again (a checkpoint holds only what trains): checked then too
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
-        refuse_untrained(cfg)
-        check_weights(cfg.init_from)
+        if not cfg.is_keep_training:
+            refuse_untrained(cfg)
+        check_weights(cfg.init_from)  # every weight file's header, and config.json against them
     extras = cfg.init_from or cfg.optimizer == "adamw8bit"
     if extras and not cfg.is_keep_training:
         from lowmem.memory.probes import import_extras

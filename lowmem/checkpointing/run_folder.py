@@ -216,6 +216,7 @@ class RunFolder:
         """
         from lowmem.model.quantize import Later, save_in_shards
         from lowmem.model.source import copy_tokenizer_files
+        from lowmem.model.weight_check import check_export
 
         with checkpoint.atomic_folder(folder, then=then) as tmp, deepspeed_engine.unwrapped_without_import():
             if state_dict is not None and any(isinstance(v, Later) for v in state_dict.values()):
@@ -227,6 +228,7 @@ class RunFolder:
             if tokenizer_source is not None:
                 copy_tokenizer_files(Path(tokenizer_source), tmp)
             (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
+            check_export(tmp, folder)  # headers against the written config: one transformers cannot load is not kept
 
 
     @staticmethod
@@ -236,7 +238,8 @@ class RunFolder:
         ``base_model_name_or_path`` the --init_from given) with the tokenizer and training_info.json:
         ``peft.PeftModel.from_pretrained(base_model, folder)`` loads it, and so do evaluate and generate."""
         from lowmem.model.adapters import save_adapter
-        from lowmem.model.source import copy_tokenizer_files
+        from lowmem.model.source import ADAPTER_WEIGHTS, copy_tokenizer_files
+        from lowmem.model.weight_check import check_export
 
         with checkpoint.atomic_folder(folder, then=then) as tmp:
             save_adapter(tmp, model, base)
@@ -244,6 +247,7 @@ class RunFolder:
             if tokenizer_source is not None:
                 copy_tokenizer_files(Path(tokenizer_source), tmp)
             (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
+            check_export(tmp, folder, ADAPTER_WEIGHTS)  # the adapters' header against their rank, before the rename
 
 
 def mark_head_tying(config_path: Path, model) -> None:

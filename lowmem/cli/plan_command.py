@@ -172,7 +172,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     import torch
 
     from data.tokenization import load_trained_tokenizer
-    from lowmem.model.source import check_vocabulary, model_folder_config, tokenizer_folder
+    from lowmem.model.source import check_vocabulary, check_weights, model_folder_config, tokenizer_folder
 
     chosen = device is None
     device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
@@ -184,6 +184,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     tokenizer = load_trained_tokenizer(tokenizer_folder(cfg))
     if cfg.init_from:  # as train checks it: a plan's lengths come from the tokenizer the run would refuse
         check_vocabulary(cfg, model_folder_config(cfg.init_from)["vocab_size"], tokenizer)
+        check_weights(cfg.init_from)  # a plan of weights that are not its config's model would size another one
     data = planner.plan_data(cfg, tokenizer, num_processes)
     core, import_mb = framework_baselines(cfg, budget_gb)  # after reading, as in the trainer
     baseline = core + import_mb.get(cfg.optimizer, 0.0) + import_mb.get(cfg.frozen_dtype, 0.0)

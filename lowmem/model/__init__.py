@@ -3,7 +3,11 @@
 - ``source``: ``--init_from`` as a folder or hub id, its family, its tokenizer.
 - ``presets``: named model shapes and memory profiles (a leaf module: ``config`` validates against it).
 - ``streamed_load``: a checkpoint read one block at a time straight into the form the run trains in.
+- ``weight_headers``: each weight file checked from its header alone (safetensors, torch zips; pickles
+  refused), and an index's files kept inside its folder.
 - ``weight_files``: a model folder's weight files read a few tensors at a time, and their fingerprint.
+- ``weight_check``: a model folder's config.json against its weights' headers (names, shapes, dtypes),
+  before anything heavy reads it and before an export is moved into place.
 - ``build``: the model built, loaded, frozen, adapted and stored narrow, and its export state dict.
 - ``quantize``: frozen linear layers in 8 bits (optimum-quanto), and back to float for exports.
 - ``adapters``: LoRA runs exported as peft adapter folders, and loaded back onto their base model.

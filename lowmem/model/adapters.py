@@ -67,7 +67,10 @@ def load_adapter_model(folder: Path, dropout_rate: float = 0.1):
 def load_saved_model_weights(init_from):
     """What evaluate and generate run: an adapter folder's base with its adapters, or a whole model."""
     from lowmem.model.build import load_model
-    from lowmem.model.source import resolve_model_dir
+    from lowmem.model.source import check_weights, resolve_model_dir
 
     folder = resolve_model_dir(str(init_from))
-    return load_adapter_model(folder) if adapter_base(folder) is not None else load_model(init_from)
+    if adapter_base(folder) is None:
+        return load_model(init_from)  # (checks the folder first)
+    check_weights(init_from)  # the adapter's weights, then its base's: headers and config only, before any read
+    return load_adapter_model(folder)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from config import QUANTIZED_DTYPES, TrainConfig, UserError
+from lowmem.model.weight_check import meta_model  # (the checks before a load build the same)
 
 # Checkpoint keys transformers drops on load (T5ForConditionalGeneration._keys_to_ignore_on_load_unexpected)
 IGNORED_KEYS = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
@@ -45,20 +46,6 @@ def quantized_later(cfg: TrainConfig, name: str) -> bool:
     parts = name.split(".")
     return (cfg.frozen_dtype in QUANTIZED_DTYPES and "block" in parts and parts[-2] != "relative_attention_bias"
             and (cfg.quantize_wo or parts[-2] != "wo"))
-
-
-def meta_model(folder, dropout_rate: float):
-    """The folder's model, its parameters on the meta device (no memory), with its generation config."""
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM, GenerationConfig
-
-    config = AutoConfig.from_pretrained(str(folder), dropout_rate=dropout_rate)
-    with torch.device("meta"):
-        model = AutoModelForSeq2SeqLM.from_config(config)
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(str(folder))
-    except OSError:  # no generation_config.json: the one from_config made from the model's config
-        pass
-    return model
 
 
 def untie_head_if_saved(model, files: dict) -> None:

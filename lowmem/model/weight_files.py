@@ -5,21 +5,20 @@ The layouts ``from_pretrained`` reads: ``model.safetensors``, sharded safetensor
 safetensors file is mapped only while its tensors are read: every page a read touches counts in the
 process's resident memory for as long as the mapping is open, so a whole 10 GB hub shard held open
 would be resident by the end. A ``.bin`` file is read through torch's weights-only unpickler (tensors
-and plain values only: no code in it runs), mapped, and the wanted tensors copied out.
+and plain values only: no code in it runs), mapped, and the wanted tensors copied out; only torch's zip format
+is read (``lowmem.model.weight_headers``: a pickle is refused before anything unpickles it).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 
 from config import UserError
+from lowmem.model.weight_headers import BIN_INDEX, SAFETENSORS_INDEX, file_headers, index_entries, load_bin
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-BIN_INDEX = "pytorch_model.bin.index.json"
 # A fingerprint reads this many evenly spread samples of each weight file (and its size and header): enough to
 # tell a retrained or replaced model apart, cheap at 45 GB (a full hash would read all of it at every resume)
 FINGERPRINT_SAMPLES = 16
@@ -36,12 +35,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
     for index_name, single in ((SAFETENSORS_INDEX, "model.safetensors"), (BIN_INDEX, "pytorch_model.bin")):
         index = folder / index_name
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (ValueError, KeyError, TypeError):
-                raise UserError(f"{index} cannot be read as a weights index (JSON with a weight_map); "
-                                "pass a complete model folder") from None
-            files = {key: folder / name for key, name in weight_map.items()}
+            files = index_entries(folder, index_name)
             missing = sorted({p.name for p in files.values() if not p.is_file()})
             if missing:
                 raise UserError(f"{folder} is missing {', '.join(missing)}, which {index_name} lists; "
@@ -54,23 +48,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
 
 def _keys_of(path: Path) -> list[str]:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            return list(f.keys())
-    return list(_load_bin(path))
-
-
-def _load_bin(path: Path) -> dict:
-    """A ``.bin`` file's tensors, mapped (not read) where torch can, through the weights-only unpickler."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # the legacy (pre-zip) format cannot be mapped
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle.UnpicklingError and friends: objects other than tensors
-        raise UserError(f"{path} holds objects other than tensors and plain values ({type(err).__name__}); it was "
-                        "not loaded, since building them could run code: pass a safetensors copy") from None
+    return list(file_headers(path))  # its header checked: a damaged file is one line, not a SafetensorError
 
 
 def read_tensors(files: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
@@ -86,7 +64,7 @@ def read_tensors(files: dict[str, Path], keys: list[str]) -> dict[str, torch.Ten
                 for key in wanted:
                     found[key] = f.get_tensor(key)
         else:
-            loaded = _load_bin(path)
+            loaded = load_bin(path)  # a torch zip of tensors, mapped, or one line
             found.update((key, loaded[key]) for key in wanted)
             del loaded  # the wanted tensors keep the mapping alive until the caller drops them
     return found
