@@ -19,12 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from config import UserError
+from lowmem.checkpointing import checksums, verify
 from lowmem.checkpointing.ownership import CHECKPOINT_ENTRIES, fsync_path, refuse_link, refuse_links_in, write_atomic
 
 # torch is imported where tensors are read or drawn: the folder checks (validate, find_latest_valid) run
 # before the command line imports it (lowmem/checkpointing/run_start.py)
 
-MANIFEST = "manifest.json"
+MANIFEST = verify.MANIFEST
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 # Write failures the user can fix: (errnos, what happened, what to do). Rust libraries (safetensors,
@@ -79,9 +80,11 @@ def refuse_swap_links(final: Path) -> None:
 
 
 @contextmanager
-def atomic_folder(final: Path, staged: bool = False, then=None):
+def atomic_folder(final: Path, staged: bool = False, then=None, sums: dict | None = None):
     """Yield a temporary folder; on success make it ``final`` in one rename (replacing an old one).
-    ``staged``: other processes have written their parts into ``new_staging(final)`` already.
+    ``staged``: other processes have written their parts into ``new_staging(final)`` already. ``sums``: a
+    checkpoint's, filled by its writers (``checksums``) within the block: the manifest then holds every file's
+    checksum too (a file not in it is read once for it); None (exports): sizes only.
 
     On an exception the temporary folder is removed and ``final`` is left as it was; a write the user can
     make possible (``WRITE_FAILURES``) becomes a ``UserError`` saying what to do, then what ``then()`` says
@@ -99,7 +102,8 @@ def atomic_folder(final: Path, staged: bool = False, then=None):
             if f.is_file():
                 fsync_path(f)
                 files[str(f.relative_to(tmp))] = f.stat().st_size
-        write_atomic(tmp / MANIFEST, json.dumps({"files": files}, indent=1))
+        manifest = {"files": files} if sums is None else checksums.record(tmp, sums)
+        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
         if final.exists():
             if old.is_dir():  # a swap cut after its renames: the user's files there go into the export first
                 carry_foreign(old, final)
@@ -202,22 +206,11 @@ def disk_full(exc: BaseException, path: Path) -> bool:
         return False
 
 
-def validate(folder: Path) -> str | None:
-    """Why ``folder`` is not a complete checkpoint, or None when it is."""
-    manifest = Path(folder) / MANIFEST
-    if not manifest.is_file():
-        return "no manifest (write did not finish)"
-    try:
-        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
-    except (ValueError, KeyError):
-        return "unreadable manifest"
-    for name, size in files.items():
-        path = Path(folder) / name
-        if not path.is_file():
-            return f"missing {name}"
-        if path.stat().st_size != size:
-            return f"truncated {name}"
-    return None
+def validate(folder: Path, contents: bool = True, states: bool = False) -> str | None:
+    """Why ``folder`` is not a usable checkpoint, or None when it is (``verify.validate``): the sizes its manifest
+    lists; with ``contents`` each file's checksum and the JSON state's values; with ``states`` the values of its
+    torch state files too (read with torch). Each folder is read once per process."""
+    return verify.validate(folder, contents, load_state if states else None)
 
 
 # Earlier versions pickled numpy's RNG key as a uint32 array in process_*.pt: rebuilding one takes these
@@ -237,7 +230,7 @@ def load_state(path: Path, allowed: list | None = None):
     holding one is refused before anything of it is built.
 
     Raises:
-        UserError: the file holds other objects.
+        UserError: the file holds other objects, or is not a torch file torch can read (damaged).
     """
     import pickle
     import re
@@ -249,11 +242,21 @@ def load_state(path: Path, allowed: list | None = None):
             return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>", str(err))
-        what = f" ({found.group(1) or found.group(2)})" if found else ""
-        raise UserError(f"checkpoint file {path} holds objects other than tensors and plain values{what}, which "
+        if found is None:  # no object refused: bytes that are no pickle (a file cut or overwritten)
+            raise _unreadable(path, err) from None
+        what = found.group(1) or found.group(2)
+        raise UserError(f"checkpoint file {path} holds objects other than tensors and plain values ({what}), which "
                         "t5-lowmem never writes; it was not loaded, since building them could run any code. Resume "
                         "only from checkpoints t5-lowmem wrote, or start over with --overwrite_output_dir=True "
                         "(or another --output_dir)") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:  # a cut or damaged zip, bytes that are no torch file
+        raise _unreadable(path, err) from None
+
+
+def _unreadable(path: Path, err: Exception) -> UserError:
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return UserError(f"checkpoint file {path} cannot be read ({reason}): it is damaged; resume from an earlier "
+                     "checkpoint (--resume_from), or start over with --overwrite_output_dir=True")
 
 
 def step_folders(root: Path) -> list[Path]:
@@ -275,14 +278,15 @@ def step_number(folder: Path) -> int:
     return int(Path(folder).name[len(PREFIX):])
 
 
-def find_latest_valid(root: Path, warn=print) -> Path | None:
-    """The newest complete checkpoint; incomplete or damaged ones are skipped with a warning.
+def find_latest_valid(root: Path, warn=print, contents: bool = True, states: bool = False) -> Path | None:
+    """The newest complete checkpoint; incomplete or damaged ones are skipped with a warning (``validate``
+    checks ``contents`` and ``states``: sizes only without them).
 
     A folder is renamed into place only once complete, so the newest valid one is at least as new
     as the one ``latest`` names (which lags when a run is killed between the rename and the pointer).
     """
     for folder in step_folders(root):
-        problem = validate(folder)
+        problem = validate(folder, contents, states)
         if problem is None:
             return folder
         warn(f"warning: skipping checkpoint {folder}: {problem}")
@@ -301,7 +305,9 @@ def prune(root: Path, keep: int, protect: Path | None = None) -> None:
     refuse_link(root)
     refuse_links_in(root, CHECKPOINT_ENTRIES, "--output_dir", "run")
     folders = step_folders(root)  # newest first
-    complete = [f for f in folders if validate(f) is None]
+    # Sizes, and the damage a resume found (verify keeps it): reading every kept checkpoint's files again at each
+    # save would cost more than the save
+    complete = [f for f in folders if validate(f, contents=False) is None]
     oldest_kept = step_number(complete[keep - 1]) if 0 < keep <= len(complete) else -1
     for folder in complete[keep:] + [f for f in folders if f not in complete and step_number(f) < oldest_kept]:
         if protect is None or folder.resolve() != Path(protect).resolve():
@@ -311,17 +317,26 @@ def prune(root: Path, keep: int, protect: Path | None = None) -> None:
 TRAINED_ONLY = "trained"  # the metadata "contents" of a checkpoint's model.safetensors holding trained tensors only
 
 
-def save_trained(model, path: Path) -> None:
+def save_trained(model, path: Path, sums: dict | None = None) -> None:
     """The model's weights into a checkpoint: where some are frozen, the trained ones only (LoRA's adapters,
     a decoder): the frozen rest is the base model's, read again from --init_from on resume (its fingerprint
-    is in run_config.json), so a LoRA checkpoint of flan-t5-xl is megabytes, not 11 GB."""
-    from safetensors.torch import save_file, save_model
+    is in run_config.json), so a LoRA checkpoint of flan-t5-xl is megabytes, not 11 GB. Written as
+    safetensors' ``save_model`` / ``save_file`` would, tensor by tensor, its checksum into ``sums[path.name]``
+    (``checksums.save_safetensors``)."""
+    from safetensors.torch import _remove_duplicate_names
 
+    sums = {} if sums is None else sums
     if all(p.requires_grad for p in model.parameters()):
-        save_model(model, str(path))  # (tied tensors stored once)
+        # save_model's way: tied tensors stored once, each dropped name recorded beside the one kept
+        weights, metadata = model.state_dict(), None
+        for kept, dropped in _remove_duplicate_names(weights).items():
+            for name in dropped:
+                metadata = {**(metadata or {}), name: kept}
+                del weights[name]
+        checksums.save_safetensors(weights, path.parent, path.name, sums, metadata)
         return
-    trained = {name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad}
-    save_file(trained, str(path), metadata={"format": "pt", "contents": TRAINED_ONLY})
+    trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    checksums.save_safetensors(trained, path.parent, path.name, sums, {"format": "pt", "contents": TRAINED_ONLY})
 
 
 def load_trained(model, path: Path) -> None:

@@ -18,10 +18,8 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 from config import QUANTIZED_DTYPES, TrainConfig, UserError, saved_json
-from lowmem.checkpointing import checkpoint
+from lowmem.checkpointing import checkpoint, checksums
 from lowmem.checkpointing.ownership import check_closed, open_own, write_atomic
 from lowmem.checkpointing.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.parallel import deepspeed_engine
@@ -86,7 +84,7 @@ class RunFolder:
             raise UserError(f"--output_dir={cfg.output_dir} is not writable ({err.strerror})") from None
         if rank == 0:
             self.hold_lock(cfg.output_dir)
-        return starting_point(cfg, self.path, say)
+        return starting_point(cfg, self.path, say, states=True)  # torch is imported by now
 
     def hold_lock(self, output_dir: str) -> None:
         """Hold OUTPUT_DIR/.lock for as long as this process runs (the OS drops it when the process
@@ -152,7 +150,7 @@ class RunFolder:
     # ------------------------------------------------------------------ checkpoints
     def how_to_continue(self) -> str:
         """What continues this run after a failed write: its last checkpoint, when it has one."""
-        if checkpoint.find_latest_valid(self.checkpoints, warn=lambda _: None) is None:
+        if checkpoint.find_latest_valid(self.checkpoints, warn=lambda _: None, contents=False) is None:
             return "start the run again with --overwrite_output_dir=True (it has no checkpoint to continue from)"
         return checkpoint.CONTINUE + " (a lower --save_total_limit keeps fewer checkpoints)"
 
@@ -164,15 +162,18 @@ class RunFolder:
         """Everything the run depends on, written atomically; then ``latest`` moves to it. ``staged``:
         the processes wrote their weight and optimizer shards into the staging folder already."""
         folder = self.checkpoint_path(step)
-        with checkpoint.atomic_folder(folder, staged=staged, then=self.how_to_continue) as tmp:
+        # Each file's checksum is taken as it is written (no second read); the sharded engines' files, written by
+        # their libraries, are read once for theirs as the manifest is written (checksums.record)
+        sums = {}
+        with checkpoint.atomic_folder(folder, staged=staged, then=self.how_to_continue, sums=sums) as tmp:
             if not staged:
-                checkpoint.save_trained(model, tmp / "model.safetensors")
-                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-            (tmp / "run_config.json").write_text(json.dumps(run_config, indent=1))
+                checkpoint.save_trained(model, tmp / "model.safetensors", sums)
+                checksums.save_torch(optimizer.state_dict(), tmp, "optimizer.pt", sums)
+            checksums.save_torch(scheduler.state_dict(), tmp, "scheduler.pt", sums)
+            checksums.save_json(trainer_state, tmp, "trainer_state.json", sums)
+            checksums.save_json(run_config, tmp, "run_config.json", sums)
             for rank, process_state in enumerate(process_states):
-                torch.save(process_state, tmp / f"process_{rank}.pt")
+                checksums.save_torch(process_state, tmp, f"process_{rank}.pt", sums)
         write_atomic(self.checkpoints / checkpoint.LATEST, folder.name)
         checkpoint.prune(self.checkpoints, keep, protect=folder)
         return folder

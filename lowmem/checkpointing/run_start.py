@@ -85,8 +85,12 @@ def in_use_error(output_dir: str, owner: str) -> UserError:
                      "choose another --output_dir")
 
 
-def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None, list[Path]]:
+def starting_point(cfg: TrainConfig, path: Path, say=print, states: bool = False) -> tuple[Path | None, list[Path]]:
     """The checkpoint a run in ``path`` resumes from (None: step 0), and the old run files to remove first.
+
+    The checkpoint is verified (``checkpoint.validate``: sizes, checksums, state values; with ``states`` its
+    torch state files' values too, which needs torch: the trainer's look): a damaged one is passed over with a
+    warning for the one before. Each folder is read once per process, however often this runs.
 
     Raises:
         UserError: a run already there (without --is_keep_training or --overwrite_output_dir), a
@@ -113,11 +117,11 @@ def starting_point(cfg: TrainConfig, path: Path, say=print) -> tuple[Path | None
         if not checkpoint.is_step_name(Path(cfg.resume_from).name):
             raise UserError(f"--resume_from={cfg.resume_from} is not named step_NNNNNN: a copy of a checkpoint is "
                             f"never resumed from; pass one of this run's checkpoints: {kept}")
-        problem = checkpoint.validate(Path(cfg.resume_from))
+        problem = checkpoint.validate(Path(cfg.resume_from), states=states)
         if problem:
             raise UserError(f"--resume_from={cfg.resume_from} is not a usable checkpoint: {problem}")
         return _steps_left(cfg, Path(cfg.resume_from)), []
-    found = checkpoint.find_latest_valid(checkpoints, warn=say)
+    found = checkpoint.find_latest_valid(checkpoints, warn=say, states=states)
     if found is not None:
         return _steps_left(cfg, found), []
     if not any((path / name).is_file() for name in ("config.json", STARTED_MARKER, LEGACY_STARTED_MARKER)):
