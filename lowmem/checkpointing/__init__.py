@@ -7,6 +7,6 @@
 - ``checksums``: each checkpoint file's checksum, taken as it is written (safetensors written tensor by tensor).
 - ``verify``: whether a checkpoint can be resumed from: sizes, checksums, state values; read once per process.
 - ``state_values``: the types and ranges a checkpoint's state files must hold.
-- ``ownership``: which folders the commands may write into (new, empty or ours); a leaf module that
-  ``data.prepare`` uses too.
+- ``ownership``: which folders the commands may write into (new, empty or ours), and that none of their own
+  entries is a symbolic link (the closed room); a leaf module that ``data.prepare`` uses too.
 """

@@ -17,6 +17,12 @@ that passes the same test.
 A marker is a small file named for its kind; its existence is what counts, and it is created
 before anything else in the folder (exclusively, O_EXCL): processes claiming one folder at once each
 see it new, empty or marked.
+
+A folder of ours is a closed room (``check_closed``): none of its own entries (``OWN_ENTRIES``: a run's best/,
+final/, checkpoints/ and what it holds, metrics.jsonl, ...) may be a symbolic link, since reading, writing, moving
+or removing one would reach what it leads to. A link there is refused in one line, its target untouched; the
+user's own entries, under other names, may be links and are never touched. Files are opened without following
+a link (``open_own``) and replaced by a rename (``write_atomic``), which replaces a link, not its target.
 """
 
 from __future__ import annotations
