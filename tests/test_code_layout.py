@@ -1,4 +1,4 @@
-"""The code stays a house a newcomer can live in (STYLE.md, docs/architecture.md):
+"""The code stays a house a newcomer can live in (docs/architecture.md, docs/layout.md):
 
 - imports go one way, ``config`` <- ``data`` <- ``lowmem`` <- ``trainer_low_mem`` <- ``train_low_mem``, except
   for the leaf modules named in ``LEAF_MODULES`` (and any ``errors`` module), which import no project module but
@@ -182,7 +182,7 @@ def test_no_module_class_or_function_past_its_size_but_todays_offenders_which_on
 
 
 # Names of engines and sharded layouts, and what holds one: compared anywhere but lowmem/parallel/, they are a
-# branch on an engine the engine object should answer (STYLE.md: code elsewhere asks the object)
+# branch on an engine the engine object should answer (docs/architecture.md, "Adding an engine")
 ENGINE_NAMES = {"fsdp", "deepspeed", "ddp", "zero2", "zero3"}
 ENGINE_HOLDERS = {"engine", "sharding"}
 
