@@ -21,7 +21,8 @@ trained = test_ownership.trained  # the shared tiny run (built once a session), 
 
 # The run's own entries replaced by a link in each case (the trained run's checkpoint is at step 2)
 LINKED = ["best", "final", "checkpoints", "checkpoints/step_000002", "checkpoints/latest", "plots", "metrics.jsonl",
-          "consumed-rank0.tsv"]
+          "consumed-rank0.tsv", "config.json", "tensorboard", "trackers.json"]
+FOLDERS = ("best", "final", "checkpoints", "plots", "tensorboard")
 COMMANDS = {"resume": ["--is_keep_training=True", "--max_steps=4"],
             "start over": ["--overwrite_output_dir=True"],
             "plot": None}
@@ -46,7 +47,7 @@ def link_in(run: Path, name: str, user: Path) -> Path:
         shutil.rmtree(entry)
     elif entry.exists():
         entry.unlink()
-    entry.symlink_to(user if name in ("best", "final", "checkpoints", "plots") or "step_" in name
+    entry.symlink_to(user if name in FOLDERS or "step_" in name
                      else user / "notes.txt")
     return entry
 
