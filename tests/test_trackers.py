@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -308,3 +311,112 @@ def test_two_processes_log_once_from_the_main_process(tmp_path, processes):
     runs = client.search_runs([client.get_experiment_by_name("t5-lowmem").experiment_id])
     assert [r.info.run_id for r in runs] == [json.loads((run / "trackers.json").read_text())["mlflow"]["run_id"]]
     assert mlflow_series(uri, runs[0].info.run_id, expected_series(run)) == expected_series(run)
+
+
+def closed_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on (bound, then let go)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("name, env, setting", [
+    ("mlflow", {"MLFLOW_TRACKING_URI": "http://127.0.0.1:{port}"}, "MLFLOW_TRACKING_URI"),
+    ("wandb", {"WANDB_MODE": "online", "WANDB_BASE_URL": "http://127.0.0.1:{port}"}, "WANDB_BASE_URL")])
+def test_an_unreachable_tracker_server_is_one_line_before_the_run_folder(tmp_path, run_cli, name, env, setting):
+    pytest.importorskip(PACKAGES[name], reason=f"pip install '.[{name}]'")
+    port = closed_port()
+    env = {k: v.format(port=port) for k, v in env.items()}
+    started = time.time()
+    done = run_cli("train", f"--output_dir={tmp_path / 'run'}", "--model_preset=tiny", "--max_steps=4",
+                   f"--report_to={name}", env={**tracker_env(tmp_path), **env}, timeout=120)
+    assert time.time() - started < 30
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"error: --report_to={name}: http://127.0.0.1:{port} ({setting}) did not answer "
+                                  "(") and f"or drop {name} from --report_to" in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
+def test_a_server_that_never_answers_is_refused_after_the_bounded_wait(monkeypatch):
+    pytest.importorskip("mlflow", reason="pip install '.[mlflow]'")
+    from config import UserError
+    from lowmem.monitoring.trackers import TRACKERS
+
+    with socket.socket() as silent:  # connections queue in its backlog and never get an answer
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        started = time.time()
+        with pytest.raises(UserError, match=f"--report_to=mlflow: {uri} \\(MLFLOW_TRACKING_URI\\) did not answer"):
+            TRACKERS["mlflow"].reach(1.0)
+        assert 0.9 < time.time() - started < 5
+    assert TRACKERS["mlflow"].reach_timeout_s <= 10
+
+
+class MlflowServer:
+    """mlflow's own tracking server (its Flask app on a sqlite store) on 127.0.0.1, in a thread of the test: ``up()``
+    and ``down()`` start and stop it on the same port, as a user's server would go down and come back."""
+
+    def __init__(self, root: Path, monkeypatch):
+        monkeypatch.setenv("_MLFLOW_SERVER_FILE_STORE", f"sqlite:///{root / 'server.db'}")  # (mlflow server's own)
+        monkeypatch.setenv("_MLFLOW_SERVER_ARTIFACT_ROOT", str(root / "artifacts"))
+        self.port, self.server = closed_port(), None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        from mlflow.server import app
+        from werkzeug.serving import make_server
+
+        # one request per connection (HTTP/1.0): a kept-alive connection would outlive down()
+        self.server = make_server("127.0.0.1", self.port, app, threaded=False)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def down(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_tracker_server_down_mid_run_never_stops_training(tmp_path, monkeypatch, processes):
+    """A real mlflow server stops after the first checkpoint's feed and comes back after the second checkpoint's
+    feed failed: the run goes on with one warning, and the server ends up with metrics.jsonl's series, every step
+    once."""
+    pytest.importorskip("mlflow.server", reason="mlflow's server needs flask: pip install mlflow")
+    from mlflow.tracking import MlflowClient
+
+    server = MlflowServer(tmp_path, monkeypatch)
+    server.up()
+    train = write_rows(tmp_path / "train.jsonl", synthetic_rows(200, seed=11))
+    evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(4, seed=12))
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    args = [f"--train_file={train}", f"--eval_file={evals}", *ARGS, "--max_steps=30", "--report_to=mlflow"]
+    with open(log, "w") as fh:
+        child = processes.popen(command(run, *args), cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                                env=tracker_env(tmp_path, MLFLOW_TRACKING_URI=server.uri))
+
+    def paused_at(reached) -> None:  # stop the run where ``reached()`` says, switch the server, go on
+        started = time.time()
+        while not reached():
+            assert child.poll() is None and time.time() < started + 600, log.read_text()[-3000:]
+            time.sleep(0.02)
+        child.send_signal(signal.SIGSTOP)
+
+    fed = run / "trackers.json"
+    paused_at(lambda: fed.is_file() and json.loads(fed.read_text())["mlflow"]["last_step"] >= 10)
+    server.down()
+    child.send_signal(signal.SIGCONT)
+    paused_at(lambda: "warning: --report_to=mlflow" in log.read_text())
+    server.up()
+    child.send_signal(signal.SIGCONT)
+    assert child.wait(timeout=600) == 0, log.read_text()[-3000:]
+    server.down()
+    text = log.read_text()
+    assert text.count("warning: ") == 1 and "Traceback" not in text, text[-3000:]
+    assert "--report_to=mlflow: answering again" in text
+    state = json.loads(fed.read_text())["mlflow"]
+    assert state["last_step"] == 30 and state["fed"] == (run / "metrics.jsonl").stat().st_size
+    server.up()
+    client = MlflowClient(tracking_uri=server.uri)
+    assert client.get_run(state["run_id"]).info.status == "FINISHED"
+    assert mlflow_series(server.uri, state["run_id"], expected_series(run)) == expected_series(run)
+    server.down()

@@ -7,6 +7,10 @@ cannot take back what they got: they get each record once the checkpoint after i
 the run ends), read back from metrics.jsonl, so nothing they hold is ever cut back. OUTPUT_DIR/trackers.json keeps,
 per tracker, its run's id (a resume continues that run), how far into metrics.jsonl it was fed, and the last step
 it got.
+
+A tracker whose library fails mid-run (its server down, its store unwritable) never stops training: one warning line
+when it starts failing, and what it did not get is sent again from where it was at each checkpoint (and at the end),
+or by a resume (trackers.json keeps how far it got); a line says when it answers again.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from config import saved_json
+from config import UserError, saved_json
 from lowmem.checkpointing.ownership import write_atomic
 from lowmem.monitoring.metrics_log import tracker_scalars
 from lowmem.monitoring.trackers import TRACKERS, check_report_to, requested
@@ -36,6 +40,9 @@ class TrackerFeed:
         self.state: dict[str, dict] = {}  # name -> {"run_id", "fed", "last_step"} of the trackers started
         self.cut_at: int | None = None  # resumed: metrics.jsonl's length once cut back to the checkpoint
         self.started = False
+        self.resume_steps: dict[str, int | None] = {}  # name -> the step its start continues from (None: a new run)
+        self.opened: set[str] = set()  # the trackers whose start went through
+        self.failing: dict[str, str] = {}  # name -> the error of its last call, while its library fails
 
     def cut_back(self, length: int) -> None:
         """metrics.jsonl was cut back to the checkpoint the run resumes from: ``length`` bytes."""
@@ -48,18 +55,24 @@ class TrackerFeed:
         for tracker in self.trackers:
             mine = saved.get(tracker.name) or {}
             if tracker.live:
-                tracker.start(None, step if self.cut_at is not None else None)
+                self.resume_steps[tracker.name] = step if self.cut_at is not None else None
+                self._open(tracker)
                 continue
             if mine and mine.get("last_step", -1) > step:  # it got steps past this checkpoint: an older one resumed
                 self.say(f"--report_to={tracker.name}: its run {mine.get('run_id')} holds steps past step {step}, "
                          "where this run resumes; they go into a new run, with the records up to the checkpoint")
                 mine = {}
-            run_id = tracker.start(mine.get("run_id"), step if mine else None)
             fed = min(mine.get("fed", 0), self.cut_at or 0)  # (a feed past the cut: what it got there was step's)
-            self.state[tracker.name] = {"run_id": run_id, "fed": fed, "last_step": mine.get("last_step", -1)}
+            self.state[tracker.name] = {"run_id": mine.get("run_id"), "fed": fed,
+                                        "last_step": mine.get("last_step", -1)}
+            self.resume_steps[tracker.name] = step if mine.get("run_id") else None
+            if not self._open(tracker):
+                continue  # (started again at the next checkpoint)
             if self.cut_at is not None:
                 self._feed(tracker, log_path, self.cut_at)
-            self.say(f"--report_to={tracker.name}: " + (f"continuing its run {run_id} from step {step}" if mine
+            run_id = self.state[tracker.name]["run_id"]
+            self.say(f"--report_to={tracker.name}: " + (f"continuing its run {run_id} from step {step}"
+                                                        if self.resume_steps[tracker.name] is not None
                                                         else f"run {run_id}"))
         self.started = True
         self._save()
@@ -68,15 +81,15 @@ class TrackerFeed:
         """A record just written to metrics.jsonl: to the live trackers."""
         scalars = tracker_scalars(event, fields)
         for tracker in self.trackers:
-            if tracker.live and scalars and self.started:
-                tracker.log(step, scalars, time.time())
+            if tracker.live and scalars and self.started and tracker.name in self.opened:
+                self._call(tracker, "log", tracker.log, step, scalars, time.time())
 
     def committed(self, log_path: Path, length: int) -> None:
         """A checkpoint holds metrics.jsonl's first ``length`` bytes: they go to the trackers that wait for it."""
         if not self.started:
             return
         for tracker in self.trackers:
-            if not tracker.live:
+            if (tracker.name in self.opened or self._open(tracker)) and not tracker.live:
                 self._feed(tracker, log_path, length)
         self._save()
 
@@ -86,10 +99,55 @@ class TrackerFeed:
             return
         self.started = False
         for tracker in self.trackers:
+            if tracker.name not in self.opened and not (complete and self._open(tracker)):
+                self._left_behind(tracker, complete)
+                continue
             if complete and not tracker.live:
                 self._feed(tracker, log_path, length)
-            tracker.finish(complete)
+            self._call(tracker, "finish", tracker.finish, complete)
+            self._left_behind(tracker, complete)
         self._save()
+
+    def _open(self, tracker) -> bool:
+        """Start ``tracker`` (again, when it failed before): a new run, or the one trackers.json names. Whether it
+        started."""
+        mine = self.state.get(tracker.name, {})
+        run_id = self._call(tracker, "start", tracker.start, mine.get("run_id"), self.resume_steps[tracker.name])
+        if tracker.name in self.failing:
+            return False
+        self.opened.add(tracker.name)
+        if not tracker.live:
+            mine["run_id"] = run_id
+        return True
+
+    def _call(self, tracker, what: str, method, *args):
+        """``method(*args)``, a call into the tracker's library; when it fails, one warning (the first failure since
+        it last answered) and None: training goes on without it until the next checkpoint tries again."""
+        try:
+            result = method(*args)
+        except UserError:  # (its package fails to import: a mistake to fix, not an outage)
+            raise
+        except Exception as err:  # a library and its server can fail in any way: none of them stops training
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            if tracker.name not in self.failing:
+                later = ("records logged while it fails are lost" if tracker.live
+                         else "what it did not get is sent again at each checkpoint, and by a resume")
+                self.say(f"warning: --report_to={tracker.name}: its {what} failed ({type(err).__name__}: {first}); "
+                         f"training goes on, {later}")
+            self.failing[tracker.name] = f"{type(err).__name__}: {first}"
+            return None
+        if self.failing.pop(tracker.name, None) is not None:
+            self.say(f"--report_to={tracker.name}: answering again")
+        return result
+
+    def _left_behind(self, tracker, complete: bool) -> None:
+        """At the end: say what a tracker that still fails did not get."""
+        if tracker.name in self.failing:
+            got = -1 if tracker.live else self.state[tracker.name]["last_step"]
+            has = "" if tracker.live else (f"; it has the records up to step {got}" if got >= 0 else
+                                           "; it has no record of this run")
+            self.say(f"warning: --report_to={tracker.name}: still failing at the end ({self.failing[tracker.name]})"
+                     + has + ("" if complete or tracker.live else " (a resume sends it the rest)"))
 
     def _feed(self, tracker, log_path: Path, length: int) -> None:
         """Send ``tracker`` the records of metrics.jsonl from where it was fed up to byte ``length``."""
@@ -99,14 +157,16 @@ class TrackerFeed:
         with open(log_path, "rb") as fh:
             fh.seek(mine["fed"])
             chunk = fh.read(length - mine["fed"])
-        for line in chunk.splitlines():
+        for line in chunk.splitlines(keepends=True):
             record = json.loads(line)
             fields = {k: v for k, v in record.items() if k not in NOT_SCALARS}
             scalars = tracker_scalars(record["event"], fields)
             if scalars:
-                tracker.log(record["step"], scalars, record.get("time", 0.0))
+                self._call(tracker, "log", tracker.log, record["step"], scalars, record.get("time", 0.0))
+                if tracker.name in self.failing:
+                    return  # (the next feed starts at this record)
                 mine["last_step"] = max(mine["last_step"], record["step"])
-        mine["fed"] = length
+            mine["fed"] += len(line)  # record by record: a failure part way sends no record twice
 
     def _save(self) -> None:
         if self.state:

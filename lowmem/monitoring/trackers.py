@@ -3,18 +3,26 @@
 A tracker is started (a new run, or the one it continues), gets the scalars of metrics.jsonl's records as
 ``log(step, values, when)`` and is finished; ``lowmem.monitoring.tracker_feed`` decides which records it gets and when.
 Each library's own settings (its environment variables) win: a tracker only fills in what the user left
-unset. Add a tracker: one subclass here, with its ``name``, ``extra`` and the three methods.
+unset, and bounds the waits the library would otherwise spend on a server that does not answer. A tracker with a
+server is reached before the run starts (``reach``): one that does not answer is refused in one line. Add a tracker:
+one subclass here, with its ``name``, ``extra``, the three methods and, when it sends to a server, ``reach``.
 
     python train_low_mem.py train --report_to=tensorboard,wandb,mlflow,trackio
 """
 
 from __future__ import annotations
 
+import http.client
 import importlib
 import os
+import ssl
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import ClassVar
+from urllib.parse import urlsplit
 
 from config import UserError
 from lowmem.extras import installed, optional_package_missing
@@ -29,6 +37,7 @@ class Tracker:
     name: ClassVar[str]  # the --report_to value
     extra: ClassVar[str]  # pip install '.[extra]'
     live: ClassVar[bool] = False  # gets each record as it is written (it can hide, on resume, what came later)
+    reach_timeout_s: ClassVar[float] = 10.0  # how long the start waits for a tracker's server before refusing
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -42,6 +51,15 @@ class Tracker:
     def modules(cls) -> tuple[str, ...]:
         """What it imports (checked before training starts)."""
         return (cls.name,)
+
+    @classmethod
+    def reach(cls, timeout: float) -> None:
+        """Refuse, in one line, a server this tracker sends to that gives no answer within ``timeout`` seconds.
+        Trackers that write local files have nothing to reach (this default).
+
+        Raises:
+            UserError: which tracker, which address, what to change.
+        """
 
     def start(self, run_id: str | None, resume_step: int | None) -> str | None:
         """Start a new tracker run (``run_id`` None) or continue ``run_id``; ``resume_step``: the checkpoint's step
@@ -62,7 +80,8 @@ def requested(report_to: str) -> list[str]:
 
 
 def check_report_to(report_to: str) -> None:
-    """Refuse, in one line, an unknown tracker or one whose package is missing.
+    """Refuse, in one line, an unknown tracker, one whose package is missing, or one whose server does not answer
+    within its ``reach_timeout_s``.
 
     Raises:
         UserError: what to change or to pip install.
@@ -74,6 +93,8 @@ def check_report_to(report_to: str) -> None:
         missing = [m for m in TRACKERS[name].modules() if not installed(m)]
         if missing:
             raise UserError(optional_package_missing(f"--report_to={name}", missing[0], extra=TRACKERS[name].extra))
+    for name in requested(report_to):  # (after every name is known: a typo is not a wait)
+        TRACKERS[name].reach(TRACKERS[name].reach_timeout_s)
 
 
 def import_module(name: str, extra: str):
@@ -96,6 +117,37 @@ def import_trackers(report_to: str) -> None:
 def unset(*names: str) -> bool:
     """Whether none of the environment variables is set (the library's own setting wins over our default)."""
     return not any(os.environ.get(n) for n in names)
+
+
+def no_answer(url: str, timeout: float) -> str | None:
+    """Why ``url`` gave no HTTP answer within ``timeout`` seconds; None when it answered (any status: a 401 or a 404
+    comes from a server that is there). Proxies of the environment apply, as they do to the libraries."""
+    outcome: list[str | None] = []
+
+    def ask() -> None:
+        try:
+            urllib.request.urlopen(url, timeout=timeout).close()
+            outcome.append(None)
+        except urllib.error.HTTPError:
+            outcome.append(None)
+        except urllib.error.URLError as err:  # (a TLS refusal comes from a server that is there: its trust settings,
+            # MLFLOW_TRACKING_INSECURE_TLS or a CA bundle, are the library's)
+            outcome.append(None if isinstance(err.reason, ssl.SSLError) else str(err.reason))
+        except (OSError, ValueError, http.client.HTTPException) as err:  # reset, not HTTP, a malformed address
+            outcome.append(f"{type(err).__name__}: {err}")
+
+    asking = threading.Thread(target=ask, daemon=True)  # (a name lookup has no timeout of its own: the thread's join
+    asking.start()  # bounds the whole wait)
+    asking.join(timeout)
+    return outcome[0] if outcome else f"no answer within {timeout:g} s"
+
+
+def refuse_unanswered(tracker: str, url: str, setting: str, timeout: float, change: str) -> None:
+    """One ``error:`` line when ``url`` (the tracker's server, from ``setting``) gives no answer within ``timeout``."""
+    why = no_answer(url, timeout)
+    if why is not None:
+        raise UserError(f"--report_to={tracker}: {url} ({setting}) did not answer ({why}): {change}, or drop "
+                        f"{tracker} from --report_to")
 
 
 class TensorBoardTracker(Tracker):
@@ -128,10 +180,24 @@ class WandbTracker(Tracker):
     final ``memory_peak``, after the last evaluation). Each record is one row, written at once."""
 
     name, extra = "wandb", "wandb"
+    init_timeout_s = 30  # wandb.init's wait for its server (wandb's default: 90 s), unless WANDB_INIT_TIMEOUT is set
+
+    @classmethod
+    def reach(cls, timeout):
+        """Online (wandb's mode, read by wandb from WANDB_MODE and its settings file): its server must answer."""
+        import_module("wandb", cls.extra)
+        from wandb.sdk import wandb_setup
+
+        settings = wandb_setup.singleton().settings  # (read, not started: no service process yet)
+        if not (settings._noop or settings._offline):
+            refuse_unanswered(cls.name, settings.base_url, "WANDB_BASE_URL", timeout,
+                              "check the network or WANDB_BASE_URL, run with WANDB_MODE=offline (then wandb sync)")
 
     def start(self, run_id, resume_step):
         wandb = import_module("wandb", self.extra)
         kwargs = {"dir": str(self.out)} if unset("WANDB_DIR") else {}
+        if unset("WANDB_INIT_TIMEOUT"):  # (a retry at a checkpoint, with its server down, waits this long)
+            kwargs["settings"] = wandb.Settings(init_timeout=self.init_timeout_s)
         kwargs |= {"project": PROJECT} if unset("WANDB_PROJECT") else {}
         kwargs |= {"name": self.out.name} if unset("WANDB_NAME") else {}
         if run_id is None:  # a new run (WANDB_RUN_ID and WANDB_RESUME, when set, are wandb's to apply)
@@ -156,12 +222,34 @@ class MlflowTracker(Tracker):
 
     name, extra = "mlflow", "mlflow"
 
+    # mlflow's own waits for a server (7 retries with backoff factor 2, 120 s a request) hold a checkpoint's feed about
+    # 4 minutes per call when the server is down; these (unless set) bound a failed call to a few seconds
+    BOUNDED_WAITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
     @classmethod
     def modules(cls):
         return ("mlflow",) + (("sqlalchemy", "alembic") if unset("MLFLOW_TRACKING_URI") else ())
 
+    @classmethod
+    def reach(cls, timeout):
+        """A tracking server (an http(s) MLFLOW_TRACKING_URI, or Databricks at DATABRICKS_HOST) must answer; a
+        database or a folder is local. (Databricks from a ~/.databrickscfg profile is not checked here.)"""
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or ""
+        if urlsplit(uri).scheme in ("http", "https"):
+            address, setting = uri, "MLFLOW_TRACKING_URI"
+        elif uri.split(":")[0] == "databricks" and not unset("DATABRICKS_HOST"):
+            host = os.environ["DATABRICKS_HOST"]
+            address, setting = host if "://" in host else f"https://{host}", "DATABRICKS_HOST"
+        else:
+            return
+        refuse_unanswered(cls.name, address, setting, timeout, f"start the tracking server or fix {setting}")
+
     def start(self, run_id, resume_step):
         import_module("mlflow", self.extra)
+        for name, value in self.BOUNDED_WAITS.items():  # (mlflow reads them at each request)
+            if unset(name):
+                os.environ[name] = value
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
