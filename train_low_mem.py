@@ -108,11 +108,11 @@ def claim_output_dir(cfg):
 
     files, tokenizer_dir, tokenizer = check_data(cfg, objective_for(cfg)), None, None
     check_report_to(cfg.report_to)  # an unknown tracker, or its package missing: one line
-    if cfg.init_from:  # a resume reads it again (a checkpoint holds only what trains): checked then too
+    if cfg.init_from:
         model_folder_config(cfg.init_from)  # a hub id is resolved (downloaded if need be) here, once
         if not cfg.is_keep_training:
             refuse_untrained(cfg)
-        check_weights(cfg.init_from)  # every weight file's header, and config.json against them
+        check_weights(cfg.init_from, headers=False)  # weight files there: refused before torch is imported
     extras = cfg.init_from or cfg.optimizer == "adamw8bit"
     if extras and not cfg.is_keep_training:
         from lowmem.memory.probes import import_extras
@@ -120,6 +120,11 @@ def claim_output_dir(cfg):
 
         import_transformers_models()  # first, as the trainer does: without scipy and boto3 (peft imports both)
         import_extras(cfg)  # peft, bitsandbytes, optimum-quanto: one installed but broken is refused
+    if cfg.init_from:  # a resume reads it again (a checkpoint holds only what trains): checked then too
+        from lowmem.model.build import import_transformers_models
+
+        import_transformers_models()  # (again a no-op, or a resume's first: before any model class)
+        check_weights(cfg.init_from)  # every weight file's header, and config.json against them
     if cfg.init_from and not cfg.is_keep_training:  # before the folder is made
         from lowmem.model.build import check_init_from
 

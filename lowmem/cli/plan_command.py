@@ -184,6 +184,9 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
     tokenizer = load_trained_tokenizer(tokenizer_folder(cfg))
     if cfg.init_from:  # as train checks it: a plan's lengths come from the tokenizer the run would refuse
         check_vocabulary(cfg, model_folder_config(cfg.init_from)["vocab_size"], tokenizer)
+        from lowmem.model.build import import_transformers_models
+
+        import_transformers_models()  # before any model class: without scipy (the baseline measured below)
         check_weights(cfg.init_from)  # a plan of weights that are not its config's model would size another one
     data = planner.plan_data(cfg, tokenizer, num_processes)
     core, import_mb = framework_baselines(cfg, budget_gb)  # after reading, as in the trainer

@@ -124,27 +124,34 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
-def check_weights(init_from: str | Path) -> None:
+def check_weights(init_from: str | Path, headers: bool = True) -> None:
     """Refuse a model folder (an adapter folder's base, a hub id's cached copy) whose weights ``from_pretrained``
     cannot read as its config's model, from the files' headers only (``lowmem.model.weight_check``): no weights
     file (a hub id's cache holds none when only its tokenizer or config was fetched), a damaged or pickled one, an
-    index naming files outside the folder, or a config.json that disagrees with the weights."""
-    from lowmem.model.weight_check import check_adapter_folder, check_model_folder
+    index naming files outside the folder, or a config.json that disagrees with the weights.
 
+    ``headers``: False checks only that weight files are there (no torch import: the command line's first checks).
+    """
     folder = resolve_model_dir(str(init_from))
     base = adapter_base(folder)
     if base is not None:
         if not (folder / ADAPTER_WEIGHTS).is_file():
             raise UserError(f"--init_from={init_from} is an adapter folder without {ADAPTER_WEIGHTS}; pass a "
                             "complete export")
-        check_adapter_folder(folder, f"--init_from={init_from}", ADAPTER_WEIGHTS)
-        return check_weights(base)
+        if headers:
+            from lowmem.model.weight_check import check_adapter_folder
+
+            check_adapter_folder(folder, f"--init_from={init_from}", ADAPTER_WEIGHTS)
+        return check_weights(base, headers)
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         hub = "" if Path(str(init_from)).expanduser().exists() else \
             " (its cached copy has no weights: only its tokenizer or config was fetched; download it online once)"
         raise UserError(f"--init_from={init_from} holds no weights: {folder} has none of {', '.join(WEIGHT_FILES)}"
                         f"{hub}; pass a complete model folder")
-    check_model_folder(folder, f"--init_from={init_from}")
+    if headers:
+        from lowmem.model.weight_check import check_model_folder
+
+        check_model_folder(folder, f"--init_from={init_from}")
 
 
 def refuse_untrained(cfg) -> None:
