@@ -4,14 +4,16 @@ damaged several ways, then the commands that read it.
 A tiny run (two checkpoints, then ``final/``) is built once per session. Damages: cut to half its size
 (``truncate``), four bytes changed at the same size (``flip``), ``zero`` bytes, a ``symlink`` to a copy in a user's
 folder outside, a folder where a file was or a file where a folder was (``swap``), a JSON document wrapped in a
-list (``json_list``) or with strings where its numbers were (``json_strings``). Each is made in a copy of the run,
+list (``json_list``), with strings where its numbers were (``json_strings``), its whole numbers made negative
+(``json_negative``) or other (``json_values``: 2n + 1). Each is made in a copy of the run,
 which is then resumed with a larger ``--max_steps`` (``run_targets``: which files get which), and in a copy of its
 ``final/`` model folder, which SFT (``--init_from``), ``evaluate``, ``generate`` and ``plan`` read
 (``MODEL_DAMAGES``). Each outcome must be one of three:
 
 - ``a``: works as before: exit 0 and the undamaged input's result (a resume: ``final/`` bit-identical to the run
   trained to that step at once; SFT: its ``final/``; ``evaluate``: its loss; ``generate``: its answers; ``plan``:
-  its table). A model folder whose bytes were changed at the same size is a model of its own: any result goes;
+  its table). A model folder whose bytes were changed at the same size, or whose numbers were changed in a file
+  but config.json, is a model of its own: any result goes;
 - ``b``: (resume) from an earlier checkpoint, after a warning that names the newest, and ``final/`` bit-identical;
 - ``c``: one ``error:`` line on standard error and exit code 2.
 
@@ -46,8 +48,9 @@ EVALUATE = ["--max_eval_samples=4", "--max_source_len=24", "--max_target_len=24"
 GENERATE = ["--prompt=the quick brown fox", "--max_new_tokens=4"]
 
 FILE_DAMAGES = ("truncate", "flip", "zero", "symlink", "swap")
-JSON_DAMAGES = ("json_list", "json_strings")
+JSON_DAMAGES = ("json_list", "json_strings", "json_negative", "json_values")
 DAMAGES = FILE_DAMAGES + JSON_DAMAGES
+RUN_DAMAGES = DAMAGES[:-1]  # (a checkpoint's numbers other than its own: json_negative's negative step, sizes)
 FOLDER_DAMAGES = ("symlink", "swap")  # a folder of the run's own: a link to a user's copy of it, a file in its place
 ALLOWED = ("a", "b", "c")
 
@@ -87,14 +90,16 @@ def run_targets(run: Path, kind: str) -> list[str]:
     older = checkpoint_folders(run)[0].name
     whole = ("best/", "final/", f"checkpoints/{older}/")
     targets = [name for name in entries(run) if not name.startswith(whole) or name in whole]
-    targets = [name for name in targets if kind in (FOLDER_DAMAGES if name.endswith("/") else DAMAGES)]
+    targets = [name for name in targets if kind in (FOLDER_DAMAGES if name.endswith("/") else RUN_DAMAGES)]
     return targets + [f"{folder}*" for folder in whole if kind in ("symlink", "swap")]
 
 
 # The model folder: SFT reads it through train's checks, evaluate and generate through one loader (each takes part
-# of the damages), plan its config and its weights' headers. About 2 s a case on an idle core: ~170 cases.
-MODEL_DAMAGES = {"sft": DAMAGES[:-2] + ("json_strings",), "evaluate": ("truncate", "flip", "swap", "json_strings"),
-                 "generate": ("zero", "symlink", "json_list"), "plan": ("truncate", "json_strings")}
+# of the damages), plan its config and its weights' headers; json_values gives a config that disagrees with the
+# weights. About 2 s a case on an idle core: ~190 cases.
+MODEL_DAMAGES = {"sft": FILE_DAMAGES + ("json_strings", "json_values"),
+                 "evaluate": ("truncate", "flip", "swap", "json_strings", "json_values"),
+                 "generate": ("zero", "symlink", "json_list"), "plan": ("truncate", "json_values")}
 
 
 def checkpoint_folders(run: Path) -> list[Path]:
@@ -153,6 +158,15 @@ def retyped(value, numbers: bool):
     return value
 
 
+def renumbered(value, change):
+    """``value`` with ``change`` applied to every whole number in it."""
+    if isinstance(value, dict):
+        return {k: renumbered(v, change) for k, v in value.items()}
+    if isinstance(value, list):
+        return [renumbered(v, change) for v in value]
+    return change(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def damage(path: Path, kind: str, user: Path) -> bool:
     """Damage ``path`` (a file or a folder) as ``kind`` says; False where that damage does not apply to it. A
     symlink leads to a copy of what it replaces in the user's folder ``user``."""
@@ -190,6 +204,12 @@ def damage(path: Path, kind: str, user: Path) -> bool:
         document = json.loads(path.read_text())
         changed = retyped(document, numbers=True)
         path.write_text(json.dumps(changed if changed != document else retyped(document, numbers=False)))
+    elif kind in ("json_negative", "json_values"):  # a negative step or size; a config that disagrees with weights
+        document = json.loads(path.read_text())
+        changed = renumbered(document, (lambda n: -n - 1) if kind == "json_negative" else (lambda n: 2 * n + 1))
+        if changed == document:
+            return False
+        path.write_text(json.dumps(changed))
     return True
 
 
@@ -254,7 +274,9 @@ def resume_outcome(proc, run: Path, reference: str) -> str:
     return "FAIL resumed before the newest checkpoint without a warning naming it"
 
 
-def model_outcome(command: str, proc, out: Path, model: Path, reference, kind: str) -> str:
+def model_outcome(command: str, proc, out: Path, model: Path, reference, own_model: bool) -> str:
+    """The outcome of ``command`` on a damaged model folder; ``own_model``: the damage left valid files that make
+    another model (any result goes)."""
     found = common_failure(proc)
     if found:
         return found
@@ -265,7 +287,7 @@ def model_outcome(command: str, proc, out: Path, model: Path, reference, kind: s
         same = result_of(command, proc, out, model) == reference
     except (AttributeError, OSError) as err:  # no loss printed, no final weights
         return f"FAIL exit 0 without a result ({type(err).__name__})"
-    return "a" if same or kind == "flip" else "FAIL exit 0 with another result than the undamaged folder's"
+    return "a" if same or own_model else "FAIL exit 0 with another result than the undamaged folder's"
 
 
 def report(tmp_path_factory, command: str, kind: str, results: list[tuple[str, str]]) -> None:
@@ -281,7 +303,7 @@ def report(tmp_path_factory, command: str, kind: str, results: list[tuple[str, s
     assert not failures, "\n".join(rows + [f"{path}: {outcome}" for path, outcome in failures])
 
 
-@pytest.mark.parametrize("kind", DAMAGES)
+@pytest.mark.parametrize("kind", RUN_DAMAGES)
 def test_a_damaged_run_folder_resumes_exactly_or_stops_with_one_line(built, kind, tmp_path, tmp_path_factory,
                                                                       run_cli):
     reference = weights_digest(built / "straight" / "final")
@@ -315,7 +337,8 @@ def test_a_damaged_model_folder_works_as_before_or_stops_with_one_line(built, co
             continue
         before = snapshot(model), snapshot(user)
         proc = run_model_command(run_cli, command, built, model, out)
-        outcome = model_outcome(command, proc, out, model, reference, kind)
+        own_model = kind == "flip" or (kind == "json_values" and name != "config.json")  # (config: see the weights)
+        outcome = model_outcome(command, proc, out, model, reference, own_model)
         if (snapshot(model), snapshot(user)) != before:
             outcome = "FAIL the model folder (or a file a link in it leads to) changed"
         results.append((name, outcome))
