@@ -93,13 +93,14 @@ def links(page: Path) -> list[tuple[int, str, str, list[str]]]:
     return found
 
 
-def problems_of(page: Path) -> list[str]:
+def problems_of(page: Path, root: Path = REPO) -> list[str]:
+    """What does not resolve in ``page`` of the repository at ``root``, one line each."""
     problems = []
     for line, _text, target, quoted in links(page):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
             continue
         path, _, anchor = target.partition("#")
-        where = f"{page.relative_to(REPO)}:{line}: [{target}]"
+        where = f"{page.relative_to(root)}:{line}: [{target}]"
         linked = (page.parent / path).resolve() if path else page
         if not linked.exists():
             problems.append(f"{where}: no file {path}")
@@ -108,22 +109,22 @@ def problems_of(page: Path) -> list[str]:
             continue
         known = sections(linked)
         if anchor and anchor not in known:
-            problems.append(f"{where}: no heading #{anchor} in {linked.relative_to(REPO)}")
+            problems.append(f"{where}: no heading #{anchor} in {linked.relative_to(root)}")
             continue
         # (a bold lead is named only with the anchor of its section: without one, a reader is left to search)
         names = known[anchor] if anchor else [plain(heading) for heading in headings(linked)]
         titles = {n.rstrip(".") for n in names} | {re.split(r": | \(", n)[0] for n in names}  # (or its first part)
         for name in quoted:
             if name.rstrip(".") not in titles:
-                problems.append(f"{where}: no heading or bold paragraph lead {name!r} in {linked.relative_to(REPO)}#"
+                problems.append(f"{where}: no heading or bold paragraph lead {name!r} in {linked.relative_to(root)}#"
                                 f"{anchor}" if anchor else f"{where}: no heading {name!r} in "
-                                f"{linked.relative_to(REPO)} (a paragraph's bold lead: link its section's #anchor)")
+                                f"{linked.relative_to(root)} (a paragraph's bold lead: link its section's #anchor)")
     text = prose(page.read_text(encoding="utf-8"), inline=True)
     for match in NAMED_PAGE.finditer(text):
         named = match.group(1)
-        if not any((base / named).exists() for base in (REPO, REPO / "docs", page.parent)):
+        if not any((base / named).exists() for base in (root, root / "docs", page.parent)):
             line = text.count("\n", 0, match.start()) + 1
-            problems.append(f"{page.relative_to(REPO)}:{line}: names {named}, which is not in the repository")
+            problems.append(f"{page.relative_to(root)}:{line}: names {named}, which is not in the repository")
     return problems
 
 
@@ -145,12 +146,7 @@ def test_the_checks_find_what_they_look_for(tmp_path):
         'packingtrue) [b](b.md), "The noise floor" [bad](b.md#the-noise-floor) [bad, "The noise floor"](b.md#other)'
         ' [bad](c.md) [bad](b.md), "Nowhere"\n```\n[not a link](nowhere.md)\n```\n"B" and "Other" in [b](b.md),'
         ' "Elsewhere" in [b](b.md)\n', encoding="utf-8")
-    global REPO
-    saved, REPO = REPO, tmp_path
-    try:
-        problems = problems_of(docs / "a.md")
-    finally:
-        REPO = saved
+    problems = problems_of(docs / "a.md", tmp_path)
     lead = "(a paragraph's bold lead: link its section's #anchor)"
     assert [p.split(": ", 1)[1] for p in problems] == [
         f"[b.md]: no heading 'The noise floor' in docs/b.md {lead}",
