@@ -66,6 +66,7 @@ def built(request, tmp_path_factory, run_cli):
             done = run_cli("train", *data_flags(root), f"--output_dir={root / name}", f"--max_steps={steps}", *RUN)
             assert done.returncode == 0, done.stderr[-3000:]
         model = root / "run" / "final"
+        write_sharded(model, root / "sharded")
         reference = {c: run_model_command(run_cli, c, root, model, root / "sft") for c in MODEL_DAMAGES}
         assert all(proc.returncode == 0 for proc in reference.values()), {c: p.stderr[-2000:] for c, p in
                                                                          reference.items()}
@@ -75,6 +76,25 @@ def built(request, tmp_path_factory, run_cli):
     root = shared_folder(request, tmp_path_factory, "corruption-sweep", build)
     assert len(checkpoint_folders(root / "run")) >= 2
     return root
+
+
+def write_sharded(model: Path, folder: Path) -> None:
+    """``model``'s weights as the hub shards them: three safetensors files and their index, beside its config and
+    tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    tensors = load_file(str(model / "model.safetensors"))
+    names, weight_map = sorted(tensors), {}
+    for i in range(3):
+        shard = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({name: tensors[name] for name in names[i::3]}, str(folder / shard), metadata={"format": "pt"})
+        weight_map.update({name: shard for name in names[i::3]})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                     "weight_map": weight_map}))
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(model / name, folder / name)
 
 
 def data_flags(root: Path) -> list[str]:
@@ -176,6 +196,8 @@ def damage(path: Path, kind: str, user: Path) -> bool:
         return False
     if kind == "zero" and path.suffix == ".json":  # (no JSON either way: truncate covers it)
         return False
+    if (kind == "pickle" and path.suffix != ".bin") or (kind == "escape" and not path.name.endswith(".index.json")):
+        return False
     if path.is_dir() and kind not in FOLDER_DAMAGES:
         return False
     if kind == "symlink":
@@ -198,6 +220,20 @@ def damage(path: Path, kind: str, user: Path) -> bool:
         for at in sorted({len(data) // 3, len(data) // 2, 2 * len(data) // 3, 3 * len(data) // 4}):
             data[at] ^= 0x5A
         path.write_bytes(bytes(data))
+    elif kind == "pickle":  # a legacy .bin written by pickle.dump, not torch.save (unpickling can run code)
+        import pickle
+
+        import torch
+
+        tensors = torch.load(path, weights_only=True)
+        with open(path, "wb") as fh:
+            pickle.dump(tensors, fh)
+    elif kind == "escape":  # an index naming shards outside its folder (copies of them, where it leads)
+        index = json.loads(path.read_text())
+        for shard in set(index["weight_map"].values()):
+            shutil.copy2(path.parent / shard, user / shard)
+        index["weight_map"] = {k: os.path.relpath(user / v, path.parent) for k, v in index["weight_map"].items()}
+        path.write_text(json.dumps(index))
     elif kind == "json_list":
         path.write_text(json.dumps([json.loads(path.read_text())]))
     elif kind == "json_strings":  # a string where a number is (or, in a file without numbers, the other way round)
@@ -324,23 +360,55 @@ def test_a_damaged_run_folder_resumes_exactly_or_stops_with_one_line(built, kind
     report(tmp_path_factory, "resume", kind, results)
 
 
+def model_cases(run_cli, root: Path, source: Path, expected: tuple[str, object], kind: str, where: Path) -> list:
+    """Each file of the model folder ``source`` damaged as ``kind`` in a copy under ``where``, then read by
+    ``expected``'s command, whose undamaged result is ``expected``'s second item: (file, outcome) each."""
+    command, reference = expected
+    results = []
+    for i, name in enumerate(entries(source)):
+        model, user, out = where / f"model{i}", where / f"user{i}", where / f"out{i}"
+        shutil.copytree(source, model)
+        user.mkdir()
+        if not name.endswith("/") and damage(model / name, kind, user):
+            before = snapshot(model), snapshot(user)
+            proc = run_model_command(run_cli, command, root, model, out)
+            own_model = kind == "flip" or (kind == "json_values" and name != "config.json")  # (config: its weights)
+            outcome = model_outcome(command, proc, out, model, reference, own_model)
+            if kind == "escape" and outcome == "a":
+                outcome = "FAIL exit 0 reading weights an index names outside the model folder"
+            if (snapshot(model), snapshot(user)) != before:
+                outcome = "FAIL the model folder (or a file a link in it leads to) changed"
+            results.append((name, outcome))
+        for folder in (model, out, user):  # (~190 copies of a run and a model: 5 GB left in the temporary folder)
+            shutil.rmtree(folder, ignore_errors=True)
+    return results
+
+
 @pytest.mark.parametrize("command, kind", [(c, k) for c, kinds in MODEL_DAMAGES.items() for k in kinds])
 def test_a_damaged_model_folder_works_as_before_or_stops_with_one_line(built, command, kind, tmp_path,
                                                                         tmp_path_factory, run_cli):
     reference = json.loads((built / "reference.json").read_text())[command]
-    results = []
-    for i, name in enumerate(entries(built / "run" / "final")):
-        model, user, out = tmp_path / f"model{i}", tmp_path / f"user{i}", tmp_path / f"out{i}"
-        shutil.copytree(built / "run" / "final", model)
-        user.mkdir()
-        if not name.endswith("/") and damage(model / name, kind, user):
-            before = snapshot(model), snapshot(user)
-            proc = run_model_command(run_cli, command, built, model, out)
-            own_model = kind == "flip" or (kind == "json_values" and name != "config.json")  # (config: its weights)
-            outcome = model_outcome(command, proc, out, model, reference, own_model)
-            if (snapshot(model), snapshot(user)) != before:
-                outcome = "FAIL the model folder (or a file a link in it leads to) changed"
-            results.append((name, outcome))
-        for folder in (model, out):  # (~190 copies of a run and a model: 5 GB left in the temporary folder)
-            shutil.rmtree(folder, ignore_errors=True)
+    results = model_cases(run_cli, built, built / "run" / "final", (command, reference), kind, tmp_path)
     report(tmp_path_factory, command, kind, results)
+
+
+# Weights in the hub's other layouts: a legacy pytorch_model.bin (t5-v1_1's, with spiece.model alone) and shards
+# with their index
+LAYOUT_DAMAGES = {("bin", "sft"): ("truncate", "flip", "pickle", "json_values"),
+                  ("bin", "evaluate"): ("zero", "swap", "pickle"),
+                  ("sharded", "sft"): ("truncate", "swap", "escape"),
+                  ("sharded", "evaluate"): ("zero", "flip", "escape")}
+
+
+@pytest.mark.parametrize("layout, command", LAYOUT_DAMAGES)
+def test_damaged_weights_in_other_layouts_work_as_before_or_stop_with_one_line(built, family_models, layout, command,
+                                                                               tmp_path, tmp_path_factory, run_cli):
+    source = family_models["v1_1"] if layout == "bin" else built / "sharded"
+    done = run_model_command(run_cli, command, built, source, tmp_path / "reference")
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = (command, result_of(command, done, tmp_path / "reference", source))
+    results = []
+    for kind in LAYOUT_DAMAGES[layout, command]:
+        results += [(f"{name} ({kind})", outcome)
+                    for name, outcome in model_cases(run_cli, built, source, expected, kind, tmp_path / kind)]
+    report(tmp_path_factory, command, layout, results)
