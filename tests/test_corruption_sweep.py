@@ -5,17 +5,19 @@ A tiny run (two checkpoints, then ``final/``) is built once per session. Damages
 (``truncate``), four bytes changed at the same size (``flip``), ``zero`` bytes, a ``symlink`` to a copy in a user's
 folder outside, a folder where a file was or a file where a folder was (``swap``), a JSON document wrapped in a
 list (``json_list``), with strings where its numbers were (``json_strings``), its whole numbers made negative
-(``json_negative``) or other (``json_values``: 2n + 1). Each is made in a copy of the run,
-which is then resumed with a larger ``--max_steps`` (``run_targets``: which files get which), and in a copy of its
-``final/`` model folder, which SFT (``--init_from``), ``evaluate``, ``generate`` and ``plan`` read
-(``MODEL_DAMAGES``). Each outcome must be one of three:
+(``json_negative``) or other (``json_values``: 2n + 1); a ``.bin`` rewritten by ``pickle.dump`` (``pickle``), a
+shard index leading outside its folder (``escape``). Each is made in a copy of the run, which is then resumed with
+a larger ``--max_steps`` (``run_targets``: which files get which), and in a copy of its ``final/`` model folder,
+which SFT (``--init_from``), ``evaluate``, ``generate`` and ``plan`` read (``MODEL_DAMAGES``), and of the same
+weights as shards with their index and of t5-v1_1's layout (``pytorch_model.bin``, ``spiece.model`` alone:
+``LAYOUT_DAMAGES``). Each outcome must be one of three:
 
 - ``a``: works as before: exit 0 and the undamaged input's result (a resume: ``final/`` bit-identical to the run
   trained to that step at once; SFT: its ``final/``; ``evaluate``: its loss; ``generate``: its answers; ``plan``:
   its table). A model folder whose bytes were changed at the same size, or whose numbers were changed in a file
   but config.json, is a model of its own: any result goes;
 - ``b``: (resume) from an earlier checkpoint, after a warning that names the newest, and ``final/`` bit-identical;
-- ``c``: one ``error:`` line on standard error and exit code 2.
+- ``c``: one ``error:`` line on standard error and exit code 2 (the only one for an index leading out).
 
 Anything else fails: a traceback, another exit code, exit 0 with an export (``best/``, ``final/``) that
 ``transformers`` cannot load, or a byte changed outside the folder the command writes (the user's folder a symlink
@@ -234,19 +236,23 @@ def damage(path: Path, kind: str, user: Path) -> bool:
             shutil.copy2(path.parent / shard, user / shard)
         index["weight_map"] = {k: os.path.relpath(user / v, path.parent) for k, v in index["weight_map"].items()}
         path.write_text(json.dumps(index))
-    elif kind == "json_list":
-        path.write_text(json.dumps([json.loads(path.read_text())]))
-    elif kind == "json_strings":  # a string where a number is (or, in a file without numbers, the other way round)
-        document = json.loads(path.read_text())
-        changed = retyped(document, numbers=True)
-        path.write_text(json.dumps(changed if changed != document else retyped(document, numbers=False)))
-    elif kind in ("json_negative", "json_values"):  # a negative step or size; a config that disagrees with weights
-        document = json.loads(path.read_text())
-        changed = renumbered(document, (lambda n: -n - 1) if kind == "json_negative" else (lambda n: 2 * n + 1))
-        if changed == document:
-            return False
-        path.write_text(json.dumps(changed))
+    elif kind.startswith("json_"):
+        return damage_json(path, kind)
     return True
+
+
+def damage_json(path: Path, kind: str) -> bool:
+    """The JSON damages (``damage``); False where the document has no number to change."""
+    document = json.loads(path.read_text())
+    if kind == "json_list":
+        changed = [document]
+    elif kind == "json_strings":  # a string where a number is (or, in a file without numbers, the other way round)
+        changed = retyped(document, numbers=True)
+        changed = changed if changed != document else retyped(document, numbers=False)
+    else:  # a negative step or size; a config that disagrees with its weights
+        changed = renumbered(document, (lambda n: -n - 1) if kind == "json_negative" else (lambda n: 2 * n + 1))
+    path.write_text(json.dumps(changed))
+    return changed != document
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -360,12 +366,15 @@ def test_a_damaged_run_folder_resumes_exactly_or_stops_with_one_line(built, kind
     report(tmp_path_factory, "resume", kind, results)
 
 
-def model_cases(run_cli, root: Path, source: Path, expected: tuple[str, object], kind: str, where: Path) -> list:
+def model_cases(run_cli, root: Path, source: Path, expected: tuple, kind: str, where: Path) -> list:
     """Each file of the model folder ``source`` damaged as ``kind`` in a copy under ``where``, then read by
-    ``expected``'s command, whose undamaged result is ``expected``'s second item: (file, outcome) each."""
-    command, reference = expected
+    ``expected``'s command, whose undamaged result is ``expected``'s second item (its third, if any: the only files
+    to damage): (file, outcome) each."""
+    command, reference, *only = expected
     results = []
     for i, name in enumerate(entries(source)):
+        if only and name not in only[0]:
+            continue
         model, user, out = where / f"model{i}", where / f"user{i}", where / f"out{i}"
         shutil.copytree(source, model)
         user.mkdir()
@@ -393,8 +402,8 @@ def test_a_damaged_model_folder_works_as_before_or_stops_with_one_line(built, co
 
 
 # Weights in the hub's other layouts: a legacy pytorch_model.bin (t5-v1_1's, with spiece.model alone) and shards
-# with their index
-LAYOUT_DAMAGES = {("bin", "sft"): ("truncate", "flip", "pickle", "json_values"),
+# with their index; the files an export does not hold
+LAYOUT_DAMAGES = {("bin", "sft"): ("truncate", "zero", "pickle"),
                   ("bin", "evaluate"): ("zero", "swap", "pickle"),
                   ("sharded", "sft"): ("truncate", "swap", "escape"),
                   ("sharded", "evaluate"): ("zero", "flip", "escape")}
@@ -406,7 +415,8 @@ def test_damaged_weights_in_other_layouts_work_as_before_or_stop_with_one_line(b
     source = family_models["v1_1"] if layout == "bin" else built / "sharded"
     done = run_model_command(run_cli, command, built, source, tmp_path / "reference")
     assert done.returncode == 0, done.stderr[-2000:]
-    expected = (command, result_of(command, done, tmp_path / "reference", source))
+    others = set(entries(source)) - set(entries(built / "run" / "final"))  # (the rest are the other test's)
+    expected = (command, result_of(command, done, tmp_path / "reference", source), others)
     results = []
     for kind in LAYOUT_DAMAGES[layout, command]:
         results += [(f"{name} ({kind})", outcome)
