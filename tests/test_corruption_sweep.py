@@ -118,7 +118,7 @@ def run_targets(run: Path, kind: str) -> list[str]:
 
 # The model folder: SFT reads it through train's checks, evaluate and generate through one loader (each takes part
 # of the damages), plan its config and its weights' headers; json_values gives a config that disagrees with the
-# weights. About 2 s a case on an idle core: ~190 cases.
+# weights. About 2 s a case on an idle core.
 MODEL_DAMAGES = {"sft": FILE_DAMAGES + ("json_strings", "json_values"),
                  "evaluate": ("truncate", "flip", "swap", "json_strings", "json_values"),
                  "generate": ("zero", "symlink", "json_list"), "plan": ("truncate", "json_values")}
