@@ -234,8 +234,8 @@ def load_tokenizer(path: str | Path):
     """Load a tokenizer folder offline."""
     from transformers import AutoTokenizer
 
-    if (Path(path) / "spiece.model").is_file() and not (Path(path) / "tokenizer.json").is_file():
-        _check_protobuf(path)
+    if not (Path(path) / "tokenizer.json").is_file():
+        _check_sentencepiece_model(Path(path))
 
     try:
         try:
@@ -298,3 +298,33 @@ def _check_protobuf(path) -> None:
     except ImportError:
         raise UserError(f"{path} has a sentencepiece model (spiece.model) and no tokenizer.json: reading it "
                         "needs protobuf; pip install protobuf") from None
+
+
+# Tokenizer classes that read their vocabulary from spiece.model when a folder has no tokenizer.json. Without a
+# readable one transformers 5 still builds them, from their special tokens alone (103 of them: every word unk).
+SENTENCEPIECE_CLASSES = ("T5Tokenizer", "T5TokenizerFast", "MT5Tokenizer", "MT5TokenizerFast")
+
+
+def _check_sentencepiece_model(folder: Path) -> None:
+    """A folder without tokenizer.json reads its vocabulary from spiece.model: one there must be a sentencepiece
+    model (an empty, cut or overwritten one, or a folder in its place, would leave a tokenizer of special tokens
+    alone, which trains and scores every word as unk without a word), and a T5 class named without it is refused."""
+    model = folder / "spiece.model"
+    if not (model.exists() or model.is_symlink()):
+        named = (saved_json(folder / "tokenizer_config.json") or {}).get("tokenizer_class")
+        if named in SENTENCEPIECE_CLASSES:
+            raise UserError(f"the tokenizer in {folder} is a {named}, which reads its vocabulary from spiece.model or "
+                            "tokenizer.json, and the folder has neither; copy the tokenizer folder whole")
+        return
+    _check_protobuf(folder)
+    problem = "it is not a file" if not model.is_file() else None
+    if problem is None:
+        import sentencepiece
+
+        try:
+            sentencepiece.SentencePieceProcessor(model_file=str(model))
+        except (OSError, RuntimeError) as err:
+            problem = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    if problem:
+        raise UserError(f"{model} cannot be read as a sentencepiece model ({problem}), and it is the tokenizer's "
+                        "vocabulary (the folder has no tokenizer.json); pass a complete tokenizer folder")

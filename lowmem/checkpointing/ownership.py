@@ -174,9 +174,14 @@ OWN_ENTRIES = {"run": RUN_ENTRIES,
                                        r"special_tokens_map\.json|added_tokens\.json"),
                "prepared": re.compile(r"\.partial|shard-\d+\.parquet|prepared\.manifest"),
                "plots": re.compile(r"\.?[\w-]+\.png(\.tmp)?")}
+# Which of those are folders (the rest are files): an entry of the other kind in its place is no entry of ours
+OWN_FOLDERS = {"run": re.compile(r"checkpoints|best|final|plots|tensorboard|encoder_cache|wandb|"
+                                 r"\.(old|tmp)-(best|final)"),
+               "tokenizer": re.compile(r"\.saving"), "prepared": re.compile(r"\.partial"), "plots": re.compile(r"(?!)")}
 # What a run writes in OUTPUT_DIR/checkpoints: step folders (staged and set aside too), the latest pointer (and its
 # temporary), the continuations a --resume_from set aside
 CHECKPOINT_ENTRIES = re.compile(r"(\.(tmp|old)-)?step_\d+|latest|\.latest\.tmp|abandoned-[\d-]+")
+CHECKPOINT_FOLDERS = re.compile(r"(\.(tmp|old)-)?step_\d+|abandoned-[\d-]+")
 
 
 def refuse_link(path: Path, flag: str = "--output_dir", kind: str = "run") -> None:
@@ -197,9 +202,26 @@ def refuse_link(path: Path, flag: str = "--output_dir", kind: str = "run") -> No
                     f"must be real ones, never links; remove the link (its target is untouched) or use another {flag}")
 
 
-def refuse_links_in(folder: Path, own: re.Pattern, flag: str, kind: str) -> None:
+def refuse_misplaced(path: Path, is_folder: bool, flag: str = "--output_dir", kind: str = "run") -> None:
+    """Refuse ``path``, one of the folder's own entries, when it is a folder where a file of ours belongs or the
+    other way round (put there by hand, or by another program): reading or replacing it would fail half-way, and
+    what is there is not ours to remove. Touches nothing.
+
+    Raises:
+        UserError: what is there, and what to do.
+    """
+    path = Path(path)
+    if not path.exists() or path.is_dir() == is_folder:
+        return
+    found, wanted = ("a file", "a folder") if is_folder else ("a folder", "a file")
+    raise UserError(f"{path} is {found} where a {KIND_NAMES[kind]} folder keeps {wanted} of its own; move it out of "
+                    f"the way (t5-lowmem removes nothing it did not write) or use another {flag}")
+
+
+def refuse_links_in(folder: Path, own: re.Pattern, flag: str, kind: str, folders: re.Pattern | None = None) -> None:
     """``refuse_link`` for each entry of ``folder`` named as ``own`` (the user's entries, named otherwise, may be
-    links: they are never touched). A folder that is missing, a link or unreadable has none to look at."""
+    links: they are never touched), and with ``folders`` (the names of those that are folders) ``refuse_misplaced``
+    too. A folder that is missing, a link or unreadable has none to look at."""
     folder = Path(folder)
     if folder.is_symlink() or not folder.is_dir():
         return
@@ -210,21 +232,25 @@ def refuse_links_in(folder: Path, own: re.Pattern, flag: str, kind: str) -> None
     for name in names:
         if own.fullmatch(name):
             refuse_link(folder / name, flag, kind)
+            if folders is not None:
+                refuse_misplaced(folder / name, folders.fullmatch(name) is not None, flag, kind)
 
 
 def check_closed(folder: str | Path, flag: str = "--output_dir", kind: str = "run") -> None:
     """The closed room: refuse a folder of ``kind`` where one of its own entries (``OWN_ENTRIES``, its marker, and
     for a run what it writes in checkpoints/: ``CHECKPOINT_ENTRIES``) is a symbolic link, since reading, writing,
-    moving or removing it would reach what the link leads to. Run before anything is read or written there (the
+    moving or removing it would reach what the link leads to, or a file where a folder of ours belongs (or a folder
+    where a file does), which no command could use or replace. Run before anything is read or written there (the
     command line's early checks, the trainer's own), and again by what replaces, moves or removes them.
 
     Raises:
         UserError: the first such link, with what to do.
     """
     folder = Path(folder)
-    refuse_links_in(folder, re.compile(f"{OWN_ENTRIES[kind].pattern}|{re.escape(MARKERS[kind])}"), flag, kind)
+    own = re.compile(f"{OWN_ENTRIES[kind].pattern}|{re.escape(MARKERS[kind])}")
+    refuse_links_in(folder, own, flag, kind, OWN_FOLDERS[kind])
     if kind == "run":
-        refuse_links_in(folder / "checkpoints", CHECKPOINT_ENTRIES, flag, kind)
+        refuse_links_in(folder / "checkpoints", CHECKPOINT_ENTRIES, flag, kind, CHECKPOINT_FOLDERS)
 
 
 def move_in(staging: Path, names: list[str], folder: Path) -> None:
