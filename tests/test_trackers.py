@@ -361,15 +361,27 @@ class MlflowServer:
     def __init__(self, root: Path, monkeypatch):
         monkeypatch.setenv("_MLFLOW_SERVER_FILE_STORE", f"sqlite:///{root / 'server.db'}")  # (mlflow server's own)
         monkeypatch.setenv("_MLFLOW_SERVER_ARTIFACT_ROOT", str(root / "artifacts"))
-        self.port, self.server = closed_port(), None
-        self.uri = f"http://127.0.0.1:{self.port}"
+        self.port, self.server = 0, None  # the first up() takes a free port; the next ones come back on it
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def up(self) -> None:
         from mlflow.server import app
         from werkzeug.serving import make_server
 
-        # one request per connection (HTTP/1.0): a kept-alive connection would outlive down()
-        self.server = make_server("127.0.0.1", self.port, app, threaded=False)
+        # Back on its port: a port picked free and let go can be taken meanwhile by any process of a loaded
+        # machine (seen once in CI), and a stopped server's port may take a moment to be free again
+        for attempt in range(50):
+            try:  # one request per connection (HTTP/1.0): a kept-alive connection would outlive down()
+                self.server = make_server("127.0.0.1", self.port, app, threaded=False)
+                break
+            except OSError:
+                if attempt == 49:
+                    raise
+                time.sleep(0.2)
+        self.port = self.server.server_port
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def down(self) -> None:

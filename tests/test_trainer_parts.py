@@ -236,7 +236,7 @@ sys.path.insert(0, {str(REPO)!r})
 from config import SHIPPED_TOKENIZER_DIR
 from data.tokenization import load_tokenizer
 from lowmem.cli.flags import load_config
-from lowmem.model.build import add_lora, build_model
+from lowmem.model.build import add_lora, build_model, export_state_dict
 from lowmem.checkpointing.run_folder import RunFolder
 
 tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
@@ -244,7 +244,7 @@ cfg = load_config({{"model_preset": "tiny", "is_finetune": True, "init_from": "u
                     "tie_word_embeddings": True}})[0]
 model = add_lora(build_model(cfg, tokenizer), cfg)
 print("adapters:", sum(p.numel() for p in model.parameters() if p.requires_grad))
-RunFolder.export({str(tmp_path / "final")!r}, model, tokenizer, {{}})
+RunFolder.export({str(tmp_path / "final")!r}, model, tokenizer, {{}}, state_dict=export_state_dict(model))
 for package in ("deepspeed", "boto3", "bitsandbytes"):
     print(package, "imported:", package in sys.modules)
 for package in ("boto3", "bitsandbytes"):

@@ -50,6 +50,18 @@ def meta_model(folder, dropout_rate: float):
     return model
 
 
+def skeleton(folder: Path):
+    """The model config.json builds, on the meta device, built by its class itself: ``from_config`` (which
+    ``meta_model`` uses) builds it inside ``deepspeed.zero.Init`` when a ZeRO-3 run registered its settings with
+    transformers, a collective of every process, and an export is checked by the main process alone (it waited for
+    the others for ever)."""
+    from transformers import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        return MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING[type(config)](config)
+
+
 def check_model_folder(folder: Path, label: str, fix: str = REBUILD) -> None:
     """Refuse a model folder whose weight files are damaged or are not the model its config.json builds.
 
@@ -61,7 +73,7 @@ def check_model_folder(folder: Path, label: str, fix: str = REBUILD) -> None:
     folder = Path(folder)
     stored = folder_headers(folder)
     try:
-        model = meta_model(folder, 0.0)
+        model = skeleton(folder)
     except Exception as err:  # a user's config.json: wrong types or values make transformers raise anything
         detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise UserError(f"{label}: {folder / 'config.json'} does not describe a model transformers can build "
