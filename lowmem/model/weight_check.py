@@ -78,6 +78,7 @@ def check_model_folder(folder: Path, label: str, fix: str = REBUILD) -> None:
         detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise UserError(f"{label}: {folder / 'config.json'} does not describe a model transformers can build "
                         f"({detail}); restore the model's own config.json") from None
+    check_generation_config(folder, label)
     config = model.config
     built = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     different = [name for name in built if name in stored and tuple(stored[name].shape) != built[name]]
@@ -103,6 +104,26 @@ def check_model_folder(folder: Path, label: str, fix: str = REBUILD) -> None:
             whose = "that the config builds" if what == "lacks" else "that the config does not build"
             raise UserError(f"{label}: {count_clue(config, names)}{', '.join(where)} {what} {names[0]}{more} "
                             f"{whose}; {fix}")
+
+
+def check_generation_config(folder: Path, label: str) -> None:
+    """Refuse a generation_config.json that transformers cannot read (wrong types, not an object): every command
+    reads it with the model (``from_pretrained``, ``streamed_load.meta_model``), and it failed there in a traceback.
+
+    Raises:
+        UserError: one line naming the file.
+    """
+    from transformers import GenerationConfig
+
+    if not (folder / "generation_config.json").exists():
+        return  # (transformers derives one from config.json)
+    try:
+        GenerationConfig.from_pretrained(str(folder))
+    except Exception as err:  # a user's file: transformers raises whatever its values make it raise
+        detail = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise UserError(f"{label}: {folder / 'generation_config.json'} cannot be read as a generation config "
+                        f"({detail}); restore the model's own generation_config.json, or remove it (transformers "
+                        "then derives one from config.json)") from None
 
 
 def folder_headers(folder: Path) -> dict[str, TensorHeader]:
