@@ -87,9 +87,14 @@ def file_headers(path: Path) -> dict[str, TensorHeader]:
     path = Path(path)
     size = path.stat().st_size
     if size == 0:
-        raise UserError(f"{path} is empty (0 bytes): an interrupted download or copy; download or copy the model "
-                        "folder again")
+        raise empty_file(path)
     return safetensors_headers(path, size) if path.suffix == ".safetensors" else bin_headers(path)
+
+
+def empty_file(path: Path) -> UserError:
+    """The refusal of a weight file of 0 bytes (either format)."""
+    return UserError(f"{path} is empty (0 bytes): an interrupted download or copy; download or copy the model folder "
+                     "again")
 
 
 def safetensors_headers(path: Path, size: int) -> dict[str, TensorHeader]:
@@ -189,8 +194,7 @@ def refuse_bin(path: Path) -> None:
     with open(path, "rb") as f:
         start = f.read(len(LEGACY_TORCH_MAGIC))
     if not start:
-        raise UserError(f"{path} is empty (0 bytes): an interrupted download or copy; download or copy the model "
-                        "folder again")
+        raise empty_file(path)
     if start.startswith(b"PK"):
         if not zipfile.is_zipfile(path):
             raise UserError(f"{path} is a damaged zip (truncated, or its directory is missing): download or copy "
