@@ -84,17 +84,17 @@ def test_an_8_bit_layer_computes_as_its_dequantized_weight_a_block_of_rows_at_a_
                                                                                       tolerance):
     """Output and input gradient against float64 math with the dequantized weight (float32: within float32
     rounding; bf16: within bf16's), never more than BLOCK_BYTES of it in float at once, no weight gradient."""
-    from lowmem.model import quantize
+    from lowmem.model import narrow_compute, quantize
 
-    monkeypatch.setattr(quantize, "BLOCK_BYTES", 4096)  # 517 rows of 300: several blocks, the last one short
-    blocks, float_blocks = [], quantize.float_blocks
+    monkeypatch.setattr(narrow_compute, "BLOCK_BYTES", 4096)  # 517 rows of 300: several blocks, the last one short
+    blocks, float_blocks = [], narrow_compute.float_blocks
 
     def spied(data, block_dtype):
         for part, block in float_blocks(data, block_dtype):
             blocks.append((part.stop - part.start, block.untyped_storage().nbytes()))
             yield part, block
 
-    monkeypatch.setattr(quantize, "float_blocks", spied)
+    monkeypatch.setattr(narrow_compute, "float_blocks", spied)
     torch.manual_seed(0)
     holder = torch.nn.Sequential(torch.nn.Linear(300, 517, bias=False).to(dtype).requires_grad_(False))
     frozen_dtype = {"qint8": "int8", "qfloat8": "float8"}[qtype]
@@ -104,7 +104,7 @@ def test_an_8_bit_layer_computes_as_its_dequantized_weight_a_block_of_rows_at_a_
     grad = torch.randn(2, 7, 517, dtype=dtype)
     out = layer(x)
     out.backward(grad)
-    assert type(out.grad_fn).__name__ == "RowBlockLinearBackward" and out.dtype == x.grad.dtype == dtype
+    assert type(out.grad_fn).__name__ == "BlockLinearBackward" and out.dtype == x.grad.dtype == dtype
     weight = layer.weight.dequantize().double()
     for got, expected in ((out, x.detach().double() @ weight.t()), (x.grad, grad.double() @ weight)):
         assert (got.double() - expected).abs().max() <= tolerance * expected.abs().max()

@@ -11,6 +11,7 @@ import torch
 
 from config import TrainConfig, UserError
 from lowmem.memory.probes import hidden, import_accelerate, import_while_replaced, optional_import
+from lowmem.model.narrow_compute import compute_beside_narrow
 from lowmem.model.presets import preset_shape
 from lowmem.model.source import adapter_base, check_weights, model_folder_config, resolve_model_dir
 
@@ -118,29 +119,8 @@ def store_frozen_in_bf16(model) -> int:
             # from_pretrained maps the checkpoint file: while any tensor is a view of that mapping, every
             # page the cast read stays resident. Own copies let it go (the planner counts the moment).
             param.data = param.data.clone()
-    compute_beside_bf16(model)
+    compute_beside_narrow(model)
     return stored
-
-
-def compute_beside_bf16(model) -> None:
-    """Let bf16-stored frozen weights work in a float32 model: embedding lookups come out float32, and a bf16
-    linear layer outside autocast (a frozen untied ``lm_head``) takes its input in bf16 and gives float32 back.
-    ``wo`` casts its own input to its weight's dtype (transformers' T5), and the residual stream adding its
-    bf16 output stays float32. So the residual stream keeps the precision it has with float32 weights."""
-    # Each stack looks its tokens up through its own embed_tokens module (holding the shared weight):
-    # model.shared itself never runs in a forward, so the hook goes on every bf16 lookup table.
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) and module.weight.dtype == torch.bfloat16:
-            module.register_forward_hook(lambda _module, _args, out: out.float())
-        elif type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
-            module.register_forward_pre_hook(_to_weight_dtype)
-            module.register_forward_hook(lambda _module, _args, out: out.float())
-
-
-def _to_weight_dtype(module, args):
-    if torch.is_autocast_enabled(args[0].device.type):
-        return None
-    return (args[0].to(module.weight.dtype), *args[1:])
 
 
 def generation_cache():

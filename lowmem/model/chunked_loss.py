@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from lowmem.hardware.capability import capability
 from lowmem.model.presets import loss_chunk_rows
 
 IGNORED = -100
@@ -40,6 +41,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):
             low = weight.to(dtype)  # (itself in float32)
+            wide = weight.float() if want_hidden else None  # the input gradient's, converted once (a bf16 head)
             grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -54,7 +56,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
                 sums = logits.sub_(top).exp_().sum(dim=1, keepdim=True)
                 total += ((top + sums.log()).squeeze(1) - target_logit).mul_(counted).sum()
                 if want_hidden or want_weight:
-                    softmax_gradient(logits, sums, picked, counted, rows, weight, grad_hidden, grad_weight, start)
+                    softmax_gradient(logits, sums, picked, counted, rows, wide, grad_hidden, grad_weight, start)
                 del logits  # before the next chunk's are made: one chunk's logits alive at a time
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -70,21 +72,24 @@ class ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def softmax_gradient(exp_logits, sums, picked, counted, rows, weight, grad_hidden, grad_weight, start: int) -> None:
+def softmax_gradient(exp_logits, sums, picked, counted, rows, wide, grad_hidden, grad_weight, start: int) -> None:
     """One chunk's share of the input's and the weight's gradients (of the summed loss), from its logits already
-    exponentiated (``exp_logits``, turned into their gradient in place) and their row ``sums``."""
+    exponentiated (``exp_logits``, turned into their gradient in place) and their row ``sums``; ``wide``: the weight
+    in float32 (None when no input gradient is wanted)."""
     grad = exp_logits.div_(sums)  # the softmax
     grad.scatter_add_(1, picked, -torch.ones_like(picked, dtype=grad.dtype))  # minus the one-hot target
     grad.mul_(counted.unsqueeze(1))  # ignored positions: no gradient
     if grad_hidden is not None:
-        torch.mm(grad, weight.float(), out=grad_hidden[start:start + len(grad)])
+        torch.mm(grad, wide, out=grad_hidden[start:start + len(grad)])
     if grad_weight is not None:
         grad_weight.addmm_(grad.t(), rows.float())
 
 
 def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
     """The summed cross-entropy of the head ``weight`` at ``hidden`` (tokens x d_model), ``chunk`` tokens at a time;
-    under autocast the logits in its dtype."""
+    the logits in autocast's dtype (else the weight's), or in float32 where that dtype's products are slow on this
+    device (``lowmem.hardware.capability``: a bf16-stored head on a CPU without native bf16)."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    dtype = capability(device).compute_dtype(dtype)
     return ChunkedHeadLoss.apply(hidden, weight, targets, chunk, dtype)

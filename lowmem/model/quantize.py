@@ -23,6 +23,7 @@ import torch
 
 from config import TrainConfig, UserError
 from lowmem.extras import optional_package_missing
+from lowmem.model.narrow_compute import BlockLinear
 
 QTYPES = {"int8": "qint8", "float8": "qfloat8"}  # --frozen_dtype -> optimum.quanto's weight type
 # The state dict entries of a quantized layer (its 8-bit weight and scales; the activation scales are unused)
@@ -137,14 +138,8 @@ def quantize_block(cfg: TrainConfig, block, names: list[str]) -> int:
     return quantized
 
 
-# Float bytes of an 8-bit weight that one product holds at a time (a block of its rows): under
-# map_large_blocks' 1 MiB, so a block comes from the heap and not from a new mapping whose pages fault in at
-# every use, and small enough to stay in the core's cache between its conversion and the product.
-BLOCK_BYTES = 2**22
-
-
 def has_row_scales(weight) -> bool:
-    """Whether ``weight`` is quanto's plain 8-bit layout that ``RowBlockLinear`` computes with: the bytes
+    """Whether ``weight`` is quanto's plain 8-bit layout that ``BlockLinear`` computes with: the bytes
     as a matrix of the weight's shape, one scale per output row."""
     return (is_quantized(weight) and getattr(weight, "activation_qtype", None) is None
             and weight._data.dtype in (torch.int8, torch.float8_e4m3fn) and weight._data.shape == weight.shape
@@ -152,65 +147,18 @@ def has_row_scales(weight) -> bool:
 
 
 def row_block_forward(layer, x: torch.Tensor) -> torch.Tensor:
-    """A quantized linear layer's forward: ``RowBlockLinear`` on the CPU, quanto's own elsewhere."""
+    """A quantized linear layer's forward: on the CPU ``BlockLinear`` in its scales' dtype, a block of rows at a time
+    (``lowmem.model.narrow_compute``); quanto's own elsewhere.
+
+    optimum-quanto's CPU path for float activations dequantizes the whole weight at every use, forward and backward,
+    with a multiplication by the scales that casts each int8 element on its own (5-6x a plain conversion) into a
+    fresh float matrix; under bf16 it takes torch's ``_weight_int8pack_mm``, several times slower here than
+    converting and multiplying in bf16. Computes in the scales' dtype, as quanto does."""
     weight = layer.weight
     if x.device.type != "cpu" or type(x) is not torch.Tensor or not has_row_scales(weight):
         return type(layer).forward(layer, x)
-    out = RowBlockLinear.apply(x, weight._data, weight._scale)
+    out = BlockLinear.apply(x, weight._data, weight._scale, weight._scale.dtype)
     return out if layer.bias is None else out + layer.bias
-
-
-class RowBlockLinear(torch.autograd.Function):
-    """``x W^T`` and its input gradient ``dy W`` for a frozen 8-bit ``W = scale * data`` (a scale per row),
-    converting ``BLOCK_BYTES`` of rows to float at a time; the scales multiply the product's columns.
-
-    optimum-quanto's CPU path for float activations dequantizes the whole weight at every use, forward
-    and backward, with a multiplication by the scales that casts each int8 element on its own (5-6x a
-    plain conversion) into a fresh float matrix (a new mapping, its pages faulted in, under
-    ``map_large_blocks``); under bf16 it takes torch's ``_weight_int8pack_mm``, several times slower
-    here than converting and multiplying in bf16. Computes in the scales' dtype (quanto's choice), and
-    saves no activation: the weight gets no gradient, so backward needs only the weight.
-    """
-
-    @staticmethod
-    def forward(ctx, x, data, scale):
-        ctx.save_for_backward(data, scale)
-        ctx.input_dtype = x.dtype
-        with torch.autocast(x.device.type, enabled=False):  # in the scales' dtype, as quanto computes
-            rows = x.reshape(-1, x.shape[-1]).to(scale.dtype)
-            out = torch.empty(rows.shape[0], data.shape[0], dtype=scale.dtype, device=x.device)
-            for part, block in float_blocks(data, scale.dtype):
-                torch.mm(rows, block.t(), out=out[:, part])
-            out.mul_(scale.reshape(1, -1))
-        return out.reshape(*x.shape[:-1], data.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        data, scale = ctx.saved_tensors
-        with torch.autocast(grad.device.type, enabled=False):
-            scaled = grad.reshape(-1, data.shape[0]).to(scale.dtype) * scale.reshape(1, -1)
-            # summed over the blocks in float32: a bf16 sum would round at every block (the error grows with
-            # their number; with 86 blocks, 3 % of the largest element)
-            grad_x = torch.zeros(scaled.shape[0], data.shape[1], device=grad.device)
-            partial = None if scale.dtype == torch.float32 else torch.empty_like(grad_x, dtype=scale.dtype)
-            for part, block in float_blocks(data, scale.dtype):
-                if partial is None:
-                    grad_x.addmm_(scaled[:, part], block)
-                else:
-                    grad_x.add_(torch.mm(scaled[:, part], block, out=partial))
-        return grad_x.reshape(*grad.shape[:-1], data.shape[1]).to(ctx.input_dtype), None, None
-
-
-def float_blocks(data: torch.Tensor, dtype: torch.dtype):
-    """(row slice, those rows of ``data`` converted to ``dtype``) over ``data``, in one reused buffer of at
-    most ``BLOCK_BYTES``: the next block overwrites the last."""
-    step = max(1, BLOCK_BYTES // (data.shape[1] * dtype.itemsize))
-    buffer = torch.empty(min(step, data.shape[0]), data.shape[1], dtype=dtype, device=data.device)
-    for start in range(0, data.shape[0], step):
-        part = slice(start, min(start + step, data.shape[0]))
-        block = buffer[: part.stop - start]
-        block.copy_(data[part])
-        yield part, block
 
 
 def checkpoint_files(init_from) -> dict:

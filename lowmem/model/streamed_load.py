@@ -172,9 +172,9 @@ def load_for_training(cfg: TrainConfig, folder, device="cpu", guard=None):
                   "plan --budget_gb=... says which)")
     model.eval()  # as from_pretrained leaves it (the trainer sets the modes it trains in)
     if narrow:
-        from lowmem.model.build import compute_beside_bf16
+        from lowmem.model.narrow_compute import compute_beside_narrow
 
-        compute_beside_bf16(model)
+        compute_beside_narrow(model)
     return model, narrow, eight_bit
 
 

@@ -1,0 +1,99 @@
+"""Products with frozen weights stored narrower than they compute: 8-bit layers (``lowmem.model.quantize``) and
+bf16-stored matrices (``--frozen_dtype``, and what stays bf16 beside 8-bit layers: ``wo``, the embeddings, a frozen
+untied head).
+
+Where the hardware multiplies the narrow dtype fast (``lowmem.hardware.capability``: a GPU from Ampere on, a CPU with
+AMX or AVX-512 BF16), a bf16 matrix computes in bf16 as stored. Where it does not (a CPU with AVX2 only: ~100x slower
+than float32), it computes in float32 a block of rows at a time: ``BLOCK_BYTES`` of the weight converted into one
+reused buffer, multiplied, then the next block, forward and backward, so storage stays narrow and the product runs at
+float32's rate. 8-bit weights always compute this way on the CPU, in their scales' dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from lowmem.hardware.capability import computes_fast
+
+# Float bytes of a narrow weight that one product holds at a time (a block of its rows): one buffer reused for every
+# block, so a product allocates once, and small enough to stay in the core's cache between its conversion and use.
+BLOCK_BYTES = 2**22
+
+
+def float_blocks(data: torch.Tensor, dtype: torch.dtype):
+    """(row slice, those rows of ``data`` converted to ``dtype``) over ``data``, in one reused buffer of at
+    most ``BLOCK_BYTES``: the next block overwrites the last."""
+    step = max(1, BLOCK_BYTES // (data.shape[1] * dtype.itemsize))
+    buffer = torch.empty(min(step, data.shape[0]), data.shape[1], dtype=dtype, device=data.device)
+    for start in range(0, data.shape[0], step):
+        part = slice(start, min(start + step, data.shape[0]))
+        block = buffer[: part.stop - start]
+        block.copy_(data[part])
+        yield part, block
+
+
+class BlockLinear(torch.autograd.Function):
+    """``x W^T`` and its input gradient ``dy W`` for a frozen ``W = scale * data`` (a scale per row; no scale for a
+    narrow float weight), computed in ``dtype`` converting ``BLOCK_BYTES`` of rows at a time; the scales multiply
+    the product's columns. Saves no activation: the weight gets no gradient, so backward needs only the weight."""
+
+    @staticmethod
+    def forward(ctx, x, data, scale, dtype):
+        ctx.save_for_backward(data, scale)
+        ctx.input_dtype, ctx.dtype = x.dtype, dtype
+        with torch.autocast(x.device.type, enabled=False):  # in ``dtype``, whatever autocast says
+            rows = x.reshape(-1, x.shape[-1]).to(dtype)
+            out = torch.empty(rows.shape[0], data.shape[0], dtype=dtype, device=x.device)
+            for part, block in float_blocks(data, dtype):
+                torch.mm(rows, block.t(), out=out[:, part])
+            if scale is not None:
+                out.mul_(scale.reshape(1, -1))
+        return out.reshape(*x.shape[:-1], data.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        data, scale = ctx.saved_tensors
+        dtype = ctx.dtype
+        with torch.autocast(grad.device.type, enabled=False):
+            scaled = grad.reshape(-1, data.shape[0]).to(dtype)
+            if scale is not None:
+                scaled = scaled * scale.reshape(1, -1)
+            # summed over the blocks in float32: a bf16 sum would round at every block (the error grows with
+            # their number; with 86 blocks, 3 % of the largest element)
+            grad_x = torch.zeros(scaled.shape[0], data.shape[1], device=grad.device)
+            partial = None if dtype == torch.float32 else torch.empty_like(grad_x, dtype=dtype)
+            for part, block in float_blocks(data, dtype):
+                if partial is None:
+                    grad_x.addmm_(scaled[:, part], block)
+                else:
+                    grad_x.add_(torch.mm(scaled[:, part], block, out=partial))
+        return grad_x.reshape(*grad.shape[:-1], data.shape[1]).to(ctx.input_dtype), None, None, None
+
+
+def compute_beside_narrow(model) -> None:
+    """Let bf16-stored frozen weights work in a float32 model: embedding lookups come out float32, and a bf16
+    linear layer computes as ``narrow_linear_forward`` says and gives float32 back. ``wo`` casts its own input to its
+    weight's dtype (transformers' T5), and the residual stream adding its output stays float32. So the residual
+    stream keeps the precision it has with float32 weights."""
+    # Each stack looks its tokens up through its own embed_tokens module (holding the shared weight):
+    # model.shared itself never runs in a forward, so the hook goes on every bf16 lookup table.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and module.weight.dtype == torch.bfloat16:
+            module.register_forward_hook(lambda _module, _args, out: out.float())
+        elif type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
+            # as accelerate's hooks do: the instance's forward, so peft's adapters and the state dict see the layer
+            module.forward = functools.partial(narrow_linear_forward, module)
+
+
+def narrow_linear_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A bf16-stored frozen linear layer's forward, float32 out: in bf16 where bf16 products are fast on ``x``'s
+    device (outside autocast its input cast to bf16), else in float32 a block of rows at a time."""
+    weight = layer.weight
+    if computes_fast(weight.dtype, x.device.type) or type(x) is not torch.Tensor:
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(weight.dtype)
+        return torch.nn.Linear.forward(layer, x).float()
+    out = BlockLinear.apply(x, weight, None, torch.float32)
+    return out if layer.bias is None else out + layer.bias.float()

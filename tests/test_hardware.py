@@ -1,0 +1,161 @@
+"""The capability probe (``lowmem.hardware``): what this machine computes fast, measured once and cached; and the
+dtype choices that ask it (narrow-stored frozen weights computing in float32 where their dtype is slow here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lowmem.hardware import capability as hardware
+from lowmem.hardware.capability import SLOW_FACTOR, Capability
+from lowmem.hardware.gpu_peaks import datasheet_peaks, fast_half
+
+SLOW_BF16 = Capability("cpu", "a CPU with AVX2 only", {"float32": 1e11, "bfloat16": 1e9, "float16": 1e9}, "measured")
+FAST_BF16 = Capability("cpu", "a CPU with AMX", {"float32": 1e11, "bfloat16": 4e11, "float16": 1e9}, "measured")
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    """The probe's cache in a folder of the test's own, and no capability remembered by this process."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(hardware, "_KNOWN", {})
+    return tmp_path / "t5-lowmem" / "hardware.json"
+
+
+@pytest.fixture
+def cpu_is(monkeypatch):
+    """Make this process's CPU capability the one given (a fact about hardware, as the probe would find it)."""
+    def set_to(found: Capability):
+        monkeypatch.setattr(hardware, "_KNOWN", {"cpu": found})
+    return set_to
+
+
+def test_the_probe_measures_every_dtype_once_and_reads_the_cache_after(cache_home, monkeypatch):
+    found = hardware.capability("cpu")
+    assert set(found.flops) == {"float32", "bfloat16", "float16"} and found.flops["float32"] > 1e8
+    assert found.source == "measured" and "threads" in found.name
+    saved = json.loads(cache_home.read_text())
+    assert list(saved["machines"].values()) == [{"flops": found.flops}]
+    # a new process (nothing remembered) reads the cache and measures nothing
+    monkeypatch.setattr(hardware, "_KNOWN", {})
+    monkeypatch.setattr(hardware, "product_rate", lambda *args: pytest.fail("measured again"))
+    assert hardware.capability("cpu") == found
+
+
+@pytest.mark.parametrize("damage", ["", "{", '{"version": 1, "machines": []}', '{"version": 0, "machines": {}}',
+                                    "[1, 2]"])
+def test_a_damaged_cache_is_measured_again_and_rewritten(cache_home, damage):
+    cache_home.parent.mkdir(parents=True)
+    cache_home.write_text(damage)
+    found = hardware.capability("cpu")
+    assert json.loads(cache_home.read_text())["machines"] and found.flops["float32"] > 0
+
+
+def test_a_cache_entry_with_impossible_rates_is_measured_again(cache_home):
+    key = f"{hardware.cpu_name()} | torch {torch.__version__}"
+    cache_home.parent.mkdir(parents=True)
+    cache_home.write_text(json.dumps({"version": 1, "machines": {key: {"flops": {"float32": -1, "bfloat16": 1,
+                                                                                 "float16": 1}}}}))
+    assert hardware.capability("cpu").flops["float32"] > 0
+
+
+def test_a_cache_that_cannot_be_written_only_means_measuring_again(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setattr(hardware, "_KNOWN", {})
+    assert hardware.capability("cpu").flops["float32"] > 0
+    assert blocked.read_text() == "not a folder"
+
+
+def test_this_cpu_ranks_as_its_measured_rates_say():
+    """Whatever this machine is: a dtype is fast exactly when its measured slowdown is within SLOW_FACTOR."""
+    found = hardware.cpu_capability()
+    for name in ("bfloat16", "float16"):
+        assert found.fast(name) == (found.slowdown(name) <= SLOW_FACTOR)
+        assert found.compute_dtype(hardware.DTYPES[name]) == (hardware.DTYPES[name] if found.fast(name)
+                                                               else torch.float32)
+    assert found.fast(torch.float32) and found.compute_dtype(torch.float32) == torch.float32
+
+
+def test_the_summary_line_gives_the_measured_factor_of_a_slow_dtype():
+    line = SLOW_BF16.line()
+    assert "bfloat16 1 GFLOP/s (100x slower: not computed in)" in line and "float32 100 GFLOP/s" in line
+    assert "slower" not in FAST_BF16.line().split("bfloat16")[1].split(",")[0]
+    assert SLOW_BF16.record()["fast"] == ["float32"] and FAST_BF16.record()["fast"] == ["float32", "bfloat16"]
+
+
+@pytest.mark.parametrize("name, peaks", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
+                                         ("NVIDIA A100-SXM4-80GB", 312), ("Tesla T4", 65), ("NVIDIA L4", 121),
+                                         ("NVIDIA L40S", 362), ("NVIDIA GeForce RTX 3090", None)])
+def test_gpu_peaks_come_from_the_datasheet_by_name(name, peaks):
+    found = datasheet_peaks(name)
+    assert (found and found["half"]) == peaks
+
+
+@pytest.mark.parametrize("cc, bf16, fp16", [((9, 0), True, True), ((8, 0), True, True), ((7, 5), False, True),
+                                            ((7, 0), False, True), ((6, 0), False, True), ((6, 1), False, False)])
+def test_which_half_dtypes_a_gpu_runs_fast_follows_its_compute_capability(cc, bf16, fp16):
+    assert fast_half(*cc) == {"bfloat16": bf16, "float16": fp16}
+
+
+# ---------------------------------------------------------------------------------------------- dtype choices
+def frozen_bf16_layer(seed: int = 0) -> torch.nn.Linear:
+    from lowmem.model.narrow_compute import compute_beside_narrow
+
+    torch.manual_seed(seed)
+    holder = torch.nn.Sequential(torch.nn.Linear(300, 517))
+    holder.requires_grad_(False)
+    holder.to(torch.bfloat16)
+    compute_beside_narrow(holder)
+    return holder[0]
+
+
+def test_a_bf16_frozen_layer_computes_in_float32_blocks_where_bf16_is_slow(cpu_is, monkeypatch):
+    """Output and input gradient equal float64 maths with the stored bf16 weight (float32 rounding, where bf16
+    products would round the input and output to bf16), in blocks of rows, and float32 out."""
+    from lowmem.model import narrow_compute
+
+    cpu_is(SLOW_BF16)
+    monkeypatch.setattr(narrow_compute, "BLOCK_BYTES", 4096)
+    layer = frozen_bf16_layer()
+    x = torch.randn(2, 7, 300, requires_grad=True)
+    grad = torch.randn(2, 7, 517)
+    out = layer(x)
+    out.backward(grad)
+    assert type(out.grad_fn).__name__ in ("AddBackward0", "BlockLinearBackward") and out.dtype == torch.float32
+    weight, bias = layer.weight.double(), layer.bias.double()
+    expected = x.detach().double() @ weight.t() + bias
+    assert (out.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+    expected_grad = grad.double() @ weight
+    assert (x.grad.double() - expected_grad).abs().max() <= 2e-6 * expected_grad.abs().max()
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.grad is None
+
+
+def test_a_bf16_frozen_layer_computes_in_bf16_where_bf16_is_fast(cpu_is):
+    cpu_is(FAST_BF16)
+    layer = frozen_bf16_layer()
+    x = torch.randn(3, 300)
+    out = layer(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.linear(x.to(torch.bfloat16), layer.weight, layer.bias).float())
+
+
+def test_a_bf16_head_computes_its_logits_in_float32_where_bf16_is_slow(cpu_is):
+    """The chunked loss of a bf16-stored head (a frozen untied lm_head beside 8-bit layers) equals float64 maths
+    with that weight to float32 rounding on a CPU without fast bf16; with fast bf16 it rounds as bf16 does."""
+    from lowmem.model.chunked_loss import chunked_head_loss
+
+    torch.manual_seed(0)
+    weight = torch.randn(97, 64).to(torch.bfloat16)
+    hidden = torch.randn(10, 64)
+    targets = torch.randint(0, 97, (10,))
+    exact = torch.nn.functional.cross_entropy(hidden.double() @ weight.double().t(), targets, reduction="sum")
+    cpu_is(SLOW_BF16)
+    slow_machine = chunked_head_loss(hidden, weight, targets, 4)
+    cpu_is(FAST_BF16)
+    fast_machine = chunked_head_loss(hidden, weight, targets, 4)
+    assert abs(float(slow_machine) - float(exact)) <= 1e-5 * float(exact)
+    assert abs(float(fast_machine) - float(exact)) > 1e-5 * float(exact)  # bf16 logits: rounded
