@@ -30,6 +30,7 @@ from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
 from lowmem.checkpointing.checkpointer import Checkpointer
 from lowmem.checkpointing.run_folder import RunFolder
 from lowmem.cli.flags import TRAINED_WITH
+from lowmem.hardware.capability import capability
 from lowmem.memory.batch_budget import batch_request, size_run
 from lowmem.memory.collector import freeze_long_lived, imports_done, thaw_long_lived
 from lowmem.memory.eval_cost import plan_evals
@@ -51,7 +52,7 @@ from lowmem.training import encoder_cache
 from lowmem.training.accumulation import window_backward
 from lowmem.training.evaluation import eval_log_line, evaluate_in_run, is_better
 from lowmem.training.optim import optimizer_for_run
-from lowmem.training.precision import Precision, precision_for
+from lowmem.training.precision import Precision, precision_for, slow_here
 from lowmem.training.state import TrainState
 from lowmem.training.stopping import SignalWatch, StoppedBySignal, WindowRandomness, again_after_nonfinite, all_finite
 
@@ -109,6 +110,8 @@ class LowMemTrainer:
             check_init_from(cfg)
         self.accelerator, self.engine = start_accelerator(cfg)
         self.precision = precision_for(cfg.mixed_precision, self.accelerator.device.type)
+        self.hardware = capability(self.accelerator.device.type)  # what computes fast here (lowmem.hardware)
+        self.telemetry.hardware = self.hardware.record()  # (config.json and the setup record say it)
         self.telemetry.attach(self.accelerator)
         self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
         self.start_time = time.time()
@@ -148,9 +151,10 @@ class LowMemTrainer:
         plan = plan_evals(self.model, self.core, self.data, cfg, self.accelerator, self.shape_multiple, self.state)
         lines, record = startup_summary(cfg, self.accelerator, self.parameters, self.data, per_epoch,
                                         self.total_steps, self.state.step, self.encoder_cache, self.core, plan)
-        for line in lines:
+        slow = slow_here(self.precision, self.hardware)  # an explicit choice slow here runs, with its factor
+        for line in [*lines, self.hardware.line(), *([f"warning: {slow}"] if slow else [])]:
             self.say(line)
-        self.telemetry.record("setup", **record)
+        self.telemetry.record("setup", **record, hardware=self.telemetry.hardware)
         return self
 
     def _build_model(self) -> None:

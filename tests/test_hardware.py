@@ -82,7 +82,7 @@ def test_this_cpu_ranks_as_its_measured_rates_say():
 
 def test_the_summary_line_gives_the_measured_factor_of_a_slow_dtype():
     line = SLOW_BF16.line()
-    assert "bfloat16 1 GFLOP/s (100x slower: not computed in)" in line and "float32 100 GFLOP/s" in line
+    assert "bfloat16 1 GFLOP/s (100x slower)" in line and "float32 100 GFLOP/s" in line
     assert "slower" not in FAST_BF16.line().split("bfloat16")[1].split(",")[0]
     assert SLOW_BF16.record()["fast"] == ["float32"] and FAST_BF16.record()["fast"] == ["float32", "bfloat16"]
 
@@ -159,3 +159,53 @@ def test_a_bf16_head_computes_its_logits_in_float32_where_bf16_is_slow(cpu_is):
     fast_machine = chunked_head_loss(hidden, weight, targets, 4)
     assert abs(float(slow_machine) - float(exact)) <= 1e-5 * float(exact)
     assert abs(float(fast_machine) - float(exact)) > 1e-5 * float(exact)  # bf16 logits: rounded
+
+
+# ---------------------------------------------------------------------------------------------- the planner
+def planned_run(tmp_path):
+    from transformers import T5Config
+
+    from lowmem.cli.flags import load_config
+    from lowmem.model.presets import preset_shape
+
+    folder = tmp_path / "small"
+    T5Config(**preset_shape("small", "gated-gelu"), vocab_size=8000).save_pretrained(folder)
+    cfg, _ = load_config({"is_finetune": True, "init_from": str(folder), "lora_r": 8})
+    lengths = {"max_source": 128, "max_target": 128, "mean_source": 60, "row_bytes": 500, "rows": 1000,
+               "pairs": [(128, 128)] * 1000}
+    return cfg, lengths
+
+
+@pytest.mark.parametrize("half, expected", [({"bfloat16": 1e14, "float16": 1e14}, "bf16"),
+                                            ({"bfloat16": 1e11, "float16": 1e14}, "fp16"),
+                                            ({"bfloat16": 1e11, "float16": 1e11}, "no")])
+def test_plan_never_recommends_computing_in_a_dtype_this_gpu_runs_slowly(tmp_path, monkeypatch, half, expected):
+    """A roomy budget: autocast is the fastest choice where its dtype is fast, and never chosen where it is not;
+    bf16 storage of the frozen weights goes with bf16 autocast only."""
+    from lowmem.cli import plan_command
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    found = Capability("cuda", "a GPU", {"float32": 1e13, **half}, "datasheet")
+    monkeypatch.setattr(hardware, "_KNOWN", {"cuda": found})
+    cfg, lengths = planned_run(tmp_path)
+    flags = plan_command.recommend(cfg, 80, "gpu", 8000, lengths, 300.0)["flags"]
+    assert flags["mixed_precision"] == expected
+    assert flags["frozen_dtype"] != "bfloat16" or expected == "bf16"
+
+
+def test_the_planners_step_time_of_a_slow_dtype_is_its_measured_factor(tmp_path, cpu_is):
+    from dataclasses import replace
+
+    from lowmem.cli import plan_command
+
+    cfg, _ = planned_run(tmp_path)
+    cpu_is(SLOW_BF16)
+    slow = plan_command.relative_time(replace(cfg, mixed_precision="bf16"), "cpu")
+    cpu_is(FAST_BF16)
+    fast = plan_command.relative_time(replace(cfg, mixed_precision="bf16"), "cpu")
+    assert slow == pytest.approx(100 * plan_command.relative_time(replace(cfg, mixed_precision="no"), "cpu"))
+    assert fast == pytest.approx(plan_command.SPEED["bf16_cpu"] * plan_command.relative_time(cfg, "cpu"))
+    # on the CPU the search never takes autocast: every recommendation computes in float32
+    lengths = {"max_source": 64, "max_target": 64, "mean_source": 40, "row_bytes": 300, "rows": 100,
+               "pairs": [(64, 64)] * 100}
+    assert plan_command.recommend(cfg, 64, "cpu", 8000, lengths, 300.0)["flags"]["mixed_precision"] == "no"

@@ -143,21 +143,23 @@ def test_fp16_is_refused_where_it_cannot_run():
     assert not TrainConfig(mixed_precision="fp16", freeze="none").problems()
 
 
-def test_gpu_profiles_and_plan_choose_fp16_on_a_gpu_without_bf16(monkeypatch):
+@pytest.mark.parametrize("half, chosen", [({"bfloat16": False, "float16": True}, "fp16"),  # T4, V100
+                                          ({"bfloat16": True, "float16": True}, "bf16"),  # Ampere on
+                                          ({"bfloat16": False, "float16": False}, "no")])  # GTX 10xx
+def test_gpu_profiles_and_plan_choose_the_half_precision_the_gpu_computes_fast(monkeypatch, half, chosen):
+    from lowmem.hardware import capability as hardware
     from lowmem.memory.profiles import profile_flags
 
+    rates = {"float32": 1e13, **{name: 1e14 if fast else 1e12 for name, fast in half.items()}}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(hardware, "_KNOWN", {"cuda": hardware.Capability("cuda", "a GPU", rates, "datasheet")})
     converted = {"memory_profile": "gpu8g"}
     notes = profile_flags(converted)
-    assert converted["mixed_precision"] == "fp16" and any("no bf16 support" in n for n in notes)
+    assert converted["mixed_precision"] == chosen
+    assert any("bf16 products are slow on this GPU" in n for n in notes) == (chosen != "bf16")
     explicit = {"memory_profile": "gpu8g", "mixed_precision": "bf16"}
     profile_flags(explicit)
-    assert explicit["mixed_precision"] == "bf16"  # the user's own choice stands (the run then says why it fails)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    bf16_gpu = {"memory_profile": "gpu8g"}
-    profile_flags(bf16_gpu)
-    assert bf16_gpu["mixed_precision"] == "bf16"
+    assert explicit["mixed_precision"] == "bf16"  # the user's own choice stands (the run then warns)
 
 
 def test_the_planner_prices_fp16_like_bf16_plus_the_float32_feed_forward_input():

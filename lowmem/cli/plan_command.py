@@ -20,9 +20,10 @@ from lowmem.extras import installed
 from lowmem.memory import planner
 from lowmem.memory.plan_batches import run_lengths
 from lowmem.memory.plan_sharding import SHARDINGS
-from lowmem.memory.profiles import gpu_without_bf16
+from lowmem.memory.profiles import gpu_half_precision
 from lowmem.memory.tensor_bytes import frozen_parts
 from lowmem.model.presets import MODEL_PRESETS
+from lowmem.training.precision import PRECISIONS
 
 RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: peaks measured up to ~8 % over plan
 
@@ -39,13 +40,28 @@ def relative_time(cfg: TrainConfig, device: str) -> float:
     """Step time relative to fp32, no checkpointing, AdamW (a ranking model, not a measurement)."""
     factor = SPEED["checkpointing"] if cfg.gradient_checkpointing else 1.0
     if cfg.mixed_precision != "no":
-        factor *= SPEED["bf16_gpu"] if device == "gpu" else SPEED["bf16_cpu"]
+        here = local_capability(device)  # a dtype measured slow on this machine: its measured factor
+        slow = here is not None and not here.fast(PRECISIONS[cfg.mixed_precision].dtype)
+        factor *= (here.slowdown(PRECISIONS[cfg.mixed_precision].dtype) if slow
+                   else SPEED["bf16_gpu"] if device == "gpu" else SPEED["bf16_cpu"])
     factor *= SPEED.get(cfg.optimizer, 1.0)
     if cfg.encoder_cache != "off":
         factor *= SPEED["encoder_cache"]
     if cfg.frozen_dtype in QUANTIZED_DTYPES:
         factor *= SPEED["int8_gpu"] if device == "gpu" else SPEED["int8_cpu"]
     return round(factor * 2 / min(cfg.batch_size, 2), 3)  # a micro-batch of 1 takes twice the steps
+
+
+def local_capability(device: str):
+    """This machine's capability for a plan's ``device`` (``lowmem.hardware``); None for a GPU plan made where no
+    GPU is (the table's factors then, for a GPU of the planned kind)."""
+    import torch
+
+    from lowmem.hardware.capability import capability
+
+    if device == "cpu":
+        return capability("cpu")
+    return capability("cuda") if torch.cuda.is_available() else None
 
 
 def reads_per_row(cfg: TrainConfig, rows: int, world: int = 1) -> float:
@@ -88,7 +104,8 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
     has_frozen = bool(frozen_parts(cfg))
     caches = ["off", "auto"] if cfg.frozen_encoder and not cfg.packing else ["off"]
-    precisions = ["no", "fp16" if gpu_without_bf16() else "bf16"] if device == "gpu" else ["no"]
+    # autocast only where its dtype is fast on this machine's GPU (a CPU's bf16 autocast measured more host memory)
+    precisions = list(dict.fromkeys(["no", gpu_half_precision()])) if device == "gpu" else ["no"]
     frozen = ["float32", "bfloat16"] if has_frozen else ["float32"]
     if "int8" in (import_mb or {}) and (cfg.freeze == "encoder" or cfg.lora_r) and not sharding:
         frozen += ["int8", "int8+wo"]  # optimum-quanto installed: 8-bit frozen linear layers (wo too if only that fits)

@@ -67,7 +67,7 @@ class Capability:
         for name in DTYPES:
             rate = f"{name} {self.flops.get(name, 0.0) / 1e9:,.0f} GFLOP/s"
             if name != "float32" and not self.fast(name):
-                rate += f" ({self.slowdown(name):,.0f}x slower: not computed in)"
+                rate += f" ({self.slowdown(name):,.0f}x slower)"
             parts.append(rate)
         return f"compute on {self.name} ({self.source}): " + ", ".join(parts)
 

@@ -31,19 +31,27 @@ def profile_flags(converted: dict) -> list[str]:
         if name in converted and converted[name] != value:
             notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
                          f"wins over the profile's {value!r}")
-        elif name == "mixed_precision" and value == "bf16" and not converted.get("cpu") and gpu_without_bf16():
-            notes.append(f"--memory_profile={profile}: this GPU has no bf16 support: --mixed_precision=fp16 "
+        elif name == "mixed_precision" and value == "bf16" and not converted.get("cpu") \
+                and gpu_half_precision() != value:
+            value = gpu_half_precision()
+            notes.append(f"--memory_profile={profile}: bf16 products are slow on this GPU: --mixed_precision={value} "
                          "instead of the profile's bf16")
-            value = "fp16"
         converted.setdefault(name, value)
     return notes
 
 
-def gpu_without_bf16() -> bool:
-    """Whether the run's GPU (T4, V100, RTX 20xx) lacks bf16: fp16, with its loss scaler, takes bf16's place."""
+def gpu_half_precision() -> str:
+    """The --mixed_precision a GPU profile's bf16 becomes on this machine's GPU (``lowmem.hardware``): bf16 where its
+    products are fast (Ampere on), else fp16 with its loss scaler where those are (T4, V100, RTX 20xx), else no.
+    Without a GPU here (a plan for one elsewhere): bf16."""
     import torch
 
-    return torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
+    if not torch.cuda.is_available():
+        return "bf16"
+    from lowmem.hardware.capability import capability
+
+    found = capability("cuda")
+    return "bf16" if found.fast(torch.bfloat16) else "fp16" if found.fast(torch.float16) else "no"
 
 
 def apply_caps(cfg: TrainConfig) -> list[str]:

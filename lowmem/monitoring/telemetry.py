@@ -42,6 +42,7 @@ class Telemetry:
         self.consumed: AppendLog | None = None  # --dump_consumed, every process
         self.pending_config: tuple | None = None  # (OUTPUT_DIR/config.json, the options), main process
         self.holding = False  # resuming: no record before the checkpoint has loaded (``open``)
+        self.hardware: dict = {}  # what the run's device computes fast (lowmem.hardware), written into config.json
 
     def attach(self, accelerator) -> None:
         self.main, self.rank, self.world = accelerator.is_main_process, accelerator.process_index, \
@@ -75,7 +76,7 @@ class Telemetry:
     def _write_config(self) -> None:
         path, values = self.pending_config
         with open_own(path, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(values, indent=1))
+            fh.write(json.dumps({**values, "hardware": self.hardware} if self.hardware else values, indent=1))
 
     def start_trackers(self) -> None:
         """The trackers of ``--report_to``: new runs, or (resumed) the runs they continue, at the current step."""

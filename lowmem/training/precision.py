@@ -23,6 +23,7 @@ class Precision:
 
     name = "no"
     accelerate_name = "no"  # what accelerate is told (fp16's autocast and scaler are this class's own)
+    dtype = torch.float32  # what matrix products compute in
 
     def __init__(self, device_type: str):
         """``device_type``: the accelerator's ("cpu", "cuda"), where a loss scaler would work."""
@@ -70,12 +71,14 @@ class BFloat16(Precision):
     """bf16 autocast, as accelerate runs it (float32 weights; float32's range: no scaling)."""
 
     name = accelerate_name = "bf16"
+    dtype = torch.bfloat16
 
 
 class Float16(Precision):
     """fp16 autocast with a loss scaler; T5's feed-forward output projections in float32."""
 
     name = "fp16"
+    dtype = torch.float16
 
     def __init__(self, device_type: str):
         self.scaler = torch.amp.GradScaler(device_type)
@@ -122,6 +125,18 @@ PRECISIONS = {kind.name: kind for kind in (Precision, BFloat16, Float16)}
 
 def precision_for(mixed_precision: str, device_type: str) -> Precision:
     return PRECISIONS[mixed_precision](device_type)
+
+
+def slow_here(precision: Precision, found) -> str | None:
+    """The warning for a ``--mixed_precision`` whose products ``found`` (``lowmem.hardware.capability``) measured
+    slow on the run's device, with the measured factor; None where it is fast. The run goes on as asked."""
+    if found.fast(precision.dtype):
+        return None
+    dtype = str(precision.dtype).removeprefix("torch.")
+    factor = found.slowdown(precision.dtype)
+    return (f"--mixed_precision={precision.name}: {dtype} matrix products take {factor:,.0f}x float32's time on this "
+            f"{found.device} ({found.name}, {found.source}); the run computes in {dtype} as asked, its products "
+            f"~{factor:,.0f}x slower than with --mixed_precision=no")
 
 
 def compute_context(accelerator, mixed_precision: str):
