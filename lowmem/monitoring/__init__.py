@@ -8,4 +8,5 @@
   before the run starts.
 - ``tracker_feed``: metrics.jsonl fed to those trackers, once per step across kills, resumes and their own outages.
 - ``plots``: PNG charts of a run's metrics.jsonl.
+- ``flops``: the model FLOPs of a training micro-batch, counted from the model's shapes (for MFU, docs/mfu.md).
 """
