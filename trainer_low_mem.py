@@ -30,7 +30,6 @@ from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
 from lowmem.checkpointing.checkpointer import Checkpointer
 from lowmem.checkpointing.run_folder import RunFolder
 from lowmem.cli.flags import TRAINED_WITH
-from lowmem.hardware.capability import capability
 from lowmem.memory.batch_budget import batch_request, size_run
 from lowmem.memory.collector import freeze_long_lived, imports_done, thaw_long_lived
 from lowmem.memory.eval_cost import plan_evals
@@ -52,7 +51,7 @@ from lowmem.training import encoder_cache
 from lowmem.training.accumulation import window_backward
 from lowmem.training.evaluation import eval_log_line, evaluate_in_run, is_better
 from lowmem.training.optim import optimizer_for_run
-from lowmem.training.precision import Precision, precision_for, slow_here
+from lowmem.training.precision import Precision, precision_for
 from lowmem.training.state import TrainState
 from lowmem.training.stopping import SignalWatch, StoppedBySignal, WindowRandomness, again_after_nonfinite, all_finite
 
@@ -110,8 +109,6 @@ class LowMemTrainer:
             check_init_from(cfg)
         self.accelerator, self.engine = start_accelerator(cfg)
         self.precision = precision_for(cfg.mixed_precision, self.accelerator.device.type)
-        self.hardware = capability(self.accelerator.device.type)  # what computes fast here (lowmem.hardware)
-        self.telemetry.hardware = self.hardware.record()  # (config.json and the setup record say it)
         self.telemetry.attach(self.accelerator)
         self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
         self.start_time = time.time()
@@ -151,10 +148,8 @@ class LowMemTrainer:
         plan = plan_evals(self.model, self.core, self.data, cfg, self.accelerator, self.shape_multiple, self.state)
         lines, record = startup_summary(cfg, self.accelerator, self.parameters, self.data, per_epoch,
                                         self.total_steps, self.state.step, self.encoder_cache, self.core, plan)
-        slow = slow_here(self.precision, self.hardware)  # an explicit choice slow here runs, with its factor
-        for line in [*lines, self.hardware.line(), *([f"warning: {slow}"] if slow else [])]:
-            self.say(line)
-        self.telemetry.record("setup", **record, hardware=self.telemetry.hardware)
+        self.say("\n".join(lines))
+        self.telemetry.record("setup", **record)
         return self
 
     def _build_model(self) -> None:
@@ -171,6 +166,7 @@ class LowMemTrainer:
                            **tokenizer_fingerprint(self.tokenizer), "held_out_rows": self.data.held_out_rows,
                            **base_model_identity(cfg)}
         self.model, self.parameters = ready_to_train(self.model, cfg, stored)
+        self.meter.count_flops(self.model, cfg, self.shape_multiple, self.accelerator.device.type, self.precision.dtype)
         self.precision.prepare(self.model)
         self.model = self.engine.shard(self.model, self.accelerator.device)  # FSDP's: before the optimizer
         self.telemetry.log_memory("model_built")
@@ -283,7 +279,7 @@ class LowMemTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.count_step(counts["tokens"], counts["examples"])
-        self.meter.add(loss_sum, counts)
+        self.meter.add(loss_sum, counts, window)
         self.bar.update()
         return True
 

@@ -8,6 +8,7 @@ package's map), and ``extras``: which optional packages are installed.
 - ``lowmem.parallel``: how processes run together: the accelerator, DDP, FSDP and DeepSpeed ZeRO engines.
 - ``lowmem.memory``: memory predicted (the planner), sized (micro-batches from a budget), probed and guarded.
 - ``lowmem.checkpointing``: the run folder: start checks, crash-safe checkpoints, resume, exports, ownership.
+- ``lowmem.hardware``: the machine: which dtypes its device computes fast, and its peak rate (for MFU).
 - ``lowmem.monitoring``: what a run tells: log lines, metrics.jsonl, the trackers of --report_to, plots.
 - ``lowmem.cli``: the command line: flags into a config, one ``error:`` line per mistake, the ``plan`` command.
 """

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from lowmem.hardware import capability as hardware
-from lowmem.hardware.capability import SLOW_FACTOR, Capability
+from lowmem.hardware import cpu_probe, probe
+from lowmem.hardware.capability import DTYPES, SLOW_FACTOR, Capability
 from lowmem.hardware.gpu_peaks import datasheet_peaks, fast_half
 
 SLOW_BF16 = Capability("cpu", "a CPU with AVX2 only", {"float32": 1e11, "bfloat16": 1e9, "float16": 1e9}, "measured")
@@ -20,7 +20,7 @@ FAST_BF16 = Capability("cpu", "a CPU with AMX", {"float32": 1e11, "bfloat16": 4e
 def cache_home(tmp_path, monkeypatch):
     """The probe's cache in a folder of the test's own, and no capability remembered by this process."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(hardware, "_KNOWN", {})
+    monkeypatch.setattr(probe, "_KNOWN", {})
     return tmp_path / "t5-lowmem" / "hardware.json"
 
 
@@ -28,20 +28,20 @@ def cache_home(tmp_path, monkeypatch):
 def cpu_is(monkeypatch):
     """Make this process's CPU capability the one given (a fact about hardware, as the probe would find it)."""
     def set_to(found: Capability):
-        monkeypatch.setattr(hardware, "_KNOWN", {"cpu": found})
+        monkeypatch.setattr(probe, "_KNOWN", {"cpu": found})
     return set_to
 
 
 def test_the_probe_measures_every_dtype_once_and_reads_the_cache_after(cache_home, monkeypatch):
-    found = hardware.capability("cpu")
+    found = probe.capability("cpu")
     assert set(found.flops) == {"float32", "bfloat16", "float16"} and found.flops["float32"] > 1e8
     assert found.source == "measured" and "threads" in found.name
     saved = json.loads(cache_home.read_text())
     assert list(saved["machines"].values()) == [{"flops": found.flops}]
     # a new process (nothing remembered) reads the cache and measures nothing
-    monkeypatch.setattr(hardware, "_KNOWN", {})
-    monkeypatch.setattr(hardware, "product_rate", lambda *args: pytest.fail("measured again"))
-    assert hardware.capability("cpu") == found
+    monkeypatch.setattr(probe, "_KNOWN", {})
+    monkeypatch.setattr(cpu_probe, "product_rate", lambda *args: pytest.fail("measured again"))
+    assert probe.capability("cpu") == found
 
 
 @pytest.mark.parametrize("damage", ["", "{", '{"version": 1, "machines": []}', '{"version": 0, "machines": {}}',
@@ -49,33 +49,33 @@ def test_the_probe_measures_every_dtype_once_and_reads_the_cache_after(cache_hom
 def test_a_damaged_cache_is_measured_again_and_rewritten(cache_home, damage):
     cache_home.parent.mkdir(parents=True)
     cache_home.write_text(damage)
-    found = hardware.capability("cpu")
+    found = probe.capability("cpu")
     assert json.loads(cache_home.read_text())["machines"] and found.flops["float32"] > 0
 
 
 def test_a_cache_entry_with_impossible_rates_is_measured_again(cache_home):
-    key = f"{hardware.cpu_name()} | torch {torch.__version__}"
+    key = f"{cpu_probe.cpu_name()} | torch {torch.__version__}"
     cache_home.parent.mkdir(parents=True)
     cache_home.write_text(json.dumps({"version": 1, "machines": {key: {"flops": {"float32": -1, "bfloat16": 1,
                                                                                  "float16": 1}}}}))
-    assert hardware.capability("cpu").flops["float32"] > 0
+    assert probe.capability("cpu").flops["float32"] > 0
 
 
 def test_a_cache_that_cannot_be_written_only_means_measuring_again(tmp_path, monkeypatch):
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
-    monkeypatch.setattr(hardware, "_KNOWN", {})
-    assert hardware.capability("cpu").flops["float32"] > 0
+    monkeypatch.setattr(probe, "_KNOWN", {})
+    assert probe.capability("cpu").flops["float32"] > 0
     assert blocked.read_text() == "not a folder"
 
 
 def test_this_cpu_ranks_as_its_measured_rates_say():
     """Whatever this machine is: a dtype is fast exactly when its measured slowdown is within SLOW_FACTOR."""
-    found = hardware.cpu_capability()
+    found = cpu_probe.cpu_capability()
     for name in ("bfloat16", "float16"):
         assert found.fast(name) == (found.slowdown(name) <= SLOW_FACTOR)
-        assert found.compute_dtype(hardware.DTYPES[name]) == (hardware.DTYPES[name] if found.fast(name)
+        assert found.compute_dtype(DTYPES[name]) == (DTYPES[name] if found.fast(name)
                                                                else torch.float32)
     assert found.fast(torch.float32) and found.compute_dtype(torch.float32) == torch.float32
 
@@ -186,7 +186,7 @@ def test_plan_never_recommends_computing_in_a_dtype_this_gpu_runs_slowly(tmp_pat
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     found = Capability("cuda", "a GPU", {"float32": 1e13, **half}, "datasheet")
-    monkeypatch.setattr(hardware, "_KNOWN", {"cuda": found})
+    monkeypatch.setattr(probe, "_KNOWN", {"cuda": found})
     cfg, lengths = planned_run(tmp_path)
     flags = plan_command.recommend(cfg, 80, "gpu", 8000, lengths, 300.0)["flags"]
     assert flags["mixed_precision"] == expected

@@ -147,12 +147,13 @@ def test_fp16_is_refused_where_it_cannot_run():
                                           ({"bfloat16": True, "float16": True}, "bf16"),  # Ampere on
                                           ({"bfloat16": False, "float16": False}, "no")])  # GTX 10xx
 def test_gpu_profiles_and_plan_choose_the_half_precision_the_gpu_computes_fast(monkeypatch, half, chosen):
-    from lowmem.hardware import capability as hardware
+    from lowmem.hardware import probe
+    from lowmem.hardware.capability import Capability
     from lowmem.memory.profiles import profile_flags
 
     rates = {"float32": 1e13, **{name: 1e14 if fast else 1e12 for name, fast in half.items()}}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(hardware, "_KNOWN", {"cuda": hardware.Capability("cuda", "a GPU", rates, "datasheet")})
+    monkeypatch.setattr(probe, "_KNOWN", {"cuda": Capability("cuda", "a GPU", rates, "datasheet")})
     converted = {"memory_profile": "gpu8g"}
     notes = profile_flags(converted)
     assert converted["mixed_precision"] == chosen

@@ -57,7 +57,7 @@ def local_capability(device: str):
     GPU is (the table's factors then, for a GPU of the planned kind)."""
     import torch
 
-    from lowmem.hardware.capability import capability
+    from lowmem.hardware.probe import capability
 
     if device == "cpu":
         return capability("cpu")

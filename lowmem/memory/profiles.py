@@ -48,7 +48,7 @@ def gpu_half_precision() -> str:
 
     if not torch.cuda.is_available():
         return "bf16"
-    from lowmem.hardware.capability import capability
+    from lowmem.hardware.probe import capability
 
     found = capability("cuda")
     return "bf16" if found.fast(torch.bfloat16) else "fp16" if found.fast(torch.float16) else "no"

@@ -10,6 +10,8 @@
   before anything heavy reads it and before an export is moved into place.
 - ``build``: the model built, loaded, frozen, adapted and stored narrow, and its export state dict.
 - ``quantize``: frozen linear layers in 8 bits (optimum-quanto), and back to float for exports.
+- ``narrow_compute``: products with frozen weights stored narrower than they compute (8-bit, bf16): in float32 a
+  block of rows at a time where the narrow dtype is slow on the device (``lowmem.hardware``).
 - ``adapters``: LoRA runs exported as peft adapter folders, and loaded back onto their base model.
 - ``loss``: the loss a step trains on (LM head at the target tokens only, summed token losses).
 - ``packed_attention``: the attention masks and decoder inputs of packed rows (``--packing``).

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lowmem.hardware.capability import capability
+from lowmem.hardware.probe import capability
 from lowmem.model.presets import loss_chunk_rows
 
 IGNORED = -100

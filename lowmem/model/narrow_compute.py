@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from lowmem.hardware.capability import computes_fast
+from lowmem.hardware.probe import computes_fast
 
 # Float bytes of a narrow weight that one product holds at a time (a block of its rows): one buffer reused for every
 # block, so a product allocates once, and small enough to stay in the core's cache between its conversion and use.

@@ -68,10 +68,12 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def train_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, padding_pct: float,
-               rss_mb: float, examples_per_row: float = 1.0) -> str:
-    """The fixed-order training log line (with --packing, the examples a row holds after the padding)."""
+               rss_mb: float, examples_per_row: float = 1.0, mfu: float | None = None) -> str:
+    """The fixed-order training log line (with --packing, the examples a row holds after the padding; ``mfu``: the
+    model FLOPs utilisation, docs/mfu.md)."""
     packed = f" ({examples_per_row:.1f} examples/row)" if examples_per_row > 1 else ""
-    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | tok/s {tokens_per_s:,.0f} | "
+    utilisation = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
+    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | tok/s {tokens_per_s:,.0f}{utilisation} | "
             f"pad {padding_pct:.1f}%{packed} | rss {rss_mb / 1024:.2f} GiB")
 
 

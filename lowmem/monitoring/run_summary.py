@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from config import SHIPPED_TOKENIZER_DIR, TrainConfig
 from data.sources.corpus import file_notes
+from lowmem.hardware.probe import capability
 from lowmem.model.build import head_is_tied, lora_stacks
 from lowmem.training.eval_metrics import scores_in
 
@@ -60,6 +61,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         eval_plan.line(),
         "memory: " + ", ".join(memory_features(cfg, parameters, cache, core)),
     ]
+    lines += compute_lines(cfg, accelerator.device.type)
     if cfg.torch_compile:
         lines.append(f"torch.compile ({cfg.torch_compile_backend}): the encoder and decoder stacks, training lengths "
                      f"padded to buckets {', '.join(map(str, data.collator.pad_multiple))}; a step meeting a new "
@@ -78,8 +80,18 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
                   gradient_accumulation_steps=cfg.gradient_accumulation_steps, eval_batch_size=cfg.eval_batch_size,
                   max_tokens_per_batch=cfg.max_tokens_per_batch, train_rows=data.rows,
                   held_out_rows=data.held_out_rows, eval_rows=len(data.eval_examples), total_steps=total_steps,
-                  world_size=world, **eval_plan.record())
+                  world_size=world, **eval_plan.record(), hardware=capability(accelerator.device.type).record())
     return lines, record
+
+
+def compute_lines(cfg: TrainConfig, device_type: str) -> list[str]:
+    """What the run's device computes fast (``lowmem.hardware``), and a warning when ``--mixed_precision`` asks for a
+    dtype it measured slow (the run goes on as asked)."""
+    from lowmem.training.precision import PRECISIONS, slow_here
+
+    found = capability(device_type)
+    slow = slow_here(PRECISIONS[cfg.mixed_precision], found)
+    return [found.line(), *([f"warning: {slow}"] if slow else [])]
 
 
 def data_line(cfg: TrainConfig, data, per_epoch: int) -> str:

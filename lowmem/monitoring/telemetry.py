@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from config import TrainConfig
 from lowmem.checkpointing.ownership import open_own
+from lowmem.hardware.probe import capability
 from lowmem.memory.probes import memory_snapshot
 from lowmem.monitoring.metrics_log import AppendLog, MetricsLog, train_line
 from lowmem.monitoring.tracker_feed import TrackerFeed
@@ -47,6 +48,7 @@ class Telemetry:
     def attach(self, accelerator) -> None:
         self.main, self.rank, self.world = accelerator.is_main_process, accelerator.process_index, \
             accelerator.num_processes
+        self.hardware = capability(accelerator.device.type).record()  # probed (or read from its cache) once
 
     def open(self, out: Path, cfg: TrainConfig, resuming: bool = False) -> None:
         """config.json and metrics.jsonl (main process), the consumed-examples log (every process).
@@ -163,6 +165,16 @@ class IntervalMeter:
         self.sums: dict = {}
         self.timed = {"seconds": 0.0, "steps": 0}  # every interval logged (and, resumed, the run's before)
         self.untimed_since: float | None = None  # inside ``untimed``: since when
+        self.flops = None  # counts a window's model FLOPs (``count_flops``): FLOP/s and MFU in the records
+        self.peak = 0.0  # FLOP/s of one device in the run's compute dtype (lowmem.hardware)
+
+    def count_flops(self, core, cfg: TrainConfig, multiple: int, device_type: str, dtype: torch.dtype) -> None:
+        """Count each window's model FLOPs (``lowmem.monitoring.flops``; ``core``: the model as trained, after its
+        memory modes), against one ``device_type`` device's peak in the compute ``dtype`` for the MFU."""
+        from lowmem.monitoring.flops import StepFlops
+
+        self.flops = (StepFlops.of(core, cfg.gradient_checkpointing), cfg.frozen_encoder, multiple)
+        self.peak = capability(device_type).peak(dtype)
 
     def start(self, device, saved: dict | None = None) -> None:
         """Start an interval. ``saved`` (on resume) carries the loss and token sums of the steps since
@@ -174,13 +186,17 @@ class IntervalMeter:
         if "timed_seconds" in saved:  # (checkpoints of earlier versions carry none: this process's alone)
             self.timed = {"seconds": saved.pop("timed_seconds"), "steps": saved.pop("timed_steps")}
         self.sums = {**saved, "loss": torch.tensor(saved["loss"], device=device), "all_tokens": 0,
-                     "timed_steps": 0, "t0": time.time()}
+                     "timed_steps": 0, "flops": 0, "t0": time.time()}
 
-    def add(self, loss_sum: torch.Tensor, counts: dict) -> None:
+    def add(self, loss_sum: torch.Tensor, counts: dict, window: list[dict] = ()) -> None:
         """One optimizer step: its local loss sum, and ``counts`` (``lowmem.parallel.distributed.window_counts``):
         target tokens, source + target tokens, the source + target positions of its micro-batches (padding
-        included), their rows and the examples they hold (more than the rows when packed)."""
+        included), their rows and the examples they hold (more than the rows when packed); ``window``: its
+        micro-batches as collated (on the host), whose model FLOPs are counted."""
         sums = self.sums
+        if self.flops is not None:
+            counter, frozen_encoder, multiple = self.flops
+            sums["flops"] += sum(counter.micro_batch(micro, frozen_encoder, multiple) for micro in window)
         sums["loss"] += loss_sum
         sums["tokens"] += counts["local_tokens"]
         sums["all_tokens"] += counts["local_all_tokens"]  # this process's timed tokens: tok/s
@@ -211,19 +227,23 @@ class IntervalMeter:
         all-reduce."""
         sums = self.sums
         counts = torch.tensor([sums["tokens"], sums["all_tokens"], sums["real_tokens"], sums["positions"],
-                               sums["rows"], sums["row_examples"]],
+                               sums["rows"], sums["row_examples"], sums["flops"]],
                               dtype=torch.float64, device=sums["loss"].device)
         totals = torch.cat([sums["loss"].double().reshape(1), counts])
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, "sum")
-        loss_sum, tokens, all_tokens, real, padded, rows, examples = totals.tolist()
+        loss_sum, tokens, all_tokens, real, padded, rows, examples, flops = totals.tolist()
         seconds = max(time.time() - sums["t0"], 1e-9)
         self.timed["seconds"] += seconds
         self.timed["steps"] += sums["timed_steps"]
+        rates = {}
+        if self.flops is not None:  # model FLOPs of every process's steps over the interval's time
+            rates["flops_per_s"] = round(flops / seconds, 1)
+            rates["mfu"] = round(flops / (seconds * accelerator.num_processes * self.peak), 4) if self.peak else None
         return {"loss": round(loss_sum / max(tokens, 1), 5), "tokens_per_s": round(all_tokens / seconds, 1),
                 "step_s": round(seconds / max(sums["timed_steps"], 1), 4),
                 "padding_pct": round(100 * (1 - real / padded), 1) if padded else 0.0,
-                "examples_per_row": round(examples / rows, 2) if rows else 1.0}  # (above 1: --packing)
+                "examples_per_row": round(examples / rows, 2) if rows else 1.0, **rates}  # (above 1: --packing)
 
     def saved(self) -> dict:
         """The interval's sums as a checkpoint keeps them, and the training time so far (see ``start``)."""
@@ -247,6 +267,7 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
     mem = memory_snapshot()
     interval = meter.close(accelerator)
     fields = dict(loss=interval["loss"], lr=lr, tokens_per_s=interval["tokens_per_s"], step_s=interval["step_s"],
+                  **{key: interval[key] for key in ("flops_per_s", "mfu") if key in interval},
                   padding_pct=interval["padding_pct"], examples_per_row=interval["examples_per_row"],
                   elapsed_s=round(elapsed, 2), epoch=state.epoch, examples=state.examples,
                   target_tokens=state.target_tokens, **mem)
@@ -259,7 +280,9 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
     telemetry.record("train", **fields)
     if telemetry.main:
         bar.set_postfix(loss=f"{fields['loss']:.3f}", lr=f"{lr:.1e}", tok_s=f"{fields['tokens_per_s']:.0f}",
+                        **({"mfu": f"{100 * fields['mfu']:.1f}%"} if fields.get("mfu") is not None else {}),
                         rss=f"{mem['rss_mb'] / 1024:.2f}G")
         if not on_terminal():
             telemetry.say(train_line(state.step, total_steps, fields["loss"], lr, fields["tokens_per_s"],
-                                     fields["padding_pct"], mem["rss_mb"], fields["examples_per_row"]))
+                                     fields["padding_pct"], mem["rss_mb"], fields["examples_per_row"],
+                                     fields.get("mfu")))
