@@ -33,7 +33,7 @@ SHIPPED_CORPORA = {
 
 STARTED_MARKER = ".t5-lowmem-run"  # left in an output folder as soon as a run begins there
 
-OPTIMIZERS = ("adafactor", "adamw", "adamw8bit")
+OPTIMIZERS = ("adafactor", "adamw", "adamw8bit", "adamw_scale")
 # T5's linear layers by name: attention q, k, v, o; feed-forward wi, wo (wi_0 and wi_1 on gated models:
 # t5-v1_1, flan-t5, mT5, ByT5, where "wi" names both).
 LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo", "wi_0", "wi_1")
@@ -163,7 +163,8 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward. True saves most "
                                              "activation memory for more step time (each block's forward runs twice).")
     optimizer: str = _f("adafactor", "adafactor (factored second moments: the smallest state), adamw (2 x weights "
-                                     "of state) or adamw8bit (bitsandbytes, pip install .[gpu]: 1/4 of adamw).")
+                                     "of state), adamw8bit (bitsandbytes, pip install .[gpu]: 1/4 of adamw) or "
+                                     "adamw_scale (nanoT5's AdamW, steps scaled by each weight's RMS; adamw's state).")
     lora_r: int = _f(0, "LoRA rank (0 = off; peft, pip install .[gpu]). Only adapters get gradients and "
                         "optimizer state; best/ and final/ are merged plain models. Nonzero saves memory.")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).")

@@ -752,13 +752,13 @@ print(json.dumps({"measured": high_water_mark() - rss, "planned": sum(optimizer_
 """
 
 
-@pytest.mark.parametrize("optimizer", ["adafactor", "adamw", "adamw8bit"])
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw", "adamw8bit", "adamw_scale"])
 def test_an_optimizer_step_takes_the_memory_the_plan_gives_its_state_and_temporaries(optimizer, processes):
     # Every freed block goes back to the system (mmap above 64 KiB), so the process's high-water mark
     # (restarted just before) above its RSS is exactly what the step held at once: the state it made and its
     # temporaries. Measured on a 4M-element matrix: Adafactor 16 MiB (one update-sized tensor),
-    # AdamW 64 (two moments, two temporaries), adamw8bit 88 (bitsandbytes' CPU step dequantizes both
-    # moments and works in float32: five temporaries, planned as two before).
+    # AdamW 64 (two moments, two temporaries), adamw_scale 48 (two moments, one temporary), adamw8bit 88
+    # (bitsandbytes' CPU step dequantizes both moments and works in float32: five temporaries, planned as two before).
     import sys
 
     if optimizer == "adamw8bit" and not installed("bitsandbytes"):

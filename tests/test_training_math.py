@@ -279,7 +279,7 @@ def test_a_resume_applies_this_commands_rate_and_schedule_from_its_first_step():
     assert lower == pytest.approx([r / 3 for r in straight[10:]])
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "adamw_scale"])
 def test_weight_decay_leaves_layer_norms_and_position_biases_alone(tokenizer, optimizer):
     from lowmem.training.optim import build_optimizer, parameter_groups, resume_schedule, warmup_schedule
 

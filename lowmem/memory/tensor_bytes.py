@@ -35,6 +35,8 @@ PARTS = ("shared", "encoder", "decoder", "lm_head")
 
 
 FILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # a checkpoint's dtype (config.json) -> bytes per element
+OPTIMIZER_STATE = {"adamw": ("moments", 2), "adamw_scale": ("moments", 1),  # --optimizer: (its state's layout,
+                   "adamw8bit": ("8bit", 2), "adafactor": ("factored", 1)}  # weight-sized temporaries of its step)
 
 
 def model_dims(cfg: TrainConfig, vocab_size: int) -> dict:
@@ -197,21 +199,19 @@ def quantized_saving(cfg: TrainConfig, quantized: list[tuple[int, ...]]) -> int:
 
 
 def optimizer_bytes(cfg: TrainConfig, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
-    """(state bytes, largest per-step temporary) of --optimizer for these trainable shapes."""
-    state, temp = 0, 0
+    """(state bytes, largest per-step temporary) of --optimizer for these trainable shapes (test_memory_modes)."""
+    (layout, temporaries), state, temp = OPTIMIZER_STATE[cfg.optimizer], 0, 0
     for shape in shapes:
         n = numel(shape)
-        step_temp = 8 * n  # two update-sized tensors live at once inside step()
-        if cfg.optimizer == "adamw":
+        temp = max(temp, 4 * n * temporaries)
+        if layout == "moments":  # two float32 moments a weight
             state += 8 * n
-        elif cfg.optimizer == "adamw8bit":
+        elif layout == "8bit":
             state += (2 * n + 8 * (n // 256 + 1)) if n >= 4096 else 8 * n
             if n >= 4096:  # bitsandbytes' CPU step dequantizes both moments and works in float32
-                step_temp = 20 * n  # measured: 5.0 x 4n for 1M-16M elements (bitsandbytes 0.50)
+                temp = max(temp, 20 * n)  # measured: 5.0 x 4n for 1M-16M elements (bitsandbytes 0.50)
         else:  # Adafactor: factored second moment for matrices, full for vectors
             state += 4 * (shape[0] + shape[1]) if len(shape) == 2 else 4 * n
-            step_temp = 4 * n  # lowmem.training.optim.Adafactor builds the update in one tensor (measured: 1.0 x 4n)
-        temp = max(temp, step_temp)
     return state, temp
 
 

@@ -17,11 +17,14 @@ MODEL_PRESETS = {
     "tiny": dict(d_model=128, num_heads=4, d_kv=32, num_layers=2, num_decoder_layers=2),
     "small": dict(d_model=512, num_heads=8, d_kv=64, num_layers=6, num_decoder_layers=6),
     "base": dict(d_model=768, num_heads=12, d_kv=64, num_layers=10, num_decoder_layers=10),
+    # google/t5-v1_1-base's shape, which nanoT5 pretrains from random weights (recipes/nanot5.yaml)
+    "t5-v1_1-base": dict(d_model=768, num_heads=12, d_kv=64, num_layers=12, num_decoder_layers=12),
 }
 # A preset's feed-forward width (d_ff) per --feed_forward_proj: gated-gelu's three matrices (wi_0, wi_1, wo) are
 # 2/3 as wide as ReLU's two (wi, wo), to the nearest multiple of 64, so both hold about the same weights.
-FEED_FORWARD_WIDTHS = {"gated-gelu": {"tiny": 320, "small": 1344, "base": 2048},
-                       "relu": {"tiny": 512, "small": 2048, "base": 3072}}
+# t5-v1_1-base's are its own d_ff (2048) and, ReLU, the original t5-base's (3072).
+FEED_FORWARD_WIDTHS = {"gated-gelu": {"tiny": 320, "small": 1344, "base": 2048, "t5-v1_1-base": 2048},
+                       "relu": {"tiny": 512, "small": 2048, "base": 3072, "t5-v1_1-base": 3072}}
 
 
 def preset_shape(preset: str, feed_forward_proj: str) -> dict:

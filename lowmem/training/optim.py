@@ -1,4 +1,5 @@
-"""Adafactor at a fixed learning rate, and the warmup + decay schedules, without ``transformers.optimization``.
+"""Adafactor at a fixed learning rate, nanoT5's AdamW with RMS-scaled steps (``AdamWScale``), and the warmup +
+decay schedules, without ``transformers.optimization``.
 
 Why not import them from transformers: ``transformers.optimization`` imports ``transformers.trainer_utils``,
 which imports peft, bitsandbytes and parts of torch._dynamo whenever they are installed: about 55 MB of
@@ -98,6 +99,57 @@ class Adafactor(torch.optim.Optimizer):
         apply_update(weights, update, state, group)
         if local.dtype in (torch.float16, torch.bfloat16):
             local.copy_(weights)
+
+
+class AdamWScale(torch.optim.Optimizer):
+    """AdamW whose step is scaled by each weight's RMS: nanoT5's ``AdamWScale`` (``--optimizer=adamw_scale``).
+
+    nanoT5 found that what lets Adafactor pretrain T5 where plain AdamW diverges is its relative step: each
+    weight moves by an amount proportional to its own root-mean-square size. Here, per weight ``p`` with
+    gradient ``g`` at step ``t``: ``m = b1 m + (1 - b1) g``; ``v = b2 v + (1 - b2) g**2``;
+    ``p -= lr * sqrt(1 - b2**t) / (1 - b1**t) * max(1e-3, RMS(p)) * m / (sqrt(v) + eps)``, RMS taken before
+    the step; then decoupled weight decay ``p -= lr * weight_decay * p`` (not RMS-scaled). Its defaults are
+    nanoT5's (transformers' old ``AdamW``): betas (0.9, 0.999), eps 1e-6 added outside the bias correction.
+
+    State is AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``). Shard-aware as ``Adafactor`` is: under FSDP2
+    each process steps its rows, with the RMS of the whole weight summed over the processes (DeepSpeed's
+    flat slices are refused by ``lowmem.parallel.deepspeed_engine.check_deepspeed``).
+    """
+
+    RMS_FLOOR = 1e-3  # a weight at (or near) zero still moves, by lr x 1e-3 (Adafactor's eps[1])
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            # every weight's RMS in one tensor, read back once: one wait for the GPU per group, not per weight
+            rms = torch.stack([_Means(p).rms(plain(p)).float() for p in params])
+            for p, scale in zip(params, rms.clamp_(min=self.RMS_FLOOR).tolist()):
+                self._update(p, group, scale)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict, scale: float) -> None:
+        weights, grad, state = plain(p), plain(p.grad), self.state[p]  # this process's rows of a sharded weight
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(weights)
+            state["exp_avg_sq"] = torch.zeros_like(weights)
+        state["step"] += 1
+        (beta1, beta2), step = group["betas"], state["step"]
+        state["exp_avg"].mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        denom = state["exp_avg_sq"].sqrt().add_(group["eps"])  # the step's one weight-sized temporary
+        step_size = group["lr"] * math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+        weights.addcdiv_(state["exp_avg"], denom, value=-step_size * scale)
+        if group["weight_decay"]:
+            weights.add_(weights, alpha=-group["lr"] * group["weight_decay"])
 
 
 class _Means:
@@ -220,13 +272,15 @@ def build_optimizer(cfg: TrainConfig, params):
 
     Adafactor: no relative step, no parameter scaling (the reference's ``relative_step=True`` ignored
     the configured rate). adamw8bit keeps both moments in 8 bits (bitsandbytes, tensors of 4096+
-    elements; smaller ones stay 32-bit).
+    elements; smaller ones stay 32-bit). adamw_scale: nanoT5's AdamW with RMS-scaled steps (``AdamWScale``).
     """
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw8bit":
         bnb = optional_import("bitsandbytes", "--optimizer=adamw8bit")
         return bnb.optim.AdamW8bit(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw_scale":
+        return AdamWScale(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
     return Adafactor(params, lr=cfg.learn_rate, weight_decay=cfg.weight_decay)
 
 
