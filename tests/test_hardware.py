@@ -38,10 +38,28 @@ def test_the_probe_measures_every_dtype_once_and_reads_the_cache_after(cache_hom
     assert found.source == "measured" and "threads" in found.name
     saved = json.loads(cache_home.read_text())
     assert list(saved["machines"].values()) == [{"flops": found.flops}]
-    # a new process (nothing remembered) reads the cache and measures nothing
+    # a new process (nothing remembered) reads the cache and times float32's product only, to keep the highest rate
+    timed = []
+
+    def product_rate(dtype, shape, repeats=5):
+        timed.append((dtype, shape))
+        return found.flops["float32"] / 2  # slower now (a loaded machine): the cached peak stands
+
     monkeypatch.setattr(probe, "_KNOWN", {})
-    monkeypatch.setattr(cpu_probe, "product_rate", lambda *args: pytest.fail("measured again"))
-    assert probe.capability("cpu") == found
+    monkeypatch.setattr(cpu_probe, "product_rate", product_rate)
+    assert probe.capability("cpu") == found and timed == [(torch.float32, cpu_probe.LARGE)]
+
+
+def test_a_peak_cached_under_load_rises_to_the_machines_own(cache_home):
+    """The cache keeps the highest float32 rate seen; the narrow dtypes' keep their measured slowdown."""
+    key = f"{cpu_probe.cpu_name()} | torch {torch.__version__}"
+    cache_home.parent.mkdir(parents=True)
+    low = {"float32": 1e6, "bfloat16": 1e4, "float16": 2e6}
+    cache_home.write_text(json.dumps({"version": 1, "machines": {key: {"flops": low}}}))
+    found = probe.capability("cpu")
+    assert found.flops["float32"] > 1e8 and found.slowdown("bfloat16") == pytest.approx(100)
+    assert found.slowdown("float16") == pytest.approx(0.5)
+    assert json.loads(cache_home.read_text())["machines"][key]["flops"] == found.flops
 
 
 @pytest.mark.parametrize("damage", ["", "{", '{"version": 1, "machines": []}', '{"version": 0, "machines": {}}',
