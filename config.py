@@ -111,7 +111,8 @@ class TrainConfig:
 
     # --- model ---
     model_preset: str = _f("tiny", "Model shape: tiny (3M parameters, CPU demos), small (T5-small shape: 52M), base "
-                                   "(the reference's shape: 178M), with the shipped vocabulary. Smaller saves memory.")
+                                   "(the reference's shape: 178M), t5-v1_1-base (T5 v1.1 base's: 12 + 12 layers, "
+                                   "recipes/nanot5.yaml), with the tokenizer's vocabulary. Smaller saves memory.")
     feed_forward_proj: str = _f("gated-gelu", "Feed-forward of a --model_preset model: gated-gelu (T5 v1.1, flan-t5, "
                                               "mT5) or relu (the original T5); the same weights either way. "
                                               "gated-gelu's smooth gradients make runs reproducible to float error.")

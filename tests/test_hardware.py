@@ -227,3 +227,25 @@ def test_the_planners_step_time_of_a_slow_dtype_is_its_measured_factor(tmp_path,
     lengths = {"max_source": 64, "max_target": 64, "mean_source": 40, "row_bytes": 300, "rows": 100,
                "pairs": [(64, 64)] * 100}
     assert plan_command.recommend(cfg, 64, "cpu", 8000, lengths, 300.0)["flags"]["mixed_precision"] == "no"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "no"])
+def test_an_explicit_precision_slow_here_runs_with_one_warning_giving_the_factor(cpu_is, precision):
+    from lowmem.cli.flags import load_config
+    from lowmem.monitoring.run_summary import compute_lines
+
+    cfg, _ = load_config({"mixed_precision": precision})
+    cpu_is(SLOW_BF16)
+    slow = compute_lines(cfg, "cpu")
+    cpu_is(FAST_BF16)
+    fast = compute_lines(cfg, "cpu")
+    assert slow[0] == SLOW_BF16.line() and fast[0] == FAST_BF16.line()
+    warned = [line for line in slow + fast if line.startswith("warning:")]
+    if precision == "no":
+        assert not warned
+    elif precision == "bf16":  # slow on the AVX2 CPU only
+        assert warned == [f"warning: --mixed_precision=bf16: bfloat16 matrix products take 100x float32's time on "
+                          f"this cpu (a CPU with AVX2 only, measured); the run computes in bfloat16 as asked, its "
+                          f"products ~100x slower than with --mixed_precision=no"]
+    else:  # float16: slow on both
+        assert len(warned) == 2 and all("float16 matrix products take 100x" in line for line in warned)

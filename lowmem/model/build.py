@@ -106,8 +106,9 @@ def store_frozen_in_bf16(model) -> int:
     """Keep the frozen weight matrices in bfloat16 (half their memory); returns their element count.
 
     Inside bf16 autocast every matrix product reads its weights in bf16 anyway: the frozen ones are
-    now rounded once, here, instead of at every use. Vectors (layer norms) and the small relative
-    position tables stay float32, and the embedding lookups' outputs are turned back to float32, so
+    now rounded once, here, instead of at every use. Where bf16 products are slow on the device they compute
+    in float32 a block at a time instead (``lowmem.model.narrow_compute``). Vectors (layer norms) and the small
+    relative position tables stay float32, and the embedding lookups' outputs are turned back to float32, so
     the residual stream keeps the precision it has with float32 weights.
     """
     stored = 0

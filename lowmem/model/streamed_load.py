@@ -9,7 +9,8 @@ the model is made on the meta device (no memory), and each block's tensors are r
 - frozen ones, by ``--frozen_dtype``: float32; bfloat16 matrices; or, for int8 / float8, the block's
   frozen linear layers quantized there and then (optimum-quanto, ``lowmem.model.quantize``), and the matrices
   kept as loaded (``wo`` unless ``--quantize_wo``, the embedding, a frozen untied head) in bfloat16
-  (docs/large_models.md: the error that adds beside 8-bit layers, measured);
+  (docs/large_models.md: the error that adds beside 8-bit layers, measured), computing in float32 where bf16
+  products are slow on the device (``lowmem.model.narrow_compute``);
 - layer norms and the relative position tables: float32.
 
 So the host holds the training form plus one block's tensors as read. LoRA's adapters are added after

@@ -1,7 +1,7 @@
 """The optimisation a run performs, one accumulation window at a time.
 
 - ``accumulation``: one window's backward, the same gradient whatever engine runs it.
-- ``optim``: Adafactor and the warmup + decay schedules.
+- ``optim``: Adafactor, AdamWScale (nanoT5's RMS-scaled AdamW) and the warmup + decay schedules.
 - ``precision``: ``--mixed_precision`` (float32, bf16, fp16 with its loss scaler), one class each.
 - ``state``: ``TrainState``, the counters every checkpoint keeps (step, epoch, tokens, the best model so far).
 - ``stopping``: clean stops on SIGTERM / SIGINT, and the count of skipped non-finite steps.
