@@ -41,7 +41,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):
             low = weight.to(dtype)  # (itself in float32)
-            wide = weight.float() if want_hidden else None  # the input gradient's, converted once (a bf16 head)
+            # the input gradient's weight in float32: the logits' own where they compute in float32 (converted once)
+            wide = (low if low.dtype == torch.float32 else weight.float()) if want_hidden else None
             grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
