@@ -66,18 +66,10 @@ def a_batch(sources: list[int], targets: list[int], multiple: int = 1) -> dict:
 UNEVEN = ([9, 23, 4], [17, 5, 11])  # rows of different lengths, sources and targets unlike each other
 
 
-def in_place_products() -> dict:
-    """FlopCounterMode formulas for ``addmm_``, which torch 2.13's counter leaves out (it knows ``addmm``): the chunked
-    loss accumulates the head's weight gradient with it, the 8-bit layers their input gradients."""
-    from torch.utils.flop_counter import flop_registry
-
-    return {torch.ops.aten.addmm_: flop_registry[torch.ops.aten.addmm].__wrapped__}  # (custom formulas take shapes)
-
-
 def counted(model, batch: dict, frozen_encoder: bool, multiple: int = 1, loss_chunk=0, mapping=None) -> int:
     """FlopCounterMode's total over the trainer's forward (``token_loss_sum``) and backward of ``batch``."""
     model.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False, custom_mapping={**in_place_products(), **(mapping or {})}) as counter:
+    with FlopCounterMode(display=False, custom_mapping=mapping or {}) as counter:
         loss = token_loss_sum(model, model, batch_to_device(batch, "cpu", multiple), frozen_encoder=frozen_encoder,
                               multiple=multiple, loss_chunk=loss_chunk)
         loss.backward()

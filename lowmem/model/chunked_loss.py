@@ -83,7 +83,8 @@ def softmax_gradient(exp_logits, sums, picked, counted, rows, wide, grad_hidden,
     if grad_hidden is not None:
         torch.mm(grad, wide, out=grad_hidden[start:start + len(grad)])
     if grad_weight is not None:
-        grad_weight.addmm_(grad.t(), rows.float())
+        # addmm into itself, not addmm_: the same product, and one torch's FlopCounterMode counts (docs/mfu.md)
+        torch.addmm(grad_weight, grad.t(), rows.float(), out=grad_weight)
 
 
 def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -81,7 +81,7 @@ class BlockLinear(torch.autograd.Function):
             partial = None if dtype == torch.float32 else torch.empty_like(grad_x, dtype=dtype)
             for part, block in float_blocks(data, dtype):
                 if partial is None:
-                    grad_x.addmm_(scaled[:, part], block)
+                    torch.addmm(grad_x, scaled[:, part], block, out=grad_x)  # (addmm_: uncounted by FlopCounterMode)
                 else:
                     grad_x.add_(torch.mm(scaled[:, part], block, out=partial))
         return grad_x.reshape(*grad.shape[:-1], data.shape[1]).to(ctx.input_dtype), None, None, None
