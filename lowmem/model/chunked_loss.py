@@ -93,5 +93,6 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     device (``lowmem.hardware.capability``: a bf16-stored head on a CPU without native bf16)."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    dtype = capability(device).compute_dtype(dtype)
+    if dtype != torch.float32:  # (float32 needs no probe: none runs inside a float32 forward)
+        dtype = capability(device).compute_dtype(dtype)
     return ChunkedHeadLoss.apply(hidden, weight, targets, chunk, dtype)
