@@ -30,8 +30,9 @@ RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: p
 # Relative step-time factors (1.0 = fp32, no checkpointing, AdamW-class optimizer) used to rank modes.
 # The encoder cache's is the measured curve's short-prompt end (bench/encoder_cache_speed.py: 0.6-0.8, lower
 # as prompts grow longer than the answers).
-# int8 on the CPU: RowBlockLinear, no slower than float32 frozen weights on flan-t5-large's shape (bench/int8_step.py:
-# 0.67x step time, 0.93x CPU time, they stream a quarter of the bytes); on a GPU quanto's own kernels, not measured.
+# int8 on the CPU: BlockLinear (lowmem.model.narrow_compute), on flan-t5-large's shape (bench/int8_step.py) 0.67x
+# float32's step time on an AVX-512 machine, 1.29x on an AVX2 one with short rows (docs/hardware.md); on a GPU
+# quanto's own kernels, not measured.
 SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.02, "adafactor": 1.03,
          "encoder_cache": 0.8, "int8_cpu": 1.0, "int8_gpu": 1.3}
 
