@@ -41,6 +41,10 @@ def run(tmp_path, tokenizer, **flags) -> tuple[list[dict], list[int]]:
     trainer.counted = []
     trainer.train()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # what the probe found is in config.json and the setup record, as the start-up summary said it
+    found = capability("cpu").record()
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["hardware"] == found
+    assert [r["hardware"] for r in records if r["event"] == "setup"] == [found]
     return [r for r in records if r["event"] == "train"], trainer.counted
 
 
