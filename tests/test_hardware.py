@@ -244,8 +244,8 @@ def test_an_explicit_precision_slow_here_runs_with_one_warning_giving_the_factor
     if precision == "no":
         assert not warned
     elif precision == "bf16":  # slow on the AVX2 CPU only
-        assert warned == [f"warning: --mixed_precision=bf16: bfloat16 matrix products take 100x float32's time on "
-                          f"this cpu (a CPU with AVX2 only, measured); the run computes in bfloat16 as asked, its "
-                          f"products ~100x slower than with --mixed_precision=no"]
+        assert warned == ["warning: --mixed_precision=bf16: bfloat16 matrix products take 100x float32's time on "
+                          "this cpu (a CPU with AVX2 only, measured); the run computes in bfloat16 as asked, its "
+                          "products ~100x slower than with --mixed_precision=no"]
     else:  # float16: slow on both
         assert len(warned) == 2 and all("float16 matrix products take 100x" in line for line in warned)

@@ -1,5 +1,6 @@
 """A CPU's matrix-product rates per dtype: a small product per dtype, best of a few (about 0.1 s), cached per machine
-(CPU model, torch's kernel level, torch's version, the process's threads) in ``$XDG_CACHE_HOME/t5-lowmem/hardware.json``.
+(CPU model, torch's kernel level, torch's version, the process's threads) in
+``$XDG_CACHE_HOME/t5-lowmem/hardware.json``.
 """
 
 from __future__ import annotations
