@@ -207,6 +207,7 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
         import_transformers_models()  # before any model class: without scipy (the baseline measured below)
         check_weights(cfg.init_from)  # a plan of weights that are not its config's model would size another one
     data = planner.plan_data(cfg, tokenizer, num_processes)
+    local_capability(device)  # probed before the baseline, as in the trainer (its products leave kernels resident)
     core, import_mb = framework_baselines(cfg, budget_gb)  # after reading, as in the trainer
     baseline = core + import_mb.get(cfg.optimizer, 0.0) + import_mb.get(cfg.frozen_dtype, 0.0)
     cfg = sized(cfg, data, len(tokenizer), baseline, device, num_processes, per_machine, sharding, budget_gb)
