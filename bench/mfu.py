@@ -31,20 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from int8_step import train_records  # this folder is on sys.path when the script runs
+from plain_loop import text_corpus
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MICRO, SOURCE, TARGET = 8, 128, 29  # span corruption of 128-token chunks at 15 % noise, mean span 3
-
-
-def records_of(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    records = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # the line being written
-            break
-    return [r for r in records if r.get("event") == "train"]
 
 
 def trainer_run(flags: list[str], out: Path, steps: int) -> dict:
@@ -56,9 +48,9 @@ def trainer_run(flags: list[str], out: Path, steps: int) -> dict:
     log = out.with_suffix(".log")
     with open(log, "w") as sink:
         process = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
-        while len(records_of(out)) < steps and process.poll() is None:
+        while len(train_records(out)) < steps and process.poll() is None:
             time.sleep(0.2)
-        records = records_of(out)
+        records = train_records(out)
         if process.poll() is None:
             process.kill()  # the final evaluation and exports are not what is measured
         process.wait()
@@ -105,16 +97,6 @@ def plain_run(preset: str, steps: int) -> dict:
     done = subprocess.run([sys.executable, __file__, f"--plain={preset}", f"--steps={steps}"], cwd=REPO, check=True,
                           capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def text_corpus(folder: Path) -> Path:
-    """Raw text made from the shipped chat pairs, one document per line."""
-    path = folder / "corpus.txt"
-    with open(REPO / "data/chatterbot/train.jsonl", encoding="utf-8") as rows, open(path, "w", encoding="utf-8") as out:
-        for line in rows:
-            row = json.loads(line)
-            out.write(f"{row['prompt']} {row['response']}\n")
-    return path
 
 
 def presets(args, tmp: Path, peak: float) -> None:
