@@ -31,11 +31,11 @@ def profile_flags(converted: dict) -> list[str]:
         if name in converted and converted[name] != value:
             notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
                          f"wins over the profile's {value!r}")
-        elif name == "mixed_precision" and value == "bf16" and not converted.get("cpu") \
-                and gpu_half_precision() != value:
+        elif name == "mixed_precision" and value == "bf16" and not converted.get("cpu"):
             value = gpu_half_precision()
-            notes.append(f"--memory_profile={profile}: bf16 products are slow on this GPU: --mixed_precision={value} "
-                         "instead of the profile's bf16")
+            if value != "bf16":
+                notes.append(f"--memory_profile={profile}: bf16 products are slow on this GPU: "
+                             f"--mixed_precision={value} instead of the profile's bf16")
         converted.setdefault(name, value)
     return notes
 
