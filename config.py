@@ -13,14 +13,13 @@ Runtime state (step, examples seen, ...) never lives here: see ``lowmem.training
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowmem.extras import installed, optional_package_missing
-from lowmem.model.presets import AUTO, FEED_FORWARD_WIDTHS, MEMORY_PROFILES, MODEL_PRESETS
-from lowmem.training.eval_metrics import DEFAULT_METRICS, metric_problems
+from lowmem.utils.eval_metrics import DEFAULT_METRICS, metric_problems
+from lowmem.utils.optional import installed, optional_package_missing
+from lowmem.utils.presets import AUTO, FEED_FORWARD_WIDTHS, MEMORY_PROFILES, MODEL_PRESETS
 
 REPO_DIR = Path(__file__).resolve().parent
 SHIPPED_DATA_DIR = REPO_DIR / "data"
@@ -31,7 +30,6 @@ SHIPPED_CORPORA = {
     "sft": (SHIPPED_DATA_DIR / "chatterbot" / "train.jsonl", SHIPPED_DATA_DIR / "chatterbot" / "eval.jsonl"),
 }
 
-STARTED_MARKER = ".t5-lowmem-run"  # left in an output folder as soon as a run begins there
 
 OPTIMIZERS = ("adafactor", "adamw", "adamw8bit", "adamw_scale")
 # T5's linear layers by name: attention q, k, v, o; feed-forward wi, wo (wi_0 and wi_1 on gated models:
@@ -42,19 +40,6 @@ CACHE_DTYPES = ("float32", "bfloat16", "float16")
 FROZEN_DTYPES = ("float32", "bfloat16", "int8", "float8")
 QUANTIZED_DTYPES = ("int8", "float8")  # optimum-quanto weights (lowmem.model.quantize)
 FREEZE_CHOICES = ("encoder", "embeddings", "none")
-
-
-class UserError(Exception):
-    """A mistake the user can fix; the CLI prints it as one line and exits with code 2."""
-
-
-def saved_json(path: Path) -> dict | None:
-    """The JSON object stored in ``path``; None when it is missing, unreadable or not an object."""
-    try:
-        saved = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return saved if isinstance(saved, dict) else None
 
 
 def _f(default, help_text: str, **kwargs):
@@ -387,6 +372,13 @@ class TrainConfig:
     def frozen_encoder(self) -> bool:
         """Whether the encoder stays fixed (it then runs under no_grad in eval mode, and may be cached)."""
         return self.freeze == "encoder"
+
+    def optional_modules(self) -> list[tuple[str, str]]:
+        """(module, the flag that needs it) for each optional package this run imports beyond the trainer's own."""
+        return [(module, flag) for module, flag, used in (
+            ("peft", "--lora_r", self.lora_r > 0),
+            ("bitsandbytes", "--optimizer=adamw8bit", self.optimizer == "adamw8bit"),
+            ("optimum.quanto", "--frozen_dtype", self.frozen_dtype in QUANTIZED_DTYPES)) if used]
 
     @property
     def lora_targets(self) -> list[str]:

@@ -38,7 +38,7 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
 if not sys.stderr.isatty():  # progress bars (weights written, files fetched) only where someone watches
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from config import SHIPPED_CORPORA, SHIPPED_TOKENIZER_DIR, UserError  # noqa: E402
+from config import SHIPPED_CORPORA, SHIPPED_TOKENIZER_DIR  # noqa: E402
 from lowmem.cli.flags import (  # noqa: E402
     load_config,
     load_saved_model_config,
@@ -54,6 +54,7 @@ from lowmem.model.source import (  # noqa: E402
     refuse_untrained,
     tokenizer_for_model,
 )
+from lowmem.utils.errors import UserError  # noqa: E402
 
 
 def train(config: str | None = None, **flags) -> dict:
@@ -63,7 +64,7 @@ def train(config: str | None = None, **flags) -> dict:
     notes += unread_flag_notes("train", flags) + unused_answer_notes(cfg, flags)
     files, tokenizer_dir, tokenizer = claim_output_dir(cfg)  # before the heavy imports below: refusals come at
     # once, and a run killed this early can still be continued
-    from lowmem.memory.probes import StoppedForMemory
+    from lowmem.memory.guard import StoppedForMemory
     from lowmem.training.stopping import StoppedAtOnce
     from trainer_low_mem import LowMemTrainer, StoppedBySignal
 
@@ -103,8 +104,8 @@ def claim_output_dir(cfg):
     """
     from data.objectives.base import objective_for
     from data.pipeline import check_data  # light: pyarrow is imported only to read a parquet file's columns
-    from lowmem.checkpointing.run_start import refuse_early
     from lowmem.monitoring.trackers import check_report_to
+    from lowmem.runs.run_start import refuse_early
 
     files, tokenizer_dir, tokenizer = check_data(cfg, objective_for(cfg)), None, None
     check_report_to(cfg.report_to)  # an unknown tracker, or its package missing: one line
@@ -115,10 +116,12 @@ def claim_output_dir(cfg):
         check_weights(cfg.init_from, headers=False)  # weight files there: refused before torch is imported
     extras = cfg.init_from or cfg.optimizer == "adamw8bit"
     if extras and not cfg.is_keep_training:
-        from lowmem.memory.probes import import_extras
         from lowmem.model.build import import_transformers_models
+        from lowmem.monitoring.trackers import import_trackers
+        from lowmem.utils.optional import import_extras
 
         import_transformers_models()  # first, as the trainer does: without scipy and boto3 (peft imports both)
+        import_trackers(cfg.report_to)
         import_extras(cfg)  # peft, bitsandbytes, optimum-quanto: one installed but broken is refused
     if cfg.init_from:  # a resume reads it again (a checkpoint holds only what trains): checked then too
         from lowmem.model.build import import_transformers_models

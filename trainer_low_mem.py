@@ -27,13 +27,11 @@ from data.collate import CachedEncoderCollator, shape_multiple, train_padding
 from data.objectives.base import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
-from lowmem.checkpointing.checkpointer import Checkpointer
-from lowmem.checkpointing.run_folder import RunFolder
 from lowmem.cli.flags import TRAINED_WITH
+from lowmem.hardware.memory_use import free_memory
+from lowmem.hardware.precision import Precision, precision_for
 from lowmem.memory.batch_budget import batch_request, size_run
 from lowmem.memory.collector import freeze_long_lived, imports_done, thaw_long_lived
-from lowmem.memory.eval_cost import plan_evals
-from lowmem.memory.probes import free_memory
 from lowmem.memory.run_memory import MemoryStop, peak_against_plan, plan_run
 from lowmem.model.adapters import adapter_export
 from lowmem.model.build import check_init_from, ready_to_train
@@ -47,11 +45,13 @@ from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.distributed import indexes_from_main, start_accelerator, window_counts
 from lowmem.parallel.engines import Engine
 from lowmem.parallel.sharding import padded_window, weights_finite
+from lowmem.runs.checkpointer import Checkpointer
+from lowmem.runs.run_folder import RunFolder
 from lowmem.training import encoder_cache
 from lowmem.training.accumulation import window_backward
+from lowmem.training.eval_cost import plan_evals
 from lowmem.training.evaluation import eval_log_line, evaluate_in_run, is_better
 from lowmem.training.optim import optimizer_for_run
-from lowmem.training.precision import Precision, precision_for
 from lowmem.training.state import TrainState
 from lowmem.training.stopping import SignalWatch, StoppedBySignal, WindowRandomness, again_after_nonfinite, all_finite
 

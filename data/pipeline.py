@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.prepare import check_manifest
 from data.sources.corpus import DataProblems, Example, check_columns, resolve_files
 from data.sources.eval_set import eval_files_of, eval_source, eval_split
@@ -30,6 +30,7 @@ from data.streams.dataset_stream import DatasetStream
 from data.streams.file_stream import ExampleStream, batched, largest_share, share_range, steps_per_epoch, total_steps
 from data.streams.packed_text import text_slices
 from data.tokenization import tokenizer_fingerprint
+from lowmem.utils.errors import UserError
 
 SAMPLE_DOCUMENTS = 512  # documents tokenized to count (small corpora) or estimate an epoch's packed chunks
 

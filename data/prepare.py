@@ -16,10 +16,10 @@ import json
 import shutil
 from pathlib import Path
 
-from config import UserError
 from data.sources.corpus import DataProblems, iter_rows, spec_parts, too_many_bad_rows
 from data.sources.readers import MANIFEST, TOKEN_COLUMNS, manifest_of
-from lowmem.checkpointing.ownership import MARKERS, check_closed, check_folder, claim_folder, move_in, remove_ours
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import MARKERS, check_closed, check_folder, claim_folder, move_in, remove_ours
 
 GROUP_ROWS = 4096  # rows tokenized and written at once (one parquet row group)
 SHARD_ROWS = 25 * GROUP_ROWS  # 102,400 rows per shard (whole row groups): several shards let each epoch visit

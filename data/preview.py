@@ -9,11 +9,12 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.objectives.base import objective_for
 from data.pipeline import build_data, check_data
 from data.sources.eval_set import eval_files_of
 from data.streams.packed_text import PackedStream
+from lowmem.utils.errors import UserError
 
 
 def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = False, report=print) -> Iterator[dict]:

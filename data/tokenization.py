@@ -20,11 +20,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from config import UserError, saved_json
 from data.objectives.base import objective_class
 from data.sources.corpus import iter_rows
 from data.streams.packed_text import text_slices
-from lowmem.checkpointing.ownership import (
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import (
     MARKERS,
     check_closed,
     check_folder,
@@ -33,6 +33,7 @@ from lowmem.checkpointing.ownership import (
     is_run_folder,
     move_in,
     remove_ours,
+    saved_json,
 )
 
 EXTRA_IDS = 100

@@ -13,9 +13,9 @@ import pytest
 import test_ownership
 from test_ownership import error_line, snapshot
 
-from config import UserError
 from lowmem.checkpointing import checkpoint
-from lowmem.checkpointing.ownership import MARKERS, check_closed
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import MARKERS, check_closed
 
 trained = test_ownership.trained  # the shared tiny run (built once a session), copied by each test that writes
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from lowmem.cli.flags import help_text, load_config, unused_answer_notes
-from lowmem.model.presets import LOW_MEMORY_CAPS
+from lowmem.utils.errors import UserError
+from lowmem.utils.presets import LOW_MEMORY_CAPS
 
 
 def test_values_are_converted_to_declared_types():

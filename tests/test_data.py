@@ -10,12 +10,12 @@ from collections import Counter
 import pytest
 from conftest import synthetic_rows, write_rows
 
-from config import UserError
 from data.collate import Seq2SeqCollator
 from data.sources.corpus import DataProblems, Example, check_columns, iter_rows, repeated_files, resolve_files
 from data.sources.eval_set import hold_out, read_ranges, take_examples
 from data.sources.readers import index_file, read_range
 from data.streams.file_stream import ExampleStream, example_bytes, largest_share
+from lowmem.utils.errors import UserError
 
 COLS = ("prompt", "response")
 

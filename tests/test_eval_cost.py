@@ -1,4 +1,4 @@
-"""Evaluation defaults sane at every model size (lowmem.memory.eval_cost): the start-up line says what each evaluation
+"""Evaluation defaults sane at every model size (lowmem.training.eval_cost): the start-up line says what each evaluation
 costs and what was chosen; options left at auto are made cheaper past --eval_budget_s, options given never are;
 the eval loss does not depend on which rows generate; a resumed run keeps its plan."""
 
@@ -11,7 +11,7 @@ import torch
 from conftest import metrics, synthetic_rows, write_rows
 
 from lowmem.cli.flags import load_config
-from lowmem.memory.eval_cost import choose
+from lowmem.training.eval_cost import choose
 
 LINE = re.compile(r"^eval: .*$", re.M)
 # 8 eval rows in batches of 4, answers of up to 16 tokens: a tiny model evaluates in a second or two
@@ -25,7 +25,7 @@ def cfg_with(**flags):
 
 # ----------------------------------------------------------------------------- the options
 def test_the_options_take_auto_or_a_value_and_refuse_anything_else():
-    from config import UserError
+    from lowmem.utils.errors import UserError
 
     cfg = load_config({})[0]
     assert (cfg.eval_generate, cfg.eval_generate_samples, cfg.eval_budget_s) == ("auto", "auto", 300.0)
@@ -67,7 +67,7 @@ def test_choose_counts_the_batches_of_the_busiest_process():
 
 
 def plan(**fields):
-    from lowmem.memory.eval_cost import EvalPlan
+    from lowmem.training.eval_cost import EvalPlan
 
     base = dict(rows=100, world=1, batch_size=4, max_new_tokens=128, asked_rows=100, generate_rows=100,
                 baseline_generates=True, loss_s=20.0, batch_generate_s=2.5, budget_s=300.0, cheaper=False)

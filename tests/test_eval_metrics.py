@@ -1,4 +1,4 @@
-"""The scores of --eval_metrics (lowmem.training.eval_metrics): equal to the reference implementations (sacrebleu,
+"""The scores of --eval_metrics (lowmem.utils.eval_metrics): equal to the reference implementations (sacrebleu,
 rouge_score) on English and Chinese pairs, Chinese not scored as zero by ROUGE, refused mistakes as one line, and a
 real run that logs every score and picks best/ by rougeL."""
 
@@ -10,10 +10,10 @@ import re
 import pytest
 from conftest import metrics, write_rows
 
-from config import UserError
 from lowmem.cli.flags import load_config
-from lowmem.training.eval_metrics import METRICS, Rouge, RougeTokenizer, metric_named, score_answers
 from lowmem.training.evaluation import eval_log_line, is_better
+from lowmem.utils.errors import UserError
+from lowmem.utils.eval_metrics import METRICS, Rouge, RougeTokenizer, metric_named, score_answers
 
 ROUGE_NAMES = ["rouge1", "rouge2", "rougeL", "rougeLsum"]
 # (prediction, reference): English and Chinese, exact, close, far, empty, multi-sentence (rougeLsum's newlines)

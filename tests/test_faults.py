@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, metrics, synthetic_rows, write_rows
 
 from lowmem.checkpointing import checkpoint
-from lowmem.checkpointing.ownership import MARKERS
+from lowmem.utils.ownership import MARKERS
 
 SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=2",
          "--gradient_accumulation_steps=4", "--eval_generate=False"]

@@ -184,7 +184,7 @@ def planned_run(tmp_path):
     from transformers import T5Config
 
     from lowmem.cli.flags import load_config
-    from lowmem.model.presets import preset_shape
+    from lowmem.utils.presets import preset_shape
 
     folder = tmp_path / "small"
     T5Config(**preset_shape("small", "gated-gelu"), vocab_size=8000).save_pretrained(folder)

@@ -17,13 +17,13 @@ import torch
 from conftest import metrics, synthetic_rows
 from test_resume import assert_same_training
 
-from config import UserError
 from data.objectives.base import objective_for
 from data.pipeline import build_data, check_data
 from data.sources.corpus import resolve_files
 from data.sources.hf_datasets import dataset_ref
 from data.streams.dataset_stream import DatasetStream
 from lowmem.cli.flags import load_config
+from lowmem.utils.errors import UserError
 
 WORDS = "the river runs over stone and light falls on the quiet town while birds sing in tall green trees".split()
 PAIRS = ("prompt", "response")

@@ -86,7 +86,7 @@ import sys, json
 sys.path.insert(0, {repo!r})
 import torch
 from lowmem.cli.flags import load_config
-from lowmem.memory.probes import peak_rss_bytes, process_rss_bytes
+from lowmem.hardware.memory_use import peak_rss_bytes, process_rss_bytes
 from lowmem.model.build import import_transformers_models
 from lowmem.model.streamed_load import load_for_training
 import_transformers_models()
@@ -214,7 +214,7 @@ import sys, json
 sys.path.insert(0, {repo!r})
 import torch
 from lowmem.cli.flags import load_config
-from lowmem.memory.probes import peak_rss_bytes, process_rss_bytes
+from lowmem.hardware.memory_use import peak_rss_bytes, process_rss_bytes
 from lowmem.model.build import import_transformers_models
 from lowmem.model.streamed_load import load_for_training
 import_transformers_models()

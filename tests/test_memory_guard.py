@@ -15,7 +15,7 @@ from conftest import WORDS, metrics, synthetic_rows, write_rows
 from test_faults import error_line
 
 from lowmem.checkpointing import checkpoint
-from lowmem.memory.probes import MEMORY_GUARD_AT
+from lowmem.memory.guard import MEMORY_GUARD_AT
 
 LONG = ["--batch_size=1", "--gradient_accumulation_steps=4", "--shuffle_buffer_size=0", "--max_source_len=1536",
         "--max_target_len=1536", "--eval_steps=0", "--eval_generate=False", "--max_eval_samples=8",
@@ -55,7 +55,8 @@ def test_a_transient_peak_trips_the_guard_and_check_names_where(processes):
     # (a block that size is mapped and unmapped): the RSS read afterwards is under the limit, the peak is not.
     code = """
 import torch
-from lowmem.memory.probes import MEMORY_GUARD_AT, MemoryGuard, StoppedForMemory, rss_and_peak_bytes
+from lowmem.hardware.memory_use import rss_and_peak_bytes
+from lowmem.memory.guard import MEMORY_GUARD_AT, MemoryGuard, StoppedForMemory
 rss, _ = rss_and_peak_bytes()
 budget = (rss + 200 * 2**20) / MEMORY_GUARD_AT / 2**30
 guard = MemoryGuard(budget)

@@ -13,8 +13,8 @@ import torch
 from conftest import REPO, metrics, shared_folder, synthetic_rows, write_rows
 
 from lowmem.cli.flags import load_config
-from lowmem.extras import installed
-from lowmem.model.presets import MEMORY_PROFILES
+from lowmem.utils.optional import installed
+from lowmem.utils.presets import MEMORY_PROFILES
 
 FAST = ["--eval_steps=0", "--max_eval_samples=8", "--save_steps=0", "--logging_steps=5", "--eval_generate=False"]
 
@@ -334,7 +334,7 @@ def test_the_measured_peak_is_the_process_own_not_its_parents(processes):
     """
     ballast = bytearray(1024 * 2**20)
     ballast[::4096] = b"\1" * (len(ballast) // 4096)  # resident: one byte per page
-    probe = ("import json, resource; from lowmem.memory.probes import memory_snapshot; print(json.dumps("
+    probe = ("import json, resource; from lowmem.hardware.memory_use import memory_snapshot; print(json.dumps("
              "[memory_snapshot()['peak_rss_mb'], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))")
     done = processes.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     del ballast
@@ -497,7 +497,7 @@ def preset_shaped_model(folder, preset: str):
     for the planner, which reads the ``--init_from`` model's shape from it."""
     from transformers import T5Config
 
-    from lowmem.model.presets import preset_shape
+    from lowmem.utils.presets import preset_shape
 
     T5Config(**preset_shape(preset, "gated-gelu"), vocab_size=8000).save_pretrained(folder)
     return str(folder)
@@ -743,7 +743,7 @@ shape = (2048, 2048)
 p = torch.nn.Parameter(torch.randn(shape))
 p.grad = torch.randn(shape)
 optimizer = build_optimizer(cfg, [p])
-from lowmem.memory.probes import peak_rss_bytes as high_water_mark
+from lowmem.hardware.memory_use import peak_rss_bytes as high_water_mark
 with open("/proc/self/clear_refs", "w") as refs:
     refs.write("5")  # the high-water mark restarts at the current RSS
 rss = high_water_mark()
@@ -773,7 +773,7 @@ def test_an_optimizer_step_takes_the_memory_the_plan_gives_its_state_and_tempora
 def test_trim_heap_returns_freed_memory():
     import gc
 
-    from lowmem.memory import probes
+    from lowmem.hardware import memory_use as probes
 
     if probes._LIBC is None:
         pytest.skip("malloc_trim is glibc's")

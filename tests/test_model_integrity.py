@@ -19,8 +19,8 @@ from conftest import synthetic_rows, write_rows
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from config import UserError
 from lowmem.model.weight_check import check_model_folder
+from lowmem.utils.errors import UserError
 
 FAST = ["--max_steps=2", "--eval_steps=2", "--save_steps=2", "--batch_size=2", "--gradient_accumulation_steps=1",
         "--max_eval_samples=4", "--max_source_len=16", "--max_target_len=16", "--warmup_steps=0", "--logging_steps=1"]
@@ -257,7 +257,7 @@ def test_an_export_whose_weights_disagree_with_its_config_is_not_kept(tokenizer,
     tensor is refused, and the previous export stays as it was."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from lowmem.checkpointing.run_folder import RunFolder
+    from lowmem.runs.run_folder import RunFolder
 
     model = T5ForConditionalGeneration(T5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, num_heads=2, d_kv=16,
                                                 num_layers=1, decoder_start_token_id=0, pad_token_id=0))

@@ -17,8 +17,8 @@ from data.objectives.span_corruption import SpanCorruptionObjective
 from lowmem.checkpointing import checkpoint
 from lowmem.cli.flags import load_config
 from lowmem.memory.tensor_bytes import optimizer_bytes
-from lowmem.model.presets import preset_shape
 from lowmem.training.optim import AdamWScale, build_optimizer
+from lowmem.utils.presets import preset_shape
 
 RECIPE = REPO / "recipes" / "nanot5.yaml"
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import metrics, shared_folder, synthetic_rows, write_rows
 
-from config import UserError
 from lowmem.checkpointing import checkpoint
-from lowmem.checkpointing.ownership import MARKERS
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import MARKERS
 
 TINY = ["--max_steps=2", "--eval_steps=0", "--max_eval_samples=4", "--gradient_accumulation_steps=2",
         "--max_source_len=24", "--max_target_len=24", "--logging_steps=1"]
@@ -111,7 +111,7 @@ def test_a_run_folder_marked_by_another_process_while_it_is_checked_is_accepted(
     # Every process of a launch claims --output_dir. One may mark the new folder between another's first
     # look (no marker yet) and its listing (the marker there): that folder is this run's, not a stranger's.
     # The race is made deterministic here: the first look asks the recogniser, which marks the folder.
-    from lowmem.checkpointing.ownership import check_folder
+    from lowmem.utils.ownership import check_folder
 
     folder = tmp_path / "run"
     folder.mkdir()
@@ -131,7 +131,7 @@ def test_a_run_folder_marked_by_another_process_while_it_is_checked_is_accepted(
 def test_an_earlier_versions_started_marker_vouches_only_among_a_runs_own_files(tmp_path):
     # Versions before 2026-11-28 marked a run folder with .started, a name other tools use too: it is taken
     # for ours only when empty or holding our marker text, with nothing beside it but what a run writes.
-    from lowmem.checkpointing.ownership import MARKER_TEXT, check_folder, is_run_folder
+    from lowmem.utils.ownership import MARKER_TEXT, check_folder, is_run_folder
 
     folder = tmp_path / "run"
     (folder / "checkpoints").mkdir(parents=True)
@@ -328,8 +328,8 @@ def test_checkpoint_state_is_plain_and_an_older_one_with_numpy_arrays_still_load
 
 
 def test_the_encoder_cache_removes_only_cache_folders_in_a_root_of_ours(tmp_path):
-    from config import UserError
     from lowmem.training import encoder_cache
+    from lowmem.utils.errors import UserError
 
     root = tmp_path / "encoder_cache"
     old = root / "0123456789abcdef"  # a cache of an earlier version: its own files, no marker
@@ -357,11 +357,11 @@ def test_the_encoder_cache_removes_only_cache_folders_in_a_root_of_ours(tmp_path
 
 
 def test_files_of_ours_are_never_written_through_a_link_planted_under_their_name(tmp_path):
-    from config import UserError
-    from lowmem.checkpointing.ownership import open_own, write_atomic
-    from lowmem.checkpointing.run_folder import RunFolder
-    from lowmem.checkpointing.run_start import LOCK_FILE
     from lowmem.monitoring.metrics_log import AppendLog, MetricsLog
+    from lowmem.runs.run_folder import RunFolder
+    from lowmem.runs.run_start import LOCK_FILE
+    from lowmem.utils.errors import UserError
+    from lowmem.utils.ownership import open_own, write_atomic
 
     mine = tmp_path / "mine.txt"
     mine.write_text("my notes\n")
@@ -392,7 +392,7 @@ def test_files_of_ours_are_never_written_through_a_link_planted_under_their_name
 def test_a_folder_of_ours_of_another_kind_is_named_as_such(tmp_path, given, found):
     # A tokenizer folder given as --output_dir (and every other pairing) is refused by the kind it is,
     # not as "files t5-lowmem did not write" with its own marker listed among them.
-    from lowmem.checkpointing.ownership import KIND_NAMES, check_folder
+    from lowmem.utils.ownership import KIND_NAMES, check_folder
 
     folder = tmp_path / "folder"
     folder.mkdir()
@@ -409,7 +409,7 @@ def test_a_folder_of_ours_of_another_kind_is_named_as_such(tmp_path, given, foun
 
 
 def test_a_folder_a_run_wrote_inside_its_own_is_named_as_such(tmp_path):
-    from lowmem.checkpointing.ownership import check_folder
+    from lowmem.utils.ownership import check_folder
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000004").mkdir(parents=True)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from t5_family import FAMILIES
 
-from config import SHIPPED_CORPORA, UserError
+from config import SHIPPED_CORPORA
 from lowmem.cli.flags import load_config
+from lowmem.utils.errors import UserError
 
 FREEZES = ("encoder", "embeddings", "none")
 GATED = ("flan", "v1_1", "mt5", "umt5", "byt5")

@@ -15,7 +15,8 @@ import pytest
 import torch
 from conftest import metrics, synthetic_rows, write_rows
 
-from config import TrainConfig, UserError
+from config import TrainConfig
+from lowmem.utils.errors import UserError
 
 FP16_MAX = 65504
 
@@ -75,7 +76,7 @@ def scaler_steps(model, inputs: dict, steps: int) -> tuple[list[float], int]:
 def test_plain_fp16_autocast_overflows_t5_and_float32_feed_forward_outputs_train(family, family_models, tmp_path):
     from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-    from lowmem.training.precision import float32_feed_forward_outputs
+    from lowmem.hardware.precision import float32_feed_forward_outputs
 
     folder = overflowing_copy(family_models[family], tmp_path / family)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -173,7 +174,7 @@ def test_the_planner_prices_fp16_like_bf16_plus_the_float32_feed_forward_input()
 
 
 def test_a_window_run_again_after_an_overflow_draws_the_same_dropout_masks():
-    from lowmem.training.precision import Float16
+    from lowmem.hardware.precision import Float16
     from lowmem.training.state import TrainState
     from lowmem.training.stopping import WindowRandomness, again_after_nonfinite
 

@@ -120,9 +120,9 @@ def test_an_8_bit_layer_computes_as_its_dequantized_weight_a_block_of_rows_at_a_
 def test_an_export_dequantizes_and_merges_one_shard_at_a_time(family_models, tmp_path, monkeypatch):
     from transformers import AutoModelForSeq2SeqLM
 
-    from lowmem.checkpointing.run_folder import RunFolder
     from lowmem.model import quantize
     from lowmem.model.build import export_state_dict
+    from lowmem.runs.run_folder import RunFolder
 
     cfg, model, _ = quantized_model(family_models["flan"], is_finetune=True, lora_r=4, frozen_dtype="int8")
     with torch.no_grad():

@@ -18,8 +18,8 @@ import torch
 from conftest import REPO, metrics, synthetic_rows, write_rows
 from safetensors.torch import load_file
 
-from config import UserError
 from lowmem.checkpointing import checkpoint
+from lowmem.utils.errors import UserError
 
 SMALL = ["--max_source_len=32", "--max_target_len=32", "--max_eval_samples=8", "--logging_steps=2",
          "--eval_generate=False"]
@@ -169,7 +169,7 @@ def test_damaged_checkpoints_are_skipped(tmp_path):
 
 
 def test_resuming_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
-    from lowmem.checkpointing.run_folder import RunFolder
+    from lowmem.runs.run_folder import RunFolder
 
     folder = RunFolder(tmp_path / "run")
     for step in (2, 4, 6):
@@ -222,7 +222,7 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path):
 
 
 def test_writes_the_user_can_make_possible_say_what_to_do_and_the_rest_are_raised(tmp_path, monkeypatch):
-    from lowmem.checkpointing.run_folder import RunFolder
+    from lowmem.runs.run_folder import RunFolder
 
     final = tmp_path / "best"
     with checkpoint.atomic_folder(final) as tmp:
@@ -387,7 +387,7 @@ def test_a_resume_refuses_another_row_order_or_best_metric(tmp_path, key, saved_
     repeated one file's rows and skipped another's), its best model was chosen by its metric (a BLEU was
     compared with the best eval loss), its data position is one of its objective's stream (prefix_lm read a
     pairs position: a KeyError); other settings change with a note."""
-    from lowmem.checkpointing.run_folder import compare_settings
+    from lowmem.runs.run_folder import compare_settings
 
     saved = {"seed": 1, "shuffle_buffer_size": 3, "metric_for_best": "eval_loss", "objective": "pairs",
              "learn_rate": 1e-3, key: saved_value}
@@ -411,7 +411,7 @@ def test_a_resume_refuses_another_row_order_or_best_metric(tmp_path, key, saved_
 def test_a_run_begun_with_relu_presets_resumes_only_with_relu(tmp_path):
     """The presets' feed-forward became gated-gelu after runs had begun with ReLU ones, whose checkpoints hold
     wi, not wi_0 and wi_1: such a run is told the flag to resume with. --init_from's model keeps its own shape."""
-    from lowmem.checkpointing.run_folder import compare_settings
+    from lowmem.runs.run_folder import compare_settings
 
     before = {"model_preset": "tiny", "init_from": None}
     with pytest.raises(UserError, match="written with feed_forward_proj=relu but this run has gated-gelu; resume "
@@ -428,7 +428,7 @@ def test_a_run_begun_with_relu_presets_resumes_only_with_relu(tmp_path):
 def test_a_run_begun_with_tied_presets_resumes_only_with_a_tied_head(tmp_path):
     """The presets' output layer became a matrix of its own after runs had begun with it tied to the embedding,
     whose checkpoints hold no lm_head: such a run is told the flag to resume with."""
-    from lowmem.checkpointing.run_folder import compare_settings
+    from lowmem.runs.run_folder import compare_settings
 
     before = {"model_preset": "tiny", "feed_forward_proj": "gated-gelu", "init_from": None}
     with pytest.raises(UserError, match="written with tie_word_embeddings=True but this run has False"):
@@ -441,7 +441,7 @@ def test_a_run_begun_with_tied_presets_resumes_only_with_a_tied_head(tmp_path):
 def test_a_resume_refuses_another_lora_scale_or_another_compute_dtype_for_8_bit_weights(tmp_path):
     """The adapters were trained under alpha / r (another alpha changed the next loss from 6.84 to 8.43), and
     8-bit weights keep their scales in the compute dtype (another one crashed in the first matmul)."""
-    from lowmem.checkpointing.run_folder import compare_settings
+    from lowmem.runs.run_folder import compare_settings
 
     lora = {"lora_r": 8, "lora_alpha": 16.0, "frozen_dtype": "float32", "mixed_precision": "no"}
     with pytest.raises(UserError, match="lora_alpha=16.0 but this run has 256.0"):
@@ -456,7 +456,7 @@ def test_a_resume_refuses_another_lora_scale_or_another_compute_dtype_for_8_bit_
 def test_an_epochs_run_resumes_only_at_the_rows_per_step_its_schedule_counts(tmp_path):
     """The schedule of an --epochs run is planned in optimizer steps: resumed at 4 micro-batches a step where
     it began at 2, the planned steps ran out with 16 of 40 rows left, trained at learning rate 0."""
-    from lowmem.checkpointing.run_folder import compare_settings
+    from lowmem.runs.run_folder import compare_settings
 
     saved = {"max_steps": -1, "batch_size": 2, "gradient_accumulation_steps": 2, "batch_request": {"batch_size": 2}}
     with pytest.raises(UserError, match="written at 4 rows per optimizer step .* this run has 8"):
@@ -472,7 +472,7 @@ def test_an_epochs_run_resumes_only_at_the_rows_per_step_its_schedule_counts(tmp
 def test_a_resume_on_another_eval_set_says_best_is_chosen_anew():
     """best/ chosen by eval losses over 8 rows was compared with losses over 100 ('new best' 7.877 against
     8.256); the decoding settings count where BLEU picks best/."""
-    from lowmem.checkpointing.run_folder import eval_changes
+    from lowmem.runs.run_folder import eval_changes
 
     saved = {"eval_file": "a.jsonl", "max_eval_samples": 8, "max_source_len": 128, "max_target_len": 128,
              "num_beams": 1, "metric_for_best": "eval_loss", "learn_rate": 1e-3}
@@ -487,7 +487,7 @@ def test_a_resume_on_another_eval_set_says_best_is_chosen_anew():
 
 def test_a_resume_under_another_zero_stage_is_one_line(tmp_path):
     """A ZeRO-3 checkpoint resumed under --zero_stage 2 failed in DeepSpeed's loader with 98 traceback lines."""
-    from lowmem.checkpointing.run_folder import compare_settings
+    from lowmem.runs.run_folder import compare_settings
 
     with pytest.raises(UserError, match="written with DeepSpeed ZeRO-3 and this run uses DeepSpeed ZeRO-1/2"):
         compare_settings({"sharding": "zero3"}, {"sharding": "zero2"}, tmp_path)

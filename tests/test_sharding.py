@@ -151,9 +151,9 @@ def test_fsdp_steps_adafactor_like_ddp_checkpoints_shards_exports_plainly_and_re
 
 
 def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenizer, trained):
-    from lowmem.checkpointing.run_folder import RunFolder
     from lowmem.cli.flags import load_config
     from lowmem.model.build import build_model
+    from lowmem.runs.run_folder import RunFolder
 
     torch.manual_seed(0)  # a tiny T5 to fine-tune, written as an export is
     base = tmp_path / "base"
@@ -237,7 +237,7 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     # embedding stay as they were.
     from transformers import AutoTokenizer
 
-    from lowmem.checkpointing.run_folder import RunFolder
+    from lowmem.runs.run_folder import RunFolder
 
     base = tmp_path / "untied"
     model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach() * -0.5)

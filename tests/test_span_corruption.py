@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from config import SHIPPED_TOKENIZER_DIR, UserError
+from config import SHIPPED_TOKENIZER_DIR
 from data.objectives.span_noise import (
     corrupt,
     corrupted_lengths,
@@ -18,6 +18,7 @@ from data.objectives.span_noise import (
     sentinel_ids,
     span_counts,
 )
+from lowmem.utils.errors import UserError
 
 SENTINELS = list(range(9000, 9100))  # stand-ins for <extra_id_0>.. <extra_id_99>
 EOS = 1

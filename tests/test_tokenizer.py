@@ -7,8 +7,8 @@ import sys
 import pytest
 from conftest import REPO, write_rows
 
-from config import UserError
 from data.tokenization import train_tokenizer, vocab_shortfall
+from lowmem.utils.errors import UserError
 
 CHINESE = "你好，世界。今天天气怎么样？很好！我们去公园吧。"
 
@@ -132,8 +132,9 @@ def test_a_run_folder_as_tokenizer_dir_names_its_export(tmp_path, cli_in_process
     folder of files 't5-lowmem did not write' (its own marker among them): now one line names the export."""
     import shutil
 
-    from config import SHIPPED_TOKENIZER_DIR, STARTED_MARKER
+    from config import SHIPPED_TOKENIZER_DIR
     from data.tokenization import load_trained_tokenizer
+    from lowmem.utils.ownership import STARTED_MARKER
 
     run = tmp_path / "run"
     run.mkdir()

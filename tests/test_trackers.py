@@ -38,7 +38,7 @@ def mlflow_file_store_readable():
 
 
 def installed_trackers() -> list[str]:
-    from lowmem.extras import installed
+    from lowmem.utils.optional import installed
 
     return [name for name, module in PACKAGES.items() if installed(module)]
 
@@ -339,8 +339,8 @@ def test_an_unreachable_tracker_server_is_one_line_before_the_run_folder(tmp_pat
 
 def test_a_server_that_never_answers_is_refused_after_the_bounded_wait(monkeypatch):
     pytest.importorskip("mlflow", reason="pip install '.[mlflow]'")
-    from config import UserError
     from lowmem.monitoring.trackers import TRACKERS
+    from lowmem.utils.errors import UserError
 
     with socket.socket() as silent:  # connections queue in its backlog and never get an answer
         silent.bind(("127.0.0.1", 0))

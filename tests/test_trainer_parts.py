@@ -138,9 +138,9 @@ def test_logs_are_cut_back_to_a_checkpoint_and_its_record_written_again(tmp_path
 
 # ----------------------------------------------------------------------------- checkpointer
 def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path, tokenizer):
-    from lowmem.checkpointing.checkpointer import Checkpointer
-    from lowmem.checkpointing.run_folder import RunFolder
     from lowmem.model.build import build_model
+    from lowmem.runs.checkpointer import Checkpointer
+    from lowmem.runs.run_folder import RunFolder
     from lowmem.training.optim import build_optimizer, build_scheduler
 
     cfg = config(tmp_path, model_preset="tiny", optimizer="adamw")
@@ -237,7 +237,7 @@ from config import SHIPPED_TOKENIZER_DIR
 from data.tokenization import load_tokenizer
 from lowmem.cli.flags import load_config
 from lowmem.model.build import add_lora, build_model, export_state_dict
-from lowmem.checkpointing.run_folder import RunFolder
+from lowmem.runs.run_folder import RunFolder
 
 tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
 cfg = load_config({{"model_preset": "tiny", "is_finetune": True, "init_from": "unused", "lora_r": 4,
@@ -270,7 +270,7 @@ for package in ("boto3", "bitsandbytes"):
 
 
 def test_bleu_reads_chinese_rows_by_character_in_a_mixed_set():
-    from lowmem.training.eval_metrics import bleu_score, bleu_tokenizer
+    from lowmem.utils.eval_metrics import bleu_score, bleu_tokenizer
 
     english = ["the cat sat on the mat", "a quick brown fox jumps"]
     chinese = ["哈尔有几个问题需要解决。", "今天天气很好，我们去公园吧。"]

@@ -305,8 +305,8 @@ def test_weight_decay_leaves_layer_norms_and_position_biases_alone(tokenizer, op
 
 
 def test_a_resume_keeps_the_optimizer_state_in_its_parameter_groups(tmp_path):
-    from config import UserError
-    from lowmem.checkpointing.run_folder import compare_settings
+    from lowmem.runs.run_folder import compare_settings
+    from lowmem.utils.errors import UserError
 
     decayed = {"weight_decay": 0.01, "parameter_group_sizes": [40, 25]}
     compare_settings(decayed, {**decayed, "weight_decay": 0.1}, tmp_path)  # another non-zero value: same groups
@@ -343,7 +343,7 @@ def test_the_fused_gelu_computes_the_models_own_activation(tokenizer):
     import copy
 
     from lowmem.model.build import fuse_gelu
-    from lowmem.model.presets import MODEL_PRESETS
+    from lowmem.utils.presets import MODEL_PRESETS
 
     cfg, _ = load_config({"dropout_rate": 0.0, "model_preset": "tiny"})
     model = build_model(cfg, tokenizer).eval()

@@ -20,8 +20,9 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.sources.corpus import FORMATS, Example
+from lowmem.utils.errors import UserError
 
 if TYPE_CHECKING:  # imported where a collator is made: it needs torch
     from data.collate import Seq2SeqCollator

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import itertools
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.objectives import span_noise
 from data.objectives.base import Objective
 from data.sources.corpus import TEXT_FORMATS, Example
 from data.streams.packed_text import PackedStream
+from lowmem.utils.errors import UserError
 
 
 class PackedTextObjective(Objective):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.objectives.packed_text import PackedTextObjective
+from lowmem.utils.errors import UserError
 
 
 class PrefixLMObjective(PackedTextObjective):

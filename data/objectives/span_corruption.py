@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.objectives import span_noise
 from data.objectives.packed_text import PackedTextObjective
+from lowmem.utils.errors import UserError
 
 
 class SpanCorruptionObjective(PackedTextObjective):

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from config import UserError
+from lowmem.utils.errors import UserError
 
 NOISE_DENSITY = 0.15  # fraction of a chunk's tokens dropped from the inputs (T5's default)
 MEAN_NOISE_SPAN_LENGTH = 3.0  # mean length of a dropped span (T5's default)

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import UserError
 from data.sources.hf_datasets import DatasetRef, dataset_of, dataset_ref
 from data.sources.readers import (
     MANIFEST,
@@ -26,7 +25,8 @@ from data.sources.readers import (
     read_range,
     row_problem,
 )
-from lowmem.checkpointing.ownership import is_ours
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import is_ours
 
 FORMATS = (".jsonl", ".json", ".parquet", ".csv")  # file endings read by data.sources.readers
 TEXT_FORMATS = (*FORMATS, ".txt")  # raw-text objectives also read plain text (data.sources.text_files)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from config import UserError
 from data.objectives.base import objective_class
 from data.sources.corpus import DataProblems, Example, check_columns, iter_rows, resolve_files
 from data.sources.hf_datasets import EVAL_SPLITS, DatasetRef, dataset_of, eval_split_name, row_count, with_split
 from data.sources.readers import FileIndex, index_file, manifest_of
+from lowmem.utils.errors import UserError
 
 
 def take_examples(files: list[Path], columns: tuple[str, str], limit: int,

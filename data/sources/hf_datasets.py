@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from config import UserError
+from lowmem.utils.errors import UserError
 
 SAVED_DATASET = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its data-*.arrow files
 SAVED_DICT = "dataset_dict.json"  # ... and for a DatasetDict, one such folder per split beside this file

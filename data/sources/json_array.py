@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from config import UserError
+from lowmem.utils.errors import UserError
 
 _BLANK = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 _NEAR_END = 16  # characters: a JSON token cut by the window's end is shorter than this

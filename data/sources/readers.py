@@ -29,10 +29,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from config import UserError
 from data.sources.hf_datasets import DatasetRef, read_rows, row_count
 from data.sources.json_array import ArrayElements
 from data.sources.text_files import index_txt, txt_range
+from lowmem.utils.errors import UserError
 
 SEEK_EVERY = 1 << 20  # bytes between index entries: at most this much is read and dropped per seek
 BATCH_ROWS = 256  # parquet rows decoded at once

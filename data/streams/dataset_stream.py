@@ -17,11 +17,11 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from config import UserError
 from data.sources.corpus import DataProblems, Example
 from data.sources.hf_datasets import DatasetRef, process_share, row_count, split_name
 from data.sources.readers import row_problem
 from data.streams.file_stream import through_buffer
+from lowmem.utils.errors import UserError
 
 UNKNOWN_ROWS_FLOOR = 1000  # --max_bad_rows_fraction of an unknown row count: of the rows read, at least this many
 

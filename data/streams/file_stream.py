@@ -14,9 +14,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from config import UserError
 from data.sources.corpus import DataProblems, Example, iter_rows
 from data.sources.readers import FileIndex, index_file
+from lowmem.utils.errors import UserError
 
 _ASTRAL = re.compile("[\U00010000-\U0010ffff]")  # a character Python stores in 4 bytes (and every other then)
 _TWO_BYTES = re.compile("[\u0100-\uffff]")

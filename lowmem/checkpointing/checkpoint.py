@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from config import UserError
 from lowmem.checkpointing import checksums, verify
-from lowmem.checkpointing.ownership import CHECKPOINT_ENTRIES, fsync_path, refuse_link, refuse_links_in, write_atomic
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import CHECKPOINT_ENTRIES, fsync_path, refuse_link, refuse_links_in, write_atomic
 
 # torch is imported where tensors are read or drawn: the folder checks (validate, find_latest_valid) run
-# before the command line imports it (lowmem/checkpointing/run_start.py)
+# before the command line imports it (lowmem/runs/run_start.py)
 
 MANIFEST = verify.MANIFEST
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)

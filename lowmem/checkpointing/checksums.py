@@ -21,7 +21,7 @@ import sys
 import zlib
 from pathlib import Path
 
-from lowmem.checkpointing.ownership import open_own
+from lowmem.utils.ownership import open_own
 
 ALGORITHM = "xxh3_64"
 READ_CHUNK = 16 * 2**20  # verification reads a file in pieces this size: memory stays flat

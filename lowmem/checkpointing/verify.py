@@ -6,7 +6,7 @@ each file, ``checksums``); the values of its torch state files (``states``: read
 torch is imported already). Manifests of earlier versions list sizes only: their checksums are not checked.
 
 A folder's result is kept for the process, keyed by its files' sizes and modification times: a start looks
-twice (the command line's early look, then the trainer's, ``lowmem.checkpointing.run_start``) and reads the
+twice (the command line's early look, then the trainer's, ``lowmem.runs.run_start``) and reads the
 files once, and a folder found damaged stays known as damaged when ``checkpoint.prune`` looks at sizes only.
 """
 
@@ -101,7 +101,7 @@ def _contents_problem(folder: Path, manifest: dict) -> str | None:
 
 def _states_problem(folder: Path, files: dict, load) -> str | None:
     """What is wrong with the values of the torch state files (each process's, the scheduler's), or None."""
-    from config import UserError
+    from lowmem.utils.errors import UserError
 
     for name in sorted(files):
         is_process = re.fullmatch(r"process_\d+\.pt", name) is not None

@@ -14,10 +14,12 @@ import os
 import typing
 from pathlib import Path
 
-from config import SHIPPED_TOKENIZER_DIR, TrainConfig, UserError, saved_json
+from config import SHIPPED_TOKENIZER_DIR, TrainConfig
 from data.objectives.base import objective_class, objective_problems, registry
 from lowmem.memory.profiles import apply_caps, profile_flags
-from lowmem.model.presets import AUTO
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import saved_json
+from lowmem.utils.presets import AUTO
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)

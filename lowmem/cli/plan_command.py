@@ -14,16 +14,17 @@ import math
 import sys
 from dataclasses import replace
 
-from config import QUANTIZED_DTYPES, TrainConfig, UserError
+from config import QUANTIZED_DTYPES, TrainConfig
 from data.streams.file_stream import total_steps
-from lowmem.extras import installed
+from lowmem.hardware.precision import PRECISIONS
 from lowmem.memory import planner
 from lowmem.memory.plan_batches import run_lengths
 from lowmem.memory.plan_sharding import SHARDINGS
 from lowmem.memory.profiles import gpu_half_precision
 from lowmem.memory.tensor_bytes import frozen_parts
-from lowmem.model.presets import MODEL_PRESETS
-from lowmem.training.precision import PRECISIONS
+from lowmem.utils.errors import UserError
+from lowmem.utils.optional import installed
+from lowmem.utils.presets import MODEL_PRESETS
 
 RECOMMEND_HEADROOM = 0.10  # share of the budget a recommendation leaves free: peaks measured up to ~8 % over plan
 

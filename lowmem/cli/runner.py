@@ -9,9 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
-from config import UserError
 from lowmem.cli.flags import help_text, text_flags
 from lowmem.memory import collector
+from lowmem.utils.errors import UserError
 
 
 def verbatim_text(argv: list[str]) -> list[str]:

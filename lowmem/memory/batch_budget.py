@@ -20,9 +20,10 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 
-from config import TrainConfig, UserError
-from lowmem.memory.probes import MEMORY_GUARD_AT
-from lowmem.model.presets import AUTO, gpu_profile_gib
+from config import TrainConfig
+from lowmem.memory.guard import MEMORY_GUARD_AT
+from lowmem.utils.errors import UserError
+from lowmem.utils.presets import AUTO, gpu_profile_gib
 
 MB = 2**20
 AUTO_LIMIT = 256  # auto's largest micro-batch (rows): far past where per-call overhead stops mattering
@@ -252,9 +253,9 @@ def size_run(cfg: TrainConfig, data, accelerator, vocab_size: int, engine, resum
 
 def agreed_sizes(cfg: TrainConfig, data, accelerator, vocab_size: int, sharding: str | None,
                  resume_dir=None) -> BatchSizes:
-    from config import saved_json
     from lowmem.memory import planner
     from lowmem.parallel.distributed import smallest
+    from lowmem.utils.ownership import saved_json
 
     sizes = reused(saved_json(resume_dir / "run_config.json") if resume_dir else None, cfg)
     if sizes is not None:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 
 from config import TrainConfig
 from data.streams.file_stream import total_steps
+from lowmem.hardware.memory_use import SHARDED_MMAP_THRESHOLD
 from lowmem.memory.plan_batches import eval_example_bytes, padded_peak_batches
 from lowmem.memory.plan_sharding import sharded_sizes
-from lowmem.memory.probes import SHARDED_MMAP_THRESHOLD
 from lowmem.memory.tensor_bytes import (
     activation_bytes,
     evaluation_bytes,
@@ -72,7 +72,7 @@ class StepSizes:
     act: dict  # activation_bytes of the costliest micro-batch
     before: dict  # activation_bytes of the runner-up, which shaped the heap kept beside it
     churn: float  # gradient and optimizer-temporary bytes carved from (not mmapped beside) the CPU heap
-    mmap_threshold: int  # glibc serves blocks of this size and up with mmap (lowmem.memory.probes.map_large_blocks)
+    mmap_threshold: int  # glibc serves blocks of this size and up with mmap (memory_use.map_large_blocks)
     fresh_gradients: bool  # one process, no accumulation: each step's gradients are made anew, then freed
     first_step: bool  # the batches planned are a fresh run's first step: the optimizer state is made at its end
     optimizer_temp: float

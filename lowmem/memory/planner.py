@@ -149,14 +149,17 @@ def framework_mb(cfg: TrainConfig | None = None) -> float:
     import psutil
     import torch  # noqa: F401
 
-    from lowmem.memory.probes import free_memory, import_extras
+    from lowmem.hardware.memory_use import free_memory
     from lowmem.model.build import import_transformers_models
+    from lowmem.monitoring.trackers import import_trackers
+    from lowmem.utils.optional import import_extras
 
     free_memory()  # what reading and replaying the data left behind goes back first (long rows: 100+ MiB)
     import_transformers_models()  # accelerate too
     from transformers import T5ForConditionalGeneration  # noqa: F401
 
     if cfg is not None:
+        import_trackers(cfg.report_to)
         import_extras(cfg)
     return psutil.Process().memory_info().rss / MB
 

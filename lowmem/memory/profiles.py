@@ -1,6 +1,6 @@
 """A ``--memory_profile`` put on a configuration: its flags (explicit ones win, a note says so), and under a
 capped profile (host16g) the low-memory caps. ``lowmem.cli.flags.load_config`` calls both, around the
-config's own resolution of its defaults; the profiles and caps themselves are data in ``lowmem.model.presets``.
+config's own resolution of its defaults; the profiles and caps themselves are data in ``lowmem.utils.presets``.
 
     notes = profile_flags(converted)       # converted: the flags given, by name (filled in place)
     cfg = TrainConfig(**converted); cfg.resolve_defaults()
@@ -10,7 +10,7 @@ config's own resolution of its defaults; the profiles and caps themselves are da
 from __future__ import annotations
 
 from config import TrainConfig
-from lowmem.model.presets import AUTO, CAPPED_PROFILES, LOW_MEMORY_CAPS, MEMORY_PROFILES
+from lowmem.utils.presets import AUTO, CAPPED_PROFILES, LOW_MEMORY_CAPS, MEMORY_PROFILES
 
 
 def profile_flags(converted: dict) -> list[str]:

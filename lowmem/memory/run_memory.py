@@ -1,15 +1,16 @@
 """A training run's memory: the plan made at setup, the measured peak set beside it at the end, and
 the message of the ``--max_rss_gb`` guard that stops it before the host runs out (the guard itself:
-``lowmem.memory.probes.MemoryGuard``; where the trainer reads it: docs/resume_and_faults.md)."""
+``lowmem.memory.guard.MemoryGuard``; where the trainer reads it: docs/resume_and_faults.md)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from config import TrainConfig
+from lowmem.hardware.memory_use import memory_snapshot
 from lowmem.memory import planner
+from lowmem.memory.guard import MEMORY_GUARD_AT, MemoryGuard, StoppedForMemory
 from lowmem.memory.plan_batches import run_lengths
-from lowmem.memory.probes import MEMORY_GUARD_AT, MemoryGuard, StoppedForMemory, memory_snapshot
 from lowmem.parallel.distributed import any_process, first_tripped
 
 
@@ -86,7 +87,7 @@ def guard_stop(where: str, process: int | None, peak_gb: float, max_rss_gb: floa
 class MemoryStop:
     """How a training run stops for ``--max_rss_gb``, every process together.
 
-    ``guard`` (``lowmem.memory.probes.MemoryGuard``) is read before each accumulation window (``before``: the
+    ``guard`` (``lowmem.memory.guard.MemoryGuard``) is read before each accumulation window (``before``: the
     reading goes into the window's all-reduce, ``window_counts``) and after each micro-batch's backward
     (``window_backward``); ``hold`` keeps this process's checkpoint position before each window is drawn;
     ``tripped_in_window`` is the processes' agreement at the window's end, before its optimizer step;

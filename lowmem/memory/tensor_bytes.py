@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 
 from config import TrainConfig
-from lowmem.model.presets import loss_chunk_rows, preset_shape
 from lowmem.model.source import model_folder_config
+from lowmem.utils.presets import loss_chunk_rows, preset_shape
 
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
 # Values a token's feed-forward saves for backward, in units of d_ff (saved-tensor hooks on T5LayerFF):

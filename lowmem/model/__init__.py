@@ -1,7 +1,6 @@
 """The model a run trains, from its source to the folder it is exported as.
 
 - ``source``: ``--init_from`` as a folder or hub id, its family, its tokenizer.
-- ``presets``: named model shapes and memory profiles (a leaf module: ``config`` validates against it).
 - ``streamed_load``: a checkpoint read one block at a time straight into the form the run trains in.
 - ``weight_headers``: each weight file checked from its header alone (safetensors, torch zips; pickles
   refused), and an index's files kept inside its folder.

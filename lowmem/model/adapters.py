@@ -46,10 +46,11 @@ def load_adapter_model(folder: Path, dropout_rate: float = 0.1):
     import peft
     from safetensors.torch import load_file
 
-    from config import TrainConfig, saved_json
-    from lowmem.memory.probes import hidden
+    from config import TrainConfig
     from lowmem.model.source import resolve_model_dir
     from lowmem.model.streamed_load import load_for_training
+    from lowmem.utils.optional import hidden
+    from lowmem.utils.ownership import saved_json
 
     folder = Path(folder)
     with hidden("bitsandbytes"):  # (as lowmem.model.build.add_lora)

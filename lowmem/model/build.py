@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
-from config import TrainConfig, UserError
-from lowmem.memory.probes import hidden, import_accelerate, import_while_replaced, optional_import
+from config import TrainConfig
 from lowmem.model.narrow_compute import compute_beside_narrow
-from lowmem.model.presets import preset_shape
 from lowmem.model.source import adapter_base, check_weights, model_folder_config, resolve_model_dir
+from lowmem.utils.errors import UserError
+from lowmem.utils.optional import hidden, import_accelerate, import_while_replaced, optional_import
+from lowmem.utils.presets import preset_shape
 
 # When installed, bitsandbytes is imported by peft, accelerate or transformers even if unused, and
 # warns that it cannot fetch an optional 4-bit CPU kernel from the hub (nothing here uses it): one
@@ -23,14 +24,14 @@ logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 def import_transformers_models() -> None:
     """Import transformers' model stack without scipy (-40 MiB RSS and -0.3 s per process), and accelerate
-    without boto3 (``lowmem.memory.probes.import_accelerate``).
+    without boto3 (``lowmem.utils.optional.import_accelerate``).
 
     transformers imports ``scipy.optimize`` whenever scipy is installed, only for the Hungarian
     matching of its object-detection losses, which a T5 never calls. Those loss modules alone are
     imported while ``is_scipy_available`` answers False; the real answer is restored right after,
     so everything else in transformers still sees scipy.
     """
-    import_accelerate()  # transformers imports it where installed: without boto3 (lowmem.memory.probes)
+    import_accelerate()  # transformers imports it where installed: without boto3 (lowmem.utils.optional)
     import transformers.utils
 
     import_while_replaced("transformers.loss.loss_utils", transformers.utils, "is_scipy_available", lambda: False)

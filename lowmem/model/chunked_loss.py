@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from lowmem.hardware.probe import capability
-from lowmem.model.presets import loss_chunk_rows
+from lowmem.utils.presets import loss_chunk_rows
 
 IGNORED = -100
 

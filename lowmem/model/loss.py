@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lowmem.model.chunked_loss import chunk_rows, chunked_head_loss
 from lowmem.model.packed_attention import cross_attention_mask, decoder_inputs, segment_masks, segment_spans
-from lowmem.model.presets import AUTO
+from lowmem.utils.presets import AUTO
 
 
 def target_index(labels: torch.Tensor, multiple: int = 1) -> torch.Tensor:

@@ -21,9 +21,10 @@ import functools
 
 import torch
 
-from config import TrainConfig, UserError
-from lowmem.extras import optional_package_missing
+from config import TrainConfig
 from lowmem.model.narrow_compute import BlockLinear
+from lowmem.utils.errors import UserError
+from lowmem.utils.optional import optional_package_missing
 
 QTYPES = {"int8": "qint8", "float8": "qfloat8"}  # --frozen_dtype -> optimum.quanto's weight type
 # The state dict entries of a quantized layer (its 8-bit weight and scales; the activation scales are unused)
@@ -79,7 +80,7 @@ def quantize_frozen(model, cfg: TrainConfig) -> int:
     mapping. Quantizing is deterministic: a resume rebuilds the very same bytes (a checkpoint holds
     them too: the ``weight._data`` / ``weight._scale`` entries of the state dict).
     """
-    from lowmem.memory.probes import map_large_blocks
+    from lowmem.hardware.memory_use import map_large_blocks
 
     compute = compute_dtype(cfg)
     files = checkpoint_files(cfg.init_from)
@@ -117,7 +118,7 @@ def compute_dtype(cfg: TrainConfig) -> torch.dtype:
 def quantize_block(cfg: TrainConfig, block, names: list[str]) -> int:
     """Quantize the linear layers ``names`` of one T5 block (their weights in ``compute_dtype`` already) to
     ``--frozen_dtype``, frozen; returns the number of weight elements quantized."""
-    from lowmem.memory.probes import trim_heap
+    from lowmem.hardware.memory_use import trim_heap
 
     quanto = import_quanto(cfg)
     quanto.quantize(block, weights=getattr(quanto, QTYPES[cfg.frozen_dtype]), include=names)

@@ -15,8 +15,9 @@ import json
 import shutil
 from pathlib import Path
 
-from config import UserError, saved_json
 from data.tokenization import has_tokenizer, load_tokenizer, tokenizer_sha1
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import saved_json
 
 # model_type values of the T5 family; each loads with AutoModelForSeq2SeqLM (T5-, MT5-, UMT5ForConditionalGeneration).
 T5_FAMILY = ("t5", "mt5", "umt5")

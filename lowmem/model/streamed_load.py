@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from config import QUANTIZED_DTYPES, TrainConfig, UserError
+from config import QUANTIZED_DTYPES, TrainConfig
 from lowmem.model.weight_check import meta_model  # (the checks before a load build the same)
+from lowmem.utils.errors import UserError
 
 # Checkpoint keys transformers drops on load (T5ForConditionalGeneration._keys_to_ignore_on_load_unexpected)
 IGNORED_KEYS = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
@@ -136,7 +137,7 @@ def load_for_training(cfg: TrainConfig, folder, device="cpu", guard=None):
     Raises:
         UserError: the checkpoint lacks a tensor the model needs.
     """
-    from lowmem.memory.probes import trim_heap
+    from lowmem.hardware.memory_use import trim_heap
     from lowmem.model.build import freeze_parts, fuse_gelu
     from lowmem.model.weight_files import read_tensors, weight_files
 
@@ -184,7 +185,7 @@ def quantizer(cfg: TrainConfig):
     element count); else None."""
     if cfg.frozen_dtype not in QUANTIZED_DTYPES:
         return None
-    from lowmem.memory.probes import map_large_blocks
+    from lowmem.hardware.memory_use import map_large_blocks
     from lowmem.model.quantize import quantize_block
 
     map_large_blocks()  # each use of an 8-bit layer dequantizes into a temporary: mapped, not left on the heap

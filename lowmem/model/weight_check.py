@@ -8,7 +8,7 @@ and the keys its model class ignores (older T5 checkpoints' decoder cross-attent
 else is one line naming the file, the tensor and both shapes, and the config value behind the difference.
 
 Used wherever a model is read (``lowmem.model.source.check_weights``: train, plan, evaluate, generate) and on
-every export before it is moved into place (``lowmem.checkpointing.run_folder``).
+every export before it is moved into place (``lowmem.runs.run_folder``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from config import UserError
 from lowmem.model.weight_files import weight_files
 from lowmem.model.weight_headers import TensorHeader, file_headers
+from lowmem.utils.errors import UserError
 
 # Which config value each dimension of a tensor comes from, by the end of its name (inner: num_heads x d_kv)
 DIMENSIONS = ((("shared.weight", "embed_tokens.weight", "lm_head.weight"), ("vocab_size", "d_model")),

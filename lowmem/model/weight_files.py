@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from config import UserError
 from lowmem.model.weight_headers import BIN_INDEX, SAFETENSORS_INDEX, file_headers, index_entries, load_bin
+from lowmem.utils.errors import UserError
 
 # A fingerprint reads this many evenly spread samples of each weight file (and its size and header): enough to
 # tell a retrained or replaced model apart, cheap at 45 GB (a full hash would read all of it at every resume)

@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
-from config import UserError
+from lowmem.utils.errors import UserError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"

@@ -4,9 +4,10 @@ that yielded no example refused in one line, and every bad row met named at the 
 
 from __future__ import annotations
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.sources.corpus import bad_rows_report, too_many_bad_rows
 from lowmem.monitoring.telemetry import Telemetry
+from lowmem.utils.errors import UserError
 
 
 def report_data_errors(telemetry: Telemetry, data) -> dict:

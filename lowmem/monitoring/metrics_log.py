@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from lowmem.checkpointing.ownership import open_own
+from lowmem.utils.ownership import open_own
 
 
 class AppendLog:

@@ -15,10 +15,10 @@ import io
 import math
 from pathlib import Path
 
-from config import UserError, saved_json
-from lowmem.checkpointing.ownership import check_closed, claim_folder, is_ours, is_run_folder, write_atomic
 from lowmem.monitoring.metrics_log import read_metrics
-from lowmem.training.eval_metrics import DEFAULT_METRICS, METRICS, metrics_of
+from lowmem.utils.errors import UserError
+from lowmem.utils.eval_metrics import DEFAULT_METRICS, METRICS, metrics_of
+from lowmem.utils.ownership import check_closed, claim_folder, is_ours, is_run_folder, saved_json, write_atomic
 
 CHART_SIZE = (8, 4.5)  # inches at 100 dpi: 800 x 450 pixels
 DPI = 100
@@ -38,7 +38,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
 
     Raises:
         UserError: no run folder, no metrics.jsonl, or no train records in it yet; ``out_dir`` holds
-            files not ours (``lowmem.checkpointing.ownership``) or cannot be written; one of the run's own entries
+            files not ours (``lowmem.utils.ownership``) or cannot be written; one of the run's own entries
             (metrics.jsonl, plots/) is a symbolic link.
     """
     run = Path(run_dir)
@@ -88,7 +88,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> dict:
 def score_charts(run: Path, records: list[dict]) -> dict:
     """The charts of the scores of generated answers: one per metric of the run's --eval_metrics (its config.json;
     bleu for a run from before the option) and per other metric its eval records hold, each metric's values as
-    its lines (``lowmem.training.eval_metrics``)."""
+    its lines (``lowmem.utils.eval_metrics``)."""
     asked = metrics_of((saved_json(run / "config.json") or {}).get("eval_metrics") or DEFAULT_METRICS)
     logged = [m for m in METRICS.values() if any(series(records, "eval", n) for n in m.names)]
     return {m.key: (f"eval {m.title}", f"{m.title} (0-100)", [(n if len(m.names) > 1 else "eval", "eval", n)

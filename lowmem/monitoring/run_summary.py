@@ -8,7 +8,7 @@ from config import SHIPPED_TOKENIZER_DIR, TrainConfig
 from data.sources.corpus import file_notes
 from lowmem.hardware.probe import capability
 from lowmem.model.build import head_is_tied, lora_stacks
-from lowmem.training.eval_metrics import scores_in
+from lowmem.utils.eval_metrics import scores_in
 
 
 def frozen_summary(cfg: TrainConfig, core) -> str:
@@ -42,7 +42,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
     """The numbers that matter before training starts, and notes on the files: (log lines, the ``setup``
     record's fields).
     ``parameters``: trainable, frozen, frozen_bf16 and frozen_8bit counts; ``data``: the run's ``TrainData``;
-    ``eval_plan``: what each evaluation generates and costs (``lowmem.memory.eval_cost.EvalPlan``)."""
+    ``eval_plan``: what each evaluation generates and costs (``lowmem.training.eval_cost.EvalPlan``)."""
     world = accelerator.num_processes
     lengths = data.objective.longest or (cfg.max_source_len, cfg.max_target_len)  # the longest example
     effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
@@ -87,7 +87,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
 def compute_lines(cfg: TrainConfig, device_type: str) -> list[str]:
     """What the run's device computes fast (``lowmem.hardware``), and a warning when ``--mixed_precision`` asks for a
     dtype it measured slow (the run goes on as asked)."""
-    from lowmem.training.precision import PRECISIONS, slow_here
+    from lowmem.hardware.precision import PRECISIONS, slow_here
 
     found = capability(device_type)
     slow = slow_here(PRECISIONS[cfg.mixed_precision], found)

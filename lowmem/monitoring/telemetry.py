@@ -20,11 +20,11 @@ import torch
 from tqdm import tqdm
 
 from config import TrainConfig
-from lowmem.checkpointing.ownership import open_own
+from lowmem.hardware.memory_use import memory_snapshot
 from lowmem.hardware.probe import capability
-from lowmem.memory.probes import memory_snapshot
 from lowmem.monitoring.metrics_log import AppendLog, MetricsLog, train_line
 from lowmem.monitoring.tracker_feed import TrackerFeed
+from lowmem.utils.ownership import open_own
 
 
 def on_terminal() -> bool:

@@ -19,10 +19,10 @@ import json
 import time
 from pathlib import Path
 
-from config import UserError, saved_json
-from lowmem.checkpointing.ownership import write_atomic
 from lowmem.monitoring.metrics_log import tracker_scalars
 from lowmem.monitoring.trackers import TRACKERS, check_report_to, requested
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import saved_json, write_atomic
 
 STATE_FILE = "trackers.json"
 NOT_SCALARS = ("event", "step", "time")  # a record's own fields, beside the numbers

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import ClassVar
 from urllib.parse import urlsplit
 
-from config import UserError
-from lowmem.extras import installed, optional_package_missing
+from lowmem.utils.errors import UserError
+from lowmem.utils.optional import installed, optional_package_missing
 
 PROJECT = "t5-lowmem"  # the project / experiment a run goes into when the user names none
 TRACKERS: dict[str, type[Tracker]] = {}  # --report_to name -> class, filled as the classes are defined

@@ -20,6 +20,15 @@ from dataclasses import dataclass
 import torch
 
 
+class SliceAware:
+    """An optimizer that steps a flat partition as the whole weights whose slices it holds: DeepSpeed's engine
+    asks this of its optimizer and hands it each partition's ``Layout`` (``lowmem.training.optim.Adafactor``)."""
+
+    def describe(self, flat: torch.Tensor, layout: Layout) -> None:
+        """``flat`` holds the slices of whole weights ``layout`` lists: step them as those weights."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Slice:
     """The elements of one weight a flat partition holds: the weight's ``shape``, the first element held

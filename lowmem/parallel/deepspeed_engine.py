@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from config import TrainConfig, UserError
-from lowmem.memory.probes import import_while_replaced, replaced
+from config import TrainConfig
+from lowmem.utils.errors import UserError
+from lowmem.utils.optional import import_while_replaced, replaced
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-folder of a checkpoint that holds DeepSpeed's files
 CPU_ENV = "ACCELERATE_USE_CPU"
@@ -198,11 +199,11 @@ def describe_partitions(engine) -> None:
     weights' statistics, ``lowmem.parallel.adafactor_slices``), from DeepSpeed's own records of the partitioning:
     under ZeRO-3 every weight is split on its own into equal parts, the last padded; under ZeRO-1 and 2
     a group's weights are concatenated, then split."""
-    from lowmem.training.optim import Adafactor
+    from lowmem.parallel.adafactor_slices import SliceAware
 
     zero = engine.optimizer
     adafactor = getattr(zero, "optimizer", None)
-    if not isinstance(adafactor, Adafactor):
+    if not isinstance(adafactor, SliceAware):
         return
     if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
         for flat, weights, group in zip(zero.fp32_partitioned_groups_flat, zero.fp16_groups,

@@ -9,12 +9,14 @@ import os
 
 import torch
 
-from config import TrainConfig, UserError
+from config import TrainConfig
 from data.packing import examples_in
 from data.sources.readers import index_file
-from lowmem.memory.probes import MemoryGuard, import_accelerate, map_large_blocks, peak_rss_bytes
+from lowmem.hardware.memory_use import map_large_blocks, peak_rss_bytes
+from lowmem.hardware.precision import PRECISIONS
 from lowmem.parallel.engines import engine_for_launch
-from lowmem.training.precision import PRECISIONS
+from lowmem.utils.errors import UserError
+from lowmem.utils.optional import import_accelerate
 
 
 def start_accelerator(cfg: TrainConfig):
@@ -133,8 +135,9 @@ def any_process(accelerator, flag: bool) -> bool:
     return int(summed(accelerator, torch.tensor([int(flag)]))[0]) > 0
 
 
-def first_tripped(accelerator, guard: MemoryGuard) -> tuple[int, str, float]:
-    """(process, where its guard tripped, its peak RSS in GiB) of the first process whose memory guard has
+def first_tripped(accelerator, guard) -> tuple[int, str, float]:
+    """(process, where its guard tripped, its peak RSS in GiB) of the first process whose memory guard
+    (``lowmem.memory.guard.MemoryGuard``) has
     tripped, the same on all; every process calls it once they agree one has (a collective)."""
     from accelerate.utils import gather_object
 

@@ -162,7 +162,7 @@ class FSDPEngine(Engine):
         return super().accelerator_options(cpu)
 
     def shard(self, model, device: torch.device):
-        from lowmem.memory.probes import free_memory
+        from lowmem.hardware.memory_use import free_memory
         from lowmem.parallel.sharding import shard_model
 
         model = shard_model(model, self.settings, device)  # before the optimizer: sharding replaces the parameters
@@ -298,7 +298,7 @@ def fsdp_settings() -> dict:
 
 def check_shardable(cfg, title: str) -> None:
     """Refuse, in one line each, the options a sharded engine (``title``: FSDP or DeepSpeed) does not run with."""
-    from config import UserError
+    from lowmem.utils.errors import UserError
 
     refused = {"--lora_r": cfg.lora_r > 0, "--encoder_cache": cfg.encoder_cache != "off",
                f"--frozen_dtype={cfg.frozen_dtype}": cfg.frozen_dtype != "float32",

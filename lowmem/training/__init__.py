@@ -2,10 +2,9 @@
 
 - ``accumulation``: one window's backward, the same gradient whatever engine runs it.
 - ``optim``: Adafactor, AdamWScale (nanoT5's RMS-scaled AdamW) and the warmup + decay schedules.
-- ``precision``: ``--mixed_precision`` (float32, bf16, fp16 with its loss scaler), one class each.
 - ``state``: ``TrainState``, the counters every checkpoint keeps (step, epoch, tokens, the best model so far).
 - ``stopping``: clean stops on SIGTERM / SIGINT, and the count of skipped non-finite steps.
 - ``encoder_cache``: a frozen encoder's outputs computed once per example and read back.
 - ``evaluation``: eval loss, generation and the best-model comparison.
-- ``eval_metrics``: the scores of ``--eval_metrics`` (one ``Metric`` class each; a leaf module).
+- ``eval_cost``: what an evaluation costs, and the evaluation defaults that keep it within --eval_budget_s.
 """

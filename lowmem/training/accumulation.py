@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 
 from data.packing import examples_in
-from lowmem.memory.probes import MemoryGuard
+from lowmem.hardware.precision import Precision
+from lowmem.memory.guard import MemoryGuard
 from lowmem.model.loss import batch_to_device, token_loss_sum
 from lowmem.parallel.engines import Engine
 from lowmem.parallel.sharding import equal_counts
-from lowmem.training.precision import Precision
 
 
 def window_backward(model, core, window: list[dict], total_tokens: int, accelerator, engine: Engine,
@@ -35,7 +35,7 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
         model: the model as prepared (DDP-wrapped, FSDP-sharded or a DeepSpeed engine); core: the plain one.
         total_tokens: target tokens of the window on all processes.
         engine: the run's engine (``lowmem.parallel.engines``); precision: its ``--mixed_precision``
-            (``lowmem.training.precision``: the autocast, fp16's loss scale).
+            (``lowmem.hardware.precision``: the autocast, fp16's loss scale).
         guard: the memory guard, read after each micro-batch; empty: makes a micro-batch without targets.
         loss_chunk: --loss_chunk_size (``lowmem.model.chunked_loss``).
 

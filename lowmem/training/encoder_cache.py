@@ -16,7 +16,7 @@ Layout of ``OUTPUT_DIR/encoder_cache/<fingerprint>/`` (one set per process):
 The fingerprint covers the encoder's weights, the tokenizer, --max_source_len, the storage dtype,
 the files (path, size, modification time) and the process layout, so any change builds a new cache
 (the old ones are removed: only folders holding nothing but cache files, see
-``lowmem.checkpointing.ownership``). A file rewritten under the same size and modification time (``cp -p``,
+``lowmem.utils.ownership``). A file rewritten under the same size and modification time (``cp -p``,
 ``rsync -t``, or two writes within the file system's clock tick) escapes the fingerprint; the
 checksum of each row's source, compared as the row is read, catches it: the run stops with a clear
 error and removes the stale cache, so the next one rebuilds it. ``disk`` reads rows with ``pread``
@@ -37,14 +37,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from config import QUANTIZED_DTYPES, UserError, saved_json
+from config import QUANTIZED_DTYPES
 from data.sources.corpus import iter_rows, row_place
 from data.sources.readers import file_kind
 from data.streams.file_stream import batched
-from lowmem.checkpointing.ownership import MARKERS, claim_folder, open_own, remove_ours, write_atomic
-from lowmem.memory.probes import free_memory
+from lowmem.hardware.memory_use import free_memory
+from lowmem.hardware.precision import compute_context
 from lowmem.model.loss import batch_to_device, frozen_encoder_states
-from lowmem.training.precision import compute_context
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import MARKERS, claim_folder, open_own, remove_ours, saved_json, write_atomic
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
            "float16": (torch.float16, torch.float16)}  # name -> (torch dtype, numpy-compatible view)

@@ -1,5 +1,5 @@
 """Evaluation and generation with a model and a tokenizer: eval loss and the scores of --eval_metrics
-(``lowmem.training.eval_metrics``) over an eval set, answers to prompts, the best-model comparison, and loading a saved
+(``lowmem.utils.eval_metrics``) over an eval set, answers to prompts, the best-model comparison, and loading a saved
 model for the CLI's ``evaluate`` / ``generate`` (no trainer involved; training evaluates through the same
 functions).
 """
@@ -13,16 +13,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import AUTO, SHIPPED_CORPORA, TrainConfig, UserError, saved_json
+from config import AUTO, SHIPPED_CORPORA, TrainConfig
 from data.collate import by_source_length, length_groups, round_up, shape_multiple
 from data.objectives.base import objective_for
 from data.sources.corpus import DataProblems, resolve_files
 from data.sources.eval_set import eval_files_of, eval_split
 from data.streams.file_stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer, load_trained_tokenizer
+from lowmem.hardware.memory_use import free_memory
+from lowmem.hardware.precision import compute_context, precision_for
 from lowmem.memory.batch_budget import saved_model_eval_size
 from lowmem.memory.collector import imports_done
-from lowmem.memory.probes import free_memory
 from lowmem.model.adapters import load_saved_model_weights
 from lowmem.model.build import generation_cache, import_transformers_models
 from lowmem.model.loss import batch_to_device, token_loss_sum
@@ -32,15 +33,16 @@ from lowmem.parallel.distributed import any_process, start_accelerator
 from lowmem.parallel.engines import engine_for_launch, inner_model
 from lowmem.parallel.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
 from lowmem.training.encoder_cache import encoder_on
-from lowmem.training.eval_metrics import metric_named, metrics_of, score_answers, scores_in
-from lowmem.training.precision import compute_context, precision_for
+from lowmem.utils.errors import UserError
+from lowmem.utils.eval_metrics import metric_named, metrics_of, score_answers, scores_in
+from lowmem.utils.ownership import saved_json
 
 CPU_LOSS_TOKENS = 2048  # padded tokens per eval forward on the CPU (the encoder's sources, the decoder's targets)
 
 
 def is_better(result: dict, best: float | None, best_loss: float | None, metric: str) -> bool:
     """Whether an evaluation's ``result`` beats the best so far (``best`` by ``metric``, with its eval loss
-    ``best_loss``): each metric's way (eval_loss lower, the scores of ``lowmem.training.eval_metrics`` higher), and a
+    ``best_loss``): each metric's way (eval_loss lower, the scores of ``lowmem.utils.eval_metrics`` higher), and a
     tie of a score (every young model's BLEU is 0) broken by the lower eval loss."""
     value = result[metric]
     if value != value:  # NaN never wins
@@ -65,7 +67,7 @@ def generation_options(cfg: TrainConfig, max_new_tokens: int) -> dict:
 
 def asked_generate_rows(cfg: TrainConfig, rows: int) -> int:
     """The eval rows whose answers are generated as the flags ask: none with --eval_generate=False, else the
-    first --eval_generate_samples (auto: all ``rows``). Training may ask fewer (``lowmem.memory.eval_cost``)."""
+    first --eval_generate_samples (auto: all ``rows``). Training may ask fewer (``lowmem.training.eval_cost``)."""
     if not cfg.eval_generate:
         return 0
     return rows if cfg.eval_generate_samples == AUTO else min(cfg.eval_generate_samples, rows)
@@ -125,7 +127,7 @@ def loss_budget(accelerator, sharded: bool) -> int:
 def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainConfig, accelerator,
                    multiple: int = 1, progress: bool = False, interrupted=None,
                    generate_rows: int | None = None) -> dict:
-    """Eval loss (token-mean) over ``examples`` and the scores of --eval_metrics (``lowmem.training.eval_metrics``) of
+    """Eval loss (token-mean) over ``examples`` and the scores of --eval_metrics (``lowmem.utils.eval_metrics``) of
     greedy/beam generations for the first ``generate_rows`` of them (at most as many as the flags ask,
     ``asked_generate_rows``; no score keys when none).
 

@@ -20,12 +20,12 @@ from functools import partial
 import torch
 
 from config import TrainConfig
-from lowmem.memory.probes import optional_import
-from lowmem.parallel.adafactor_slices import Layout, apply_update, summed, update_flat
+from lowmem.parallel.adafactor_slices import Layout, SliceAware, apply_update, summed, update_flat
 from lowmem.parallel.sharding import plain, shard_group
+from lowmem.utils.optional import optional_import
 
 
-class Adafactor(torch.optim.Optimizer):
+class Adafactor(torch.optim.Optimizer, SliceAware):
     """Adafactor (Shazeer & Stern, 2018) with the configured learning rate applied as given.
 
     transformers' ``Adafactor(relative_step=False, scale_parameter=False, warmup_init=False)``: factored

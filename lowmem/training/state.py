@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from lowmem.memory.eval_cost import rows_at
-from lowmem.training.eval_metrics import scores_in
+from lowmem.training.eval_cost import rows_at
+from lowmem.utils.eval_metrics import scores_in
 
 
 @dataclass
@@ -24,7 +24,7 @@ class TrainState:
     elapsed_s: float = 0.0  # trained before this process started (``now`` adds this process's part)
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     nonfinite_in_a_row: int = 0
-    loss_scaler: dict | None = None  # fp16's: the scaler's state and its skipped steps (lowmem.training.precision)
+    loss_scaler: dict | None = None  # fp16's: the scaler's state and its skipped steps (lowmem.hardware.precision)
     last_eval: dict | None = None  # step, eval_loss and the scores of the latest evaluation
     eval_plan: dict | None = None  # what each evaluation generates (memory.eval_cost): planned once, kept on resume
 

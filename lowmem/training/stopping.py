@@ -1,7 +1,7 @@
 """Stopping a run cleanly on SIGTERM / SIGINT: the current optimizer step finishes, a checkpoint is
 written, and the command exits; a second signal stops at once. Also the count of skipped non-finite
 steps, which stops a run after too many in a row. (The memory guard, which checkpoints and stops when RSS
-nears ``--max_rss_gb``, within a step too, is ``lowmem.memory.probes.MemoryGuard``, driven by
+nears ``--max_rss_gb``, within a step too, is ``lowmem.memory.guard.MemoryGuard``, driven by
 ``lowmem.memory.run_memory.MemoryStop``.)"""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 
 import torch
 
-from config import UserError
 from lowmem.parallel.distributed import any_process
+from lowmem.utils.errors import UserError
 
 
 class StoppedBySignal(Exception):

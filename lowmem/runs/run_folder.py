@@ -18,14 +18,16 @@ import os
 import time
 from pathlib import Path
 
-from config import QUANTIZED_DTYPES, TrainConfig, UserError, saved_json
+from config import QUANTIZED_DTYPES, TrainConfig
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import saved_json
 from lowmem.checkpointing import checkpoint, checksums
-from lowmem.checkpointing.ownership import check_closed, open_own, write_atomic
-from lowmem.checkpointing.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
+from lowmem.utils.ownership import check_closed, open_own, write_atomic
+from lowmem.runs.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.engines import Engine, engine_that_wrote
 from lowmem.parallel.layouts import layout_title
-from lowmem.training.eval_metrics import metric_named
+from lowmem.utils.eval_metrics import metric_named
 
 # Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
 # The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.

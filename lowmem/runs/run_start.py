@@ -4,7 +4,7 @@ The command line runs them before the trainer's imports (torch, transformers: se
 folder that cannot take the run is refused in about half a second; the trainer runs them again once
 its processes are up (the state may have changed meanwhile) and then holds the folder's lock. The
 refusals leave the folder as they found it; a new run's folder, once accepted, is claimed here (made, with
-its marker: ``lowmem.checkpointing.ownership.claim_folder``).
+its marker: ``lowmem.utils.ownership.claim_folder``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import json
 import os
 from pathlib import Path
 
-from config import STARTED_MARKER, TrainConfig, UserError, saved_json
+from config import TrainConfig
+from lowmem.utils.errors import UserError
+from lowmem.utils.ownership import STARTED_MARKER, saved_json
 from lowmem.checkpointing import checkpoint
-from lowmem.checkpointing.ownership import (
+from lowmem.utils.ownership import (
     LEGACY_STARTED_MARKER,
     check_closed,
     check_folder,

@@ -27,6 +27,7 @@ a link (``open_own``) and replaced by a rename (``write_atomic``), which replace
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -34,7 +35,9 @@ from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 
-from config import STARTED_MARKER, UserError, saved_json
+from lowmem.utils.errors import UserError
+
+STARTED_MARKER = ".t5-lowmem-run"  # left in an output folder as soon as a run begins there
 
 MARKERS = {"run": STARTED_MARKER, "tokenizer": ".t5-lowmem-tokenizer", "prepared": ".t5-lowmem-prepared",
            "plots": ".t5-lowmem-plots", "encoder_cache": ".t5-lowmem-encoder-cache"}
@@ -312,3 +315,12 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def saved_json(path: Path) -> dict | None:
+    """The JSON object stored in ``path``; None when it is missing, unreadable or not an object."""
+    try:
+        saved = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None

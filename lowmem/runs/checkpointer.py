@@ -1,4 +1,4 @@
-"""Saving, resuming and exporting a run, beside its folder (``lowmem.checkpointing.run_folder`` writes the files).
+"""Saving, resuming and exporting a run, beside its folder (``lowmem.runs.run_folder`` writes the files).
 
 A checkpoint holds the weights, optimizer and scheduler, the trainer's counters, and each process's
 RNG, data position (shuffle buffer included), log offsets and the sums of the logging interval in
@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from config import saved_json
+from lowmem.utils.ownership import saved_json
 from lowmem.checkpointing import checkpoint
-from lowmem.checkpointing.run_folder import RunFolder, eval_changes
-from lowmem.memory.probes import free_memory
+from lowmem.runs.run_folder import RunFolder, eval_changes
+from lowmem.hardware.memory_use import free_memory
 from lowmem.model.build import export_state_dict, weights_in_float32
 from lowmem.monitoring.metrics_log import MetricsLog
 from lowmem.parallel.distributed import any_process

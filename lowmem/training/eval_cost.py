@@ -26,12 +26,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from config import AUTO, TrainConfig
+from lowmem.hardware.precision import compute_context
 from lowmem.model.loss import batch_to_device
 from lowmem.parallel.sharding import is_sharded, runs_deepspeed, whole_root
 from lowmem.training.encoder_cache import encoder_on
-from lowmem.training.eval_metrics import metric_named
 from lowmem.training.evaluation import asked_generate_rows, eval_batches, generate_for, loss_and_inputs, loss_budget
-from lowmem.training.precision import compute_context
+from lowmem.utils.eval_metrics import metric_named
 
 PROBE_STEPS = 8  # decoding steps timed (after one untimed warm-up generation and a timed one-token one)
 # What a plan depends on: a resumed run where one of them differs plans again

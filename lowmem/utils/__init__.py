@@ -1,0 +1,10 @@
+"""The ground floor: what every other floor uses, importing nothing of the project's.
+
+- ``errors``: ``UserError``, a mistake the user can fix (one ``error:`` line, exit code 2).
+- ``ownership``: which folders the commands may write into (new, empty or ours), that none of their own entries is
+  a symbolic link (the closed room), atomic writes, and reading back a JSON file of ours.
+- ``optional``: the optional packages: installed or not, the line that says how to install one, and imports that
+  leave out what a dependency would pull in for features this trainer never uses.
+- ``presets``: named model shapes and memory profiles (data only: ``config`` validates against them).
+- ``eval_metrics``: the scores of ``--eval_metrics`` (one ``Metric`` class each), pure functions of texts.
+"""
