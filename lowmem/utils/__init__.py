@@ -6,5 +6,7 @@
 - ``optional``: the optional packages: installed or not, the line that says how to install one, and imports that
   leave out what a dependency would pull in for features this trainer never uses.
 - ``presets``: named model shapes and memory profiles (data only: ``config`` validates against them).
+- ``flag_roles``: the field helper of ``config`` and the roles a flag declares with its field (the commands that
+  read it, what a resume does when it changed, ...), from which every list of flags is derived.
 - ``eval_metrics``: the scores of ``--eval_metrics`` (one ``Metric`` class each), pure functions of texts.
 """
