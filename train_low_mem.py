@@ -10,6 +10,7 @@
     python train_low_mem.py plot --output_dir=runs/pretrain         # PNG charts in runs/pretrain/plots
     python train_low_mem.py train_tokenizer --train_file=corpus.jsonl --tokenizer_dir=my_tokenizer
     python train_low_mem.py prepare --train_file=corpus.jsonl --prepared_dir=corpus.prepared  # tokenize once
+    python train_low_mem.py export --init_from=runs/sft/final --export_dir=merged --dtype=bfloat16  # one model folder
 """
 
 from __future__ import annotations
@@ -268,8 +269,22 @@ def plot(config: str | None = None, **flags) -> dict:
     return plot_run(cfg.output_dir, plot_dir)
 
 
+def export(config: str | None = None, **flags) -> dict:
+    """--init_from (a LoRA adapter folder, merged into its base; a run's checkpoint; a model) as a plain transformers
+    folder in --export_dir (new or empty), a shard at a time: --dtype=float32|bfloat16|float16, --base=MODEL where
+    the adapter's or checkpoint's base model is elsewhere."""
+    from lowmem.cli.export_command import export_command
+
+    export_dir, dtype, base = flags.pop("export_dir", None), flags.pop("dtype", "float32"), flags.pop("base", None)
+    cfg, notes = load_config(flags, config)
+    say_notes(notes + unread_flag_notes("export", flags), sys.stderr)
+    # (with --init_from, --tokenizer_dir is None unless given: the source's own tokenizer is taken)
+    return export_command(cfg.init_from, export_dir, dtype, base, cfg.tokenizer_dir,
+                          say=lambda line: print(line, file=sys.stderr))
+
+
 COMMANDS = {"train": train, "plan": plan, "evaluate": evaluate, "generate": generate,
-            "train_tokenizer": train_tokenizer, "prepare": prepare, "preview": preview, "plot": plot}
+            "train_tokenizer": train_tokenizer, "prepare": prepare, "preview": preview, "plot": plot, "export": export}
 
 
 def main(argv: list[str] | None = None) -> None:

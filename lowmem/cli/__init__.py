@@ -3,4 +3,6 @@
 - ``runner``: one command run through fire, a user's mistake shown as one ``error:`` line (exit 2).
 - ``flags``: command-line and YAML values into a ``TrainConfig``, with suggestions and ``--help``.
 - ``plan_command``: the ``plan`` command: predicted peak memory and the memory modes that fit a budget.
+- ``export_command``: the ``export`` command: an adapter merged into its base, a checkpoint or a model, written as
+  one plain transformers model folder in a chosen dtype, a shard at a time.
 """

@@ -102,7 +102,8 @@ def _path(name: str, value: str) -> str:
 # Flags that one command reads besides the options (train_low_mem.py pops them before load_config): a near miss
 # of one of them is suggested too (`preview --num_example=3` was asked whether it meant --num_beams).
 COMMAND_FLAGS = {**dict.fromkeys(("json", "budget_gb", "device", "num_processes", "num_machines", "sharding"), "plan"),
-                 "num_examples": "preview", "decode": "preview", "prepared_dir": "prepare", "plot_dir": "plot"}
+                 "num_examples": "preview", "decode": "preview", "prepared_dir": "prepare", "plot_dir": "plot",
+                 **dict.fromkeys(("export_dir", "dtype", "base"), "export")}
 
 
 def unknown_flag_message(name: str, where: str = "flag") -> str:
@@ -188,6 +189,7 @@ TRAINING_ONLY = ("is_keep_training", "resume_from", "overwrite_output_dir", "fre
 GENERATE_ONLY = ("prompt", "max_new_tokens")  # every command accepts them (one config for all), generate reads them
 # The commands that read a few options only; the others read all but those of TRAINING_ONLY
 READ_ONLY = {"plot": ("output_dir", "is_finetune", "debug"),  # (--is_finetune: the default --output_dir, runs/sft)
+             "export": ("init_from", "tokenizer_dir", "debug"),
              "train_tokenizer": ("train_file", "dataset_config", "tokenizer_dir", "vocab_size",
                                  "tokenizer_max_sentences", "objective", "prompt_column", "response_column",
                                  "text_column", "debug")}
@@ -280,7 +282,7 @@ def help_text() -> str:
     """The ``--help`` listing: every option with its type, default and help."""
     lines = ["t5-lowmem: low-memory T5 pretraining and SFT.", "",
              "usage: python train_low_mem.py COMMAND [--option=value ...] [--config=FILE.yaml]", "",
-             "commands: train, plan, evaluate, generate, train_tokenizer, prepare, preview, plot", "",
+             "commands: train, plan, evaluate, generate, train_tokenizer, prepare, preview, plot, export", "",
              "prepare takes --train_file and --prepared_dir (default runs/prepared): token-id parquet shards that "
              "train reads with --train_file=PREPARED_DIR", "",
              "plan also takes --json (one JSON object), --budget_gb=X (GiB) and --device=cpu|gpu (recommend modes), "
@@ -289,6 +291,9 @@ def help_text() -> str:
              "preview takes --num_examples=N (default 5) and --decode=True (the texts too): the first training "
              "examples as the model sees them", "",
              "plot takes --output_dir=RUN and --plot_dir (default RUN/plots): PNG charts of RUN/metrics.jsonl", "",
+             "export takes --init_from (a LoRA adapter folder, merged into its base; a run's checkpoint; a model), "
+             "--export_dir (a new or empty folder), --dtype=float32|bfloat16|float16 and --base=MODEL (the adapter's "
+             "or checkpoint's base, where it is elsewhere): one plain transformers model folder", "",
              "options:"]
     for f in dataclasses.fields(TrainConfig):
         hint = _HINTS[f.name]

@@ -16,7 +16,7 @@ from lowmem.utils.errors import UserError
 
 def verbatim_text(argv: list[str]) -> list[str]:
     """Text flags' values as Python string literals, which fire hands over unchanged."""
-    text = text_flags() | {"config", "prepared_dir", "plot_dir"}
+    text = text_flags() | {"config", "prepared_dir", "plot_dir", "export_dir", "dtype", "base"}
     out = []
     for i, arg in enumerate(argv):
         name, eq, value = arg.removeprefix("--").partition("=")

@@ -12,6 +12,8 @@
 - ``narrow_compute``: products with frozen weights stored narrower than they compute (8-bit, bf16): in float32 a
   block of rows at a time where the narrow dtype is slow on the device (``lowmem.hardware``).
 - ``adapters``: LoRA runs exported as peft adapter folders, and loaded back onto their base model.
+- ``merge``: a whole model's tensors for the ``export`` command, each made as its shard is written: read from the
+  files, a checkpoint's tensor in place, LoRA merged in, cast.
 - ``loss``: the loss a step trains on (LM head at the target tokens only, summed token losses).
 - ``packed_attention``: the attention masks and decoder inputs of packed rows (``--packing``).
 - ``chunked_loss``: the LM head and cross-entropy a chunk of target tokens at a time (``--loss_chunk_size``).
