@@ -38,13 +38,9 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int, dtype):
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):
             low = weight.to(dtype)  # (itself in float32)
-            # the input gradient's weight in float32: the logits' own where they compute in float32 (converted once)
-            wide = (low if low.dtype == torch.float32 else weight.float()) if want_hidden else None
-            grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+            grads = HeadGradients(hidden, weight, low, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, len(hidden), chunk):
                 rows, wanted = hidden[start:start + chunk], targets[start:start + chunk]
@@ -56,11 +52,11 @@ class ChunkedHeadLoss(torch.autograd.Function):
                 top = logits.amax(dim=1, keepdim=True)
                 sums = logits.sub_(top).exp_().sum(dim=1, keepdim=True)
                 total += ((top + sums.log()).squeeze(1) - target_logit).mul_(counted).sum()
-                if want_hidden or want_weight:
-                    softmax_gradient(logits, sums, picked, counted, rows, wide, grad_hidden, grad_weight, start)
+                if grads.wanted:
+                    grads.add(logits, sums, picked, counted, rows, start)
                 del logits  # before the next chunk's are made: one chunk's logits alive at a time
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grads.hidden, grads.weight)
         return total
 
     @staticmethod
@@ -73,18 +69,30 @@ class ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def softmax_gradient(exp_logits, sums, picked, counted, rows, wide, grad_hidden, grad_weight, start: int) -> None:
-    """One chunk's share of the input's and the weight's gradients (of the summed loss), from its logits already
-    exponentiated (``exp_logits``, turned into their gradient in place) and their row ``sums``; ``wide``: the weight
-    in float32 (None when no input gradient is wanted)."""
-    grad = exp_logits.div_(sums)  # the softmax
-    grad.scatter_add_(1, picked, -torch.ones_like(picked, dtype=grad.dtype))  # minus the one-hot target
-    grad.mul_(counted.unsqueeze(1))  # ignored positions: no gradient
-    if grad_hidden is not None:
-        torch.mm(grad, wide, out=grad_hidden[start:start + len(grad)])
-    if grad_weight is not None:
-        # addmm into itself, not addmm_: the same product, and one torch's FlopCounterMode counts (docs/mfu.md)
-        torch.addmm(grad_weight, grad.t(), rows.float(), out=grad_weight)
+class HeadGradients:
+    """The input's and the weight's gradients of the summed loss (float32; None where not wanted), filled in chunk
+    by chunk in the forward (``add``)."""
+
+    def __init__(self, hidden, weight, low, want_hidden: bool, want_weight: bool):
+        """``low``: the weight in the logits' dtype."""
+        self.wanted = want_hidden or want_weight
+        # the input gradient's weight in float32: the logits' own where they compute in float32 (converted once)
+        self.wide = (low if low.dtype == torch.float32 else weight.float()) if want_hidden else None
+        self.hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
+        self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+
+    def add(self, exp_logits, sums, picked, counted, rows, start: int) -> None:
+        """One chunk's share (its tokens from ``start`` on: ``rows`` of the input), from its logits already
+        exponentiated (``exp_logits``, turned into their gradient in place), their row ``sums``, the targets'
+        columns (``picked``) and which tokens count (``counted``)."""
+        grad = exp_logits.div_(sums)  # the softmax
+        grad.scatter_add_(1, picked, -torch.ones_like(picked, dtype=grad.dtype))  # minus the one-hot target
+        grad.mul_(counted.unsqueeze(1))  # ignored positions: no gradient
+        if self.hidden is not None:
+            torch.mm(grad, self.wide, out=self.hidden[start:start + len(grad)])
+        if self.weight is not None:
+            # addmm into itself, not addmm_: the same product, and one torch's FlopCounterMode counts (docs/mfu.md)
+            torch.addmm(self.weight, grad.t(), rows.float(), out=self.weight)
 
 
 def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:

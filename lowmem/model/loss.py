@@ -55,7 +55,7 @@ def logits_only_at(core, index: torch.Tensor):
 
 
 def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multiple: int = 1,
-                   encoder_calls: int = 0, loss_chunk: int | str = AUTO) -> torch.Tensor:
+                   loss_chunk: int | str = AUTO) -> torch.Tensor:
     """Sum of the cross-entropy over the batch's target tokens (labels == -100 are ignored).
 
     ``model`` is what to call (possibly wrapped for DDP), ``core`` the plain T5 inside it. With a
@@ -63,8 +63,8 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multi
     encoder cache carries ``encoder_hidden_states`` instead of ``input_ids``. Logits are computed
     only at target positions (``batch["target_index"]`` when the caller found them on the host),
     and in chunks of target tokens (``loss_chunk``: --loss_chunk_size; ``lowmem.model.chunked_loss``).
-    ``encoder_calls``: how many times a frozen encoder must run (at least once per row; see
-    ``frozen_encoder_states``).
+    ``batch["encoder_calls"]``, where the accumulation window set it (a sharded engine): how many times a frozen
+    encoder must run (at least once per row; see ``frozen_encoder_states``).
     """
     labels = batch["labels"]
     index = batch["target_index"] if "target_index" in batch else target_index(labels, multiple)
@@ -82,7 +82,8 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multi
         if hasattr(model, "unshard"):  # FSDP: the shared embedding (the root's) whole, the encoder runs outside
             model.unshard()            # the root's forward; the forward below reshards it as usual
         encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple,
-                                        encoder_calls, segment_spans(batch["source_segments"]) if packed else None)
+                                        batch.get("encoder_calls", 0),
+                                        segment_spans(batch["source_segments"]) if packed else None)
     else:
         encoded = None
     targets = labels.flatten().index_select(0, index)
