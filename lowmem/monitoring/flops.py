@@ -222,12 +222,12 @@ class Walk:
         layer = block.layer[0]
         normed = carry or self.trains(layer.layer_norm.weight)
         # (each sublayer walked before the ``or``: a short circuit would skip counting it)
-        attended = self.attention_layer(layer.SelfAttention, tokens, tokens, pairs, normed, normed, self_bias)
+        attended = self.attention_layer(layer.SelfAttention, (tokens, tokens, pairs), normed, normed, self_bias)
         carry = carry or attended
         if cross is not None:
             layer = block.layer[1]
             normed = carry or self.trains(layer.layer_norm.weight)
-            attended = self.attention_layer(layer.EncDecAttention, tokens, "memory_tokens", "cross_pairs", normed,
+            attended = self.attention_layer(layer.EncDecAttention, (tokens, "memory_tokens", "cross_pairs"), normed,
                                             cross[0], cross[1])
             carry = carry or attended
         layer = block.layer[-1]
@@ -237,10 +237,12 @@ class Walk:
         fed = self.linear(dense.wo, tokens, any(inner))
         return carry or fed
 
-    def attention_layer(self, attention, queries: str, keys: str, pairs: str, query_in: bool, key_in: bool,
+    def attention_layer(self, attention, terms: tuple[str, str, str], query_in: bool, key_in: bool,
                         bias: bool) -> bool:
-        """Projections, attention and output projection of one T5Attention; ``queries`` / ``keys``: the terms of
-        the tokens its queries and its keys and values are computed from."""
+        """Projections, attention and output projection of one T5Attention; ``terms``: (queries, keys, pairs), the
+        terms of the tokens its queries and its keys and values are computed from, and of their pairs; ``query_in``
+        / ``key_in``: whether those tokens carry gradient; ``bias``: whether its position bias does."""
+        queries, keys, pairs = terms
         query = self.linear(attention.q, queries, query_in)
         key = self.linear(attention.k, keys, key_in)
         value = self.linear(attention.v, keys, key_in)

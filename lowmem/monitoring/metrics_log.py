@@ -67,14 +67,16 @@ def read_metrics(path: Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def train_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, padding_pct: float,
-               rss_mb: float, examples_per_row: float = 1.0, mfu: float | None = None) -> str:
-    """The fixed-order training log line (with --packing, the examples a row holds after the padding; ``mfu``: the
-    model FLOPs utilisation, docs/mfu.md)."""
+def train_line(step: int, total: int, record: dict) -> str:
+    """The fixed-order training log line of a ``train`` record's fields (``loss``, ``lr``, ``tokens_per_s``,
+    ``padding_pct``, ``rss_mb``; with --packing ``examples_per_row``, the examples a row holds after the padding;
+    ``mfu``, the model FLOPs utilisation, docs/mfu.md, where counted)."""
+    examples_per_row, mfu = record.get("examples_per_row", 1.0), record.get("mfu")
     packed = f" ({examples_per_row:.1f} examples/row)" if examples_per_row > 1 else ""
     utilisation = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
-    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | tok/s {tokens_per_s:,.0f}{utilisation} | "
-            f"pad {padding_pct:.1f}%{packed} | rss {rss_mb / 1024:.2f} GiB")
+    return (f"step {step}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"tok/s {record['tokens_per_s']:,.0f}{utilisation} | pad {record['padding_pct']:.1f}%{packed} | "
+            f"rss {record['rss_mb'] / 1024:.2f} GiB")
 
 
 def tracker_scalars(event: str, fields: dict) -> dict:

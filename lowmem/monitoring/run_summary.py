@@ -4,6 +4,8 @@ parts, the data, the memory modes, the schedule) and, at the end, a schedule tha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from config import SHIPPED_TOKENIZER_DIR, TrainConfig
 from data.sources.corpus import file_notes
 from lowmem.hardware.probe import capability
@@ -37,13 +39,25 @@ def schedule_note(steps: int, planned: int, last_rate: float, data) -> str:
             f"learning-rate schedule, made for {planned} steps, ended at {last_rate:.3g}")
 
 
-def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_epoch: int, total_steps: int,
-                    start_step: int, cache, core, eval_plan) -> tuple[list[str], dict]:
+@dataclass(frozen=True)
+class ModelInRun:
+    """The model as the run trains it, as the start-up summary tells it: the plain model (frozen, adapted, in its
+    memory modes), its parameter counts (trainable, frozen, frozen_bf16, frozen_8bit:
+    ``lowmem.model.build.ready_to_train``) and the encoder cache it reads instead of running its encoder (or None)."""
+
+    core: object
+    parameters: dict
+    cache: object = None
+
+
+def startup_summary(cfg: TrainConfig, accelerator, data, model: ModelInRun, start_step: int,
+                    eval_plan) -> tuple[list[str], dict]:
     """The numbers that matter before training starts, and notes on the files: (log lines, the ``setup``
     record's fields).
-    ``parameters``: trainable, frozen, frozen_bf16 and frozen_8bit counts; ``data``: the run's ``TrainData``;
-    ``eval_plan``: what each evaluation generates and costs (``lowmem.training.eval_cost.EvalPlan``)."""
-    world = accelerator.num_processes
+    ``data``: the run's ``TrainData`` (its steps per epoch and in all: ``TrainData.steps``); ``eval_plan``: what each
+    evaluation generates and costs (``lowmem.training.eval_cost.EvalPlan``)."""
+    world, parameters = accelerator.num_processes, model.parameters
+    per_epoch, total_steps = data.steps(cfg)
     lengths = data.objective.longest or (cfg.max_source_len, cfg.max_target_len)  # the longest example
     effective = cfg.batch_size * cfg.gradient_accumulation_steps * world
     tokenizer = ("the shipped one" if cfg.tokenizer_dir == str(SHIPPED_TOKENIZER_DIR) else cfg.tokenizer_dir
@@ -59,7 +73,7 @@ def startup_summary(cfg: TrainConfig, accelerator, parameters: dict, data, per_e
         data_line(cfg, data, per_epoch) + f"total steps {total_steps} | start step {start_step}",
         f"eval {data.objective.example_noun} {len(data.eval_examples):,} from " + data.eval_source,
         eval_plan.line(),
-        "memory: " + ", ".join(memory_features(cfg, parameters, cache, core)),
+        "memory: " + ", ".join(memory_features(cfg, model)),
     ]
     lines += compute_lines(cfg, accelerator.device.type)
     if cfg.torch_compile:
@@ -106,8 +120,9 @@ def data_line(cfg: TrainConfig, data, per_epoch: int) -> str:
     return line + (f"{per_epoch} optimizer steps per epoch (tokens {counted}) | " if counted else "")
 
 
-def memory_features(cfg: TrainConfig, parameters: dict, cache, core) -> list[str]:
+def memory_features(cfg: TrainConfig, model: ModelInRun) -> list[str]:
     """Which memory features the run has on, in the start-up line's words."""
+    parameters, cache = model.parameters, model.cache
     features = [f"mixed_precision={cfg.mixed_precision}", f"optimizer={cfg.optimizer}",
                 f"gradient_checkpointing={cfg.gradient_checkpointing}",
                 f"shuffle_buffer={cfg.shuffle_buffer_size} rows / {cfg.shuffle_buffer_mb} MiB",
@@ -119,7 +134,7 @@ def memory_features(cfg: TrainConfig, parameters: dict, cache, core) -> list[str
                         f"{cfg.lora_target_modules}")
     if cache is not None:
         features.append(f"encoder cache ({'RAM' if cache.in_memory else 'disk'}, {cfg.encoder_cache_dtype})")
-    features.append(frozen_summary(cfg, core))
+    features.append(frozen_summary(cfg, model.core))
     if parameters["frozen_bf16"]:
         features.append(f"{parameters['frozen_bf16']:,} frozen weights stored in bf16")
     if parameters["frozen_8bit"]:

@@ -95,6 +95,12 @@ class Telemetry:
         if self.trackers is not None:
             self.trackers.finish(self.metrics.path, self.metrics.tell(), complete=True)
 
+    def progress(self, total: int, done: int):
+        """The training's progress bar (tqdm), shown on the main process's terminal (elsewhere disabled: log lines
+        say the numbers instead)."""
+        return tqdm(total=total, initial=done, desc="train", unit="step", disable=not (self.main and on_terminal()),
+                    dynamic_ncols=True)
+
     def say(self, message: str) -> None:
         """A line from the main process."""
         if self.main:
@@ -259,13 +265,16 @@ class IntervalMeter:
         return round(self.timed["seconds"] / self.timed["steps"], 4) if self.timed["steps"] else None
 
 
-def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: float, grad_norm, elapsed: float,
-                 total_steps: int, bar, extra: dict | None = None) -> None:
-    """The ``train`` record of an interval (and its log line, or the bar's numbers on a terminal); ``extra``:
-    more fields for the record (fp16's loss scale). Collective: every process calls it at the same step."""
+def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, bar, total_steps: int, step: dict) -> None:
+    """The ``train`` record of an interval (and its log line, or the bar's numbers on a terminal). ``step``: what the
+    trainer knows of the interval's last optimizer step: ``lr`` (the rate it applied), ``grad_norm`` (None: none
+    measured yet), ``elapsed_s`` (the run's seconds so far), and any more fields for the record (fp16's loss scale,
+    the graphs compiled). Collective: every process calls it at the same step."""
     state = telemetry.state
     mem = memory_snapshot()
     interval = meter.close(accelerator)
+    extra = dict(step)
+    lr, grad_norm, elapsed = extra.pop("lr"), extra.pop("grad_norm"), extra.pop("elapsed_s")
     fields = dict(loss=interval["loss"], lr=lr, tokens_per_s=interval["tokens_per_s"], step_s=interval["step_s"],
                   **{key: interval[key] for key in ("flops_per_s", "mfu") if key in interval},
                   padding_pct=interval["padding_pct"], examples_per_row=interval["examples_per_row"],
@@ -276,13 +285,11 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, lr: fl
         fields["rss_mb_per_process"] = [round(v, 1) for v in rss.tolist()]
     if grad_norm is not None:
         fields["grad_norm"] = round(float(grad_norm), 7)
-    fields.update(extra or {})
+    fields.update(extra)
     telemetry.record("train", **fields)
     if telemetry.main:
         bar.set_postfix(loss=f"{fields['loss']:.3f}", lr=f"{lr:.1e}", tok_s=f"{fields['tokens_per_s']:.0f}",
                         **({"mfu": f"{100 * fields['mfu']:.1f}%"} if fields.get("mfu") is not None else {}),
                         rss=f"{mem['rss_mb'] / 1024:.2f}G")
         if not on_terminal():
-            telemetry.say(train_line(state.step, total_steps, fields["loss"], lr, fields["tokens_per_s"],
-                                     fields["padding_pct"], mem["rss_mb"], fields["examples_per_row"],
-                                     fields.get("mfu")))
+            telemetry.say(train_line(state.step, total_steps, fields))
