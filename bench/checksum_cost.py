@@ -1,8 +1,8 @@
 """What verifying a checkpoint's checksums costs beside loading it (lowmem/checkpointing/checksums.py).
 
-    python bench/checksum_cost.py                         # flan-t5-large float32: one 3.1 GB model.safetensors
-    python bench/checksum_cost.py --shape=xl              # flan-t5-xl float32: 11.4 GB (needs ~24 GB of RAM free)
-    python bench/checksum_cost.py --torch_gb=2 --write_gb=1
+    python -m bench.checksum_cost                         # flan-t5-large float32: one 3.1 GB model.safetensors
+    python -m bench.checksum_cost --shape=xl              # flan-t5-xl float32: 11.4 GB (needs ~24 GB of RAM free)
+    python -m bench.checksum_cost --torch_gb=2 --write_gb=1
 
 Side by side, on files just written (in the page cache, as a resume after a run finds them; from a cold disk both
 the load and the checksum wait on the same read, which only lowers the ratio):
@@ -20,23 +20,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.hub_checkpoint import build_checkpoint  # noqa: E402
-from lowmem.checkpointing import checksums  # noqa: E402
-
-
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+from bench.harness import Column, Table, time_call
+from bench.hub_checkpoint import build_checkpoint
+from lowmem.checkpointing import checksums
 
 
 def tensors_of(gigabytes: float) -> dict:
@@ -62,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         # the disk (its dirty pages still being written back), which would charge whichever ran first
         checksum, crc, load = (lambda: checksums.digest_file(model)), (
             lambda: checksums.digest_file(model, "crc32")), (lambda: _load_file(model))
-        times = [timed(fn) for fn in (checksum, crc, load, load, crc, checksum)]
+        times = [time_call(fn) for fn in (checksum, crc, load, load, crc, checksum)]
         rows.append((f"{args.shape} model.safetensors ({size:.1f} GB): xxh3-64", times[5]))
         rows.append(("  zlib.crc32", times[4]))
         rows.append(("  safetensors load_file", times[3]))
@@ -72,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         del state
         checksum, load = (lambda: checksums.digest_file(root / "optimizer.pt")), (
             lambda: torch.load(root / "optimizer.pt", weights_only=True))
-        times = [timed(fn) for fn in (checksum, load, load, checksum)]
+        times = [time_call(fn) for fn in (checksum, load, load, checksum)]
         rows.append((f"torch file ({args.torch_gb:.1f} GB): xxh3-64", times[3]))
         rows.append(("  torch.load", times[2]))
         (root / "optimizer.pt").unlink()
@@ -81,13 +72,15 @@ def main(argv: list[str] | None = None) -> None:
 
         plain, hashed = (lambda: save_file(weights, str(root / "a"))), (
             lambda: checksums.save_safetensors(weights, root, "b", {}))
-        times = [timed(fn) for fn in (plain, hashed, hashed, plain)]
+        times = [time_call(fn) for fn in (plain, hashed, hashed, plain)]
         rows.append((f"write {args.write_gb:.1f} GB: save_file", times[3]))
         rows.append(("  save_safetensors, hashed as written", times[2]))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    table = Table([Column("what", "name"), Column("seconds", "seconds", ".2f")])
     for label, seconds in rows:
-        print(f"{label:<52} {seconds:7.2f} s")
+        table.add(label, {"seconds": seconds})
+    table.show()
     print(f"model: checksum / load = {rows[0][1] / rows[2][1]:.2f}; torch file: checksum / load = "
           f"{rows[3][1] / rows[4][1]:.2f}; write: hashed / save_file = {rows[6][1] / rows[5][1]:.2f}")
 

@@ -1,9 +1,9 @@
 """--torch_compile=True against eager, side by side in one run: steps/s after warm-up, graphs compiled against
 length buckets met, and the loss of every step against eager's.
 
-    python bench/compile.py                         # tiny preset, 100 steps of 4 x 2 on length-skewed pairs
-    python bench/compile.py --presets=tiny,small --steps=40 --packing=True
-    python bench/compile.py --init_from=MODEL --corpus=glossary --max_len=64   # SFT of a trained model
+    python -m bench.compile                         # tiny preset, 100 steps of 4 x 2 on length-skewed pairs
+    python -m bench.compile --presets=tiny,small --steps=40 --packing=True
+    python -m bench.compile --init_from=MODEL --corpus=glossary --max_len=64   # SFT of a trained model
 
 Rows: bench/packing.py's skewed chat pairs (85 % 1-4 words a side, 15 % several turns joined, up to --max_len
 tokens a side). Both contenders train the same examples from scratch (same seed, dropout 0, Adafactor) in their own
@@ -28,20 +28,16 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from packing import bench_corpus  # noqa: E402
-from peers import child_env, run_contender  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import trainer
+from bench.packing import bench_corpus
+from bench.peers import run_contender
 
 
 def train(flags: dict, run_dir: Path, options) -> dict:
-    argv = [sys.executable, str(REPO / "train_low_mem.py"), "train", *(f"--{k}={v}" for k, v in flags.items())]
-    run = run_contender(argv, run_dir, child_env(run_dir, options))
+    run = run_contender(trainer("train", **flags), run_dir, options)
     if run["rc"]:
         return {"error": " | ".join(run["log"].read_text(errors="replace").splitlines()[-6:])}
     records = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]

@@ -1,8 +1,8 @@
 """The README's default job as a new user runs it, and what it teaches.
 
-    python bench/default_job.py                  # the job in a temporary folder; prints the figures below
-    OMP_NUM_THREADS=1 python bench/default_job.py --keep=/tmp/default_job   # on shared cores; keep the runs
-    python bench/default_job.py --job="python train_low_mem.py train ... && python train_low_mem.py ..."
+    python -m bench.default_job                  # the job in a temporary folder; prints the figures below
+    OMP_NUM_THREADS=1 python -m bench.default_job --keep=/tmp/default_job   # on shared cores; keep the runs
+    python -m bench.default_job --job="python train_low_mem.py train ... && python train_low_mem.py ..."
 
 The commands are read from the README ("Two commands on a fresh machine", the install left out), so what
 is measured is what the README says; ``--job`` measures another chain of commands instead. Each command runs
@@ -26,13 +26,12 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, run_child, trainer
+
 CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 
 
@@ -49,15 +48,10 @@ def run(command: str, cwd: Path) -> dict:
     argv = shlex.split(command)
     if argv[:2] != ["python", "train_low_mem.py"]:
         sys.exit(f"not a train_low_mem.py command: {command}")
-    argv = [sys.executable, str(REPO / "train_low_mem.py"), *argv[2:]]
-    start = time.perf_counter()
-    process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = process.stdout.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = time.perf_counter() - start
-    if status != 0:
-        sys.exit(f"{command}\nfailed:\n{output[-3000:]}")
-    return {"command": command, "output": output, "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime}
+    done = run_child(trainer(*argv[2:]), cwd=cwd)
+    if done.rc:
+        sys.exit(f"{command}\nfailed:\n{done.output[-3000:]}")
+    return {"command": command, "output": done.output, "wall_s": done.wall_s, "cpu_s": done.cpu_s}
 
 
 def eval_losses(run_dir: Path) -> list[float]:
@@ -67,19 +61,24 @@ def eval_losses(run_dir: Path) -> list[float]:
 
 
 def answers(cwd: Path, generate_command: str, count: int) -> list[tuple[str, str]]:
-    """(prompt, answer) for the first ``count`` SFT eval prompts, decoded as ``generate_command`` decodes."""
+    """(prompt, answer) for the first ``count`` SFT eval prompts, decoded as ``generate_command`` decodes, in a
+    process of its own in ``cwd`` (the generate command's paths are relative to it; the project is imported from
+    the repository, on its PYTHONPATH)."""
     flags = dict(arg[2:].split("=", 1) for arg in shlex.split(generate_command)[3:] if arg.startswith("--"))
     code = (
-        "import json, sys\n"
-        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import json\n"
         "from lowmem.cli.flags import load_saved_model_config\n"
         "from lowmem.training.evaluation import load_saved_model\n"
         f"cfg, _ = load_saved_model_config({flags!r})\n"
         "saved = load_saved_model(cfg, say=lambda line: None)\n"
         f"prompts = [e.prompt for e in saved.eval_examples[:{count}]]\n"
-        "print(json.dumps(list(zip(prompts, saved.generate(prompts)))))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True)
-    return [tuple(pair) for pair in json.loads(out.stdout.strip().splitlines()[-1])]
+        "print('answers: ' + json.dumps(list(zip(prompts, saved.generate(prompts)))))\n")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    done = run_child([sys.executable, "-c", code], cwd=cwd, env=dict(os.environ, PYTHONPATH=path))
+    if done.rc:
+        sys.exit(f"the answers of {generate_command} failed:\n{done.output[-3000:]}")
+    line = next(line for line in reversed(done.output.splitlines()) if line.startswith("answers: "))
+    return [tuple(pair) for pair in json.loads(line.removeprefix("answers: "))]
 
 
 def main() -> None:

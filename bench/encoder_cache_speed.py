@@ -1,9 +1,9 @@
 """SFT step time with the encoder cache versus without, measured interleaved in one process.
 
-    python bench/encoder_cache_speed.py                          # tiny and small, six corpora
-    python bench/encoder_cache_speed.py --presets=small --windows=20
-    python bench/encoder_cache_speed.py --corpus=my.jsonl         # your own prompt/response jsonl
-    python bench/encoder_cache_speed.py --device=cuda --mixed_precision=bf16   # on a GPU, as gpu16g trains
+    python -m bench.encoder_cache_speed                          # tiny and small, six corpora
+    python -m bench.encoder_cache_speed --presets=small --windows=20
+    python -m bench.encoder_cache_speed --corpus=my.jsonl         # your own prompt/response jsonl
+    python -m bench.encoder_cache_speed --device=cuda --mixed_precision=bf16   # on a GPU, as gpu16g trains
 
 Timing two separate runs on a shared machine compares two moments as much as two code paths (on
 the 2-core development VM the same run's step time drifted by 30 % within a minute). Here every
@@ -31,14 +31,13 @@ import contextlib
 import json
 import random
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import Column, Table, Timer
+from bench.memory_modes import make_corpora
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -49,8 +48,6 @@ def corpora(folder: Path, extra: list[str], turns: list[int]) -> dict[str, list[
     """The shipped chat and pinyin pairs, prompts of k chat turns for each k in ``turns`` (the
     source grows, the answer stays one reply), the long-prompt SFT corpus of bench/memory_modes.py
     (five turns in, one reply out), and any jsonl files given."""
-    from memory_modes import make_corpora  # this folder is on sys.path when the script runs
-
     made = make_corpora(folder)
     out = {"chat pairs": read_jsonl(made["sft"]), "pinyin pairs": read_jsonl(made["short"])}
     pairs = out["chat pairs"]
@@ -118,19 +115,16 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
     tokens = [sum(int(b["labels"].ne(-100).sum()) for b in w) for w in plain]
 
     def step(window: list[dict], n_tokens: int, frozen_encoder: bool) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for batch in window:
-            with autocast():
-                loss = token_loss_sum(model, model, on_device(batch), frozen_encoder=frozen_encoder, multiple=multiple)
-            (loss / n_tokens).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        with Timer(sync=torch.cuda.synchronize if cuda else None) as timer:
+            for batch in window:
+                with autocast():
+                    loss = token_loss_sum(model, model, on_device(batch), frozen_encoder=frozen_encoder,
+                                          multiple=multiple)
+                (loss / n_tokens).backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return timer.seconds
 
     ratios, plain_s, cached_s = [], [], []
     for i in range(windows + 1):
@@ -166,17 +160,18 @@ def main() -> None:
         torch.set_num_threads(options.threads)
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device=cuda: torch sees no GPU here")
-    sys.path.insert(0, str(REPO))
     print(f"device {options.device}, precision {options.mixed_precision}, {torch.get_num_threads()} CPU threads")
-    print(f"{'preset':<8}{'corpus':<16}{'src tok':>8}{'tgt tok':>8}{'uncached s':>12}{'cached s':>10}"
-          f"{'ratio':>7}  {'per-window range':<16}")
+    table = Table([Column("preset", "preset", width=6), Column("corpus", "corpus", width=14),
+                   Column("src tok", "source_tokens", ".1f"), Column("tgt tok", "target_tokens", ".1f"),
+                   Column("uncached s", "plain_s", ".3f"), Column("cached s", "cached_s", ".3f"),
+                   Column("ratio", "ratio", ".2f"), Column("per-window range", "range")], stream=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows_by_name = corpora(Path(tmp), options.corpus, [int(k) for k in options.turns.split(",") if k])
     for name, rows in rows_by_name.items():
         for preset in options.presets.split(","):
             r = measure(preset, rows, options.windows, options.device, options.mixed_precision)
-            print(f"{preset:<8}{name:<16}{r['source_tokens']:>8.1f}{r['target_tokens']:>8.1f}{r['plain_s']:>12.3f}"
-                  f"{r['cached_s']:>10.3f}{r['ratio']:>7.2f}  {r['spread'][0]:.2f}-{r['spread'][1]:.2f}", flush=True)
+            table.add(f"{preset} {name}", {**r, "preset": preset, "corpus": name,
+                                           "range": f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}"})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Where the sharded engines' gradients part from DDP's: the same step's gradients under DDP, FSDP2 and
 DeepSpeed ZeRO-2 / ZeRO-3 on 2 CPU processes over gloo, against a plain model summed in each engine's order.
 
-    python bench/engine_gradients.py            # starts its own 2 processes (torch.distributed.run)
-    python bench/engine_gradients.py --layers=6 --d_model=256
+    python -m bench.engine_gradients            # starts its own 2 processes (torch.distributed.run)
+    python -m bench.engine_gradients --layers=6 --d_model=256
 
 One forward and backward of a T5 (tied embeddings, ReLU feed-forward, dropout 0) on each process's own
 rows; the gradients are averaged over the processes (all-reduce for the plain model, the engine's own
@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.harness import run_child
 
 
 class InputsDone(torch.autograd.Function):
@@ -187,8 +184,10 @@ def main() -> None:
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.processes}",
-               "--master_port=29531", __file__, *sys.argv[1:]]
-    sys.exit(subprocess.run(command, env=env).returncode)
+               "--master_port=29531", "-m", "bench.engine_gradients", *sys.argv[1:]]
+    done = run_child(command, env=env)
+    print(done.output, end="")
+    sys.exit(done.rc)
 
 
 if __name__ == "__main__":

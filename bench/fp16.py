@@ -1,9 +1,9 @@
 """--mixed_precision=fp16 against float32 on the CPU: eval loss after the same steps, and a T5 built to overflow.
 
-    python bench/fp16.py                                  # tiny preset: pretraining, SFT, the overflowing model
-    python bench/fp16.py --presets=tiny,small --steps=100 # the overflowing model on tiny only (--overflowing)
-    python bench/fp16.py --dropout_rate=0.1               # with dropout (see below)
-    python bench/fp16.py --accumulation=4 --steps=50      # a quick look
+    python -m bench.fp16                                  # tiny preset: pretraining, SFT, the overflowing model
+    python -m bench.fp16 --presets=tiny,small --steps=100 # the overflowing model on tiny only (--overflowing)
+    python -m bench.fp16 --dropout_rate=0.1               # with dropout (see below)
+    python -m bench.fp16 --accumulation=4 --steps=50      # a quick look
 
 Every run is a real ``train_low_mem.py train`` process on the shipped data, side by side in one run:
 
@@ -28,20 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import run_child, trainer
+from config import SHIPPED_CORPORA
 
 
 def train(out: Path, precision: str, args: list[str]) -> dict:
-    done = subprocess.run([sys.executable, str(REPO / "train_low_mem.py"), "train", f"--output_dir={out}",
-                           f"--mixed_precision={precision}", "--eval_generate=False", "--eval_steps=0",
-                           "--save_steps=0", *args], cwd=REPO, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{out.name} failed:\n{done.stderr[-3000:]}")
+    done = run_child(trainer("train", f"--output_dir={out}", f"--mixed_precision={precision}",
+                             "--eval_generate=False", "--eval_steps=0", "--save_steps=0", *args))
+    if done.rc:
+        raise SystemExit(f"{out.name} failed:\n{done.output[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train_records = [r for r in records if r["event"] == "train"]
     return {"eval_loss": [r["eval_loss"] for r in records if r["event"] == "eval"][-1],
@@ -94,9 +92,6 @@ def main() -> None:
     parser.add_argument("--dropout_rate", type=float, default=0.0)
     parser.add_argument("--overflowing", default="tiny", help="the presets whose overflowing model is trained too")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
-    from config import SHIPPED_CORPORA
-
     common = [f"--gradient_accumulation_steps={args.accumulation}", "--logging_steps=10", "--warmup_steps=10",
               f"--dropout_rate={args.dropout_rate}"]
     with tempfile.TemporaryDirectory(prefix="fp16-bench-") as tmp:

@@ -25,14 +25,14 @@ python3 -c "import torch, transformers, accelerate; print(torch.__version__, tra
   2>&1 | tail -1 | tee -a "$OUT/log"
 
 log "bench/sdpa_shapes.py: bf16 step time with cuDNN's attention on and off"
-timeout "${SDPA_S:-120}" python3 bench/sdpa_shapes.py 2>&1 | tee -a "$OUT/log"
+timeout "${SDPA_S:-120}" python3 -m bench.sdpa_shapes 2>&1 | tee -a "$OUT/log"
 
 log "bench/gpu_profiles.py: frozen weights"
-timeout "${FROZEN_S:-180}" python3 bench/gpu_profiles.py --parts=frozen --steps=6 --jobs="${FROZEN_JOBS:-8}" --json="$OUT/gpu_frozen.json" 2>&1 \
+timeout "${FROZEN_S:-180}" python3 -m bench.gpu_profiles --parts=frozen --steps=6 --jobs="${FROZEN_JOBS:-8}" --json="$OUT/gpu_frozen.json" 2>&1 \
   | tee -a "$OUT/log"
 
 log "bench/gpu_profiles.py: profiles, auto against 2 x 16"
-timeout "${PROFILES_S:-330}" python3 bench/gpu_profiles.py --presets="${PRESETS:-tiny,small,base}" \
+timeout "${PROFILES_S:-330}" python3 -m bench.gpu_profiles --presets="${PRESETS:-tiny,small,base}" \
   --profiles="${PROFILES:-gpu8g,gpu24g}" --steps=6 --parts=profiles --json="$OUT/gpu_profiles.json" 2>&1 | tee -a "$OUT/log"
 
 log "GPU-marked tests"

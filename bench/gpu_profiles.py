@@ -1,10 +1,10 @@
 """On a GPU: tokens/s and peak GPU memory per memory profile and preset, what `auto` micro-batches buy over
 2 x 16, and 8-bit frozen weights.
 
-    python bench/gpu_profiles.py                         # every gpu* profile x tiny, small, base
-    python bench/gpu_profiles.py --presets=tiny --profiles=gpu16g --steps=4   # a quick look
-    python bench/gpu_profiles.py --parts=sweep           # the micro-batch sweep alone
-    python bench/gpu_profiles.py --parts=frozen --jobs=8 # base SFT and LoRA, frozen float32 / bfloat16 / int8
+    python -m bench.gpu_profiles                         # every gpu* profile x tiny, small, base
+    python -m bench.gpu_profiles --presets=tiny --profiles=gpu16g --steps=4   # a quick look
+    python -m bench.gpu_profiles --parts=sweep           # the micro-batch sweep alone
+    python -m bench.gpu_profiles --parts=frozen --jobs=8 # base SFT and LoRA, frozen float32 / bfloat16 / int8
 
 Part 1 runs ``train_low_mem.py train --memory_profile=P --model_preset=X`` on the long-row corpus of
 bench/memory_modes.py (chat turns joined, sources up to 128 tokens) for a few optimizer steps of the
@@ -28,29 +28,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.memory_modes import make_corpora  # noqa: E402
+from bench.harness import Column, Table, Timer, run_child, trainer
+from bench.memory_modes import make_corpora
 
 
 def trainer_run(args: list[str], out: Path, steps: int, eval_rows: int = 64) -> dict:
     """One ``train`` run of ``steps`` optimizer steps with one eval pass of ``eval_rows`` rows at the end (loss
     and generation: at eval batch 4 on a GPU most of a short run's time), read from the run's records."""
-    command = [sys.executable, str(REPO / "train_low_mem.py"), "train", *args, f"--output_dir={out}",
-               f"--max_steps={steps}", f"--eval_steps={steps}", "--save_steps=0", f"--max_eval_samples={eval_rows}",
-               "--logging_steps=1"]
-    started = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if done.returncode:
-        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    command = trainer("train", *args, f"--output_dir={out}", f"--max_steps={steps}", f"--eval_steps={steps}",
+                      "--save_steps=0", f"--max_eval_samples={eval_rows}", "--logging_steps=1")
+    done = run_child(command)
+    if done.rc:
+        return {"error": (done.tail(1) or ["?"])[-1][:200]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     setup = next(r for r in records if r["event"] == "setup")
     train = [r for r in records if r["event"] == "train"][1:]
@@ -64,14 +57,26 @@ def trainer_run(args: list[str], out: Path, steps: int, eval_rows: int = 64) -> 
             "eval_loss": evals[-1]["eval_loss"] if evals else float("nan"),
             "predicted_gpu_mb": peak.get("predicted_gpu_peak_mb"), "measured_gpu_mb": peak.get("measured_gpu_peak_mb"),
             "gpu_ratio": peak.get("gpu_ratio"), "measured_host_mb": peak["measured_host_peak_mb"],
-            "wall_s": round(time.perf_counter() - started, 1)}
+            "wall_s": round(done.wall_s, 1)}
+
+
+# Part 1's rows: 2 x 16, then the profile's own choice with its ratios to 2 x 16
+PROFILE_COLUMNS = [Column("preset", "preset"), Column("profile", "profile"), Column("micro x accumulation", "sizes"),
+                   Column("tokens/s", "tokens_per_s", ",.0f"), Column("vs 2 x 16", "tokens_per_s", ".2f", ratio=True),
+                   Column("eval s (batch)", "eval"), Column("vs batch 4", "eval_s", ".2f", ratio=True),
+                   Column("predicted GPU MiB", "predicted_gpu_mb", ",.0f"),
+                   Column("measured GPU MiB", "measured_gpu_mb", ",.0f"), Column("ratio", "gpu_ratio", ".2f")]
+# Part 2's rows: each mode's float32 row first, the peaks of the others against it
+FROZEN_COLUMNS = [Column("base", "mode"), Column("frozen", "dtype"), Column("step s", "step_s", ".3f"),
+                  Column("predicted GPU MiB", "predicted_gpu_mb", ",.0f"),
+                  Column("measured GPU MiB", "measured_gpu_mb", ",.0f"), Column("ratio", "gpu_ratio", ".2f"),
+                  Column("GPU peak vs float32", "measured_gpu_mb", ".2f", ratio=True),
+                  Column("eval loss", "eval_loss", ".4f")]
 
 
 def profiles(presets: list[str], names: list[str], steps: int, figures: dict, corpora: dict, tmp: Path) -> None:
     """Part 1: each profile as it chooses against 2 x 16 (the same effective batch of 32)."""
-    print("| preset | profile | micro x accumulation | tokens/s | vs 2 x 16 | eval s (batch) | vs batch 4 | "
-          "predicted GPU MiB | measured GPU MiB | ratio |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    table = Table(PROFILE_COLUMNS, markdown=True, stream=True)
     corpus = corpora["long"]
     for preset in presets:
         for profile in names:
@@ -80,17 +85,15 @@ def profiles(presets: list[str], names: list[str], steps: int, figures: dict, co
                                 "--eval_batch_size=4"], tmp / f"{preset}-{profile}-2x16", steps)
             row = trainer_run(common, tmp / f"{preset}-{profile}", steps)
             figures["profiles"][f"{preset} {profile}"] = {"auto": row, "2x16": base}
-            for name, r in (("2 x 16", base), ("auto", row)):
-                if "error" in r:
-                    print(f"| {preset} | {profile} | {name} failed: {r['error']} ||||||||", flush=True)
-            if "error" in row or "error" in base:
+            failed = {name: r for name, r in (("2 x 16", base), ("auto", row)) if "error" in r}
+            for name, r in failed.items():
+                table.add(f"{preset} {profile} {name}", {"preset": preset, "error": f"{profile} {name}: {r['error']}"})
+            if failed:
                 continue
-            for r, speed, evals in ((base, "1.00", "1.00"),
-                                    (row, f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}",
-                                     f"{row['eval_s'] / base['eval_s']:.2f}")):
-                print(f"| {preset} | {profile} | {r['micro']} x {r['accumulation']} | {r['tokens_per_s']:,.0f} | "
-                      f"{speed} | {r['eval_s']:.1f} ({r['eval_batch']}) | {evals} | {r['predicted_gpu_mb']:,.0f} | "
-                      f"{r['measured_gpu_mb']:,.0f} | {r['gpu_ratio']:.2f} |", flush=True)
+            for name, r in (("2 x 16", base), ("auto", row)):
+                table.add(f"{preset} {profile} {name}", {
+                    **r, "preset": preset, "profile": profile, "sizes": f"{r['micro']} x {r['accumulation']}",
+                    "eval": f"{r['eval_s']:.1f} ({r['eval_batch']})"}, against=f"{preset} {profile} 2 x 16")
 
 
 FROZEN = {"LoRA r=8": ["--lora_r=8", "--learn_rate=1e-3"], "SFT": []}
@@ -109,8 +112,7 @@ def frozen(steps: int, figures: dict, corpora: dict, tmp: Path, jobs: int = 1, o
     if "error" in pretrain:
         print(f"base init failed: {pretrain['error']}", flush=True)
         return
-    print("| base | frozen | step s | predicted GPU MiB | measured GPU MiB | ratio | GPU peak vs float32 | eval loss |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    table = Table(FROZEN_COLUMNS, markdown=True, stream=True)
 
     def run(mode: str, dtype: str) -> dict:
         out = tmp / f"frozen-{mode}-{dtype}".replace(" ", "").replace("=", "").replace("+", "")
@@ -124,17 +126,10 @@ def frozen(steps: int, figures: dict, corpora: dict, tmp: Path, jobs: int = 1, o
         dtypes = [d for d in FROZEN_DTYPES if not only or d in only]
         runs = {(mode, dtype): pool.submit(run, mode, dtype) for mode in FROZEN for dtype in dtypes}
     for mode in FROZEN:
-        first = None
         for dtype in dtypes:
             r = figures["frozen"][f"{mode} {dtype}"] = runs[mode, dtype].result()
-            if "error" in r:
-                print(f"| {mode} | {dtype} failed: {r['error']} ||||||", flush=True)
-                continue
-            first = r if dtype == "float32" else first  # float32 is the first row when it runs
-            against = f"{r['measured_gpu_mb'] / first['measured_gpu_mb']:.2f}" if first else "-"
-            print(f"| {mode} | {dtype} | {r['step_s']:.3f} | {r['predicted_gpu_mb']:,.0f} | "
-                  f"{r['measured_gpu_mb']:,.0f} | {r['gpu_ratio']:.2f} | {against} | {r['eval_loss']:.4f} |",
-                  flush=True)
+            shown = {"error": f"{dtype}: {r['error']}"} if "error" in r else r
+            table.add(f"{mode} {dtype}", {**shown, "mode": mode, "dtype": dtype}, against=f"{mode} float32")
 
 
 def sweep(preset: str, micro_batches: list[int], length: int, repeats: int) -> dict[int, float]:
@@ -142,27 +137,30 @@ def sweep(preset: str, micro_batches: list[int], length: int, repeats: int) -> d
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from lowmem.model.presets import preset_shape
+    from lowmem.utils.presets import preset_shape
 
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(vocab_size=32128, decoder_start_token_id=0, dropout_rate=0.0,
                                                 **preset_shape(preset, "gated-gelu"))).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(ids: torch.Tensor) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     result = {}
     for micro in micro_batches:
         ids = torch.randint(2, 32000, (micro, length), device="cuda")
         try:
-            for i in range(repeats + 2):  # two warm-up steps
-                if i == 2:
-                    torch.cuda.synchronize()
-                    started = time.perf_counter()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            result[micro] = 2 * micro * length * repeats / (time.perf_counter() - started)
+            step(ids)  # two warm-up steps
+            step(ids)
+            with Timer(sync=torch.cuda.synchronize) as timer:
+                for _ in range(repeats):
+                    step(ids)
+            result[micro] = 2 * micro * length * repeats / timer.seconds
         except torch.OutOfMemoryError:
             result[micro] = 0.0
         torch.cuda.empty_cache()
@@ -207,13 +205,12 @@ def main() -> None:
         return
     micro_batches = [2, 4, 8, 16, 32, 64]
     print("\nplain torch, bf16 autocast, AdamW, 128 tokens a side: training tokens/s by micro-batch")
-    print("| preset | " + " | ".join(str(m) for m in micro_batches) + " | best / 2 |")
-    print("|---|" + "---:|" * (len(micro_batches) + 1), flush=True)
+    table = Table([Column("preset", "name"), *(Column(str(m), str(m), ",.0f") for m in micro_batches),
+                   Column("best / 2", "best", ".1f")], markdown=True, stream=True)
     for preset in presets:
         speeds = sweep(preset, micro_batches, 128, repeats=10)
         figures["sweep"][preset] = speeds
-        print(f"| {preset} | " + " | ".join(f"{s:,.0f}" for s in speeds.values()) +
-              f" | {max(speeds.values()) / speeds[2]:.1f}x |", flush=True)
+        table.add(preset, {**{str(m): s for m, s in speeds.items()}, "best": max(speeds.values()) / speeds[2]})
     save()
 
 

@@ -1,8 +1,8 @@
 """Hub-shaped T5 checkpoints with random weights, written one tensor at a time so memory stays flat.
 
-    python bench/hub_checkpoint.py /tmp/hubxl --shape=xl --dtype=bfloat16 --max_shard_gb=9.5
-    python bench/hub_checkpoint.py /tmp/hublarge --shape=large                  # float32, one 3.1 GB file
-    python bench/hub_checkpoint.py /tmp/hubtiny --shape=tiny --max_shard_gb=0.0003 --fmt=bin
+    python -m bench.hub_checkpoint /tmp/hubxl --shape=xl --dtype=bfloat16 --max_shard_gb=9.5
+    python -m bench.hub_checkpoint /tmp/hublarge --shape=large                  # float32, one 3.1 GB file
+    python -m bench.hub_checkpoint /tmp/hubtiny --shape=tiny --max_shard_gb=0.0003 --fmt=bin
 
 The folder looks like a flan-t5 / t5-v1_1 hub folder: ``config.json`` (``tie_word_embeddings: false``),
 ``generation_config.json``, the tokenizer files, and the weights as safetensors shards
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import shutil
 import struct
 import sys
@@ -30,7 +29,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, peak_rss_mib
+
 DEFAULT_TOKENIZER_DIR = REPO / "data" / "tokenizer"
 CHUNK_ELEMENTS = 16 * 2**20  # 64 MiB of float32 draws at a time, whatever the tensor's size
 # What every flan-t5 / t5-v1_1 shape shares; a shape dict overrides any of it.
@@ -213,7 +213,7 @@ def build_checkpoint(folder, shape: str | dict = "xl", dtype: str = "float32", m
     return {"folder": str(folder), "params": sum(math.prod(s) for _, s in tensors),
             "bytes": sum((folder / f).stat().st_size for f in files), "files": files,
             "seconds": round(time.time() - started, 1),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}  # Linux: KiB
+            "peak_rss_mib": round(peak_rss_mib())}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,9 +1,9 @@
 """Step time of 8-bit frozen weights (``--frozen_dtype=int8``) against float32 frozen weights on the CPU.
 
-    python bench/int8_step.py                       # LoRA r=8 on flan-t5-large's shape, float32 and bf16
-    python bench/int8_step.py --precision=no        # --mixed_precision=no only (the CPU default)
-    python bench/int8_step.py --micro_only          # one quantized layer against a float32 one
-    python bench/int8_step.py --shape=tiny --steps=4 --rounds=1   # a quick look
+    python -m bench.int8_step                       # LoRA r=8 on flan-t5-large's shape, float32 and bf16
+    python -m bench.int8_step --precision=no        # --mixed_precision=no only (the CPU default)
+    python -m bench.int8_step --micro_only          # one quantized layer against a float32 one
+    python -m bench.int8_step --shape=tiny --steps=4 --rounds=1   # a quick look
 
 Two parts, both side by side in one run:
 
@@ -29,13 +29,12 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import Timer, cpu_seconds, run_child, trainer
+from bench.hub_checkpoint import build_checkpoint
+
 LAYER_SHAPES = [(1024, 2816), (2816, 1024), (1024, 1024)]  # (in, out): wi_0 / wi_1, wo, q / k / v / o
 TOKENS = [(2, 64), (2, 256)]  # batch x tokens
 
@@ -44,35 +43,41 @@ def train_run(init: Path, out: Path, frozen: str, precision: str, steps: int) ->
     """One trainer process, stopped after ``steps`` logged steps: the wall and CPU seconds of each step
     after the first, and its peak RSS (MiB). The CPU seconds (user + system, both threads) are read when
     each step's record appears: they count this run's work, not the time other processes took the cores."""
-    import psutil
-
-    command = [sys.executable, str(REPO / "train_low_mem.py"), "train", "--is_finetune=True", f"--init_from={init}",
-               f"--output_dir={out}", "--lora_r=8", "--learn_rate=1e-3", f"--frozen_dtype={frozen}",
-               f"--mixed_precision={precision}", "--batch_size=2", "--gradient_accumulation_steps=1",
-               f"--max_steps={steps}", "--eval_steps=0", "--max_eval_samples=2", "--eval_generate=False",
-               "--save_steps=0", "--logging_steps=1", "--overwrite_output_dir=True"]
-    log = out.with_suffix(".log")
-    with open(log, "w") as sink:
-        process = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
-        records, cpu = [], []
-        while len(records) < steps and process.poll() is None:
-            time.sleep(0.2)
-            records = train_records(out)
-            if len(records) > len(cpu):
-                times = psutil.Process(process.pid).cpu_times()
-                cpu += [times.user + times.system] * (len(records) - len(cpu))
-        if process.poll() is None:
-            process.kill()  # the final evaluation, checkpoint and exports are not what is measured
-        process.wait()
+    command = trainer("train", "--is_finetune=True", f"--init_from={init}", f"--output_dir={out}", "--lora_r=8",
+                      "--learn_rate=1e-3", f"--frozen_dtype={frozen}", f"--mixed_precision={precision}",
+                      "--batch_size=2", "--gradient_accumulation_steps=1", f"--max_steps={steps}", "--eval_steps=0",
+                      "--max_eval_samples=2", "--eval_generate=False", "--save_steps=0", "--logging_steps=1",
+                      "--overwrite_output_dir=True")
+    watch = StepWatch(out, steps)
+    run = run_child(command, watch=watch, every=0.2)
+    records, cpu = watch.records, watch.cpu
     if len(records) < steps:
-        raise SystemExit(f"run failed ({frozen}, {precision}):\n{log.read_text()[-3000:]}")
+        raise SystemExit(f"run failed ({frozen}, {precision}):\n{run.output[-3000:]}")
     shutil.rmtree(out, ignore_errors=True)
-    log.unlink()
     return {"step_s": [r["step_s"] for r in records[1:steps]], "cpu_s": [b - a for a, b in zip(cpu, cpu[1:steps])],
             "peak_mb": records[steps - 1]["peak_rss_mb"]}
 
 
+class StepWatch:
+    """A ``run_child`` watcher of a trainer run: stops it once ``steps`` train records are logged (its final
+    evaluation, checkpoint and exports are not what is measured), and keeps the process's CPU seconds as each
+    record appears (``cpu``, one a record)."""
+
+    def __init__(self, out: Path, steps: int):
+        self.out, self.steps = out, steps
+        self.records: list[dict] = []
+        self.cpu: list[float] = []
+
+    def __call__(self, pid: int) -> bool:
+        self.records = train_records(self.out)
+        used = cpu_seconds(pid) if len(self.records) > len(self.cpu) else None
+        if used is not None:
+            self.cpu += [used] * (len(self.records) - len(self.cpu))
+        return len(self.records) >= self.steps
+
+
 def train_records(out: Path) -> list[dict]:
+    """The train records a run has logged to its metrics.jsonl so far (none before it exists)."""
     path = out / "metrics.jsonl"
     if not path.is_file():
         return []
@@ -86,8 +91,6 @@ def train_records(out: Path) -> list[dict]:
 
 
 def training(args, tmp: Path) -> None:
-    from hub_checkpoint import build_checkpoint  # this folder is on sys.path when the script runs
-
     init = Path(args.init_from) if args.init_from else Path(build_checkpoint(tmp / args.shape, args.shape)["folder"])
     for precision in args.precision.split(","):
         found = {k: {"step_s": [], "cpu_s": [], "peak_mb": []} for k in ("float32", "int8")}
@@ -111,11 +114,9 @@ def micro(args) -> None:
     bf16 both run in autocast as the trainer runs them: float32 frozen weights cast to bf16 at each use, the
     8-bit layer with bf16 scales (``quantize_frozen``'s choice); the input is float32 (a T5 layer norm's)."""
     import contextlib
+    from types import SimpleNamespace
 
     import torch
-
-    sys.path.insert(0, str(REPO))
-    from types import SimpleNamespace
 
     from lowmem.model.quantize import quantize_block
 
@@ -123,6 +124,7 @@ def micro(args) -> None:
           f"median of {args.repeats}:")
     for precision in args.precision.split(","):
         scales = torch.bfloat16 if precision == "bf16" else torch.float32
+        autocast = (lambda: torch.autocast("cpu", torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
         for fan_in, fan_out in LAYER_SHAPES:
             torch.manual_seed(0)
             plain = torch.nn.Linear(fan_in, fan_out, bias=False).requires_grad_(False)
@@ -133,11 +135,11 @@ def micro(args) -> None:
                 times = {"float": [], "int8": []}
                 for _ in range(args.repeats):
                     for name, layer in (("float", plain), ("int8", holder)):
-                        start = time.perf_counter()
-                        with torch.autocast("cpu", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
-                            out = layer(x)
-                        out.backward(torch.ones_like(out))
-                        times[name].append(time.perf_counter() - start)
+                        with Timer() as timer:
+                            with autocast():
+                                out = layer(x)
+                            out.backward(torch.ones_like(out))
+                        times[name].append(timer.seconds)
                 base, eight = (statistics.median(times[k]) * 1000 for k in ("float", "int8"))
                 print(f"  --mixed_precision={precision:<3} {fan_in:>4}x{fan_out:<4} {batch}x{tokens:<3}: float32 "
                       f"{base:6.2f} ms | int8 {eight:6.2f} ms | ratio {eight / base:.2f}", flush=True)

@@ -1,7 +1,7 @@
 """Peak memory and time of the LM head + cross-entropy, whole logits against chunked (``--loss_chunk_size``).
 
-    python bench/loss_chunks.py                          # mT5-small's head (512 x 250,112), 1,024 target tokens
-    python bench/loss_chunks.py --tokens=2048 --repeats=5
+    python -m bench.loss_chunks                          # mT5-small's head (512 x 250,112), 1,024 target tokens
+    python -m bench.loss_chunks --tokens=2048 --repeats=5
 
 Each variant runs in a process of its own (a fresh heap), side by side in one run: the head's input (tokens x
 d_model, float32) and weight (vocabulary x d_model, trainable) are made, then the forward and backward of
@@ -19,20 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import Column, Table, Timer, module, run_child
 
 
 def child(chunk: str, tokens: int, width: int, vocabulary: int, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(REPO))
-    from lowmem.memory.probes import peak_rss_bytes, process_rss_bytes
+    from lowmem.hardware.memory_use import peak_rss_bytes, process_rss_bytes
     from lowmem.model.chunked_loss import chunk_rows, chunked_head_loss
 
     torch.manual_seed(0)
@@ -43,16 +38,16 @@ def child(chunk: str, tokens: int, width: int, vocabulary: int, repeats: int) ->
     before = process_rss_bytes()
     seconds = []
     for _ in range(repeats):
-        started = time.perf_counter()
-        if chunk == "0":
-            loss = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
-        elif chunk.startswith("torch:"):  # torch's own chunked op, for comparison
-            options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=int(chunk[6:]), chunking_method=None)
-            loss = F.linear_cross_entropy(hidden, weight, targets, reduction="sum", options=options)
-        else:
-            loss = chunked_head_loss(hidden, weight, targets, chunk_rows(head, chunk))
-        loss.backward()
-        seconds.append(time.perf_counter() - started)
+        with Timer() as timer:
+            if chunk == "0":
+                loss = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+            elif chunk.startswith("torch:"):  # torch's own chunked op, for comparison
+                options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=int(chunk[6:]), chunking_method=None)
+                loss = F.linear_cross_entropy(hidden, weight, targets, reduction="sum", options=options)
+            else:
+                loss = chunked_head_loss(hidden, weight, targets, chunk_rows(head, chunk))
+            loss.backward()
+        seconds.append(timer.seconds)
         weight.grad = hidden.grad = None
     return {"chunk": chunk, "loss": loss.item(), "peak_mb": (peak_rss_bytes() - before) / 2**20,
             "step_s": statistics.median(seconds[1:] or seconds)}
@@ -70,18 +65,18 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.tokens, args.width, args.vocabulary, args.repeats)))
         return
-    rows = []
-    for chunk in args.chunks.split(","):
-        done = subprocess.run([sys.executable, __file__, f"--child={chunk}", f"--tokens={args.tokens}",
-                               f"--width={args.width}", f"--vocabulary={args.vocabulary}",
-                               f"--repeats={args.repeats}"], capture_output=True, text=True, check=True)
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    whole = rows[0]
+    chunks = args.chunks.split(",")
+    table = Table([Column("loss_chunk_size", "name"), Column("peak MiB", "peak_mb", ".0f"),
+                   Column("x whole", "peak_mb", ".2f", ratio=True), Column("step s", "step_s", ".3f"),
+                   Column("x whole", "step_s", ".2f", ratio=True), Column("loss", "loss", ".4f")], baseline=chunks[0])
+    for chunk in chunks:
+        done = run_child(module("bench.loss_chunks", child=chunk, tokens=args.tokens, width=args.width,
+                                vocabulary=args.vocabulary, repeats=args.repeats))
+        if done.rc:
+            raise SystemExit(f"--loss_chunk_size={chunk} failed:\n{done.output[-3000:]}")
+        table.add(chunk, done.last_json())
     print(f"head {args.width} x {args.vocabulary:,}, {args.tokens:,} target tokens, float32, CPU")
-    print(f"{'loss_chunk_size':>16} {'peak MiB':>9} {'x whole':>8} {'step s':>8} {'x whole':>8} {'loss':>14}")
-    for row in rows:
-        print(f"{row['chunk']:>16} {row['peak_mb']:9.0f} {row['peak_mb'] / whole['peak_mb']:8.2f} "
-              f"{row['step_s']:8.3f} {row['step_s'] / whole['step_s']:8.2f} {row['loss']:14.4f}")
+    table.show()
 
 
 if __name__ == "__main__":

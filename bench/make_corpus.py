@@ -1,7 +1,7 @@
 """A jsonl training corpus of a requested size, built from the shipped data, for the benchmarks.
 
-    python bench/make_corpus.py --size_mb=10 --out=/tmp/corpus_10mb.jsonl
-    python bench/make_corpus.py --size_mb=1000 --out=/tmp/corpus_1000mb.jsonl --seed=0
+    python -m bench.make_corpus --size_mb=10 --out=/tmp/corpus_10mb.jsonl
+    python -m bench.make_corpus --size_mb=1000 --out=/tmp/corpus_1000mb.jsonl --seed=0
 
 Each generated row joins a few random rows of one shipped corpus: half of the rows are several
 Chinese phrases -> their pinyin (data/pinyin), half are a few chat turns -> the replies of the next
@@ -21,7 +21,8 @@ import os
 import random
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO
+
 SOURCES = {"pinyin": REPO / "data/pinyin/train.jsonl", "chat": REPO / "data/chatterbot/train.jsonl"}
 # Shipped rows joined per generated row. A pinyin pair is about 8 tokens (both sides, separators
 # included), a chat turn about 30: both ranges give roughly 50-300 tokens per generated row.

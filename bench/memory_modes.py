@@ -1,10 +1,10 @@
 """Predicted versus measured peak RSS, and step time, for memory modes on the CPU.
 
-    python bench/memory_modes.py                 # every configuration (a few minutes on 2 cores)
-    python bench/memory_modes.py --quick         # tiny and small only
-    python bench/memory_modes.py --only=t5-small # the flan-t5-small and mt5-small shapes (docs/t5_family.md)
-    python bench/memory_modes.py --only=8        # 8-bit frozen weights (int8 / float8 rows and their baselines)
-    python bench/memory_modes.py --accuracy      # base SFT eval loss after 100 steps: frozen bf16 / int8 / float8
+    python -m bench.memory_modes                 # every configuration (a few minutes on 2 cores)
+    python -m bench.memory_modes --quick         # tiny and small only
+    python -m bench.memory_modes --only=t5-small # the flan-t5-small and mt5-small shapes (docs/t5_family.md)
+    python -m bench.memory_modes --only=8        # 8-bit frozen weights (int8 / float8 rows and their baselines)
+    python -m bench.memory_modes --accuracy      # base SFT eval loss after 100 steps: frozen bf16 / int8 / float8
 
 Each configuration is a real ``train_low_mem.py train`` run in its own process (a few optimizer
 steps, a final checkpoint and exports included). The prediction is the ``memory_plan`` record the
@@ -28,12 +28,12 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, Column, Table, run_child, trainer
+
 STEPS = ["--max_steps=8", "--gradient_accumulation_steps=4", "--eval_steps=0", "--max_eval_samples=8",
          "--save_steps=0", "--logging_steps=1"]
 
@@ -205,16 +205,23 @@ def launch_config(name: str) -> str | None:
 
 
 def run(args: list[str], config: str | None = None) -> None:
-    command, env = [sys.executable, str(REPO / "train_low_mem.py"), "train", *args], None
+    command, env = trainer("train", *args), None
     if config:  # two ranks on the CPU over gloo, with a shipped accelerate config
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                    str(REPO / f"accelerate_configs/{config}.yaml"), "--main_process_port", "29533", *command[1:]]
         if config != "deepspeed_zero3_cpu":  # accelerate's CPU flag would turn DeepSpeed off
             command.append("--cpu=True")
             env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise SystemExit(f"failed: {' '.join(args)}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    done = run_child(command, env=env)
+    if done.rc:
+        raise SystemExit(f"failed: {' '.join(args)}\n{done.output[-4000:]}")
+
+
+# One row a configuration; "rel. peak": its measured peak / its baseline configuration's
+COLUMNS = [Column("configuration", "name", width=32), Column("predicted MiB", "predicted", ",.0f"),
+           Column("measured MiB", "measured", ",.0f"), Column("ratio", "ratio", ".2f"),
+           Column("step s", "step_s", ".2f"), Column("rel. time", "rel_time", ".2f"),
+           Column("rel. peak", "measured", ".2f", ratio=True), Column("eval loss", "eval_loss", ".4f")]
 
 
 def measure(out: Path) -> dict:
@@ -268,8 +275,7 @@ def main() -> None:
         corpora = make_corpora(tmp)
         inits = {}
         results = {}
-        print(f"{'configuration':<32}{'predicted MiB':>14}{'measured MiB':>14}{'ratio':>7}{'step s':>8}"
-              f"{'rel. time':>10}{'rel. peak':>10}{'eval loss':>10}")
+        table = Table(COLUMNS, stream=True)
         chosen = {name for name, preset, *_ in CONFIGS
                   if options.only in name and not (options.quick and preset not in ("tiny", "small"))}
         chosen |= {baseline for name, *_, baseline in CONFIGS if name in chosen and baseline}  # compared against
@@ -293,10 +299,8 @@ def main() -> None:
             result = results[name] = measure(out)
             rel = result["step_s"] / results[baseline]["step_s"] if baseline in results else 1.0
             # a 2-process step is twice the batch: timed only against another 2-process row
-            shown = "-" if config and not (baseline and launch_config(baseline)) else f"{rel:.2f}"
-            peak = f"{result['measured'] / results[baseline]['measured']:.2f}" if baseline in results else "-"
-            print(f"{name:<32}{result['predicted']:>14,.0f}{result['measured']:>14,.0f}{result['ratio']:>7.2f}"
-                  f"{result['step_s']:>8.2f}{shown:>10}{peak:>10}{result['eval_loss']:>10.4f}", flush=True)
+            shown = None if config and not (baseline and launch_config(baseline)) else rel
+            table.add(name, {**result, "rel_time": shown}, against=baseline)
         ratios = [r["ratio"] for r in results.values()]
         within = sum(0.85 <= r <= 1.15 for r in ratios)
         print(f"{within} of {len(ratios)} predictions within +-15% (ratios {min(ratios):.2f} to {max(ratios):.2f})")

@@ -1,8 +1,8 @@
 """Model FLOPs utilisation: this trainer, a plain PyTorch loop and the device's matrix-product peak, side by side.
 
-    python bench/mfu.py                        # small and base presets, span corruption 128 -> 29, micro-batch 8
-    python bench/mfu.py --presets=small --steps=4 --rounds=1     # a quick look
-    python bench/mfu.py --large                # also flan-t5-large's shape, LoRA r=8, int8 against float32 frozen
+    python -m bench.mfu                        # small and base presets, span corruption 128 -> 29, micro-batch 8
+    python -m bench.mfu --presets=small --steps=4 --rounds=1     # a quick look
+    python -m bench.mfu --large                # also flan-t5-large's shape, LoRA r=8, int8 against float32 frozen
 
 Each configuration runs in processes of its own, alternating ``--rounds`` times so load on the machine falls on all:
 
@@ -25,39 +25,29 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from int8_step import train_records  # this folder is on sys.path when the script runs
-from plain_loop import text_corpus
+from bench.harness import Column, Table, Timer, module, run_child, trainer
+from bench.hub_checkpoint import build_checkpoint
+from bench.int8_step import StepWatch
+from bench.plain_loop import plain_setup, text_corpus
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 MICRO, SOURCE, TARGET = 8, 128, 29  # span corruption of 128-token chunks at 15 % noise, mean span 3
 
 
 def trainer_run(flags: list[str], out: Path, steps: int) -> dict:
     """One trainer process stopped after ``steps`` logged steps: median FLOP/s, MFU and seconds of the steps after
     the first (compilation of kernels, pages of the weights read in)."""
-    command = [sys.executable, str(REPO / "train_low_mem.py"), "train", f"--output_dir={out}", f"--max_steps={steps}",
-               "--logging_steps=1", "--eval_steps=0", "--save_steps=0", "--max_eval_samples=2",
-               "--eval_generate=False", "--overwrite_output_dir=True", *flags]
-    log = out.with_suffix(".log")
-    with open(log, "w") as sink:
-        process = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
-        while len(train_records(out)) < steps and process.poll() is None:
-            time.sleep(0.2)
-        records = train_records(out)
-        if process.poll() is None:
-            process.kill()  # the final evaluation and exports are not what is measured
-        process.wait()
+    command = trainer("train", f"--output_dir={out}", f"--max_steps={steps}", "--logging_steps=1", "--eval_steps=0",
+                      "--save_steps=0", "--max_eval_samples=2", "--eval_generate=False", "--overwrite_output_dir=True",
+                      *flags)
+    watch = StepWatch(out, steps)  # stops the run there: the final evaluation and exports are not what is measured
+    run = run_child(command, watch=watch, every=0.2)
+    records = watch.records
     if len(records) < steps:
-        raise SystemExit(f"trainer run failed:\n{log.read_text()[-3000:]}")
+        raise SystemExit(f"trainer run failed:\n{run.output[-3000:]}")
     shutil.rmtree(out, ignore_errors=True)
-    log.unlink()
     timed = records[1:]
     return {key: statistics.median(r[key] for r in timed) for key in ("flops_per_s", "mfu", "step_s")}
 
@@ -65,60 +55,50 @@ def trainer_run(flags: list[str], out: Path, steps: int) -> dict:
 def plain_loop(preset: str, steps: int) -> None:
     """The hand-written loop (in its own process): prints its median FLOP/s of the steps after the first."""
     import torch
-    from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
-    from transformers.optimization import Adafactor
 
-    from config import SHIPPED_TOKENIZER_DIR
-    from lowmem.model.presets import preset_shape
     from lowmem.monitoring.flops import StepFlops
 
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER_DIR))
-    config = T5Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                      eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-                      tie_word_embeddings=False, **preset_shape(preset, "gated-gelu"))
-    model = T5ForConditionalGeneration(config).train()
-    optimizer = Adafactor(model.parameters(), lr=3e-3, relative_step=False, scale_parameter=False, warmup_init=False)
+    tokenizer, model, optimizer = plain_setup(preset, tied=False)
     batch = {"input_ids": torch.randint(2, len(tokenizer), (MICRO, SOURCE)),
              "attention_mask": torch.ones(MICRO, SOURCE, dtype=torch.long),
              "labels": torch.randint(2, len(tokenizer), (MICRO, TARGET))}
     flops = StepFlops.of(model).micro_batch(batch, frozen_encoder=False)
-    seconds = []
+    timer = Timer()
     for _ in range(steps):
-        start = time.perf_counter()
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        seconds.append(time.perf_counter() - start)
+        timer.lap()
+    seconds = timer.laps
     print(json.dumps({"flops_per_s": flops / statistics.median(seconds[1:]), "step_s": statistics.median(seconds[1:])}))
 
 
 def plain_run(preset: str, steps: int) -> dict:
-    done = subprocess.run([sys.executable, __file__, f"--plain={preset}", f"--steps={steps}"], cwd=REPO, check=True,
-                          capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    done = run_child(module("bench.mfu", plain=preset, steps=steps))
+    if done.rc:
+        raise SystemExit(f"plain loop failed:\n{done.output[-3000:]}")
+    return done.last_json()
 
 
 def presets(args, tmp: Path, peak: float) -> None:
     corpus = text_corpus(tmp)
-    print(f"{'preset':<8}{'trainer GFLOP/s':>17}{'plain GFLOP/s':>15}{'trainer / plain':>17}{'trainer MFU':>13}"
-          f"{'plain MFU':>11}")
+    table = Table([Column("preset", "name", width=6), Column("trainer GFLOP/s", "mine", ".1f"),
+                   Column("plain GFLOP/s", "theirs", ".1f"), Column("trainer / plain", "ratio", ".2f"),
+                   Column("trainer MFU", "mine_mfu", ".3f"), Column("plain MFU", "theirs_mfu", ".3f")], stream=True)
     for preset in args.presets.split(","):
         flags = [f"--model_preset={preset}", "--objective=span_corruption", f"--train_file={corpus}",
                  f"--max_source_len={SOURCE}", f"--batch_size={MICRO}", "--gradient_accumulation_steps=1"]
-        trainer, plain = [], []
+        ours, plain = [], []
         for _ in range(args.rounds):
-            trainer.append(trainer_run(flags, tmp / "run", args.steps)["flops_per_s"])
+            ours.append(trainer_run(flags, tmp / "run", args.steps)["flops_per_s"])
             plain.append(plain_run(preset, args.steps)["flops_per_s"])
-        mine, theirs = statistics.median(trainer), statistics.median(plain)
-        print(f"{preset:<8}{mine / 1e9:>17.1f}{theirs / 1e9:>15.1f}{mine / theirs:>17.2f}{mine / peak:>13.3f}"
-              f"{theirs / peak:>11.3f}", flush=True)
+        mine, theirs = statistics.median(ours), statistics.median(plain)
+        table.add(preset, {"mine": mine / 1e9, "theirs": theirs / 1e9, "ratio": mine / theirs, "mine_mfu": mine / peak,
+                           "theirs_mfu": theirs / peak})
 
 
 def large_lora(args, tmp: Path, peak: float) -> None:
     """flan-t5-large's shape, LoRA r=8 on q and v, micro-batch 2 of the shipped chat pairs: int8 against float32."""
-    from hub_checkpoint import build_checkpoint  # this folder is on sys.path when the script runs
-
     init = Path(args.init_from) if args.init_from else Path(build_checkpoint(tmp / "large", "large")["folder"])
     found = {"float32": [], "int8": []}
     for _ in range(args.rounds):

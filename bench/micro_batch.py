@@ -2,9 +2,9 @@
 and auto (an effective batch of 32 each), transformers' Seq2SeqTrainer at 2 x 16 and 16 x 2, and
 evaluation at --eval_batch_size=4 and auto.
 
-    python bench/micro_batch.py                                   # tiny and small, short and long rows
-    python bench/micro_batch.py --presets=small --rows=short --steps=6
-    python bench/micro_batch.py --only=eval                       # the evaluation rows only
+    python -m bench.micro_batch                                   # tiny and small, short and long rows
+    python -m bench.micro_batch --presets=small --rows=short --steps=6
+    python -m bench.micro_batch --only=eval                       # the evaluation rows only
 
 Rows: "short" are the shipped chat turns (data/chatterbot) cut to 32 tokens a side; "long" are
 bench/make_corpus.py rows (50-300 tokens) cut to 128 a side. Every contender trains in its own process
@@ -24,15 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_corpus import make_corpus  # noqa: E402
-from peers import child_env, read_steps, run_contender, summarize  # noqa: E402
+from bench.harness import REPO, module, trainer
+from bench.make_corpus import make_corpus
+from bench.peers import run_contender, summarize, train_contender
 
-REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {"2 x 16": (2, 16), "8 x 4": (8, 4), "16 x 2": (16, 2), "auto": ("auto", None)}
 PEER_SETTINGS = {"Seq2SeqTrainer 2 x 16": (2, 16), "Seq2SeqTrainer 16 x 2": (16, 2)}
 LIMITS = {"short": 32, "long": 128}
@@ -57,7 +55,7 @@ def ours(name: str, preset: str, corpus: Path, limit: int, run_dir: Path, option
     elif micro is not None:
         flags.update(batch_size=micro, gradient_accumulation_steps=accumulation)
     flags.update(extra)
-    return [sys.executable, str(REPO / "train_low_mem.py"), "train", *(f"--{k}={v}" for k, v in flags.items())]
+    return trainer("train", **flags)
 
 
 def peer(name: str, preset: str, corpus: Path, limit: int, run_dir: Path, options) -> list[str]:
@@ -65,17 +63,12 @@ def peer(name: str, preset: str, corpus: Path, limit: int, run_dir: Path, option
     flags = dict(kind="map", train_file=corpus, steps_out=run_dir / "steps.jsonl", output_dir=run_dir / "trainer",
                  cache_dir=run_dir / "hf_cache", model_preset=preset, steps=options.steps, batch_size=micro,
                  accumulation=accumulation, max_source_len=limit, max_target_len=limit, warmup_steps=2, seed=0)
-    return [sys.executable, str(REPO / "bench" / "peer_trainers.py"), *(f"--{k}={v}" for k, v in flags.items())]
+    return module("bench.peer_trainers", **flags)
 
 
 def train_row(name: str, argv: list[str], run_dir: Path, options) -> dict:
-    run = run_contender(argv, run_dir, child_env(run_dir, options))
-    shutil.rmtree(run_dir / "hf_cache", ignore_errors=True)
     kind = "lowmem" if name in SETTINGS else "peer"
-    try:
-        steps, ready = read_steps(kind, run_dir)
-    except FileNotFoundError:
-        steps, ready = [], None
+    run, steps, ready = train_contender(kind, argv, run_dir, options)
     if run["rc"] or len(steps) < options.steps:
         tail = run["log"].read_text(errors="replace").splitlines()[-8:]
         return {"error": f"exit code {run['rc']}: " + " | ".join(tail)}
@@ -92,7 +85,7 @@ def train_row(name: str, argv: list[str], run_dir: Path, options) -> dict:
 def eval_row(eval_batch: str, preset: str, corpus: Path, limit: int, run_dir: Path, options) -> dict:
     argv = ours("eval", preset, corpus, limit, run_dir, options, max_steps=1, max_eval_samples=options.eval_rows,
                 eval_batch_size=eval_batch, **({"max_rss_gb": options.auto_budget_gb} if eval_batch == "auto" else {}))
-    run = run_contender(argv, run_dir, child_env(run_dir, options))
+    run = run_contender(argv, run_dir, options)
     if run["rc"]:
         return {"error": f"exit code {run['rc']}"}
     records = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]

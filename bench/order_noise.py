@@ -1,9 +1,9 @@
 """The float noise floor of a short training run: how far two runs of the same maths end apart when only
 the order of their additions differs.
 
-    python bench/order_noise.py                                    # small preset, 6 steps, shipped chat rows
-    python bench/order_noise.py --preset=tiny --steps=8 --train_file=rows.jsonl
-    python bench/order_noise.py --feed_forward_proj=relu                 # the original T5's feed-forward
+    python -m bench.order_noise                                    # small preset, 6 steps, shipped chat rows
+    python -m bench.order_noise --preset=tiny --steps=8 --train_file=rows.jsonl
+    python -m bench.order_noise --feed_forward_proj=relu                 # the original T5's feed-forward
 
 Plain transformers and torch, none of the trainer: a T5 of the preset from one seed (dropout 0, fp32),
 windows of 32 rows of ``--train_file`` taken in file order, the loss summed over target tokens and divided
@@ -28,17 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from data.collate import pad  # noqa: E402
-from lowmem.model.presets import FEED_FORWARD_WIDTHS, MODEL_PRESETS, preset_shape  # noqa: E402
-from lowmem.training.optim import Adafactor  # noqa: E402
+from bench.harness import REPO, Column, Table
+from data.collate import pad
+from lowmem.training.optim import Adafactor
+from lowmem.utils.presets import FEED_FORWARD_WIDTHS, MODEL_PRESETS, preset_shape
 
 WINDOW, PEAK_LR, WARMUP = 32, 3e-3, 30
 
@@ -118,15 +115,16 @@ def main() -> None:
     shape = preset_shape(options.preset, options.feed_forward_proj)
     print(f"{options.preset} preset ({options.feed_forward_proj}), {options.steps} steps of {WINDOW} rows from "
           f"{options.train_file}")
-    print("| optimizer | run | " + " | ".join(f"step {s + 1}" for s in range(options.steps)) + " |")
-    print("|---|---|" + "---:|" * options.steps, flush=True)
+    steps = [f"step {s + 1}" for s in range(options.steps)]
+    table = Table([Column("optimizer", "optimizer"), Column("run", "run"), *(Column(s, s, ".1e") for s in steps)],
+                  markdown=True, stream=True)
     for optimizer in options.optimizers.split(","):
         reference = train(rows, vocab, shape, optimizer, 2, options.steps)
         runs = [(f"2 x 16 reordered ({seed})", reordered(rows, seed), 2, 1) for seed in range(options.orders)]
         for name, run_rows, micro, multiple in [*runs, ("2 x 16 padded to 16s", rows, 2, 16), ("16 x 2", rows, 16, 1)]:
             other = train(run_rows, vocab, shape, optimizer, micro, options.steps, multiple)
-            print(f"| {optimizer} | {name} | " + " | ".join(
-                f"{largest_difference(a, b):.1e}" for a, b in zip(reference, other)) + " |", flush=True)
+            gaps = {s: largest_difference(a, b) for s, a, b in zip(steps, reference, other)}
+            table.add(f"{optimizer} {name}", {"optimizer": optimizer, "run": name, **gaps})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """--packing=True against unpacked micro-batches on length-skewed pairs, side by side in one run: non-padding tokens/s
 and peak RSS.
 
-    python bench/packing.py                          # tiny preset, 12 steps of 32 examples, skewed chat pairs
-    python bench/packing.py --corpus=glossary --max_len=128 --presets=tiny,small --steps=12
+    python -m bench.packing                          # tiny preset, 12 steps of 32 examples, skewed chat pairs
+    python -m bench.packing --corpus=glossary --max_len=128 --presets=tiny,small --steps=12
 
 Rows (--corpus): skewed, the shipped chat turns (data/chatterbot) made skewed: 85 % cut to their first 1-4 words a
 side (short), 15 % several turns joined (a long tail, up to --max_len tokens a side); glossary, a real dictionary
@@ -27,14 +27,11 @@ import argparse
 import json
 import random
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import child_env, read_steps, run_contender, summarize  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, trainer
+from bench.peers import read_steps, run_contender, summarize
 
 
 def skewed_corpus(path: Path, rows: int, seed: int = 0) -> Path:
@@ -100,8 +97,7 @@ def contenders(rows: list[tuple[int, int]], budgets: list[int]) -> dict[str, dic
 
 
 def train(flags: dict, run_dir: Path, options) -> dict:
-    argv = [sys.executable, str(REPO / "train_low_mem.py"), "train", *(f"--{k}={v}" for k, v in flags.items())]
-    run = run_contender(argv, run_dir, child_env(run_dir, options))
+    run = run_contender(trainer("train", **flags), run_dir, options)
     if run["rc"]:
         return {"error": " | ".join(run["log"].read_text(errors="replace").splitlines()[-6:])}
     steps, ready = read_steps("lowmem", run_dir)

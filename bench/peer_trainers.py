@@ -1,8 +1,8 @@
 """The peers this trainer is compared with, each run the way its users run it (used by bench/peers.py).
 
-    python bench/peer_trainers.py --kind=map --train_file=corpus.jsonl --steps_out=steps.jsonl --cache_dir=/tmp/c
-    python bench/peer_trainers.py --kind=streaming --train_file=corpus.jsonl --steps_out=steps.jsonl
-    python bench/peer_trainers.py --kind=reference --train_file=corpus.jsonl --steps_out=steps.jsonl
+    python -m bench.peer_trainers --kind=map --train_file=corpus.jsonl --steps_out=steps.jsonl --cache_dir=/tmp/c
+    python -m bench.peer_trainers --kind=streaming --train_file=corpus.jsonl --steps_out=steps.jsonl
+    python -m bench.peer_trainers --kind=reference --train_file=corpus.jsonl --steps_out=steps.jsonl
 
 Kinds:
     map        transformers' Seq2SeqTrainer over ``load_dataset("json")`` + ``.map(tokenize, batched=True)``
@@ -31,17 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # config, lowmem, data: the same model builder and tokenizer loader as the trainer
+import torch
+import torch.nn.functional as F
+
+from bench.harness import REPO
+
+# Set before datasets and transformers are imported (in the functions below): they read them once
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 
 class StepLog:

@@ -1,7 +1,7 @@
 """This trainer's peak host RAM beside a plain PyTorch loop with the same model, batch and optimizer.
 
-    python bench/plain_loop.py                       # base preset, --memory_profile=host16g, 5 optimizer steps
-    python bench/plain_loop.py --preset=small --steps=10
+    python -m bench.plain_loop                       # base preset, --memory_profile=host16g, 5 optimizer steps
+    python -m bench.plain_loop --preset=small --steps=10
 
 Two pretraining jobs, each run twice in its own process, one after the other:
 
@@ -23,44 +23,50 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, module, run_child, trainer
+
 MICRO, ACCUMULATION = 2, 16
 SPAN_SHAPE = (128, 29)  # span corruption of 128-token chunks at 15 % noise: every micro-batch's shape
 
 
 def peak_mib(command: list[str]) -> float:
     """Run ``command``; its peak RSS in MiB (fails loudly if it fails)."""
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = process.stdout.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    if status != 0:
-        sys.exit(f"{' '.join(command[:4])} ... failed:\n{output[-2000:]}")
-    return usage.ru_maxrss / 1024
+    done = run_child(command)
+    if done.rc:
+        sys.exit(f"{' '.join(command[:4])} ... failed:\n{done.output[-2000:]}")
+    return done.peak_rss_mib
 
 
-def plain_loop(preset: str, steps: int, job: str) -> None:
-    """The hand-written loop (run in its own process by ``main``)."""
+def plain_setup(preset: str, tied: bool):
+    """What one writes by hand: the shipped tokenizer, ``T5ForConditionalGeneration`` of ``preset`` from a
+    ``T5Config`` (seed 0, the head ``tied`` to the embedding or not, in training mode) and transformers' Adafactor
+    at what this trainer's Adafactor computes. Returns (tokenizer, model, optimizer)."""
     import torch
     from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
     from transformers.optimization import Adafactor
 
-    sys.path.insert(0, str(REPO))
     from config import SHIPPED_TOKENIZER_DIR
-    from lowmem.model.presets import preset_shape
+    from lowmem.utils.presets import preset_shape
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER_DIR))
     config = T5Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                       eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-                      tie_word_embeddings=True, **preset_shape(preset, "gated-gelu"))
+                      tie_word_embeddings=tied, **preset_shape(preset, "gated-gelu"))
     model = T5ForConditionalGeneration(config).train()
     optimizer = Adafactor(model.parameters(), lr=3e-3, relative_step=False, scale_parameter=False, warmup_init=False)
+    return tokenizer, model, optimizer
+
+
+def plain_loop(preset: str, steps: int, job: str) -> None:
+    """The hand-written loop (run in its own process by ``main``)."""
+    import torch
+
+    tokenizer, model, optimizer = plain_setup(preset, tied=True)
     rows = [json.loads(line) for line in itertools.islice(open(REPO / "data/pinyin/train.jsonl", encoding="utf-8"),
                                                            steps * ACCUMULATION * MICRO)]
 
@@ -102,11 +108,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         jobs = {"shipped": [], "text": ["--objective=span_corruption", f"--train_file={text_corpus(Path(tmp))}"]}
         for job, flags in jobs.items():
-            ours = peak_mib([sys.executable, "train_low_mem.py", "train", f"--model_preset={args.preset}",
-                             "--memory_profile=host16g", f"--max_steps={args.steps}",
-                             f"--output_dir={tmp}/{job}", *flags])
-            plain = peak_mib([sys.executable, __file__, f"--preset={args.preset}", f"--steps={args.steps}",
-                              f"--plain={job}"])
+            ours = peak_mib(trainer("train", f"--model_preset={args.preset}", "--memory_profile=host16g",
+                                    f"--max_steps={args.steps}", f"--output_dir={tmp}/{job}", *flags))
+            plain = peak_mib(module("bench.plain_loop", preset=args.preset, steps=args.steps, plain=job))
             print(json.dumps({"job": job, "preset": args.preset, "steps": args.steps, "trainer_mib": round(ours),
                               "plain_loop_mib": round(plain), "ratio": round(ours / plain, 3),
                               "target": "<= 1.10"}), flush=True)

@@ -1,8 +1,8 @@
 """Predicted versus measured peak RSS for random combinations of flags (the planner's blind test).
 
-    python bench/planner_sweep.py                      # 20 configurations, seed 1
-    python bench/planner_sweep.py --runs=40 --seed=7 --presets=tiny,small
-    python bench/planner_sweep.py --seed=60 --profile_share=0.5   # half the runs use a --memory_profile
+    python -m bench.planner_sweep                      # 20 configurations, seed 1
+    python -m bench.planner_sweep --runs=40 --seed=7 --presets=tiny,small
+    python -m bench.planner_sweep --seed=60 --profile_share=0.5   # half the runs use a --memory_profile
 
 bench/memory_modes.py times a fixed list of configurations; this draws them at random, as a user
 would combine flags: preset, corpus (short or long rows, jsonl, csv, parquet, a folder, prompts
@@ -23,15 +23,12 @@ import argparse
 import csv
 import json
 import random
-import sys
 import tempfile
 from pathlib import Path
 
-from make_corpus import load_sources
-from memory_modes import REPO, make_corpora, measure, run
-
-sys.path.insert(0, str(REPO))
-from lowmem.model.presets import MEMORY_PROFILES  # noqa: E402
+from bench.make_corpus import load_sources
+from bench.memory_modes import make_corpora, measure, run
+from lowmem.utils.presets import MEMORY_PROFILES
 
 
 def more_corpora(folder: Path, made: dict) -> dict:

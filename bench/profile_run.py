@@ -1,7 +1,7 @@
 """Where the time of a training run goes: phases (py-spy) and operators (torch.profiler).
 
-    python bench/profile_run.py --train_file=corpus.jsonl --max_steps=40         # phases, via py-spy
-    python bench/profile_run.py --ops --train_file=corpus.jsonl --max_steps=10   # top operators
+    python -m bench.profile_run --train_file=corpus.jsonl --max_steps=40         # phases, via py-spy
+    python -m bench.profile_run --ops --train_file=corpus.jsonl --max_steps=10   # top operators
 
 Phases: ``py-spy record`` (pip install py-spy) samples ``train_low_mem.py train`` with the given flags,
 and each sampled stack is put in the first phase whose function it contains (evaluation and saving
@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import collections
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import Column, Table, run_child, trainer
+
 # (phase, substrings of a py-spy frame "function (file:line)"); the first phase that matches wins
 PHASES = [
     ("background threads (mostly idle)", ["Thread._bootstrap", "Condition.wait (threading"]),
@@ -59,21 +58,23 @@ def phases(flags: list[str], rate: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "stacks.txt"
         out = [f for f in flags if f.startswith("--output_dir=")] or [f"--output_dir={tmp}/run"]
-        subprocess.run(["py-spy", "record", "-r", str(rate), "-f", "raw", "-o", str(raw), "--", sys.executable,
-                        str(REPO / "train_low_mem.py"), "train", *[f for f in flags if f not in out], *out,
-                        "--overwrite_output_dir=True"], check=True, capture_output=True)
+        done = run_child(["py-spy", "record", "-r", str(rate), "-f", "raw", "-o", str(raw), "--",
+                          *trainer("train", *[f for f in flags if f not in out], *out, "--overwrite_output_dir=True")],
+                         cwd=Path.cwd())  # the flags' paths are the caller's
+        if done.rc:
+            raise SystemExit(f"py-spy record failed:\n{done.output[-3000:]}")
         totals = classify(raw)
     run, loop = sum(totals.values()), sum(v for k, v in totals.items() if k in LOOP)
-    print(f"{'phase':<32}{'share of run':>14}{'share of loop':>15}")
+    table = Table([Column("phase", "name"), Column("share of run", "run", ".1%"),
+                   Column("share of loop", "loop", ".1%")])
     for name, count in totals.most_common():
-        in_loop = f"{count / loop:>15.1%}" if name in LOOP else f"{'':>15}"
-        print(f"{name:<32}{count / run:>14.1%}{in_loop}")
+        table.add(name, {"run": count / run, "loop": count / loop if name in LOOP else ""})
+    table.show()
 
 
 def operators(flags: list[str], rows: int) -> None:
     import torch
 
-    sys.path.insert(0, str(REPO))
     from lowmem.cli.flags import load_config
     from trainer_low_mem import LowMemTrainer
 

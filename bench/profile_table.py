@@ -1,6 +1,6 @@
 """The memory-profile table of docs/memory.md: the planner's expected peak for every profile and preset.
 
-    python bench/profile_table.py
+    python -m bench.profile_table
 
 Pretraining with the shipped tokenizer, every batch at --max_source_len=128 --max_target_len=128
 (the longest the defaults allow), the framework baseline measured in this process. host16g is
@@ -12,19 +12,16 @@ model, not a measurement.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from config import SHIPPED_TOKENIZER_DIR  # noqa: E402
-from data.tokenization import load_tokenizer  # noqa: E402
-from lowmem.cli import plan_command  # noqa: E402
-from lowmem.cli.flags import load_config  # noqa: E402
+from bench.harness import Column, Table
+from config import SHIPPED_TOKENIZER_DIR
+from data.tokenization import load_tokenizer
+from lowmem.cli import plan_command
+from lowmem.cli.flags import load_config
 from lowmem.memory import planner
-from lowmem.memory.batch_budget import choose  # noqa: E402
-from lowmem.model.presets import MEMORY_PROFILES, MODEL_PRESETS, gpu_profile_gib  # noqa: E402
+from lowmem.memory.batch_budget import choose
+from lowmem.utils.presets import MEMORY_PROFILES, MODEL_PRESETS, gpu_profile_gib
 
 
 def main() -> None:
@@ -32,11 +29,11 @@ def main() -> None:
     lengths = {"max_source": 128, "max_target": 128, "mean_source": 128, "row_bytes": 1000, "rows": 100_000,
                "pairs": [(128, 128)]}
     baseline = planner.framework_mb()
-    print(f"| profile | flags | {' | '.join(MODEL_PRESETS)} | relative step time |")
-    print("|---|---|" + "---|" * len(MODEL_PRESETS) + "---|")
+    table = Table([Column("profile", "profile"), Column("flags", "flags"), *(Column(p, p) for p in MODEL_PRESETS),
+                   Column("relative step time", "relative", ".2f")], markdown=True, stream=True)
     for name, flags in MEMORY_PROFILES.items():
         device = "cpu" if flags.get("cpu") else "gpu"
-        cells = []
+        cells = {}
         for preset in MODEL_PRESETS:
             cfg, _ = load_config({"memory_profile": name, "model_preset": preset, "max_source_len": 128,
                                   "max_target_len": 128})
@@ -53,12 +50,13 @@ def main() -> None:
             plan = planner.predict(cfg, vocab, lengths, baseline, device)
             sizes = f" ({cfg.batch_size} x {cfg.gradient_accumulation_steps})"
             if device == "cpu":
-                cells.append(f"{plan['host_peak_mb'] / 1024:.1f} GB host{sizes}")
+                cells[preset] = f"{plan['host_peak_mb'] / 1024:.1f} GB host{sizes}"
             else:
-                cells.append(f"{plan['gpu_peak_mb'] / 1024:.1f} GB GPU (+{plan['host_peak_mb'] / 1024:.1f} host)"
-                             f"{sizes}")
+                cells[preset] = (f"{plan['gpu_peak_mb'] / 1024:.1f} GB GPU (+{plan['host_peak_mb'] / 1024:.1f} host)"
+                                 f"{sizes}")
         shown = ", ".join(f"`{k}={v}`" for k, v in flags.items())
-        print(f"| `{name}` | {shown} | {' | '.join(cells)} | {plan_command.relative_time(cfg, device):.2f} |")
+        table.add(name, {"profile": f"`{name}`", "flags": shown, **cells,
+                         "relative": plan_command.relative_time(cfg, device)})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """flan-t5-large / -xl / -xxl shapes on this machine: planned and measured peaks, step times, folder sizes.
 
-    python bench/real_sizes.py --root=/work/big                        # large and xl, the default configurations
-    python bench/real_sizes.py --root=/work/big --only=xxl-lora-int8   # one configuration
-    python bench/real_sizes.py --root=/work/big --plan_only            # the plans alone (seconds)
+    python -m bench.real_sizes --root=/work/big                        # large and xl, the default configurations
+    python -m bench.real_sizes --root=/work/big --only=xxl-lora-int8   # one configuration
+    python -m bench.real_sizes --root=/work/big --plan_only            # the plans alone (seconds)
 
 Each model folder is a hub-shaped checkpoint with random weights, written by ``bench/hub_checkpoint.py`` (one
 tensor at a time) under ``--root`` when it is not there yet: large and xl in float32 (the hub's dtype; xl in
@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from hub_checkpoint import build_checkpoint  # noqa: E402
+from bench.harness import run_child, trainer
+from bench.hub_checkpoint import build_checkpoint
 
 FOLDERS = {"large": ("large", "float32"), "xl": ("xl", "float32"), "xxl": ("xxl", "bfloat16")}
 SHARD_BYTES = int(9.5e9)
@@ -55,11 +52,9 @@ def folder_mb(path: Path) -> float:
 
 def run(name: str, folder: Path, flags: list[str], out: Path) -> dict:
     """One training run; its planned and measured peak, step time and the sizes it wrote."""
-    command = [sys.executable, str(REPO / "train_low_mem.py"), "train", f"--init_from={folder}",
-               f"--output_dir={out}", *RUN, *flags]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        return {"config": name, "error": done.stderr.strip().splitlines()[-1:]}
+    done = run_child(trainer("train", f"--init_from={folder}", f"--output_dir={out}", *RUN, *flags), cwd=Path.cwd())
+    if done.rc:
+        return {"config": name, "error": done.tail(1)}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     peak = next(r for r in records if r.get("event") == "memory_peak")
     steps = [r["step_s"] for r in records if r.get("event") == "train" and r.get("step", 0) > 1]
@@ -70,12 +65,10 @@ def run(name: str, folder: Path, flags: list[str], out: Path) -> dict:
 
 
 def plan(name: str, folder: Path, flags: list[str]) -> dict:
-    command = [sys.executable, str(REPO / "train_low_mem.py"), "plan", "--json=True", f"--init_from={folder}",
-               *RUN, *flags]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        return {"config": name, "error": done.stderr.strip().splitlines()[-1:]}
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    done = run_child(trainer("plan", "--json=True", f"--init_from={folder}", *RUN, *flags), cwd=Path.cwd())
+    if done.rc:
+        return {"config": name, "error": done.tail(1)}
+    result = done.last_json()
     return {"config": name, "planned_mb": result["host_peak_mb"]}
 
 

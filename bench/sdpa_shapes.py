@@ -1,8 +1,8 @@
 """On a GPU: training step time of a T5 in bf16 with cuDNN's attention backend on and off, at fixed shapes
 and at the varying shapes of dynamic padding, beside float32.
 
-    python bench/sdpa_shapes.py                          # base preset, micro-batch 8
-    python bench/sdpa_shapes.py --preset=small --batch=32 --steps=20
+    python -m bench.sdpa_shapes                          # base preset, micro-batch 8
+    python -m bench.sdpa_shapes --preset=small --batch=32 --steps=20
 
 Why: recent torch tries cuDNN's attention first on Hopper and Blackwell GPUs for bf16, and cuDNN builds
 an execution plan for each new shape. The trainer turns that backend off on CUDA
@@ -18,14 +18,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
-import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from lowmem.model.presets import preset_shape  # noqa: E402
+from bench.harness import Column, Table, Timer
+from lowmem.utils.presets import preset_shape
 
 
 def shapes(varying: bool, steps: int, batch: int, seed: int) -> list[tuple[int, int, int]]:
@@ -46,11 +41,8 @@ def step_ms(preset: str, plan: list[tuple[int, int, int]], bf16: bool, cudnn: bo
     model = T5ForConditionalGeneration(T5Config(vocab_size=32128, decoder_start_token_id=0, dropout_rate=0.0,
                                                 **preset_shape(preset, "gated-gelu"))).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    started = 0.0
-    for i, (rows, source, target) in enumerate(plan):
-        if i == 2:
-            torch.cuda.synchronize()
-            started = time.perf_counter()
+
+    def step(rows: int, source: int, target: int) -> None:
         ids = torch.randint(2, 32000, (rows, source), device="cuda")
         labels = torch.randint(2, 32000, (rows, target), device="cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
@@ -58,8 +50,13 @@ def step_ms(preset: str, plan: list[tuple[int, int, int]], bf16: bool, cudnn: bo
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) / (len(plan) - 2) * 1000
+
+    for shape in plan[:2]:  # two warm-up steps
+        step(*shape)
+    with Timer(sync=torch.cuda.synchronize) as timer:
+        for shape in plan[2:]:
+            step(*shape)
+    return timer.seconds / (len(plan) - 2) * 1000
 
 
 def main() -> None:
@@ -74,15 +71,16 @@ def main() -> None:
         raise SystemExit("error: bench/sdpa_shapes.py measures a GPU; torch sees none here")
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}; {options.preset}, micro-batch up to {options.batch}")
-    print("| shapes | float32 ms | bf16, cuDNN attention on, ms | bf16, cuDNN attention off, ms | on / off |")
-    print("|---|---:|---:|---:|---:|", flush=True)
+    table = Table([Column("shapes", "name"), Column("float32 ms", "fp32", ".1f"),
+                   Column("bf16, cuDNN attention on, ms", "on", ".1f"),
+                   Column("bf16, cuDNN attention off, ms", "off", ".1f"), Column("on / off", "ratio", ".2f")],
+                  markdown=True, stream=True)
     for varying in (False, True):
         plan = shapes(varying, options.steps + 2, options.batch, seed=0)
         fp32 = step_ms(options.preset, plan, bf16=False, cudnn=False)
         on = step_ms(options.preset, plan, bf16=True, cudnn=True)
         off = step_ms(options.preset, plan, bf16=True, cudnn=False)
-        print(f"| {'varying' if varying else 'fixed'} | {fp32:.1f} | {on:.1f} | {off:.1f} | {on / off:.2f} |",
-              flush=True)
+        table.add("varying" if varying else "fixed", {"fp32": fp32, "on": on, "off": off, "ratio": on / off})
 
 
 if __name__ == "__main__":

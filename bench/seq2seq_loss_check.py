@@ -1,6 +1,6 @@
 """Is the Seq2SeqTrainer's loss in bench/peers.py the per-token mean, or 16x too large? (BENCHMARKS.md)
 
-    python bench/seq2seq_loss_check.py                    # on the shipped pinyin corpus, about a minute
+    python -m bench.seq2seq_loss_check                    # on the shipped pinyin corpus, about a minute
 
 Runs one optimizer step (micro-batch 2, accumulation 16) of transformers' Seq2SeqTrainer twice: with
 ``compute_loss_func=token_mean_loss`` as bench/peer_trainers.py passes it, and with the Trainer's
@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peer_trainers  # noqa: E402  (also puts the repository on sys.path and sets the offline switches)
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
+
+from bench import peer_trainers  # also sets the offline switches
+from bench.harness import REPO
 
 ACCUMULATION = 16
 
@@ -81,7 +81,7 @@ def first_step(train_file: str, fixed: bool, tmp: Path) -> tuple[float, float, i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train_file", default=str(peer_trainers.REPO / "data" / "pinyin" / "train.jsonl"))
+    parser.add_argument("--train_file", default=str(REPO / "data" / "pinyin" / "train.jsonl"))
     options = parser.parse_args()
     for fixed in (True, False):
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,9 +1,9 @@
 """Span-corruption pretraining side by side with the pairs objective and a nanoT5-style loop (issue 43).
 
-    python bench/span_corruption.py                             # --max_source_len=128, tiny: ~6 minutes on 2 cores
-    python bench/span_corruption.py --lengths=128,512 --rounds=3   # the tables in docs/span_corruption.md: ~25 minutes
-    python bench/span_corruption.py --model_preset=small --lengths=512 --threads=0   # a bigger machine
-    python bench/span_corruption.py --corpus_dir=/tmp/span_bench --json_out=span.json --markdown_out=span.md
+    python -m bench.span_corruption                             # --max_source_len=128, tiny: ~6 minutes on 2 cores
+    python -m bench.span_corruption --lengths=128,512 --rounds=3   # the tables in docs/span_corruption.md: ~25 minutes
+    python -m bench.span_corruption --model_preset=small --lengths=512 --threads=0   # a bigger machine
+    python -m bench.span_corruption --corpus_dir=/tmp/span_bench --json_out=span.json --markdown_out=span.md
 
 Four contenders train the same T5 (``lowmem.model.build.build_model`` for ``--model_preset``, same seed, so
 the same initial weights) at the same ``--max_source_len`` L, micro-batch 2 x accumulation 16, Adafactor at
@@ -64,21 +64,19 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+from bench.harness import REPO, Column, Table, Timer, child_env, cpu_seconds, module, run_child, trainer
+from bench.make_corpus import generate_rows, load_sources
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 NAMES = {"span": "this trainer, span corruption", "pairs": "this trainer, pairs (matched)",
          "pairs_varied": "this trainer, pairs (varied)", "nanot5": "nanoT5-style loop"}
-POLL_S = 0.05
 
 
 # --------------------------------------------------------------------------- corpora
@@ -88,8 +86,6 @@ def text_corpus(path: Path, size_mb: float, seed: int = 0) -> Path:
     50-300 tokens. Written once and reused."""
     if path.exists():
         return path
-    from make_corpus import generate_rows, load_sources
-
     path.parent.mkdir(parents=True, exist_ok=True)
     part, written = path.with_suffix(".part"), 0
     with open(part, "w", encoding="utf-8") as fh:
@@ -224,7 +220,7 @@ def nanot5_child(options) -> None:
 
     from data.tokenization import load_tokenizer
     from lowmem.cli.flags import load_config
-    from lowmem.memory.probes import peak_rss_bytes
+    from lowmem.hardware.memory_use import peak_rss_bytes
     from lowmem.model.build import build_model
     from lowmem.training.optim import Adafactor, build_scheduler
 
@@ -270,57 +266,14 @@ def nanot5_child(options) -> None:
     log.close()
 
 
-# --------------------------------------------------------------------------- running and reading a contender
-def vm_status(pid: int) -> dict:
-    """VmRSS and VmHWM of a live process, in bytes ({} once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-            return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in fh)
-                    if k in ("VmRSS", "VmHWM")}
-    except (OSError, ValueError):
-        return {}
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a live process, all its threads (None once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def run_child(argv: list[str], log_path: Path, env: dict) -> dict:
-    """Run a process to its end, polling its memory and CPU time: rc, start/end times, last VmHWM, largest
-    VmRSS (bytes), and (time, CPU seconds) samples."""
-    start, hwm, rss, cpu = time.time(), 0, 0, []
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            status, used = vm_status(proc.pid), cpu_seconds(proc.pid)
-            hwm, rss = max(hwm, status.get("VmHWM", 0)), max(rss, status.get("VmRSS", 0))
-            if used is not None:
-                cpu.append((time.time(), used))
-            time.sleep(POLL_S)
-    return {"rc": proc.returncode, "start": start, "end": time.time(), "hwm": hwm, "rss": rss, "cpu": cpu,
-            "log": log_path}
-
-
+# --------------------------------------------------------------------------- reading a contender
 def cpu_at(samples: list[tuple[float, float]], moment: float) -> float:
-    """The process's CPU seconds at ``moment``, interpolated between the poller's samples."""
+    """The process's CPU seconds at ``moment``, interpolated between the watcher's samples."""
     import bisect
 
     at = min(max(bisect.bisect_left([t for t, _ in samples], moment), 1), len(samples) - 1)
     (t0, c0), (t1, c1) = samples[at - 1], samples[at]
     return c0 + (c1 - c0) * (moment - t0) / (t1 - t0) if t1 > t0 else c1
-
-
-def child_env(threads: int) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return env
 
 
 def our_steps(run_dir: Path) -> list[dict]:
@@ -386,41 +339,48 @@ def data_path(name: str, files: dict, length: int, target: int, options) -> dict
         windows = (data.collator.window(examples, cfg.batch_size)
                    for examples in batched(data.stream.iter_epoch(), per_step))
     real = positions = 0
-    ends = [time.perf_counter()]
+    timer = Timer()  # a lap a step: reading, tokenizing, packing or masking, collating its window
     for window in itertools.islice(windows, options.steps):
         for batch in window:
             real += int(batch["attention_mask"].sum()) + int(batch["labels"].ne(-100).sum())
             positions += batch["input_ids"].numel() + batch["labels"].numel()
-        ends.append(time.perf_counter())
-    return {"pad_pct": 100 * (1 - real / positions), "data_s_per_step": (ends[-1] - ends[1]) / (len(ends) - 2)}
+        timer.lap()
+    later = timer.laps[1:]
+    return {"pad_pct": 100 * (1 - real / positions), "data_s_per_step": sum(later) / len(later)}
 
 
 def measure(name: str, files: dict, run_dir: Path, length: int, target: int, options) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     if name == "nanot5":
-        argv = [sys.executable, str(Path(__file__).resolve()), "--child=nanot5", f"--train_file={files['span'][0]}",
-                f"--steps_out={run_dir / 'steps.jsonl'}", f"--max_source_len={length}", *child_flags(options)]
+        argv = module("bench.span_corruption", "--child=nanot5", *child_flags(options), train_file=files["span"][0],
+                      steps_out=run_dir / "steps.jsonl", max_source_len=length)
     else:
-        flags = our_flags(name, *files[name], run_dir / "out", length, target, options)
-        argv = [sys.executable, str(REPO / "train_low_mem.py"), "train", *(f"--{k}={v}" for k, v in flags.items())]
-    run = run_child(argv, run_dir / "log.txt", child_env(options.threads))
+        argv = trainer("train", **our_flags(name, *files[name], run_dir / "out", length, target, options))
+    cpu_samples: list[tuple[float, float]] = []  # (time, CPU seconds) of the running contender
+
+    def sample(pid: int) -> bool:
+        used = cpu_seconds(pid)
+        if used is not None:
+            cpu_samples.append((time.time(), used))
+        return False
+
+    run = run_child(argv, run_dir / "log.txt", env=child_env(options.threads), watch=sample)
     try:
         steps = nanot5_steps(run_dir / "steps.jsonl") if name == "nanot5" else our_steps(run_dir / "out")
     except (OSError, StopIteration, KeyError, ValueError):
         steps = []
-    if run["rc"] or len(steps) < options.steps:
-        tail = run["log"].read_text(errors="replace").splitlines()[-12:]
-        raise SystemExit(f"{name} failed (exit {run['rc']}, {len(steps)} of {options.steps} steps):\n  " +
-                         "\n  ".join(tail))
+    if run.rc or len(steps) < options.steps:
+        raise SystemExit(f"{name} failed (exit {run.rc}, {len(steps)} of {options.steps} steps):\n  " +
+                         "\n  ".join(run.tail(12)))
     later = steps[1:]
     seconds = sum(s["seconds"] for s in later)
-    cpu = cpu_at(run["cpu"], steps[-1]["time"]) - cpu_at(run["cpu"], steps[0]["time"])
+    cpu = cpu_at(cpu_samples, steps[-1]["time"]) - cpu_at(cpu_samples, steps[0]["time"])
     return {"target_tok_s": sum(s["targets"] for s in later) / seconds,
             "target_tok_cpu_s": sum(s["targets"] for s in later) / cpu, "cpu_per_wall": cpu / seconds,
             "input_tok_s": sum(s["inputs"] for s in later) / seconds, "s_per_step": seconds / len(later),
-            "first_step_s": steps[0]["time"] - run["start"], "peak_rss_mib": steps[-1]["peak_rss_mb"],
-            "run_peak_rss_mib": run["hwm"] / 2**20, "targets_per_step": later[-1]["targets"],
+            "first_step_s": steps[0]["time"] - run.start, "peak_rss_mib": steps[-1]["peak_rss_mb"],
+            "run_peak_rss_mib": run.peak_rss_mib, "targets_per_step": later[-1]["targets"],
             "pad_pct": statistics.mean(s["pad_pct"] for s in steps) if name == "nanot5" else None}
 
 
@@ -478,36 +438,35 @@ def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+# One row a contender: medians over the rounds, the spread of the two rates, and three ratios to span's medians
+COLUMNS = [Column("contender", "name"), Column("target tok/s", "target_tok_s", ",.0f"),
+           Column("(min-max)", "target_tok_s_spread"), Column("target tok/CPU-s", "target_tok_cpu_s", ",.0f"),
+           Column("(min-max)", "target_tok_cpu_s_spread"), Column("input tok/s", "input_tok_s", ",.0f"),
+           Column("pad %", "pad_pct", ".2f"), Column("s/step", "s_per_step", ".2f"),
+           Column("batches s/step", "data_s_per_step", ".3f"), Column("CPU/wall", "cpu_per_wall", ".2f"),
+           Column("1st step s", "first_step_s", ".1f"), Column("peak RSS MiB", "peak_rss_mib", ",.0f"),
+           Column("tok/s vs span", "target_tok_s", ".2f", ratio=True),
+           Column("tok/CPU-s vs span", "target_tok_cpu_s", ".2f", ratio=True),
+           Column("RSS vs span", "peak_rss_mib", ".2f", ratio=True)]
+
+
 def print_table(table: dict, options) -> list[str]:
     """The table of one length (also returned as markdown lines)."""
     span = table["runs"].get("span")
-
-    def versus(runs: list[dict], key: str) -> str:
-        return f"{median(runs, key) / median(span, key):.2f}x" if span else "-"
-
-    head = ["contender", "target tok/s", "target tok/CPU-s", "input tok/s", "pad %", "s/step", "batches s/step",
-            "CPU/wall",
-            "1st step s", "peak RSS MiB", "tok/s vs span", "tok/CPU-s vs span", "RSS vs span"]
-    rows = []
+    rows = Table(COLUMNS, baseline=NAMES["span"])
     for name, runs in table["runs"].items():
-        row = [NAMES[name]]
+        values = {key: median(runs, key) for key in ("target_tok_s", "target_tok_cpu_s", "input_tok_s", "pad_pct",
+                                                     "s_per_step", "data_s_per_step", "cpu_per_wall", "first_step_s",
+                                                     "peak_rss_mib")}
         for key in ("target_tok_s", "target_tok_cpu_s"):
-            values = [r[key] for r in runs]
-            row.append(f"{median(runs, key):,.0f}" + (f" ({min(values):,.0f}-{max(values):,.0f})" if len(runs) > 1
-                                                      else ""))
-        row += [f"{median(runs, 'input_tok_s'):,.0f}", f"{median(runs, 'pad_pct'):.2f}",
-                f"{median(runs, 's_per_step'):.2f}", f"{median(runs, 'data_s_per_step'):.3f}",
-                f"{median(runs, 'cpu_per_wall'):.2f}",
-                f"{median(runs, 'first_step_s'):.1f}", f"{median(runs, 'peak_rss_mib'):,.0f}",
-                versus(runs, "target_tok_s"), versus(runs, "target_tok_cpu_s"), versus(runs, "peak_rss_mib")]
-        rows.append(row)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+            spread = [r[key] for r in runs]
+            values[f"{key}_spread"] = f"({min(spread):,.0f}-{max(spread):,.0f})" if len(runs) > 1 else None
+        rows.add(NAMES[name], values)
     print(f"\nmax_source_len {table['length']} (targets {table['target']}), {options.model_preset}, "
           f"{options.steps} steps x {options.batch_size * options.accumulation} examples, median of {options.rounds} "
           "(min-max)")
-    for line in [head, ["-" * w for w in widths], *rows]:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
-    markdown = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    rows.show()
+    markdown = rows.render(markdown=True)
     for name in ("pairs", "pairs_varied"):
         if span and name in table["runs"]:
             ratios = [median(span, key) / median(table["runs"][name], key)
@@ -554,7 +513,7 @@ def main() -> None:
     folder = Path(options.corpus_dir) if options.corpus_dir else Path(tempfile.mkdtemp(prefix="span_bench_"))
     print(f"{platform.node()} | {os.cpu_count()} CPUs | {platform.platform()} | python {platform.python_version()} | "
           f"{time.strftime('%Y-%m-%d %H:%M')} | threads per run {options.threads or 'default'}\n"
-          f"command: python bench/span_corruption.py {' '.join(sys.argv[1:])}", flush=True)
+          f"command: python -m bench.span_corruption {' '.join(sys.argv[1:])}", flush=True)
     try:
         tables = [one_length(int(n), folder, options) for n in options.lengths.split(",")]
         markdown = [line for table in tables for line in ["", *print_table(table, options)]]

@@ -1,8 +1,8 @@
 """Peak RSS of span-corruption pretraining on a 1 MB and a 500 MB raw-text corpus, .txt and jsonl (issue 43).
 
-    python bench/span_rss.py                                   # 1 MB and 500 MB, .txt and jsonl: ~15 minutes
-    python bench/span_rss.py --sizes=1,50 --steps=10           # a quicker look (a few minutes on 2 cores)
-    python bench/span_rss.py --corpus_dir=/data/span_rss --rounds=2   # keep the corpora (1 GB at 500 MB)
+    python -m bench.span_rss                                   # 1 MB and 500 MB, .txt and jsonl: ~15 minutes
+    python -m bench.span_rss --sizes=1,50 --steps=10           # a quicker look (a few minutes on 2 cores)
+    python -m bench.span_rss --corpus_dir=/data/span_rss --rounds=2   # keep the corpora (1 GB at 500 MB)
 
 The target: "peak RSS on a 500 MB text corpus within 64 MB of a 1 MB one". Each corpus is generated once into
 ``--corpus_dir`` (reused when there) as documents of words drawn at random from the shipped corpora's text
@@ -18,7 +18,8 @@ Each run is ``train_low_mem.py train --objective=span_corruption`` with the defa
 x 16, shuffle buffer 1,000 documents, eval set held out of the file's last rows) and ``--max_steps``, in its own
 process. Peak RSS is the process's kernel high-water mark (VmHWM), as metrics.jsonl records it: through the
 last optimizer step (the last ``train`` record) and through the whole run (the ``end`` record: the final
-evaluation and checkpoint included); the poller's last VmHWM read is printed as a check. Printed: one row per
+evaluation and checkpoint included); the process's peak as the kernel reports it to this one (``wait4``
+rusage: the same high-water mark, read from outside) is printed as a check. Printed: one row per
 run and, per format, the largest corpus's peaks less the smallest's.
 """
 
@@ -38,9 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from span_corruption import child_env, run_child  # noqa: E402
+from bench.harness import REPO, Column, Table, child_env, run_child, trainer
 
 SHUFFLE_BUFFER = 1000  # the trainer's default --shuffle_buffer_size
 MB = 1_000_000
@@ -113,20 +112,19 @@ def train_run(corpus: Path, out: Path, options) -> dict:
     """One short span-corruption run; its peaks (MiB) and whether it trained on a big document."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    argv = [sys.executable, str(REPO / "train_low_mem.py"), "train", "--objective=span_corruption",
-            f"--train_file={corpus}", f"--output_dir={out / 'run'}", f"--max_steps={options.steps}", "--eval_steps=0",
-            "--save_steps=0", "--logging_steps=1", "--dump_consumed=True", "--seed=42"]
-    done = run_child(argv, out / "log.txt", child_env(options.threads))
-    if done["rc"]:
-        tail = (out / "log.txt").read_text(errors="replace").splitlines()[-12:]
-        raise SystemExit(f"{corpus} failed (exit {done['rc']}):\n  " + "\n  ".join(tail))
+    argv = trainer("train", "--objective=span_corruption", f"--train_file={corpus}", f"--output_dir={out / 'run'}",
+                   f"--max_steps={options.steps}", "--eval_steps=0", "--save_steps=0", "--logging_steps=1",
+                   "--dump_consumed=True", "--seed=42")
+    done = run_child(argv, out / "log.txt", env=child_env(options.threads))
+    if done.rc:
+        raise SystemExit(f"{corpus} failed (exit {done.rc}):\n  " + "\n  ".join(done.tail(12)))
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["event"] == "train"]
     end = next(r for r in records if r["event"] == "memory" and r["where"] == "end")
     setup = next(r for r in records if r["event"] == "setup")
     rows = {int(line.rsplit("\t", 1)[1]) for line in (out / "run" / "consumed-rank0.tsv").read_text().splitlines()}
-    return {"train_peak": train[-1]["peak_rss_mb"], "run_peak": end["peak_rss_mb"], "polled": done["hwm"] / 2**20,
-            "rows": setup["train_rows"], "wall_s": done["end"] - done["start"], "documents_trained": len(rows),
+    return {"train_peak": train[-1]["peak_rss_mb"], "run_peak": end["peak_rss_mb"], "rusage": done.peak_rss_mib,
+            "rows": setup["train_rows"], "wall_s": done.wall_s, "documents_trained": len(rows),
             "first_row_trained": first_drawn_row() in rows}
 
 
@@ -147,7 +145,7 @@ def main() -> None:
     formats = [f.strip() for f in options.formats.split(",")]
     folder = Path(options.corpus_dir) if options.corpus_dir else Path(tempfile.mkdtemp(prefix="span_rss_"))
     print(f"{platform.node()} | {os.cpu_count()} CPUs | {time.strftime('%Y-%m-%d %H:%M')} | threads per run "
-          f"{options.threads or 'default'}\ncommand: python bench/span_rss.py {' '.join(sys.argv[1:])}", flush=True)
+          f"{options.threads or 'default'}\ncommand: python -m bench.span_rss {' '.join(sys.argv[1:])}", flush=True)
     results: dict[tuple[str, float], list[dict]] = {}
     try:
         corpora = {}
@@ -165,16 +163,21 @@ def main() -> None:
                     streamed = (f" (the big one, row {first_drawn_row()}, "
                                 f"{'among them' if r['first_row_trained'] else 'NOT'})")
                     print(f"  {fmt:<5} {size:>6g} MB  {r['rows']:>9,} documents  peak RSS through training "
-                          f"{r['train_peak']:6.1f} MiB, whole run {r['run_peak']:6.1f} (polled {r['polled']:6.1f})  "
+                          f"{r['train_peak']:6.1f} MiB, whole run {r['run_peak']:6.1f} (rusage {r['rusage']:6.1f})  "
                           f"chunks hold {r['documents_trained']} document(s){streamed if big else ''}  "
                           f"{r['wall_s']:.0f} s", flush=True)
     finally:
         if not options.corpus_dir:
             shutil.rmtree(folder, ignore_errors=True)
-    print(f"\n{'format':<7}{'corpus':>9}{'documents':>12}{'on disk MB':>12}{'train peak':>12}{'run peak':>10}")
+    print()
+    table = Table([Column("format", "format"), Column("corpus", "name"), Column("documents", "rows", ","),
+                   Column("on disk MB", "size", "g"), Column("train peak", "train_peak", ".1f"),
+                   Column("run peak", "run_peak", ".1f")])
     for (fmt, size), runs in sorted(results.items()):
-        print(f"{fmt:<7}{size:>7g}MB{runs[0]['rows']:>12,}{size:>12g}{max(r['train_peak'] for r in runs):>12.1f}"
-              f"{max(r['run_peak'] for r in runs):>10.1f}")
+        table.add(f"{size:g}MB", {"format": fmt, "rows": runs[0]["rows"], "size": size,
+                                  "train_peak": max(r["train_peak"] for r in runs),
+                                  "run_peak": max(r["run_peak"] for r in runs)})
+    table.show()
     for fmt in formats:
         small, large = results[(fmt, sizes[0])], results[(fmt, sizes[-1])]
         for key, what in (("train_peak", "through training"), ("run_peak", "whole run")):

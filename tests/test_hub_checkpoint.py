@@ -12,8 +12,7 @@ from conftest import REPO
 from safetensors import safe_open
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-sys.path.insert(0, str(REPO / "bench"))
-from hub_checkpoint import build_checkpoint  # noqa: E402
+from bench.hub_checkpoint import build_checkpoint
 
 SHARD_BYTES = 300_000  # the tiny shape is 5 MB in float32: five shards (four in bfloat16)
 
@@ -99,9 +98,9 @@ def test_values_follow_the_seed_and_one_shard_is_model_safetensors(tmp_path):
 
 
 def test_cli_builds_and_reports(tmp_path, processes):
-    done = processes.run([sys.executable, str(REPO / "bench" / "hub_checkpoint.py"), str(tmp_path / "hub"),
-                          "--shape=tiny", "--dtype=bfloat16", "--max_shard_gb=0.0003"],
-                          capture_output=True, text=True, check=True)
+    done = processes.run([sys.executable, "-m", "bench.hub_checkpoint", str(tmp_path / "hub"), "--shape=tiny",
+                          "--dtype=bfloat16", "--max_shard_gb=0.0003"], cwd=REPO, capture_output=True, text=True,
+                         check=True)
     assert "1,246,208 params" in done.stdout and "peak RSS" in done.stdout
     config = json.loads((tmp_path / "hub" / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is False

@@ -14,8 +14,7 @@ import torch
 from conftest import REPO, synthetic_rows, write_rows
 from safetensors import safe_open
 
-sys.path.insert(0, str(REPO / "bench"))
-from hub_checkpoint import build_checkpoint  # noqa: E402
+from bench.hub_checkpoint import build_checkpoint
 
 SHARD_BYTES = 300_000  # the tiny shape is 5 MB in float32: several shards
 
