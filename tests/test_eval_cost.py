@@ -104,7 +104,8 @@ def test_the_eval_loss_does_not_depend_on_which_rows_generate(tmp_path, tokenize
     from data.objectives.base import objective_for
     from data.pipeline import build_data, check_data
     from lowmem.model.build import build_model
-    from lowmem.training.evaluation import evaluate_model
+    from lowmem.training.evaluation import EvalModel, evaluate_model
+    from lowmem.training.run_context import RunContext
 
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(100, seed=1))
     cfg = load_config(dict(train_file=str(train), output_dir=str(tmp_path / "run"), max_eval_samples=10,
@@ -114,14 +115,14 @@ def test_the_eval_loss_does_not_depend_on_which_rows_generate(tmp_path, tokenize
     torch.manual_seed(0)
     model = build_model(cfg, tokenizer).eval()
     acc = Accelerator(cpu=True)
-    run = {rows: evaluate_model(model, model, tokenizer, data.collator, data.eval_examples, cfg, acc,
-                                generate_rows=rows) for rows in (None, 4, 0)}
+    at = EvalModel(RunContext.plain(cfg, acc), model, model, tokenizer, data.collator)
+    run = {rows: evaluate_model(at, data.eval_examples, generate_rows=rows) for rows in (None, 4, 0)}
     assert run[None]["scored_rows"] == 10 and run[4]["scored_rows"] == 4 and "bleu" not in run[0]
     assert run[4]["eval_loss"] == pytest.approx(run[None]["eval_loss"], rel=1e-5) == run[0]["eval_loss"]
     assert all(r["eval_examples"] == 10 for r in run.values())
     no_generation = cfg_with(eval_generate=False)  # a plan generates fewer rows than the flags ask, never more
-    assert "bleu" not in evaluate_model(model, model, tokenizer, data.collator, data.eval_examples, no_generation,
-                                        acc, generate_rows=4)
+    at = EvalModel(RunContext.plain(no_generation, acc), model, model, tokenizer, data.collator)
+    assert "bleu" not in evaluate_model(at, data.eval_examples, generate_rows=4)
 
 
 # ----------------------------------------------------------------------------- the real entry point

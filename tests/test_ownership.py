@@ -345,12 +345,13 @@ def test_the_encoder_cache_removes_only_cache_folders_in_a_root_of_ours(tmp_path
         (folder / "done-rank0.json").write_text(json.dumps({"d_model": 4, "dtype": "float32", "tokens": 0,
                                                             "bytes": 0}))
 
+    share = encoder_cache.CacheShare(rank=0, world=1, files=[], columns=("prompt", "response"), shares=[])
     before = snapshot(tmp_path)
     with pytest.raises(UserError, match="the encoder cache folder .* did not write"):  # someone's folder in it
-        encoder_cache.open_cache(root, "new", 0, "disk", [], [], build, say=lambda _: None)
+        encoder_cache.open_cache(root, "new", share, "disk", build, say=lambda _: None)
     assert snapshot(tmp_path) == before
     (root / MARKERS["encoder_cache"]).touch()  # ours: old caches go, anything else stays
-    encoder_cache.open_cache(root, "new", 0, "disk", [], [], build, say=lambda _: None).close()
+    encoder_cache.open_cache(root, "new", share, "disk", build, say=lambda _: None).close()
     assert sorted(p.name for p in root.iterdir()) == [MARKERS["encoder_cache"], "mine", "new"]
     assert {k: v for k, v in snapshot(tmp_path).items() if k.startswith(os.path.join("encoder_cache", "mine"))} \
         == {k: v for k, v in before.items() if k.startswith(os.path.join("encoder_cache", "mine"))}

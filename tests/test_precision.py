@@ -176,7 +176,7 @@ def test_the_planner_prices_fp16_like_bf16_plus_the_float32_feed_forward_input()
 def test_a_window_run_again_after_an_overflow_draws_the_same_dropout_masks():
     from lowmem.hardware.precision import Float16
     from lowmem.training.state import TrainState
-    from lowmem.training.stopping import WindowRandomness, again_after_nonfinite
+    from lowmem.training.stopping import NonfiniteSteps, WindowRandomness
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -185,7 +185,7 @@ def test_a_window_run_again_after_an_overflow_draws_the_same_dropout_masks():
     first = torch.nn.functional.dropout(torch.ones(256), 0.5)  # the window's first attempt
     precision.scale((weight * float("inf")).sum()).backward()  # its scaled gradients overflow
     precision.unscale(optimizer)
-    assert again_after_nonfinite(TrainState(), precision, lambda: True, 3, drawn=drawn)
+    assert NonfiniteSteps(TrainState(), 3).again(precision, lambda: True, drawn)
     again = torch.nn.functional.dropout(torch.ones(256), 0.5)
     assert torch.equal(first, again) and precision.scaler.get_scale() == 65536 / 2
     assert not torch.equal(again, torch.nn.functional.dropout(torch.ones(256), 0.5))  # (masks do differ otherwise)

@@ -193,7 +193,8 @@ def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path,
 # ----------------------------------------------------------------------------- evaluation and generation
 def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer):
     from lowmem.model.build import build_model
-    from lowmem.training.evaluation import answer_text, evaluate_model, generate_answers, generation_options
+    from lowmem.training.evaluation import EvalModel, answer_text, evaluate_model, generate_answers, generation_options
+    from lowmem.training.run_context import RunContext
 
     cfg = config(tmp_path, model_preset="tiny", eval_batch_size=3, max_new_tokens=5)
     objective = objective_for(cfg)
@@ -201,7 +202,8 @@ def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer)
     torch.manual_seed(0)
     model = build_model(cfg, tokenizer).eval()
     acc = accelerator()
-    result = evaluate_model(model, model, tokenizer, data.collator, data.eval_examples, cfg, acc)
+    at = EvalModel(RunContext.plain(cfg, acc), model, model, tokenizer, data.collator)
+    result = evaluate_model(at, data.eval_examples)
     batch = data.collator(data.eval_examples)  # one batch: the token mean over all 10 rows
     with torch.no_grad():
         logits = model(**batch).logits
@@ -209,7 +211,7 @@ def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer)
     assert result["eval_loss"] == pytest.approx(float(expected), rel=1e-4)
     assert result["eval_examples"] == 10 and 0 <= result["bleu"] <= 100
     prompts = ["the cat runs", "a dog"]
-    answers = generate_answers(model, tokenizer, data.collator, prompts, cfg, acc)
+    answers = generate_answers(at, prompts)
     # at most --max_new_tokens=5 tokens each, read from the ids (the text of random tokens re-tokenizes longer)
     with torch.no_grad():
         ids = model.generate(**data.collator.encode(prompts, cfg.max_source_len), **generation_options(cfg, 5))

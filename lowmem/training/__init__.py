@@ -1,6 +1,9 @@
 """The optimisation a run performs, one accumulation window at a time.
 
-- ``accumulation``: one window's backward, the same gradient whatever engine runs it.
+- ``run_context``: ``RunContext``, the parts of a run the step, evaluation and the loop pass around (the resolved
+  options, accelerator, engine, precision, padding multiple, memory guard).
+- ``accumulation``: one window's backward, the same gradient whatever engine runs it, and the ``Window`` the loop
+  steps on (accelerate's own accumulation counters are set in one place there: ``start_window``).
 - ``optim``: Adafactor, AdamWScale (nanoT5's RMS-scaled AdamW) and the warmup + decay schedules.
 - ``state``: ``TrainState``, the counters every checkpoint keeps (step, epoch, tokens, the best model so far).
 - ``stopping``: clean stops on SIGTERM / SIGINT, and the count of skipped non-finite steps.

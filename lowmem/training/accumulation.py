@@ -16,38 +16,68 @@ makes the same calls. The trainer then agrees with the others and drops the wind
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from data.packing import examples_in
-from lowmem.hardware.precision import Precision
-from lowmem.memory.guard import MemoryGuard
 from lowmem.model.loss import batch_to_device, token_loss_sum
-from lowmem.parallel.engines import Engine
 from lowmem.parallel.sharding import equal_counts
+from lowmem.training.run_context import RunContext
 
 
-def window_backward(model, core, window: list[dict], total_tokens: int, accelerator, engine: Engine,
-                    precision: Precision, frozen_encoder: bool, multiple: int, pin: bool,
-                    guard: MemoryGuard | None = None, empty=None, loss_chunk: int | str = 0) -> torch.Tensor:
+@dataclass
+class Window:
+    """One accumulation window as the loop steps on it: the examples drawn (the consumed log names their rows), the
+    micro-batches its step runs (one empty one on a process that drew none), ``window_counts``'s counts (local and
+    summed over the processes: ``lowmem.parallel.distributed``) and the stream's epoch it was drawn in."""
+
+    examples: list
+    batches: list[dict]
+    counts: dict
+    epoch: int
+
+    @property
+    def last(self) -> bool:
+        """The epoch's last window: no process has rows left in the epoch after it."""
+        return not self.counts["rows_left"]
+
+
+def start_window(accelerator, micro_batches: int) -> None:
+    """Set accelerate's own accumulation counters for a window of ``micro_batches``: the one place they are set.
+
+    accelerate counts micro-batches itself: ``Accelerator.accumulate`` lets DDP all-reduce when its ``step`` reaches
+    a multiple of ``gradient_accumulation_steps``, and ``Accelerator.backward`` divides the loss by the latter. It
+    assumes every window holds --gradient_accumulation_steps micro-batches; ours do not (a token budget,
+    --max_tokens_per_batch, splits a window into more, an epoch's last holds fewer), and left to accelerate the
+    count would drift off the windows: an all-reduce in mid-window, none at a window's end. Set before each window,
+    the window's last micro-batch syncs, and the division is by the window's own count (which ``window_backward``'s
+    scale accounts for)."""
+    accelerator.gradient_accumulation_steps = micro_batches
+    accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
+
+
+def window_backward(ctx: RunContext, model, core, window: list[dict], total_tokens: int, empty=None) -> torch.Tensor:
     """Backward over ``window`` (collated micro-batches), gradients left in place for the optimizer step.
 
     Args:
+        ctx: the run's context: its accelerator, engine (``lowmem.parallel.engines``), precision
+            (``lowmem.hardware.precision``: the autocast, fp16's loss scale), padding multiple, memory guard (read
+            after each micro-batch) and options (--freeze's frozen encoder, --loss_chunk_size, --pin_memory).
         model: the model as prepared (DDP-wrapped, FSDP-sharded or a DeepSpeed engine); core: the plain one.
         total_tokens: target tokens of the window on all processes.
-        engine: the run's engine (``lowmem.parallel.engines``); precision: its ``--mixed_precision``
-            (``lowmem.hardware.precision``: the autocast, fp16's loss scale).
-        guard: the memory guard, read after each micro-batch; empty: makes a micro-batch without targets.
-        loss_chunk: --loss_chunk_size (``lowmem.model.chunked_loss``).
+        empty: makes a micro-batch without targets (run in place of the rest of the window once the guard tripped).
 
     Returns:
         The local sum of token losses (a device tensor).
     """
+    accelerator, engine, precision, guard = ctx.accelerator, ctx.engine, ctx.precision, ctx.guard
+    frozen_encoder, multiple = ctx.cfg.frozen_encoder, ctx.multiple
     # accelerator.backward divides by gradient_accumulation_steps (DeepSpeed's backward, as driven here,
     # does not), and DDP and ZeRO average over processes: this scale makes it sum(token losses) / tokens.
     divided = len(window) if engine.divides_window else 1
     scale = divided * accelerator.num_processes / max(total_tokens, 1)
-    accelerator.gradient_accumulation_steps = len(window)
-    accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
+    start_window(accelerator, len(window))
     loss_sum = torch.zeros((), device=accelerator.device)
     # A frozen encoder runs one row at a time (frozen_encoder_states), and under a sharded engine each of
     # its calls gathers weights from every process: each process makes as many calls as the one with the
@@ -60,11 +90,11 @@ def window_backward(model, core, window: list[dict], total_tokens: int, accelera
                 break  # nothing waits on this process; the trainer drops the window
             micro = empty()  # but the other processes' collectives go on
         last = k == len(window) - 1
-        batch = batch_to_device(micro, accelerator.device, multiple, pin)
+        batch = {**batch_to_device(micro, accelerator.device, multiple, ctx.pin), "encoder_calls": encoder_calls[k]}
         with engine.accumulating(accelerator, model):
             with precision.autocast(accelerator):
                 loss = token_loss_sum(model, core, batch, frozen_encoder=frozen_encoder, multiple=multiple,
-                                      encoder_calls=encoder_calls[k], loss_chunk=loss_chunk)
+                                      loss_chunk=ctx.cfg.loss_chunk_size)
             # (fp16: the loss scaled up so that small gradients do not underflow; DDP: all-reduce on the last only)
             engine.backward(accelerator, model, precision.scale(loss * scale), last)
         loss_sum += loss.detach()

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,12 +39,14 @@ import torch
 from tqdm import tqdm
 
 from config import QUANTIZED_DTYPES
+from data.collate import CachedEncoderCollator
 from data.sources.corpus import iter_rows, row_place
 from data.sources.readers import file_kind
 from data.streams.file_stream import batched
 from lowmem.hardware.memory_use import free_memory
-from lowmem.hardware.precision import compute_context
 from lowmem.model.loss import batch_to_device, frozen_encoder_states
+from lowmem.monitoring.telemetry import on_terminal
+from lowmem.training.run_context import RunContext
 from lowmem.utils.errors import UserError
 from lowmem.utils.ownership import MARKERS, claim_folder, open_own, remove_ours, saved_json, write_atomic
 
@@ -58,18 +61,43 @@ CACHE_LABEL = "the encoder cache folder"  # under --output_dir
 CACHE_HINT = "move those files out of it, or choose another --output_dir"
 
 
-def fingerprint(encoder, tokenizer_hash: str, max_source_len: int, dtype: str, files: list[Path],
-                columns: tuple[str, str], world: int, compute: str = "", rows: list[int] | None = None) -> str:
+@dataclass(frozen=True)
+class CacheShare:
+    """The rows one process caches: its share (rows ``[start, end)``) of each training file, the files' indexes
+    (the rows training reads of each: held-out eval rows left out) and the columns read."""
+
+    rank: int
+    world: int
+    files: list[Path]
+    columns: tuple[str, str]  # a prepared corpus's token-id columns, or the text columns
+    shares: list[tuple[int, int]]
+    indexes: list = field(default_factory=list)  # ``data.sources`` FileIndex, one per file
+
+    @classmethod
+    def of(cls, data) -> CacheShare:
+        """This process's share of a run's ``data.pipeline.TrainData``."""
+        files = data.files.train
+        return cls(data.rank, data.world, files, data.files.columns, [data.stream.share(i) for i in range(len(files))],
+                   data.indexes)
+
+    @property
+    def rows(self) -> int:
+        return sum(end - start for start, end in self.shares)
+
+
+def fingerprint(encoder, share: CacheShare, tokenizer_hash: str, max_source_len: int, dtype: str,
+                compute: str = "") -> str:
     """What the cached outputs depend on, hashed (the encoder's weights byte by byte; ``compute``
-    names how the encoder runs: precision, device, padding; ``rows``, the rows of each file that
-    training reads, which with ``world`` fix every process's share)."""
+    names how the encoder runs: precision, device, padding; the files, their columns, the rows of each
+    that training reads, and the processes, which fix every process's share)."""
     digest = hashlib.sha1()
     for name, tensor in sorted(encoder.state_dict().items()):
         digest.update(name.encode())
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(flat.view(torch.uint8).numpy())  # the bytes, of any dtype (bf16, float8), without a copy
-    stats = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in ((f, os.stat(f)) for f in files)]
-    digest.update(json.dumps([tokenizer_hash, max_source_len, dtype, stats, list(columns), world, compute,
+    stats = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in ((f, os.stat(f)) for f in share.files)]
+    rows = [index.rows for index in share.indexes]
+    digest.update(json.dumps([tokenizer_hash, max_source_len, dtype, stats, list(share.columns), share.world, compute,
                               LAYOUT, rows]).encode())
     return digest.hexdigest()[:16]
 
@@ -77,11 +105,12 @@ def fingerprint(encoder, tokenizer_hash: str, max_source_len: int, dtype: str, f
 class EncoderCache:
     """This process's cached encoder outputs; ``hidden_states(examples)`` gives a padded batch."""
 
-    def __init__(self, folder: Path, rank: int, shares: list[tuple[int, int]], d_model: int, dtype: str,
-                 in_memory: bool, files: list[Path]):
-        self.folder, self.rank, self.d_model, self.dtype, self.files = folder, rank, d_model, dtype, files
-        self.shares = shares
-        self.bases = np.cumsum([0] + [end - start for start, end in shares]).tolist()
+    def __init__(self, folder: Path, share: CacheShare, meta: dict, in_memory: bool):
+        """``meta``: the cache's done record (``d_model``, the storage ``dtype``)."""
+        rank, d_model, dtype = share.rank, meta["d_model"], meta["dtype"]
+        self.folder, self.rank, self.d_model, self.dtype, self.files = folder, rank, d_model, dtype, share.files
+        self.shares = share.shares
+        self.bases = np.cumsum([0] + [end - start for start, end in share.shares]).tolist()
         self.torch_dtype, self.view_dtype = STORAGE[dtype]
         self.row_bytes = d_model * self.torch_dtype.itemsize
         self.rows_fd = os.open(folder / f"rows-rank{rank}.bin", os.O_RDONLY)
@@ -150,19 +179,19 @@ def source_checksum(prompt: str | list[int]) -> int:
     return zlib.crc32(raw)
 
 
-def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tuple[int, int]],
-          columns: tuple[str, str], encode, d_model: int, dtype: str, progress=None) -> None:
-    """Encode every usable row of this process's shares and write the cache files of ``rank``.
+def build(folder: Path, share: CacheShare, encode, d_model: int, dtype: str, progress=None) -> None:
+    """Encode every usable row of this process's ``share`` and write the cache files of its rank.
 
     ``encode(prompts)`` returns (hidden states [B, S, d], attention mask [B, S]) for a list of texts.
     Rows are streamed in chunks of BUILD_CHUNK, so RAM holds one chunk whatever the corpus size.
     """
     torch_dtype, view_dtype = STORAGE[dtype]
+    rank, columns = share.rank, share.columns
     claim_folder(folder, CACHE_LABEL, "encoder_cache", is_cache_folder, CACHE_HINT)
     offset = 0
     with open_own(folder / f"rows-rank{rank}.bin", "wb") as rows_out, \
             open_own(folder / f"states-rank{rank}.bin", "wb") as states_out:
-        for file_index, (path, index, (start, end)) in enumerate(zip(files, indexes, shares)):
+        for file_index, (path, index, (start, end)) in enumerate(zip(share.files, share.indexes, share.shares)):
             items = iter_rows(path, file_index, columns, start, end, index)
             for chunk in batched(items, BUILD_CHUNK):
                 good = [e for e in chunk if e is not None]
@@ -187,12 +216,11 @@ def build(folder: Path, rank: int, files: list[Path], indexes, shares: list[tupl
     write_atomic(folder / f"done-rank{rank}.json", json.dumps(meta))  # whole or absent, after the data
 
 
-def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[int, int]], files: list[Path],
-               build_fn, say=print) -> EncoderCache:
+def open_cache(root: Path, key: str, share: CacheShare, mode: str, build_fn, say=print) -> EncoderCache:
     """Reuse the complete cache for ``key`` or build it with ``build_fn(folder)`` (removing caches of
-    other keys), then open it in RAM (``memory``, or ``auto`` when small) or on disk."""
+    other keys), then open this process's ``share`` of it in RAM (``memory``, or ``auto`` when small) or on disk."""
     claim_folder(root, CACHE_LABEL, "encoder_cache", _unmarked_root, CACHE_HINT)
-    folder = root / key
+    folder, rank = root / key, share.rank
     done = folder / f"done-rank{rank}.json"
     meta = saved_json(done)  # None: not built, or a record torn by a crash before it was written atomically
     if meta is not None:
@@ -214,7 +242,7 @@ def open_cache(root: Path, key: str, rank: int, mode: str, shares: list[tuple[in
     if mode == "memory" and meta["bytes"] > 0.5 * available:
         raise UserError(f"--encoder_cache=memory: the cache is {meta['bytes'] / 2**20:.0f} MiB, more than half "
                         f"of the free RAM; use --encoder_cache=disk (or auto)")
-    cache = EncoderCache(folder, rank, shares, meta["d_model"], meta["dtype"], in_memory, files)
+    cache = EncoderCache(folder, share, meta, in_memory)
     say(f"encoder cache: {meta['tokens']:,} tokens, {meta['bytes'] / 2**20:.1f} MiB "
         f"({meta['dtype']}), {'in RAM' if in_memory else 'read from disk'}")
     return cache
@@ -267,33 +295,42 @@ def encoder_on(core, device):
             move_encoder(core, home)
 
 
-def open_for_training(cfg, core, data, tokenizer_hash: str, accelerator, multiple: int, reads: int, out: Path,
-                      say=print, progress: bool = False) -> EncoderCache:
-    """Build (or reuse) the frozen encoder's outputs for this process's training rows.
+def train_from_cache(ctx: RunContext, core, data, tokenizer_hash: str, steps_left: int, telemetry) -> tuple:
+    """Train from the frozen encoder's outputs, computed once per row: (the cache, built or reused by
+    ``open_for_training``, and the collator that reads it); the encoder leaves the GPU, which training no longer
+    runs it on. ``steps_left``: the optimizer steps the run still takes; ``telemetry``: the run's
+    (``lowmem.monitoring.telemetry.Telemetry``)."""
+    cfg = ctx.cfg
+    reads = steps_left * cfg.batch_size * cfg.gradient_accumulation_steps
+    cache = open_for_training(ctx, core, data, tokenizer_hash, reads, telemetry.say)
+    collator = CachedEncoderCollator(data.collator, cache)
+    telemetry.log_memory("encoder_cache")
+    park_encoder(core, ctx.device)  # training no longer runs it
+    return cache, collator
+
+
+def open_for_training(ctx: RunContext, core, data, tokenizer_hash: str, reads: int, say=print) -> EncoderCache:
+    """Build (or reuse) the frozen encoder's outputs for this process's training rows, in OUTPUT_DIR/encoder_cache.
 
     ``data``: the run's ``data.pipeline.TrainData``; ``reads``: the rows the run will still read (a
     run reading none twice gains no time from the cache, which the log says).
     """
-    files, rank, world = data.files.train, data.rank, data.world
-    columns = data.files.columns  # a prepared corpus's token-id columns, or the text columns
-    shares = [data.stream.share(i) for i in range(len(files))]
-    device = accelerator.device
+    cfg, device, multiple = ctx.cfg, ctx.device, ctx.multiple
+    share = CacheShare.of(data)
     # How the encoder runs counts too: bf16 autocast (and its padding) or not, on which device.
     # 8-bit frozen weights (--frozen_dtype=int8|float8): the cache holds the quantized encoder's outputs
     # (its state dict, hashed below, holds the 8-bit bytes and scales; the dtype is named as well).
     compute = f"{cfg.mixed_precision}/{device.type}/{multiple}" + (
         f"/{cfg.frozen_dtype}" if cfg.frozen_dtype in QUANTIZED_DTYPES else "")
-    key = fingerprint(core.encoder, tokenizer_hash, cfg.max_source_len, cfg.encoder_cache_dtype, files, columns, world,
-                      compute, [i.rows for i in data.indexes])  # held-out eval rows are not trained on
-    rows = sum(end - start for start, end in shares)
-    pin = cfg.pin_memory and device.type == "cuda"
+    key = fingerprint(core.encoder, share, tokenizer_hash, cfg.max_source_len, cfg.encoder_cache_dtype, compute)
+    rows = share.rows
 
     @torch.no_grad()
     def encode(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The frozen encoder's outputs for ``prompts``, exactly as the uncached training step computes them."""
         core.encoder.eval()
-        batch = batch_to_device(data.collator.encode(prompts, cfg.max_source_len), device, multiple, pin)
-        with compute_context(accelerator, cfg.mixed_precision):
+        batch = batch_to_device(data.collator.encode(prompts, cfg.max_source_len), device, multiple, ctx.pin)
+        with ctx.precision.autocast(ctx.accelerator):
             hidden = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple)
         return hidden, batch["attention_mask"]
 
@@ -305,9 +342,8 @@ def open_for_training(cfg, core, data, tokenizer_hash: str, accelerator, multipl
             say(f"encoder cache: this run reads {reads:,} of those rows, none twice; encoding costs what "
                 "the encoder would take in its steps, so the cache saves time only in runs that read rows "
                 "again (more --epochs or --max_steps); it still frees the encoder's GPU memory")
-        bar = tqdm(total=rows, desc="encoder cache", unit="row", disable=not progress)
-        build(folder, rank, files, data.indexes, shares, columns, encode, core.config.d_model,
-              cfg.encoder_cache_dtype, bar)
+        bar = tqdm(total=rows, desc="encoder cache", unit="row", disable=not (ctx.is_main and on_terminal()))
+        build(folder, share, encode, core.config.d_model, cfg.encoder_cache_dtype, bar)
         bar.close()
 
-    return open_cache(out / "encoder_cache", key, rank, cfg.encoder_cache, shares, files, build_into, say)
+    return open_cache(Path(cfg.output_dir) / "encoder_cache", key, share, cfg.encoder_cache, build_into, say)

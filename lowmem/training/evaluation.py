@@ -7,7 +7,7 @@ functions).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from data.sources.eval_set import eval_files_of, eval_split
 from data.streams.file_stream import batched
 from data.tokenization import has_tokenizer, load_tokenizer, load_trained_tokenizer
 from lowmem.hardware.memory_use import free_memory
-from lowmem.hardware.precision import compute_context, precision_for
+from lowmem.hardware.precision import precision_for
 from lowmem.memory.batch_budget import saved_model_eval_size
 from lowmem.memory.collector import imports_done
 from lowmem.model.adapters import load_saved_model_weights
@@ -33,6 +33,7 @@ from lowmem.parallel.distributed import any_process, start_accelerator
 from lowmem.parallel.engines import engine_for_launch, inner_model
 from lowmem.parallel.sharding import is_sharded, padded_window, runs_deepspeed, whole_root
 from lowmem.training.encoder_cache import encoder_on
+from lowmem.training.run_context import RunContext
 from lowmem.utils.errors import UserError
 from lowmem.utils.eval_metrics import metric_named, metrics_of, score_answers, scores_in
 from lowmem.utils.ownership import saved_json
@@ -92,18 +93,41 @@ def eval_batches(examples: list, collator, cfg: TrainConfig, accelerator, sharde
     return batches
 
 
-def loss_and_inputs(model, core, batch: dict, sharded: bool, budget: int, multiple: int,
-                    loss_chunk: int | str = AUTO) -> tuple[float, dict]:
+@dataclass
+class EvalModel:
+    """A model with what evaluating and generating with it take: the run's context (options, accelerator,
+    precision, padding multiple: ``lowmem.training.run_context``), the model as prepared (the loss runs through it)
+    and the plain one inside (it generates), its tokenizer and collator. A training run holds one, and so does the
+    CLI's evaluate / generate (``SavedModel``)."""
+
+    ctx: RunContext
+    model: object  # prepared by accelerate
+    core: object  # unwrapped: generates
+    tokenizer: object
+    collator: object
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.ctx.cfg
+
+    @property
+    def sharded(self) -> bool:
+        """Every forward is a collective (FSDP, DeepSpeed): the processes run as many, and stop at the same one."""
+        return is_sharded(self.core) or runs_deepspeed(self.ctx.accelerator)
+
+
+def loss_and_inputs(at: EvalModel, batch: dict, budget: int) -> tuple[float, dict]:
     """The summed token loss of ``batch`` and the inputs ``generate`` takes for it (its encoder output, unless
-    sharded: there every forward is one collective, and generate runs the encoder again)."""
-    if sharded:
-        loss = token_loss_sum(model, core, batch, multiple=multiple, loss_chunk=loss_chunk)
+    sharded: there every forward is one collective, and generate runs the encoder again); ``budget``: padded tokens
+    per loss forward (``loss_budget``)."""
+    multiple, loss_chunk = at.ctx.multiple, at.cfg.loss_chunk_size
+    if at.sharded:
+        loss = token_loss_sum(at.model, at.core, batch, multiple=multiple, loss_chunk=loss_chunk)
         return float(loss), {"input_ids": batch["input_ids"]}
-    return loss_and_encoded(model, core, batch, budget, multiple, loss_chunk)
+    return loss_and_encoded(at.model, at.core, batch, budget, multiple, loss_chunk)
 
 
-def generate_for(core, inputs: dict, batch: dict, cfg: TrainConfig, sharded: bool, new_tokens: int,
-                 forced: bool = False):
+def generate_for(at: EvalModel, inputs: dict, batch: dict, new_tokens: int, forced: bool = False):
     """Answers to ``batch`` (``inputs`` from ``loss_and_inputs``), up to ``new_tokens`` each (exactly that many
     when ``forced``: what a young model, which rarely stops early, runs to)."""
     from transformers.modeling_outputs import BaseModelOutput
@@ -111,8 +135,8 @@ def generate_for(core, inputs: dict, batch: dict, cfg: TrainConfig, sharded: boo
     extra = {"min_new_tokens": new_tokens} if forced else {}
     if "encoder_outputs" in inputs:  # generate expands it for beams in place: a new one, so the inputs serve again
         inputs = {**inputs, "encoder_outputs": BaseModelOutput(last_hidden_state=inputs["encoder_outputs"][0])}
-    return core.generate(**inputs, attention_mask=batch["attention_mask"], synced_gpus=sharded,
-                         **generation_options(cfg, new_tokens), **extra)
+    return at.core.generate(**inputs, attention_mask=batch["attention_mask"], synced_gpus=at.sharded,
+                            **generation_options(at.cfg, new_tokens), **extra)
 
 
 def loss_budget(accelerator, sharded: bool) -> int:
@@ -124,14 +148,13 @@ def loss_budget(accelerator, sharded: bool) -> int:
 
 
 @torch.no_grad()
-def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainConfig, accelerator,
-                   multiple: int = 1, progress: bool = False, interrupted=None,
+def evaluate_model(at: EvalModel, examples: list, progress: bool = False, interrupted=None,
                    generate_rows: int | None = None) -> dict:
     """Eval loss (token-mean) over ``examples`` and the scores of --eval_metrics (``lowmem.utils.eval_metrics``) of
     greedy/beam generations for the first ``generate_rows`` of them (at most as many as the flags ask,
     ``asked_generate_rows``; no score keys when none).
 
-    ``model`` is the prepared (wrapped) model the loss runs through, ``core`` the unwrapped one that
+    ``at.model`` is the prepared (wrapped) model the loss runs through, ``at.core`` the unwrapped one that
     generates. Each process takes every world-th example; no collective runs inside the loop (ranks
     may hold different numbers of batches), and predictions are gathered once as text at the end.
     ``interrupted()`` (a signal to stop) ends the loop before the next batch; the caller, which asks every
@@ -140,21 +163,22 @@ def evaluate_model(model, core, tokenizer, collator, examples: list, cfg: TrainC
     from accelerate.utils import gather_object
 
     start = time.time()
-    model.eval()
+    cfg, accelerator, tokenizer = at.cfg, at.ctx.accelerator, at.tokenizer
+    at.model.eval()
     asked = asked_generate_rows(cfg, len(examples))  # (a plan generates fewer, never more)
     generate_rows = asked if generate_rows is None else min(generate_rows, asked)
     loss_sum, tokens, pairs, examples_done = 0.0, 0, [], 0
-    sharded = is_sharded(core) or runs_deepspeed(accelerator)
-    batches = eval_batches(examples, collator, cfg, accelerator, sharded, generate_rows)
+    sharded = at.sharded
+    batches = eval_batches(examples, at.collator, cfg, accelerator, sharded, generate_rows)
     budget = loss_budget(accelerator, sharded)
     for chunk, generate, real in tqdm(batches, desc="eval", leave=False, disable=not progress):
         # (sharded, every batch is a collective already: the processes stop at the same one)
         if interrupted is not None and (any_process(accelerator, interrupted()) if sharded else interrupted()):
             break  # a generation of 100 rows can outlast a job scheduler's grace period
-        batch = batch_to_device(collator(chunk), accelerator.device, multiple)
-        with compute_context(accelerator, cfg.mixed_precision), whole_root(core):
-            loss, inputs = loss_and_inputs(model, core, batch, sharded, budget, multiple, cfg.loss_chunk_size)
-            generated = generate_for(core, inputs, batch, cfg, sharded, cfg.max_target_len) if generate else None
+        batch = batch_to_device(at.collator(chunk), accelerator.device, at.ctx.multiple)
+        with at.ctx.precision.autocast(accelerator), whole_root(at.core):
+            loss, inputs = loss_and_inputs(at, batch, budget)
+            generated = generate_for(at, inputs, batch, cfg.max_target_len) if generate else None
         if not real:  # padding
             continue
         loss_sum += loss
@@ -221,16 +245,16 @@ def loss_and_encoded(model, core, batch: dict, budget: int, multiple: int,
 
 
 @torch.no_grad()
-def generate_answers(core, tokenizer, collator, prompts: list[str], cfg: TrainConfig, accelerator,
-                     multiple: int = 1) -> list[str]:
+def generate_answers(at: EvalModel, prompts: list[str]) -> list[str]:
     """Answers to ``prompts``, in batches of ``--eval_batch_size``, as ``answer_text`` writes them."""
-    core.eval()
+    cfg, ctx = at.cfg, at.ctx
+    at.core.eval()
     answers = []
     for chunk in batched(prompts, cfg.eval_batch_size):
-        batch = batch_to_device(collator.encode(chunk, cfg.max_source_len), accelerator.device, multiple)
-        with compute_context(accelerator, cfg.mixed_precision):
-            out = core.generate(**batch, **generation_options(cfg, cfg.max_new_tokens))
-        answers.extend(answer_text(tokenizer, ids) for ids in out.tolist())
+        batch = batch_to_device(at.collator.encode(chunk, cfg.max_source_len), ctx.device, ctx.multiple)
+        with ctx.precision.autocast(ctx.accelerator):
+            out = at.core.generate(**batch, **generation_options(cfg, cfg.max_new_tokens))
+        answers.extend(answer_text(at.tokenizer, ids) for ids in out.tolist())
     return answers
 
 
@@ -243,29 +267,20 @@ def answer_text(tokenizer, ids: list[int]) -> str:
 
 
 @dataclass
-class SavedModel:
+class SavedModel(EvalModel):
     """A saved model loaded for ``evaluate`` / ``generate``, with its tokenizer and eval set."""
 
-    cfg: TrainConfig
-    accelerator: object
-    model: object  # prepared by accelerate
-    core: object  # unwrapped: generates
-    tokenizer: object
-    collator: object
-    eval_examples: list
-    multiple: int  # sequence lengths padded to a multiple of this (bf16 on the CPU)
+    eval_examples: list = field(default_factory=list)
 
     @property
     def main(self) -> bool:
-        return self.accelerator.is_main_process
+        return self.ctx.is_main
 
     def evaluate(self) -> dict:
-        return evaluate_model(self.model, self.core, self.tokenizer, self.collator, self.eval_examples, self.cfg,
-                              self.accelerator, self.multiple, progress=self.main and on_terminal())
+        return evaluate_model(self, self.eval_examples, progress=self.main and on_terminal())
 
     def generate(self, prompts: list[str]) -> list[str]:
-        return generate_answers(self.core, self.tokenizer, self.collator, prompts, self.cfg, self.accelerator,
-                                self.multiple)
+        return generate_answers(self, prompts)
 
 
 def held_out_rows(cfg: TrainConfig, eval_files: list, train_files: list, held: int | None, say=print) -> list:
@@ -345,21 +360,19 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
         say(f"note: {model_dir} was trained on --train_file={info['train_file']}, and these are the shipped "
             f"{cfg.kind} eval rows ({cfg.eval_file}); pass that --train_file (the rows its training held out) or "
             "an --eval_file of its own")
-    return SavedModel(cfg, accelerator, model, inner_model(accelerator, model), tokenizer, collator, eval_examples,
-                      multiple)
+    ctx = RunContext.plain(cfg, accelerator, multiple)
+    return SavedModel(ctx, model, inner_model(accelerator, model), tokenizer, collator, eval_examples)
 
 
-def evaluate_in_run(model, core, tokenizer, data, cfg: TrainConfig, accelerator, multiple: int, generate_rows: int,
-                    interrupted, log_memory) -> dict:
-    """One evaluation of a training run (``data``: its ``TrainData``): ``evaluate_model`` with memory given back
+def evaluate_in_run(at: EvalModel, examples: list, generate_rows: int, interrupted, log_memory) -> dict:
+    """One evaluation of a training run (``examples``: its eval set): ``evaluate_model`` with memory given back
     to the OS before and after, the encoder brought back when the encoder cache took it off the GPU (the eval
     set is not in the cache), and the seconds it took as ``eval_s``."""
     start = time.time()
     free_memory()  # before evaluation
     log_memory("eval_start")
-    with encoder_on(core, accelerator.device):
-        result = evaluate_model(model, core, tokenizer, data.collator, data.eval_examples, cfg, accelerator, multiple,
-                                accelerator.is_main_process and on_terminal(), interrupted=interrupted,
+    with encoder_on(at.core, at.ctx.device):
+        result = evaluate_model(at, examples, at.ctx.is_main and on_terminal(), interrupted=interrupted,
                                 generate_rows=generate_rows)
     free_memory()  # after evaluation: the heap generation's growing cache left goes back to the OS
     result["eval_s"] = round(time.time() - start, 2)

@@ -30,7 +30,8 @@ class Adafactor(torch.optim.Optimizer, SliceAware):
 
     transformers' ``Adafactor(relative_step=False, scale_parameter=False, warmup_init=False)``: factored
     second moments for matrices (a row and a column vector), full ones for vectors, update clipping at
-    RMS ``clip_threshold``, optional first moment (``beta1``) and decoupled weight decay.
+    RMS ``clip_threshold``, optional first moment (``beta1``) and decoupled weight decay; its default ``eps`` and
+    ``decay_rate`` (``EPS``, ``DECAY_RATE``), which nothing here changes.
 
     Shard-aware: a weight sharded along its first dimension (FSDP2's ``fully_shard``) keeps its local
     rows' statistics, and the statistics that span the rows (a matrix's column means and mean row
@@ -40,9 +41,12 @@ class Adafactor(torch.optim.Optimizer, SliceAware):
     (``lowmem.parallel.adafactor_slices``).
     """
 
-    def __init__(self, params, lr: float, eps=(1e-30, 1e-3), clip_threshold: float = 1.0, decay_rate: float = -0.8,
-                 beta1: float | None = None, weight_decay: float = 0.0):
-        defaults = dict(lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+    EPS = (1e-30, 1e-3)  # transformers' defaults, kept in every parameter group (checkpoints carry them)
+    DECAY_RATE = -0.8
+
+    def __init__(self, params, lr: float, clip_threshold: float = 1.0, beta1: float | None = None,
+                 weight_decay: float = 0.0):
+        defaults = dict(lr=lr, eps=self.EPS, clip_threshold=clip_threshold, decay_rate=self.DECAY_RATE, beta1=beta1,
                         weight_decay=weight_decay, scale_parameter=False, relative_step=False, warmup_init=False)
         super().__init__(params, defaults)
         # DeepSpeed's flat partitions and the slices of weights each holds (``describe``); kept here, not

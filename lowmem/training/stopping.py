@@ -85,21 +85,6 @@ class SignalWatch:
         return any_process(accelerator, self.received is not None)
 
 
-def count_nonfinite_step(state, max_in_a_row: int, say=print, record=None) -> None:
-    """Count an optimizer step skipped for a non-finite loss or gradient in ``state`` (the trainer's
-    counters); raise ``UserError`` after ``max_in_a_row`` (--max_nonfinite_steps) in a row."""
-    state.nonfinite_steps += 1
-    state.nonfinite_in_a_row += 1
-    say(f"step {state.step + 1}: non-finite loss or gradient, optimizer step skipped "
-        f"({state.nonfinite_in_a_row} in a row, {state.nonfinite_steps} in total)")
-    if record is not None:
-        record("nonfinite_step", skipped_total=state.nonfinite_steps, in_a_row=state.nonfinite_in_a_row)
-    if state.nonfinite_in_a_row >= max_in_a_row:
-        raise UserError(f"{state.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
-                        f"gradient (--max_nonfinite_steps={max_in_a_row}); lower --learn_rate, keep "
-                        "--max_grad_norm on, or use --mixed_precision=no (best/ never holds non-finite weights)")
-
-
 class WindowRandomness:
     """The random generators as a window began (its dropout masks' source: the CPU's, and the GPU's on CUDA)."""
 
@@ -114,22 +99,43 @@ class WindowRandomness:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
-def again_after_nonfinite(state, precision, loss_finite, max_in_a_row: int, say=print, record=None,
-                          drawn: WindowRandomness | None = None) -> bool:
-    """A window's gradient norm was not finite: whether to run the same window again. fp16's overflow of the
-    loss scale (with a finite loss on every process: ``loss_finite()``) is the scaler's to count, and it lowers
-    the scale: the window runs again, so no example is dropped for it, and with the random generators as
-    ``drawn`` kept them, so it draws the dropout masks of its first attempt (the same computation at a lower
-    scale). Anything else the non-finite guard counts (``count_nonfinite_step``) and the window is dropped. Every
-    process calls it alike (the norm is the same)."""
-    if precision.overflowed(loss_finite):
-        if record is not None:
-            record("scaler_skip", **precision.log_fields())  # (at step: the steps done before it)
-        if drawn is not None:
-            drawn.restore()
-        return True
-    count_nonfinite_step(state, max_in_a_row, say, record)
-    return False
+class NonfiniteSteps:
+    """The non-finite guard: optimizer steps skipped for a non-finite loss or gradient, counted in ``state`` (the
+    trainer's counters, kept in every checkpoint), and ``UserError`` after ``max_in_a_row`` (--max_nonfinite_steps)
+    in a row; ``record``: writes a metrics.jsonl record (none: not recorded)."""
+
+    def __init__(self, state, max_in_a_row: int, say=print, record=None):
+        self.state, self.max_in_a_row, self.say, self.record = state, max_in_a_row, say, record
+
+    def again(self, precision, loss_finite, drawn: WindowRandomness | None = None) -> bool:
+        """A window's gradient norm was not finite: whether to run the same window again. fp16's overflow of the
+        loss scale (with a finite loss on every process: ``loss_finite()``) is the scaler's to count, and it lowers
+        the scale: the window runs again, so no example is dropped for it, and with the random generators as
+        ``drawn`` kept them, so it draws the dropout masks of its first attempt (the same computation at a lower
+        scale). Anything else is counted (``count``) and the window is dropped. Every process calls it alike (the
+        norm is the same)."""
+        if precision.overflowed(loss_finite):
+            if self.record is not None:
+                self.record("scaler_skip", **precision.log_fields())  # (at step: the steps done before it)
+            if drawn is not None:
+                drawn.restore()
+            return True
+        self.count()
+        return False
+
+    def count(self) -> None:
+        """Count an optimizer step skipped; raise ``UserError`` at ``max_in_a_row`` in a row."""
+        state, max_in_a_row = self.state, self.max_in_a_row
+        state.nonfinite_steps += 1
+        state.nonfinite_in_a_row += 1
+        self.say(f"step {state.step + 1}: non-finite loss or gradient, optimizer step skipped "
+                 f"({state.nonfinite_in_a_row} in a row, {state.nonfinite_steps} in total)")
+        if self.record is not None:
+            self.record("nonfinite_step", skipped_total=state.nonfinite_steps, in_a_row=state.nonfinite_in_a_row)
+        if state.nonfinite_in_a_row >= max_in_a_row:
+            raise UserError(f"{state.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
+                            f"gradient (--max_nonfinite_steps={max_in_a_row}); lower --learn_rate, keep "
+                            "--max_grad_norm on, or use --mixed_precision=no (best/ never holds non-finite weights)")
 
 
 def all_finite(accelerator, value) -> bool:
