@@ -257,17 +257,17 @@ def test_an_export_whose_weights_disagree_with_its_config_is_not_kept(tokenizer,
     tensor is refused, and the previous export stays as it was."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from lowmem.runs.run_folder import RunFolder
+    from lowmem.runs.run_folder import ExportFiles, RunFolder
 
     model = T5ForConditionalGeneration(T5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, num_heads=2, d_kv=16,
                                                 num_layers=1, decoder_start_token_id=0, pad_token_id=0))
     final = tmp_path / "final"
-    RunFolder.export(final, model, tokenizer, {"step": 1})
+    RunFolder.export(final, model, ExportFiles(tokenizer, {"step": 1}))
     check_model_folder(final, "final")
     before = {p.name: p.read_bytes() for p in final.iterdir()}
     state = {k: v for k, v in model.state_dict().items() if k != "decoder.final_layer_norm.weight"}
     with pytest.raises(UserError, match=f"the export {final}: model.safetensors lacks decoder.final_layer_norm.weight "
                                         "that the config builds; it was not kept"):
-        RunFolder.export(final, model, tokenizer, {"step": 2}, state_dict=state)
+        RunFolder.export(final, model, ExportFiles(tokenizer, {"step": 2}), state_dict=state)
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no staging folder left behind

@@ -122,7 +122,7 @@ def test_an_export_dequantizes_and_merges_one_shard_at_a_time(family_models, tmp
 
     from lowmem.model import quantize
     from lowmem.model.build import export_state_dict
-    from lowmem.runs.run_folder import RunFolder
+    from lowmem.runs.run_folder import ExportFiles, RunFolder
 
     cfg, model, _ = quantized_model(family_models["flan"], is_finetune=True, lora_r=4, frozen_dtype="int8")
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_an_export_dequantizes_and_merges_one_shard_at_a_time(family_models, tmp
     from data.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(family_models["flan"])
-    RunFolder.export(tmp_path / "export", model, tokenizer, {"kind": "sft"}, state_dict=plain)
+    RunFolder.export(tmp_path / "export", model, ExportFiles(tokenizer, {"kind": "sft"}), state_dict=plain)
     files = sorted(p.name for p in (tmp_path / "export").glob("*.safetensors"))
     assert len(files) > 2 and (tmp_path / "export" / "model.safetensors.index.json").is_file()
     loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "export")

@@ -153,11 +153,11 @@ def test_fsdp_steps_adafactor_like_ddp_checkpoints_shards_exports_plainly_and_re
 def test_fsdp_sft_keeps_its_frozen_weights_and_clips_like_ddp(tmp_path, tokenizer, trained):
     from lowmem.cli.flags import load_config
     from lowmem.model.build import build_model
-    from lowmem.runs.run_folder import RunFolder
+    from lowmem.runs.run_folder import ExportFiles, RunFolder
 
     torch.manual_seed(0)  # a tiny T5 to fine-tune, written as an export is
     base = tmp_path / "base"
-    RunFolder.export(base, build_model(load_config({"model_preset": "tiny"})[0], tokenizer), tokenizer, {})
+    RunFolder.export(base, build_model(load_config({"model_preset": "tiny"})[0], tokenizer), ExportFiles(tokenizer, {}))
     train = write_rows(tmp_path / "train.jsonl", synthetic_rows(96, seed=3))
     evals = write_rows(tmp_path / "eval.jsonl", synthetic_rows(5, seed=4))  # eval batches: 2 on rank 0, 1 on rank 1
     # SFT (encoder and shared embedding frozen), AdamW with clipping at 1.0. Micro-batches by token budget
@@ -237,11 +237,11 @@ def test_deepspeed_zero_trains_like_ddp_honours_clipping_off_and_exports_plainly
     # embedding stay as they were.
     from transformers import AutoTokenizer
 
-    from lowmem.runs.run_folder import RunFolder
+    from lowmem.runs.run_folder import ExportFiles, RunFolder
 
     base = tmp_path / "untied"
     model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach() * -0.5)
-    RunFolder.export(base, model, AutoTokenizer.from_pretrained(zero3 / "final"), {})
+    RunFolder.export(base, model, ExportFiles(AutoTokenizer.from_pretrained(zero3 / "final"), {}))
     sft = tmp_path / "sft"
     trained("deepspeed_zero3_cpu", [f"--train_file={train}", f"--eval_file={evals}", "--max_steps=3", "--eval_steps=0",
                                     "--save_steps=0", "--optimizer=adamw", "--is_finetune=True",

@@ -169,8 +169,8 @@ def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path,
     meter.start(acc.device, {"loss": 3.5, "tokens": 7, "steps": 1})
     checkpointer = Checkpointer(RunFolder(tmp_path / "run"), acc, telemetry)
     random.seed(11)
-    folder = checkpointer.save(1, {"step": 1}, (model, optimizer, scheduler, run_config), data.stream, meter, keep=2)
-    assert checkpointer.save(1, {"step": 1}, None, data.stream, meter, keep=2) == folder  # once per step
+    folder = checkpointer.save({"step": 1}, (model, optimizer, scheduler, run_config), data.stream, meter, keep=2)
+    assert checkpointer.save({"step": 1}, None, data.stream, meter, keep=2) == folder  # once per step
     expected_next = [e.row for e in data.stream.iter_epoch()][:5]
     expected_random = random.random()
 
@@ -239,14 +239,14 @@ from config import SHIPPED_TOKENIZER_DIR
 from data.tokenization import load_tokenizer
 from lowmem.cli.flags import load_config
 from lowmem.model.build import add_lora, build_model, export_state_dict
-from lowmem.runs.run_folder import RunFolder
+from lowmem.runs.run_folder import ExportFiles, RunFolder
 
 tokenizer = load_tokenizer(SHIPPED_TOKENIZER_DIR)
 cfg = load_config({{"model_preset": "tiny", "is_finetune": True, "init_from": "unused", "lora_r": 4,
                     "tie_word_embeddings": True}})[0]
 model = add_lora(build_model(cfg, tokenizer), cfg)
 print("adapters:", sum(p.numel() for p in model.parameters() if p.requires_grad))
-RunFolder.export({str(tmp_path / "final")!r}, model, tokenizer, {{}}, state_dict=export_state_dict(model))
+RunFolder.export({str(tmp_path / "final")!r}, model, ExportFiles(tokenizer, {{}}), state_dict=export_state_dict(model))
 for package in ("deepspeed", "boto3", "bitsandbytes"):
     print(package, "imported:", package in sys.modules)
 for package in ("boto3", "bitsandbytes"):

@@ -77,15 +77,15 @@ def export_command(init_from: str | None, export_dir, dtype="float32", base=None
     import_transformers_models()
     import torch
 
-    from lowmem.runs.run_folder import RunFolder
+    from lowmem.runs.run_folder import ExportFiles, RunFolder
 
     model = skeleton(source)
     tokenizer, tokenizer_folder = export_tokenizer(source, model, tokenizer_dir)
     adapted = adapters(source)
     weights = export_weights(model, source, adapted, getattr(torch, dtype))
     model.config.dtype = getattr(torch, dtype)  # what from_pretrained loads it as (its default dtype is "auto")
-    RunFolder.export(folder, model, tokenizer, export_info(source, init_from, dtype), state_dict=weights,
-                     tokenizer_source=tokenizer_folder, then=lambda: "run the export again")
+    RunFolder.export(folder, model, ExportFiles(tokenizer, export_info(source, init_from, dtype), tokenizer_folder),
+                     state_dict=weights, then=lambda: "run the export again")
     return {"export_dir": str(folder), "from": f"{source.kind} {source.folder}", "dtype": dtype,
             "tensors": len(weights), "lora_merged": len(adapted[0])}
 

@@ -9,17 +9,18 @@ is a plain ``save_pretrained`` folder (``best/``, ``final/``).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 
-from lowmem.utils.ownership import saved_json
 from lowmem.checkpointing import checkpoint
-from lowmem.runs.run_folder import RunFolder, eval_changes
 from lowmem.hardware.memory_use import free_memory
 from lowmem.model.build import export_state_dict, weights_in_float32
 from lowmem.monitoring.metrics_log import MetricsLog
 from lowmem.parallel.distributed import any_process
 from lowmem.parallel.engines import Engine, PlainEngine
+from lowmem.runs.run_folder import ExportFiles, RunFolder, eval_changes
 from lowmem.training.optim import resume_schedule
+from lowmem.utils.ownership import saved_json
 
 
 class Checkpointer:
@@ -41,17 +42,18 @@ class Checkpointer:
         return {"rng": checkpoint.rng_state(), "data": stream.state_dict(), "log_offsets": self.telemetry.offsets(sync),
                 "interval": meter.saved()}
 
-    def save(self, step: int, trainer_state: dict, training, stream, meter, keep: int,
-             position: dict | None = None) -> Path:
-        """Write the checkpoint of ``step`` (once: a stop right after a save step, or the end of a run
-        resumed from its final checkpoint, finds it written and its record logged already).
+    def save(self, trainer_state: dict, training, stream, meter, keep: int, position: dict | None = None) -> Path:
+        """Write the checkpoint of ``trainer_state``'s step (once: a stop right after a save step, or the end of a
+        run resumed from its final checkpoint, finds it written and its record logged already), keeping the newest
+        ``keep``.
 
         ``training``: (model, optimizer, scheduler, run_config) as the run holds them (the model: the
         DeepSpeed engine under DeepSpeed, else the plain model). ``position``: this process's, taken with
-        ``position()`` after ``step`` ended (the memory guard's stop); else taken now.
+        ``position()`` after the step ended (the memory guard's stop); else taken now.
         """
         from accelerate.utils import gather_object
 
+        step = trainer_state["step"]
         folder = self.folder.checkpoint_path(step)
         if self.saved_step == step:
             return folder
@@ -64,12 +66,11 @@ class Checkpointer:
                 **(position or self.position(stream, meter, sync=True)),
                 "checkpoint_record": record if self.telemetry.metrics is not None else None}
         process_states = gather_object([mine])  # small: RNG + data position per rank
-        model, optimizer, scheduler, run_config = training
+        model, optimizer, _, _ = training
         if self.engine.shards:
             self._write_shard(folder, model, optimizer)
         if self.accelerator.is_main_process:
-            self.folder.write_checkpoint(step, model, optimizer, scheduler, trainer_state, run_config,
-                                         process_states, keep=keep, staged=self.engine.shards)
+            self.folder.write_checkpoint(training, trainer_state, process_states, keep, staged=self.engine.shards)
             self.telemetry.metrics.write_line(record)
             self.telemetry.checkpointed()  # the trackers that wait for a checkpoint get the records it keeps
         self.accelerator.wait_for_everyone()
@@ -93,10 +94,9 @@ class Checkpointer:
             (the trainer's counters, the interval sums since the last log line: the next logged loss
             averages the same steps as an uninterrupted run)
         """
-        model, optimizer, scheduler, run_config = training
-        trainer_state, process_state = self.folder.read_checkpoint(
-            folder, model, optimizer, scheduler, run_config, self.accelerator.process_index,
-            self.accelerator.num_processes, self.engine, self.telemetry.say)
+        _, optimizer, scheduler, run_config = training
+        trainer_state, process_state = self.folder.read_checkpoint(folder, training, self.accelerator, self.engine,
+                                                                   self.telemetry.say)
         resume_schedule(optimizer, scheduler, learn_rate, weight_decay)
         self.saved_step = trainer_state["step"]
         # best/ set aside with a continuation --resume_from replaces (or removed): the model the state names as
@@ -116,21 +116,19 @@ class Checkpointer:
         self.telemetry.cut_back(process_state["log_offsets"], process_state.get("checkpoint_record"))
         return trainer_state, process_state["interval"]
 
-    def export(self, folder: Path, core, tokenizer, info: dict, tokenizer_source: Path | None,
-               adapter: dict | None = None) -> None:
-        """``core`` as a plain transformers folder (float32, LoRA merged), written by the main process; with
-        ``adapter`` (``lowmem.model.adapters.adapter_export``) a peft adapter folder of its base model instead."""
+    def export(self, folder: Path, core, beside: ExportFiles, adapter: dict | None = None) -> None:
+        """``core`` as a plain transformers folder (float32, LoRA merged) with ``beside`` it the tokenizer and
+        training_info.json, written by the main process; with ``adapter`` (``lowmem.model.adapters.adapter_export``)
+        a peft adapter folder of its base model instead."""
         self.accelerator.wait_for_everyone()
         if adapter is not None and not self.engine.shards:
             if self.accelerator.is_main_process:
-                self.folder.export_adapter(folder, core, adapter["base"], tokenizer,
-                                           {**info, "base_form": adapter["base_form"]}, tokenizer_source,
-                                           then=self.folder.how_to_continue)
+                beside = replace(beside, info={**beside.info, "base_form": adapter["base_form"]})
+                self.folder.export_adapter(folder, core, adapter["base"], beside, then=self.folder.how_to_continue)
         elif self.engine.shards:  # the whole weights gathered on the main process's host (all take part)
             whole = self.engine.full_state_dict(core, self.accelerator.is_main_process)
             if self.accelerator.is_main_process:
-                self.folder.export(folder, core, tokenizer, info, state_dict=whole, tokenizer_source=tokenizer_source,
-                                   then=self.folder.how_to_continue)
+                self.folder.export(folder, core, beside, state_dict=whole, then=self.folder.how_to_continue)
             del whole
         elif self.accelerator.is_main_process:
             # One dtype and no adapters: on the CPU bf16-stored weights turn float32 in place; from a
@@ -138,8 +136,7 @@ class Checkpointer:
             on_gpu = self.accelerator.device.type == "cuda"
             with contextlib.nullcontext() if on_gpu else weights_in_float32(core):
                 plain = export_state_dict(core, to_host=on_gpu)
-                self.folder.export(folder, core, tokenizer, info, state_dict=plain, tokenizer_source=tokenizer_source,
-                                   then=self.folder.how_to_continue)
+                self.folder.export(folder, core, beside, state_dict=plain, then=self.folder.how_to_continue)
                 del plain
             # The export's new host tensors (LoRA's merged matrices, a GPU model's float32 copies) come
             # from the C heap, which keeps them resident once freed: trimmed, an export in mid-run does

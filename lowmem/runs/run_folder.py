@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from config import QUANTIZED_DTYPES, TrainConfig
+from config import QUANTIZED_DTYPES, TrainConfig, flags_with
 from lowmem.utils.errors import UserError
 from lowmem.utils.ownership import saved_json
 from lowmem.checkpointing import checkpoint, checksums
@@ -159,11 +160,14 @@ class RunFolder:
     def checkpoint_path(self, step: int) -> Path:
         return self.checkpoints / f"{checkpoint.PREFIX}{step:06d}"
 
-    def write_checkpoint(self, step: int, model, optimizer, scheduler, trainer_state: dict, run_config: dict,
-                         process_states: list[dict], keep: int, staged: bool = False) -> Path:
-        """Everything the run depends on, written atomically; then ``latest`` moves to it. ``staged``:
-        the processes wrote their weight and optimizer shards into the staging folder already."""
-        folder = self.checkpoint_path(step)
+    def write_checkpoint(self, training, trainer_state: dict, process_states: list[dict], keep: int,
+                         staged: bool = False) -> Path:
+        """Everything the run depends on, written atomically as the checkpoint of ``trainer_state``'s step; then
+        ``latest`` moves to it and all but the newest ``keep`` go. ``training``: (model, optimizer, scheduler,
+        run_config) as the run holds them; ``staged``: the processes wrote their weight and optimizer shards into
+        the staging folder already."""
+        model, optimizer, scheduler, run_config = training
+        folder = self.checkpoint_path(trainer_state["step"])
         # Each file's checksum is taken as it is written (no second read); the sharded engines' files, written by
         # their libraries, are read once for theirs as the manifest is written (checksums.record)
         sums = {}
@@ -181,13 +185,15 @@ class RunFolder:
         return folder
 
     @staticmethod
-    def read_checkpoint(folder: Path, model, optimizer, scheduler, run_config: dict, rank: int, world: int,
-                        engine: Engine, say=print) -> tuple[dict, dict]:
-        """Load weights, optimizer and scheduler of ``folder`` in place.
+    def read_checkpoint(folder: Path, training, accelerator, engine: Engine, say=print) -> tuple[dict, dict]:
+        """Load weights, optimizer and scheduler of ``folder`` in place (``training``: model, optimizer, scheduler and
+        run_config, as ``write_checkpoint`` takes them), this process's (``accelerator``'s) own part.
 
         Returns:
             (trainer state, this process's state: RNG, data position, log offsets)
         """
+        model, optimizer, scheduler, run_config = training
+        rank, world = accelerator.process_index, accelerator.num_processes
         compare_settings(json.loads((folder / "run_config.json").read_text()), run_config, folder, say)
         saved_world = len(list(folder.glob("process_*.pt")))
         if saved_world != world:
@@ -208,17 +214,14 @@ class RunFolder:
 
     # ------------------------------------------------------------------ exports
     @staticmethod
-    def export(folder: Path, model, tokenizer, info: dict, state_dict: dict | None = None,
-               tokenizer_source: Path | None = None, then=None) -> None:
-        """A plain transformers model folder: safetensors weights, config, generation config, tokenizer.
+    def export(folder: Path, model, beside: ExportFiles, state_dict: dict | None = None, then=None) -> None:
+        """A plain transformers model folder: safetensors weights, config, generation config, and ``beside`` them
+        the tokenizer and training_info.json.
 
         ``state_dict`` replaces the model's own weights (LoRA: the merged plain weights; 8-bit ones:
-        dequantized, written in shards). The source
-        tokenizer's own files (``spiece.model``) are kept beside the saved tokenizer. ``then``: what a failed
-        write says to do next (``checkpoint.atomic_folder``).
+        dequantized, written in shards). ``then``: what a failed write says to do next (``checkpoint.atomic_folder``).
         """
         from lowmem.model.quantize import Later, save_in_shards
-        from lowmem.model.source import copy_tokenizer_files
         from lowmem.model.weight_check import check_export
 
         with checkpoint.atomic_folder(folder, then=then) as tmp, deepspeed_engine.unwrapped_without_import():
@@ -227,30 +230,49 @@ class RunFolder:
             else:
                 model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
             mark_head_tying(tmp / "config.json", model)
-            tokenizer.save_pretrained(tmp)
-            if tokenizer_source is not None:
-                copy_tokenizer_files(Path(tokenizer_source), tmp)
-            (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
+            beside.write(tmp)
             check_export(tmp, folder)  # headers against the written config: one transformers cannot load is not kept
 
 
     @staticmethod
-    def export_adapter(folder: Path, model, base: str, tokenizer, info: dict, tokenizer_source: Path | None = None,
-                       then=None) -> None:
+    def export_adapter(folder: Path, model, base: str, beside: ExportFiles, then=None) -> None:
         """A peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors`` in float32, the
-        ``base_model_name_or_path`` the --init_from given) with the tokenizer and training_info.json:
+        ``base_model_name_or_path`` the --init_from given) with ``beside`` it the tokenizer and training_info.json:
         ``peft.PeftModel.from_pretrained(base_model, folder)`` loads it, and so do evaluate and generate."""
         from lowmem.model.adapters import save_adapter
-        from lowmem.model.source import ADAPTER_WEIGHTS, copy_tokenizer_files
+        from lowmem.model.source import ADAPTER_WEIGHTS
         from lowmem.model.weight_check import check_export
 
         with checkpoint.atomic_folder(folder, then=then) as tmp:
             save_adapter(tmp, model, base)
-            tokenizer.save_pretrained(tmp)
-            if tokenizer_source is not None:
-                copy_tokenizer_files(Path(tokenizer_source), tmp)
-            (tmp / "training_info.json").write_text(json.dumps(info, indent=1))
+            beside.write(tmp)
             check_export(tmp, folder, ADAPTER_WEIGHTS)  # the adapters' header against their rank, before the rename
+
+
+def training_info(cfg: TrainConfig, held_out_rows: int, counters: dict) -> dict:
+    """An export's training_info.json: the kind, the training files and the rows held out of them for evaluation,
+    the flags it was trained with (which evaluate and generate adopt), and the run's ``counters``
+    (``TrainState.now``)."""
+    return {"kind": cfg.kind, "train_file": cfg.train_file, "held_out_rows": held_out_rows,
+            "trained_with": {key: getattr(cfg, key) for key in flags_with("trained_with")}, **counters}
+
+
+@dataclass(frozen=True)
+class ExportFiles:
+    """What an export writes beside the weights: the tokenizer (with the files of the folder it came from,
+    ``tokenizer_source``, such as ``spiece.model``) and ``info`` as training_info.json."""
+
+    tokenizer: object
+    info: dict
+    tokenizer_source: Path | None = None
+
+    def write(self, folder: Path) -> None:
+        from lowmem.model.source import copy_tokenizer_files
+
+        self.tokenizer.save_pretrained(folder)
+        if self.tokenizer_source is not None:
+            copy_tokenizer_files(Path(self.tokenizer_source), folder)
+        (folder / "training_info.json").write_text(json.dumps(self.info, indent=1))
 
 
 def mark_head_tying(config_path: Path, model) -> None:
