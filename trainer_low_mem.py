@@ -20,14 +20,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from config import TrainConfig
-from data.collate import CachedEncoderCollator, shape_multiple, train_padding
+from data.collate import shape_multiple, train_padding
 from data.objectives.base import objective_for
 from data.pipeline import DataFiles, TrainData, build_data, check_data
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
-from lowmem.cli.flags import TRAINED_WITH
 from lowmem.hardware.memory_use import free_memory
 from lowmem.hardware.precision import Precision, precision_for
 from lowmem.memory.batch_budget import batch_request, size_run
@@ -39,21 +37,22 @@ from lowmem.model.compiled import CompiledStacks
 from lowmem.model.source import check_vocabulary, tokenizer_folder, tokenizer_for_model
 from lowmem.model.streamed_load import base_model_identity, model_for_run
 from lowmem.monitoring.bad_rows import check_bad_rows, check_no_examples, report_data_errors
-from lowmem.monitoring.run_summary import run_result, schedule_note, startup_summary
-from lowmem.monitoring.telemetry import IntervalMeter, Telemetry, log_interval, on_terminal
+from lowmem.monitoring.run_summary import ModelInRun, run_result, schedule_note, startup_summary
+from lowmem.monitoring.telemetry import IntervalMeter, Telemetry, log_interval
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.distributed import indexes_from_main, start_accelerator, window_counts
 from lowmem.parallel.engines import Engine
 from lowmem.parallel.sharding import padded_window, weights_finite
 from lowmem.runs.checkpointer import Checkpointer
-from lowmem.runs.run_folder import RunFolder
+from lowmem.runs.run_folder import ExportFiles, RunFolder, training_info
 from lowmem.training import encoder_cache
-from lowmem.training.accumulation import window_backward
+from lowmem.training.accumulation import Window, window_backward
 from lowmem.training.eval_cost import plan_evals
-from lowmem.training.evaluation import eval_log_line, evaluate_in_run, is_better
+from lowmem.training.evaluation import EvalModel, eval_log_line, evaluate_in_run, is_better
 from lowmem.training.optim import optimizer_for_run
+from lowmem.training.run_context import RunContext
 from lowmem.training.state import TrainState
-from lowmem.training.stopping import SignalWatch, StoppedBySignal, WindowRandomness, again_after_nonfinite, all_finite
+from lowmem.training.stopping import NonfiniteSteps, SignalWatch, StoppedBySignal, WindowRandomness, all_finite
 
 
 class LowMemTrainer:
@@ -66,6 +65,7 @@ class LowMemTrainer:
         self.say, self.warn = self.telemetry.say, self.telemetry.warn
         self.meter = IntervalMeter()  # the logging interval in progress
         self.signals = SignalWatch(self.say)
+        self.nonfinite = NonfiniteSteps(self.state, cfg.max_nonfinite_steps, self.say, self.telemetry.record)
         self.folder = RunFolder(self.out)
         self.start_time = time.time()  # of this process's part of the run (state.elapsed_s: the parts before)
         self.memory = MemoryStop(cfg.max_rss_gb, self.telemetry.record)  # --max_rss_gb's guard (memory.run_memory)
@@ -74,6 +74,7 @@ class LowMemTrainer:
         self.accelerator = None
         self.engine: Engine | None = None  # plain, FSDP or DeepSpeed, as the launch config asks
         self.precision: Precision | None = None  # --mixed_precision: its autocast, fp16's loss scaler
+        self.ctx: RunContext | None = None  # these and the resolved config, as the step and evaluation take them
         self.shape_multiple = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU)
         self.compiled = CompiledStacks(cfg.torch_compile, cfg.torch_compile_backend)  # and the graphs compiled
         self.checkpointer: Checkpointer | None = None
@@ -133,9 +134,11 @@ class LowMemTrainer:
         cfg = self.cfg = self.telemetry.resolved(replace(cfg, **sizes.flags()))  # planned before the model exists:
         self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
                                     resume_dir is not None, self.engine.sharding, sizes.lengths, self.say)
+        self.ctx = RunContext(cfg, self.accelerator, self.engine, self.precision, self.shape_multiple,
+                              self.memory.guard)
         imports_done()  # before the weights: lowmem.memory.collector
         self._build_model()
-        per_epoch, self.total_steps = self.data.steps(cfg)
+        self.total_steps = self.data.steps(cfg)[1]
         self._build_optimizer()
         self.compiled.install(self.core, self.data.collator.pad_multiple, self.say)  # (--torch_compile=True)
         self.train_collator = self.data.collator
@@ -143,11 +146,13 @@ class LowMemTrainer:
             self.load_checkpoint(resume_dir)
         self.telemetry.record("memory_plan", **self.memory_plan)  # after a resume has cut metrics.jsonl back
         self.telemetry.start_trackers()  # a resume continues their runs (lowmem.monitoring.tracker_feed)
-        if cfg.encoder_cache != "off":
-            self._open_encoder_cache()
+        if cfg.encoder_cache != "off":  # train from the frozen encoder's outputs, computed once per row
+            self.encoder_cache, self.train_collator = encoder_cache.train_from_cache(
+                self.ctx, self.core, self.data, self.run_config["tokenizer_json_sha1"],
+                self.total_steps - self.state.step, self.telemetry)
         plan = plan_evals(self.model, self.core, self.data, cfg, self.accelerator, self.shape_multiple, self.state)
-        lines, record = startup_summary(cfg, self.accelerator, self.parameters, self.data, per_epoch,
-                                        self.total_steps, self.state.step, self.encoder_cache, self.core, plan)
+        model = ModelInRun(self.core, self.parameters, self.encoder_cache)
+        lines, record = startup_summary(cfg, self.accelerator, self.data, model, self.state.step, plan)
         self.say("\n".join(lines))
         self.telemetry.record("setup", **record)
         return self
@@ -180,68 +185,64 @@ class LowMemTrainer:
         self.trainable_params = [p for p in self.core.parameters() if p.requires_grad]
         self.telemetry.log_memory("prepared")
 
-    def _open_encoder_cache(self) -> None:
-        """Train from the frozen encoder's outputs, computed once per row (built here or reused)."""
-        cfg = self.cfg
-        reads = (self.total_steps - self.state.step) * cfg.batch_size * cfg.gradient_accumulation_steps
-        self.encoder_cache = encoder_cache.open_for_training(
-            cfg, self.core, self.data, self.run_config["tokenizer_json_sha1"], self.accelerator, self.shape_multiple,
-            reads, self.out, self.say, progress=self.main and on_terminal())
-        self.train_collator = CachedEncoderCollator(self.data.collator, self.encoder_cache)
-        self.telemetry.log_memory("encoder_cache")
-        encoder_cache.park_encoder(self.core, self.accelerator.device)  # training no longer runs it
-
     # ------------------------------------------------------------------ train
     def train(self) -> dict:
         """Run optimizer steps until ``max_steps`` or the last epoch; evaluate and export at the end."""
-        state, stream, cfg = self.state, self.data.stream, self.cfg
         self.signals.install()
         self._set_train_mode()
-        self.bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
-                        disable=not (self.main and on_terminal()), dynamic_ncols=True)
-        if cfg.eval_steps and state.step % cfg.eval_steps == 0 and not self._finished() \
-                and (state.last_eval or {}).get("step") != state.step:  # at step 0, or one a signal cut short
-            self.evaluate_and_keep_best()  # the baseline every later eval is compared with
+        self.bar = self.telemetry.progress(self.total_steps, self.state.step)
+        self.maybe_eval()  # the baseline every later eval is compared with (step 0, or one a signal cut short)
         freeze_long_lived()  # later collections skip the imports, model and tokenizer
         self.meter.start(self.accelerator.device, self.resumed_interval)  # after the baseline: rates time training
-        while not self._finished():
+        while not self._finished():  # one epoch
             free_memory()  # at each epoch start
-            windows = self.data.epoch_windows(state.epoch, cfg.batch_size * cfg.gradient_accumulation_steps)
-            while True:
-                epoch = stream.epoch  # before drawing: the last window of an epoch moves it on
-                self.memory.hold(self.checkpointer, stream, self.meter)  # what a stop within the window saves
-                examples = next(windows, [])
-                window = (self.train_collator.window(examples, cfg.batch_size, cfg.max_tokens_per_batch)
-                          if examples else [])
-                counts = window_counts(self.accelerator, window, stream, state.epoch, self.memory.before(state.step))
-                check_bad_rows(self.telemetry, self.data, counts["bad_rows"], self.cfg.max_bad_rows_fraction)
-                if counts["memory"]:  # a process reached the guard since the last reading: before the window's work
-                    self.stop_for_memory()
-                if not counts["examples"]:  # only bad rows were left
-                    state.epoch += 1  # every process has finished this epoch: all agree on the count
-                    self.telemetry.log_memory("epoch_end", epoch=state.epoch)
-                    break
-                stepped = self.train_step(window or [self.train_collator.empty()], counts)
-                self.telemetry.log_consumed(examples, epoch, self.files.train)
-                last = not counts["rows_left"]  # the epoch's last step: count it before eval and save see it
-                if last:
-                    stream.close_epoch(state.epoch)
-                    state.epoch += 1  # recorded before the step's checkpoint, which a resume cuts the log back to
-                    self.telemetry.log_memory("epoch_end", epoch=state.epoch)
+            for window in self.windows():
+                stepped = self.train_step(window.batches, window.counts)
+                self.telemetry.log_consumed(window.examples, window.epoch, self.files.train)
+                if window.last:  # the epoch's last step: counted before eval and save see it
+                    self.end_epoch()
                 if stepped:
                     self.maybe_log()
-                    if state.step % self.cfg.gc_every_steps == 0:
+                    if self.state.step % self.cfg.gc_every_steps == 0:
                         free_memory()
                     with self.meter.untimed():
-                        self.maybe_eval_and_save()
+                        self.maybe_eval()
+                        self.maybe_save()
                 if self.signals.requested(self.accelerator):  # checked after this step, not with the next
                     self.stop_for_signal()  # window's counts, which ran one more step (a grace period may not allow it)
-                if last or self._finished():
-                    break
-            if not state.examples:
-                check_no_examples(self.telemetry, self.data, cfg, counts["rows_not_read"], self._finished())
         self.bar.close()
         return self.finish()
+
+    def windows(self):
+        """This epoch's accumulation windows (``Window``), each drawn, collated and counted over every process, up to
+        the epoch's last or the run's end; an epoch whose rows run out first (bad rows) ends here."""
+        cfg, state, stream = self.cfg, self.state, self.data.stream
+        drawn = self.data.epoch_windows(state.epoch, cfg.batch_size * cfg.gradient_accumulation_steps)
+        while True:
+            epoch = stream.epoch  # before drawing: the last window of an epoch moves it on
+            self.memory.hold(self.checkpointer, stream, self.meter)  # what a stop within the window saves
+            examples = next(drawn, [])
+            batches = self.train_collator.window(examples, cfg.batch_size, cfg.max_tokens_per_batch) if examples else []
+            counts = window_counts(self.accelerator, batches, stream, state.epoch, self.memory.before(state.step))
+            check_bad_rows(self.telemetry, self.data, counts["bad_rows"], cfg.max_bad_rows_fraction)
+            if counts["memory"]:  # a process reached the guard since the last reading: before the window's work
+                self.stop_for_memory()
+            if not counts["examples"]:  # only bad rows were left
+                self.end_epoch()
+                break
+            window = Window(examples, batches or [self.train_collator.empty()], counts, epoch)
+            yield window
+            if window.last or self._finished():
+                break
+        if not state.examples:
+            check_no_examples(self.telemetry, self.data, cfg, counts["rows_not_read"], self._finished())
+
+    def end_epoch(self) -> None:
+        """Every process has finished this epoch, and all agree on the count: the one place epochs are counted,
+        before the step's checkpoint (which a resume cuts the log back to) records it."""
+        self.data.stream.close_epoch(self.state.epoch)  # (a no-op for a stream that ran out: it moved on itself)
+        self.state.epoch += 1
+        self.telemetry.log_memory("epoch_end", epoch=self.state.epoch)
 
     def _finished(self) -> bool:
         """The same answer on every process (a process's own stream may run out of an epoch first)."""
@@ -271,8 +272,7 @@ class LowMemTrainer:
                 break
             self.optimizer.zero_grad(set_to_none=True)  # the gradient dropped, the skip counted
             finite = functools.partial(all_finite, self.accelerator, loss_sum)  # a collective, asked when needed
-            if not again_after_nonfinite(self.state, self.precision, finite, self.cfg.max_nonfinite_steps, self.say,
-                                         self.telemetry.record, drawn):
+            if not self.nonfinite.again(self.precision, finite, drawn):
                 return False
         self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (logged with it)
         self.precision.step(self.engine, self.optimizer)
@@ -288,26 +288,26 @@ class LowMemTrainer:
         window on all processes), whatever the micro-batch split. Returns the local sum of token losses (a tensor)."""
         if total_tokens is None:
             total_tokens = window_counts(self.accelerator, window, self.data.stream, self.state.epoch)["tokens"]
-        pin = self.cfg.pin_memory and self.accelerator.device.type == "cuda"
-        return window_backward(self.model, self.core, window, total_tokens, self.accelerator, self.engine,
-                               self.precision, self.cfg.frozen_encoder, self.shape_multiple, pin, self.memory.guard,
-                               self.train_collator.empty, self.cfg.loss_chunk_size)
+        return window_backward(self.ctx, self.model, self.core, window, total_tokens, self.train_collator.empty)
 
     # ------------------------------------------------------------------ hooks between steps
     def maybe_log(self, force: bool = False) -> None:
         # Every condition here is the same on all processes: the interval's reduce is a collective.
         if (force or self.state.step % self.cfg.logging_steps == 0) and self.meter.steps:
             lr = self.scheduler.get_last_lr()[0] if self.step_lr is None else self.step_lr
-            log_interval(self.telemetry, self.meter, self.accelerator, lr, self.grad_norm,
-                         self.state.elapsed(self.start_time), self.total_steps, self.bar,
-                         {**self.precision.log_fields(), **self.compiled.log_fields()})
+            step = {"lr": lr, "grad_norm": self.grad_norm, "elapsed_s": self.state.elapsed(self.start_time),
+                    **self.precision.log_fields(), **self.compiled.log_fields()}
+            log_interval(self.telemetry, self.meter, self.accelerator, self.bar, self.total_steps, step)
             self.meter.start(self.accelerator.device)
 
-    def maybe_eval_and_save(self) -> None:
-        step, cfg = self.state.step, self.cfg
-        if cfg.eval_steps and step % cfg.eval_steps == 0 and not self._finished():
+    def maybe_eval(self) -> None:
+        step, cfg = self.state.step, self.cfg  # (a step's evaluation done, a run resumed after it does not repeat)
+        if cfg.eval_steps and step % cfg.eval_steps == 0 and not self._finished() \
+                and (self.state.last_eval or {}).get("step") != step:
             self.evaluate_and_keep_best()
-        if cfg.save_steps and step % cfg.save_steps == 0 and not self._finished():
+
+    def maybe_save(self) -> None:
+        if self.cfg.save_steps and self.state.step % self.cfg.save_steps == 0 and not self._finished():
             self.save_checkpoint()
 
     def stop_for_signal(self) -> None:
@@ -343,8 +343,8 @@ class LowMemTrainer:
     # ------------------------------------------------------------------ evaluation, checkpoints, exports
     def evaluate(self) -> dict:
         """Eval loss and --eval_metrics on the eval set (``lowmem.training.evaluation.evaluate_in_run``)."""
-        result = evaluate_in_run(self.model, self.core, self.tokenizer, self.data, self.cfg, self.accelerator,
-                                 self.shape_multiple, self.state.eval_generate_rows(), self.signals.pending,
+        model = EvalModel(self.ctx, self.model, self.core, self.tokenizer, self.data.collator)
+        result = evaluate_in_run(model, self.data.eval_examples, self.state.eval_generate_rows(), self.signals.pending,
                                  self.telemetry.log_memory)
         self._set_train_mode()
         if self.signals.requested(self.accelerator):  # cut short: a resume runs this evaluation again
@@ -365,10 +365,9 @@ class LowMemTrainer:
         return result
 
     def export(self, folder: Path) -> None:
-        info = {"kind": self.cfg.kind, "train_file": self.cfg.train_file, "held_out_rows": self.data.held_out_rows,
-                "trained_with": {key: getattr(self.cfg, key) for key in TRAINED_WITH},
-                **self.state.now(self.start_time)}
-        self.checkpointer.export(folder, self.core, self.tokenizer, info, self.tokenizer_dir, adapter_export(self.cfg))
+        info = training_info(self.cfg, self.data.held_out_rows, self.state.now(self.start_time))
+        self.checkpointer.export(folder, self.core, ExportFiles(self.tokenizer, info, self.tokenizer_dir),
+                                 adapter_export(self.cfg))
 
     def _checkpointed(self) -> tuple:
         """What a checkpoint holds: (model, optimizer, scheduler, run_config); DeepSpeed saves through its engine."""
@@ -376,8 +375,8 @@ class LowMemTrainer:
 
     def save_checkpoint(self, position: dict | None = None) -> Path:  # position: held at a window's start
         self.state.loss_scaler = self.precision.state_dict()
-        return self.checkpointer.save(self.state.step, self.state.now(self.start_time), self._checkpointed(),
-                                      self.data.stream, self.meter, keep=self.cfg.save_total_limit, position=position)
+        return self.checkpointer.save(self.state.now(self.start_time), self._checkpointed(), self.data.stream,
+                                      self.meter, keep=self.cfg.save_total_limit, position=position)
 
     def load_checkpoint(self, folder: Path) -> None:
         trainer_state, self.resumed_interval = self.checkpointer.load(folder, self._checkpointed(), self.data.stream,
