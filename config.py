@@ -6,7 +6,8 @@ a --memory_profile's flags -> run-dependent defaults (output folders, shipped da
 and the objective's own from its class in ``data.objectives``) and raises a single ``UserError``. Reading
 the YAML file and the flags, that pass and the ``--help`` listing live in ``lowmem.cli.flags`` (``load_config``).
 
-Each field's ``help`` says what it does and, where it matters, which way saves memory.
+Each field's ``help`` says what it does and, where it matters, which way saves memory; its roles
+(``lowmem.utils.flag_roles``) say what else the flag does, and every list of flags comes from them (``flags_with``).
 Runtime state (step, examples seen, ...) never lives here: see ``lowmem.training.state.TrainState``.
 """
 
@@ -14,10 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from lowmem.utils.eval_metrics import DEFAULT_METRICS, metric_problems
+from lowmem.utils.flag_roles import COMMANDS, RUN_COMMANDS, TOKENIZER_TOO, names_with
+from lowmem.utils.flag_roles import option as _f  # a field that the commands building a run read
+from lowmem.utils.flag_roles import training_option as _t  # a field that only training reads
 from lowmem.utils.optional import installed, optional_package_missing
 from lowmem.utils.presets import AUTO, FEED_FORWARD_WIDTHS, MEMORY_PROFILES, MODEL_PRESETS
 
@@ -42,184 +46,191 @@ QUANTIZED_DTYPES = ("int8", "float8")  # optimum-quanto weights (lowmem.model.qu
 FREEZE_CHOICES = ("encoder", "embeddings", "none")
 
 
-def _f(default, help_text: str, **kwargs):
-    return field(default=default, metadata={"help": help_text, **kwargs})
-
-
 @dataclass
 class TrainConfig:
-    """Every option of every command. Field order is the order of ``--help``."""
+    """Every option of every command, with its roles. Field order is the order of ``--help``."""
 
-    # --- run mode and paths ---
     is_finetune: bool = _f(False, "SFT: start from --init_from and train on prompt/response pairs with "
-                                  "--freeze=encoder (the encoder and shared embedding fixed; the decoder and an "
-                                  "untied lm_head train).")
-    is_keep_training: bool = _f(False, "Resume from the latest valid checkpoint in --output_dir.")
-    resume_from: str | None = _f(None, "Resume from this checkpoint folder instead of the latest one (newer "
-                                       "checkpoints move, kept, into checkpoints/abandoned-<time>/).")
-    output_dir: str | None = _f(None, "Run folder. Default: runs/pretrain, or runs/sft with --is_finetune.")
-    overwrite_output_dir: bool = _f(False, "Start over in an --output_dir that already holds a run (deletes it).")
+                                  "--freeze=encoder (the encoder and shared embedding fixed; the decoder and an untied "
+                                  "lm_head train).", reads=(*RUN_COMMANDS, "plot"), resume="shape",
+                                  section="run mode and paths")
+    is_keep_training: bool = _t(False, "Resume from the latest valid checkpoint in --output_dir.", resume="run")
+    resume_from: str | None = _t(None, "Resume from this checkpoint folder instead of the latest one (newer "
+                                       "checkpoints move, kept, into checkpoints/abandoned-<time>/).", resume="run",
+                                       path=True)
+    output_dir: str | None = _f(None, "Run folder. Default: runs/pretrain, or runs/sft with --is_finetune.",
+                                      reads=(*RUN_COMMANDS, "plot"), path=True)
+    overwrite_output_dir: bool = _t(False, "Start over in an --output_dir that already holds a run (deletes it).",
+                                           resume="run")
     init_from: str | None = _f(None, "Model to start from: a folder (a run's best/ or final/, a downloaded T5, "
                                      "flan-t5, t5-v1_1, mT5, umT5 or ByT5) or a hub id such as google/flan-t5-small "
                                      "(the Hugging Face cache first, then the hub). Without --is_finetune: continued "
-                                     "pretraining. Default for SFT: runs/pretrain/best.")
+                                     "pretraining. Default for SFT: runs/pretrain/best.",
+                                     reads=(*RUN_COMMANDS, "export"), path=True)
     tokenizer_dir: str | None = _f(None, "Tokenizer folder. Default: the --init_from model's own (tokenizer.json, "
                                          "spiece.model or ByT5's), else the shipped data/tokenizer (trained from "
-                                         "--train_file into a new or empty folder if missing).")
-    freeze: str = _f("auto", "What stays fixed: encoder (the encoder, the shared embedding and a tied output layer; "
+                                         "--train_file into a new or empty folder if missing).",
+                                         reads=(*RUN_COMMANDS, "train_tokenizer", "export"), path=True)
+    freeze: str = _t("auto", "What stays fixed: encoder (the encoder, the shared embedding and a tied output layer; "
                              "auto's choice with --is_finetune), embeddings (the shared embedding, a tied output), "
                              "none (full fine-tuning; auto's choice otherwise). An untied lm_head always trains. More "
-                             "frozen saves gradient and optimizer memory.")
-    seed: int = _f(42, "Seed for model init, shuffling and dropout.")
-
-    # --- data ---
-    train_file: str | None = _f(None, "Training file, glob or folder (jsonl/json/parquet/csv, txt: raw text), or a "
-                                      "HF dataset: a save_to_disk folder or a hub id (streamed). Default: shipped.")
-    dataset_config: str | None = _f(None, "Configuration of a hub dataset --train_file (allenai/c4: en).")
+                             "frozen saves gradient and optimizer memory.", resume="shape")
+    seed: int = _f(42, "Seed for model init, shuffling and dropout.", resume="fixed", trained_with=True)
+    train_file: str | None = _f(None, "Training file, glob or folder (jsonl/json/parquet/csv, txt: raw text), or a HF "
+                                      "dataset: a save_to_disk folder or a hub id (streamed). Default: shipped.",
+                                      reads=TOKENIZER_TOO, path=True, section="data")
+    dataset_config: str | None = _f(None, "Configuration of a hub dataset --train_file (allenai/c4: en).",
+                                          reads=TOKENIZER_TOO)
     eval_file: str | None = _f(None, "Eval file, glob or folder. Default: the shipped eval split with the shipped "
-                                     "training data; with your own --train_file, its last --max_eval_samples rows "
-                                     "(10% of them at most), held out of training.")
-    prompt_column: str = _f("prompt", "Column holding the model input.")
-    response_column: str = _f("response", "Column holding the target text.")
+                                     "training data; with your own --train_file, its last --max_eval_samples rows (10% "
+                                     "of them at most), held out of training.", path=True, scores="eval")
+    prompt_column: str = _f("prompt", "Column holding the model input.", reads=TOKENIZER_TOO, trained_with=True)
+    response_column: str = _f("response", "Column holding the target text.", reads=TOKENIZER_TOO, trained_with=True)
     objective: str = _f("pairs", "What the model learns: one of the objectives of data/objectives/, listed below "
-                                 "(those reading raw text take --text_column, and .txt files).")
-    text_column: str = _f("text", "Column holding the raw text for --objective=span_corruption / prefix_lm.")
-    noise_density: float = _f(0.15, "span_corruption: fraction of a chunk's tokens masked (T5: 0.15).")
-    mean_noise_span_length: float = _f(3.0, "span_corruption: mean length of a masked span (T5: 3).")
-    max_source_len: int = _f(128, "Truncate inputs to this many tokens. Lower saves activation memory.")
-    max_target_len: int = _f(128, "Truncate targets to this many tokens. Lower saves activation and logits memory.")
-    shuffle_buffer_size: int = _f(1000, "Rows held for shuffling (0 = no shuffle). Lower saves host RAM.")
-    shuffle_buffer_mb: int = _f(64, "Most text the shuffle buffer holds, in MiB (0: no bound), whatever its rows: "
-                                    "long rows shuffle among fewer. Bounds its host RAM and the checkpoints' size.")
+                                 "(those reading raw text take --text_column, and .txt files).", reads=TOKENIZER_TOO,
+                                 resume="fixed", trained_with=True)
+    text_column: str = _f("text", "Column holding the raw text for --objective=span_corruption / prefix_lm.",
+                                  reads=TOKENIZER_TOO, trained_with=True)
+    noise_density: float = _f(0.15, "span_corruption: share of a chunk's tokens masked (T5: 0.15).", trained_with=True)
+    mean_noise_span_length: float = _f(3.0, "span_corruption: mean length of a masked span (T5: 3).", trained_with=True)
+    max_source_len: int = _f(128, "Truncate inputs to this many tokens. Lower saves activation memory.",
+                                  trained_with=True, scores="eval")
+    max_target_len: int = _f(128, "Truncate targets to this many tokens. Lower saves activation and logits memory.",
+                                  trained_with=True, planned_for=True, scores="eval")
+    shuffle_buffer_size: int = _f(1000, "Rows held to shuffle (0: no shuffle). Lower saves host RAM.", resume="fixed")
+    shuffle_buffer_mb: int = _f(64, "Most text the shuffle buffer holds, in MiB (0: no bound), whatever its rows: long "
+                                    "rows shuffle among fewer. Bounds its host RAM and the checkpoints' size.",
+                                    resume="fixed", before=0)
     num_workers: int = _f(0, "Loader worker processes. Only 0: the data position must live in the trainer.")
     pin_memory: bool = _f(False, "Pin batches in page-locked host memory before a CUDA copy. False saves host RAM.")
-
-    # --- model ---
     model_preset: str = _f("tiny", "Model shape: tiny (3M parameters, CPU demos), small (T5-small shape: 52M), base "
                                    "(the reference's shape: 178M), t5-v1_1-base (T5 v1.1 base's: 12 + 12 layers, "
-                                   "recipes/nanot5.yaml), with the tokenizer's vocabulary. Smaller saves memory.")
+                                   "recipes/nanot5.yaml), with the tokenizer's vocabulary. Smaller saves memory.",
+                                   resume="preset", section="model")
     feed_forward_proj: str = _f("gated-gelu", "Feed-forward of a --model_preset model: gated-gelu (T5 v1.1, flan-t5, "
                                               "mT5) or relu (the original T5); the same weights either way. "
-                                              "gated-gelu's smooth gradients make runs reproducible to float error.")
+                                              "gated-gelu's smooth gradients make runs reproducible to float error.",
+                                              resume="preset", before="relu")
     tie_word_embeddings: bool = _f(False, "A preset's output layer: False, an lm_head of its own (T5 v1.1, flan-t5), "
-                                          "which SFT trains; True, the shared embedding (original T5; saves memory).")
-    dropout_rate: float = _f(0.1, "Dropout inside the T5 blocks.")
-
-    # --- batch and optimisation ---
-    batch_size: int | str = _f(2, "Training micro-batch per process, used as asked when the planner predicts it "
-                                  "fits the memory budget (--max_rss_gb, else the available RAM or the GPU's "
-                                  "memory), else lowered (more accumulation: the same batch per step). auto: the "
-                                  "largest that fits. Larger is faster on short rows; lower saves activation memory.")
-    eval_batch_size: int | str = _f(4, "Eval and generation batch, under the same budget (auto too). Larger is "
-                                       "faster; lower saves memory.")
-    gradient_accumulation_steps: int = _f(16, "Micro-batches per optimizer step. Higher: same batch, less memory.")
-    effective_batch_size: int = _f(0, "Examples per optimizer step on all processes (0: --batch_size x accumulation "
-                                      "x processes); accumulation follows the micro-batch: the same maths.")
+                                          "which SFT trains; True, the shared embedding (original T5; saves memory).",
+                                          resume="preset", before=True)
+    dropout_rate: float = _t(0.1, "Dropout inside the T5 blocks.")
+    batch_size: int | str = _f(2, "Training micro-batch per process, used as asked when the planner predicts it fits "
+                                  "the memory budget (--max_rss_gb, else the available RAM or the GPU's memory), else "
+                                  "lowered (more accumulation: the same batch per step). auto: the largest that fits. "
+                                  "Larger is faster on short rows; lower saves activation memory.",
+                                  section="batch and optimisation")
+    eval_batch_size: int | str = _f(4, "Eval and generation batch, under the same budget (auto too). Larger is faster; "
+                                       "lower saves memory.", planned_for=True)
+    gradient_accumulation_steps: int = _t(16, "Micro-batches per optimizer step. Higher: same batch, less memory.")
+    effective_batch_size: int = _t(0, "Examples per optimizer step on all processes (0: --batch_size x accumulation x "
+                                      "processes); accumulation follows the micro-batch: the same maths.")
     max_tokens_per_batch: int = _f(0, "Micro-batches of up to this many padded tokens (source + target) instead of "
                                       "rows (0: off; a longer row alone), within each optimizer step's rows.")
     packing: bool = _f(False, "pairs, prefix_lm: pack each step's examples several to a row (segment masks, exact); "
                               "--batch_size and --max_tokens_per_batch then count packed rows. Less padding.")
-    epochs: int = _f(1, "Passes over the training data.")
-    max_steps: int = _f(-1, "Stop after this many optimizer steps (-1 = run all --epochs).")
-    learn_rate: float = _f(3e-3, "Peak learning rate (Adafactor, applied as given).")
-    lr_scheduler: str = _f("linear", "Decay after warmup: linear, cosine or constant.")
-    warmup_steps: int = _f(30, "Optimizer steps of linear warmup.")
-    weight_decay: float = _f(0.0, "Decoupled weight decay of the weight matrices (layer norms and biases exempt).")
-    max_grad_norm: float = _f(1.0, "Clip the gradient norm to this (0 = no clipping).")
-    max_nonfinite_steps: int = _f(5, "Optimizer steps with a non-finite loss or gradient are skipped and counted; "
+    epochs: int = _t(1, "Passes over the training data.")
+    max_steps: int = _t(-1, "Stop after this many optimizer steps (-1 = run all --epochs).")
+    learn_rate: float = _t(3e-3, "Peak learning rate (Adafactor, applied as given).")
+    lr_scheduler: str = _t("linear", "Decay after warmup: linear, cosine or constant.")
+    warmup_steps: int = _t(30, "Optimizer steps of linear warmup.")
+    weight_decay: float = _t(0.0, "Decoupled weight decay of the weight matrices (layer norms and biases exempt).")
+    max_grad_norm: float = _t(1.0, "Clip the gradient norm to this (0 = no clipping).")
+    max_nonfinite_steps: int = _t(5, "Optimizer steps with a non-finite loss or gradient are skipped and counted; "
                                      "abort after this many in a row.")
-    max_rss_gb: float = _f(0.0, "Memory guard (0 = off): when a process's RSS reaches 90% of this many GiB (2^30 "
-                                "bytes, like plan's --budget_gb), read before every optimizer step and after "
-                                "every micro-batch's backward (peaks in between included), the step in progress "
-                                "is dropped, the last step's checkpoint written, and the run stops with exit code "
-                                "3 instead of meeting the OOM killer.")
-    mixed_precision: str = _f("no", "no, bf16 or fp16 (on a GPU bf16 keeps 0.67-0.79 of float32's activation "
-                                    "memory; fp16, with a loss scaler, for GPUs without bf16: T4, V100).")
-    loss_chunk_size: int | str = _f(AUTO, "Target tokens per chunk of the LM head + loss (auto: logits of at most "
-                                          "128 MiB per chunk; 0: all logits at once).")
+    max_rss_gb: float = _f(0.0, "Memory guard (0 = off): a process whose RSS reaches 90% of this many GiB (2^30 bytes, "
+                                "like plan's --budget_gb) stops the run with exit code 3 instead of meeting the OOM "
+                                "killer. The step in progress is dropped and the last step's checkpoint written; the "
+                                "RSS is read before every optimizer step and after every micro-batch's backward (peaks "
+                                "in between included).")
+    mixed_precision: str = _f("no", "no, bf16 or fp16 (on a GPU bf16 keeps 0.67-0.79 of float32's activation memory; "
+                                    "fp16, with a loss scaler, for GPUs without bf16: T4, V100).")
+    loss_chunk_size: int | str = _f(AUTO, "Target tokens per chunk of the LM head + loss (auto: logits of at most 128 "
+                                          "MiB per chunk; 0: all logits at once).")
     cpu: bool = _f(False, "Train on the CPU even when a GPU is present.")
     torch_compile: bool = _f(False, "Compile the encoder and decoder stacks for training (torch.compile; lengths "
                                     "padded to buckets 16, 32, 64, ...: one compile per bucket). See throughput.md.")
     torch_compile_backend: str = _f("inductor", "torch.compile's backend with --torch_compile=True (inductor; "
                                                 "aot_eager: no code generation, for checking a setup quickly).")
-
-    # --- memory modes (see docs/memory.md, 'Memory modes'; `plan` predicts what each costs) ---
     memory_profile: str | None = _f(None, "A named set of the flags below for a budget: "
-                                          + ", ".join(MEMORY_PROFILES) + ". Explicit flags win over it.")
-    gradient_checkpointing: bool = _f(False, "Recompute each block's activations in backward. True saves most "
+                                          + ", ".join(MEMORY_PROFILES) + ". Explicit flags win over it.",
+                                          section="memory modes")
+    gradient_checkpointing: bool = _t(False, "Recompute each block's activations in backward. True saves most "
                                              "activation memory for more step time (each block's forward runs twice).")
-    optimizer: str = _f("adafactor", "adafactor (factored second moments: the smallest state), adamw (2 x weights "
-                                     "of state), adamw8bit (bitsandbytes, pip install .[gpu]: 1/4 of adamw) or "
-                                     "adamw_scale (nanoT5's AdamW, steps scaled by each weight's RMS; adamw's state).")
-    lora_r: int = _f(0, "LoRA rank (0 = off; peft, pip install .[gpu]). Only adapters get gradients and "
-                        "optimizer state; best/ and final/ are merged plain models. Nonzero saves memory.")
-    lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).")
-    lora_dropout: float = _f(0.05, "Dropout on the LoRA input.")
-    lora_target_modules: str = _f("q,v", "Comma list of T5 linear layers that get adapters: q, k, v, o "
-                                         "(attention), wi, wo (feed-forward; on gated models wi means wi_0 and "
-                                         "wi_1, each also nameable). Only the layers --freeze leaves "
-                                         "trainable: with --freeze=encoder the decoder's.")
-    encoder_cache: str = _f("off", "SFT only: compute the frozen encoder's outputs once per example and train "
-                                   "the decoder from them. off, disk (OUTPUT_DIR/encoder_cache), memory (the "
-                                   "same file read into RAM) or auto (memory when small). Saves the encoder's "
-                                   "compute (the more, the longer the prompts), activations and, on a GPU, its "
-                                   "weights.")
-    encoder_cache_dtype: str = _f("float32", "Storage of the encoder cache: float32 (the compute dtype: "
-                                             "training matches the uncached run), bfloat16 or float16 (half the "
-                                             "disk and RAM).")
-    frozen_dtype: str = _f("float32", "SFT: storage of the frozen weight matrices (shared embedding and encoder; with "
+    optimizer: str = _t("adafactor", "adafactor (factored second moments: the smallest state), adamw (2 x weights of "
+                                     "state), adamw8bit (bitsandbytes, pip install .[gpu]: 1/4 of adamw) or "
+                                     "adamw_scale (nanoT5's AdamW, steps scaled by each weight's RMS; adamw's state).",
+                                     resume="shape")
+    lora_r: int = _t(0, "LoRA rank (0 = off; peft, pip install .[gpu]). Only adapters get gradients and optimizer "
+                        "state; best/ and final/ are merged plain models. Nonzero saves memory.", resume="shape")
+    lora_alpha: float = _t(16.0, "LoRA scaling numerator (scale = alpha / r).", resume="shape")
+    lora_dropout: float = _t(0.05, "Dropout on the LoRA input.")
+    lora_target_modules: str = _t("q,v", "Comma list of T5 linear layers that get adapters: q, k, v, o (attention), "
+                                         "wi, wo (feed-forward; on gated models wi means wi_0 and wi_1, each also "
+                                         "nameable). Only the layers --freeze leaves trainable: with --freeze=encoder "
+                                         "the decoder's.", resume="shape")
+    encoder_cache: str = _t("off", "SFT only: compute the frozen encoder's outputs once per example and train the "
+                                   "decoder from them. off, disk (OUTPUT_DIR/encoder_cache), memory (the same file "
+                                   "read into RAM) or auto (memory when small). Saves the encoder's compute (the more, "
+                                   "the longer the prompts), activations and, on a GPU, its weights.")
+    encoder_cache_dtype: str = _t("float32", "Storage of the encoder cache: float32 (the compute dtype: training "
+                                             "matches the uncached run), bfloat16 or float16 (half the disk and RAM).")
+    frozen_dtype: str = _t("float32", "SFT: storage of the frozen weight matrices (shared embedding and encoder; with "
                                       "LoRA the base decoder too). bfloat16 (needs --mixed_precision=bf16) halves "
                                       "their memory; int8 or float8 (pip install '.[quant]') store the frozen linear "
                                       "layers in 8 bits, a quarter, the other frozen matrices (wo, embeddings) in "
-                                      "bfloat16. Read into this form a block at a time; exports are float32.")
-    quantize_wo: bool = _f(False, "With --frozen_dtype=int8|float8: quantize the feed-forward output layers (wo) "
-                                  "too. Saves memory; T5's wo loses accuracy in 8 bits, so it stays as loaded by "
-                                  "default.")
-    merge_lora: bool = _f(False, "With --lora_r: export whole merged float32 models (11 GB at flan-t5-xl) instead "
-                                 "of peft adapter folders (a few MB, loaded onto --init_from's model).")
-
-    # --- evaluation, logging, checkpoints ---
-    eval_steps: int = _f(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).")
-    max_eval_samples: int = _f(100, "Examples used per evaluation. Lower saves time.")
+                                      "bfloat16. Read into this form a block at a time; exports are float32.",
+                                      resume="shape")
+    quantize_wo: bool = _t(False, "With --frozen_dtype=int8|float8: quantize the feed-forward output layers (wo) too. "
+                                  "Saves memory; T5's wo loses accuracy in 8 bits, so it stays as loaded by default.",
+                                  resume="shape")
+    merge_lora: bool = _f(False, "With --lora_r: export whole merged float32 models (11 GB at flan-t5-xl) instead of "
+                                 "peft adapter folders (a few MB, loaded onto --init_from's model).")
+    eval_steps: int = _t(100, "Evaluate at step 0, every N optimizer steps and at the end (0 = only at the end).",
+                              section="evaluation, logging, checkpoints")
+    max_eval_samples: int = _f(100, "Examples used per evaluation. Lower saves time.", planned_for=True, scores="eval")
     eval_metrics: str = _f(DEFAULT_METRICS, "Comma list of scores of generated answers (0-100, higher wins): bleu, "
                                             "chrf, rouge (logs rouge1, rouge2, rougeL, rougeLsum), exact_match.")
-    metric_for_best: str = _f("eval_loss", "What picks best/: eval_loss (lower wins) or any value of --eval_metrics.")
+    metric_for_best: str = _t("eval_loss", "What picks best/: eval_loss (lower wins) or any value of --eval_metrics.",
+                                           resume="fixed", planned_for=True)
     eval_generate: bool | str = _f(AUTO, "Generate answers at evaluations for --eval_metrics: True (every one, step 0 "
-                                         "too), False (eval loss only, much faster) or auto (within --eval_budget_s).")
+                                         "too), False (eval loss only, much faster) or auto (within --eval_budget_s).",
+                                         planned_for=True)
     eval_generate_samples: int | str = _f(AUTO, "Eval rows generated for the scores (the first; the eval loss all). "
-                                                "auto: all, or as many as fit --eval_budget_s. Lower saves time.")
-    eval_budget_s: float = _f(300.0, "Most seconds an evaluation should take (0: no bound), timed at start; over it "
-                                     "the auto values run step 0's eval loss only and generate fewer rows (or none).")
-    num_beams: int = _f(1, "Beams for evaluation and generate. 1 (greedy) saves memory.")
-    logging_steps: int = _f(10, "Log a line and a metrics.jsonl record every N optimizer steps.")
-    save_steps: int = _f(100, "Write a resumable checkpoint every N optimizer steps (0 = only at the end).")
-    save_total_limit: int = _f(2, "Checkpoints kept in output_dir/checkpoints (best/ and final/ are extra).")
-    gc_every_steps: int = _f(100, "Run gc.collect() and malloc_trim (+ CUDA cache clearing) every N optimizer steps.")
-    report_to: str = _f("none", "Also send the train/eval scalars of metrics.jsonl to trackers: none or a comma list "
-                                "of tensorboard, wandb, mlflow, trackio (each pip install '.[NAME]'; their own "
-                                "environment settings apply; a resume continues their runs; see docs/monitoring.md).")
-
-    # --- tokenizer training ---
-    vocab_size: int = _f(8000, "Tokenizer vocabulary size before the 100 sentinels (train_tokenizer). "
-                             "A corpus with fewer distinct pieces gets fewer, and the output says so.")
-    tokenizer_max_sentences: int = _f(200_000, "Cap on texts sampled for tokenizer training (from every "
-                                         "file by its size; long texts in slices). Bounds its RAM.")
-
-    # --- generate ---
-    prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.")
-    max_new_tokens: int = _f(64, "Longest generated answer (generate; evaluation's go to --max_target_len).")
-    no_repeat_ngram_size: int = _f(0, "No n-gram of this size appears twice in an answer (0: off), against "
-                                      "degenerate repetition; in generate and in the answers evaluation scores.")
-    repetition_penalty: float = _f(1.0, "Divide the score of tokens already in the answer by this (1.0: off; 1.2 "
-                                        "is a common choice); in generate and in the answers evaluation scores.")
-
+                                                "auto: all, or as many as fit --eval_budget_s. Lower saves time.",
+                                                planned_for=True)
+    eval_budget_s: float = _t(300.0, "Most seconds an evaluation should take (0: no bound), timed at start; over it "
+                                     "the auto values run step 0's eval loss only and generate fewer rows (or none).",
+                                     planned_for=True)
+    num_beams: int = _f(1, "Beams for evaluation and generate. 1 (greedy) saves memory.", planned_for=True,
+                           scores="answers")
+    logging_steps: int = _t(10, "Log a line and a metrics.jsonl record every N optimizer steps.")
+    save_steps: int = _t(100, "Write a resumable checkpoint every N optimizer steps (0 = only at the end).")
+    save_total_limit: int = _t(2, "Checkpoints kept in output_dir/checkpoints (best/ and final/ are extra).")
+    gc_every_steps: int = _t(100, "Run gc.collect() and malloc_trim (+ CUDA cache clearing) every N optimizer steps.")
+    report_to: str = _t("none", "Also send the train/eval scalars of metrics.jsonl to trackers: none or a comma list "
+                                "of tensorboard, wandb, mlflow, trackio. Each is pip install '.[NAME]'; their own "
+                                "environment settings apply; a resume continues their runs; see docs/monitoring.md.")
+    vocab_size: int = _f(8000, "Tokenizer vocabulary size before the 100 sentinels (train_tokenizer). A corpus with "
+                               "fewer distinct pieces gets fewer, and the output says so.", reads=TOKENIZER_TOO,
+                               section="tokenizer training")
+    tokenizer_max_sentences: int = _f(200_000, "Cap on texts sampled for tokenizer training (from every file by its "
+                                               "size; long texts in slices). Bounds its RAM.", reads=TOKENIZER_TOO)
+    prompt: str | None = _f(None, "Text to answer (generate). Without it, generate answers a few eval prompts.",
+                                  reads=("generate",), section="generate")
+    max_new_tokens: int = _f(64, "Longest generated answer (evaluation's go to --max_target_len).", reads=("generate",))
+    no_repeat_ngram_size: int = _f(0, "No n-gram of this size appears twice in an answer (0: off), against degenerate "
+                                      "repetition; in generate and in the answers evaluation scores.", scores="answers",
+                                      answers_only=True)
+    repetition_penalty: float = _f(1.0, "Divide the score of tokens already in the answer by this (1.0: off; 1.2 is a "
+                                        "common choice); in generate and in the answers evaluation scores.",
+                                        scores="answers", answers_only=True)
     max_bad_rows_fraction: float = _f(0.01, "Abort when more than this fraction of the training rows are bad "
                                             "(malformed, missing or empty prompt/response); they are skipped and "
-                                            "counted otherwise.")
-    dump_consumed: bool = _f(False, "Append every consumed training example (epoch, rank, file, row) to "
+                                            "counted otherwise.", section="checks and debugging")
+    dump_consumed: bool = _t(False, "Append every consumed training example (epoch, rank, file, row) to "
                                     "OUTPUT_DIR/consumed-rank{R}.tsv; kept exact across kills and resumes.")
-
-    debug: bool = _f(False, "Show full tracebacks instead of one-line errors.")
+    debug: bool = _f(False, "Show full tracebacks instead of one-line errors.", reads=COMMANDS, resume="run")
 
     # ---------------------------------------------------------------- resolution
     @property
@@ -387,3 +398,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+def flags_with(role: str, *values) -> tuple[str, ...]:
+    """The flags that have ``role`` (``lowmem.utils.flag_roles``), or whose ``role`` is one of ``values``."""
+    return names_with(dataclasses.fields(TrainConfig), role, *values)

@@ -1,4 +1,5 @@
-"""t5-lowmem command line (python-fire). Every option is a flag; ``--help`` lists them all.
+"""t5-lowmem command line (python-fire). Every option is a flag; ``--help`` lists them all, ``COMMAND --help`` the
+options of one command with its examples (the lines below that run it).
 
     python train_low_mem.py train                                   # pretrain on the shipped data
     python train_low_mem.py train --is_finetune=True                # SFT from runs/pretrain/best
@@ -10,6 +11,7 @@
     python train_low_mem.py plot --output_dir=runs/pretrain         # PNG charts in runs/pretrain/plots
     python train_low_mem.py train_tokenizer --train_file=corpus.jsonl --tokenizer_dir=my_tokenizer
     python train_low_mem.py prepare --train_file=corpus.jsonl --prepared_dir=corpus.prepared  # tokenize once
+    python train_low_mem.py preview --num_examples=3 --decode=True  # the first training examples as the model sees them
     python train_low_mem.py export --init_from=runs/sft/final --export_dir=merged --dtype=bfloat16  # one model folder
 """
 

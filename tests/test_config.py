@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from config import TrainConfig
-from lowmem.cli.flags import help_text, load_config, unused_answer_notes
+from lowmem.cli.flags import load_config, unused_answer_notes
+from lowmem.cli.help_pages import help_text
 from lowmem.utils.errors import UserError
 from lowmem.utils.presets import LOW_MEMORY_CAPS
 
@@ -117,9 +118,11 @@ def test_yaml_file_then_flags(tmp_path):
 
 
 def test_help_lists_every_option_with_default():
-    text = help_text()
+    from train_low_mem import COMMANDS
+
+    text = help_text(COMMANDS)
     for f in dataclasses.fields(TrainConfig):
-        assert f"--{f.name} (" in text and f.metadata["help"] in text
+        assert f"--{f.name} (" in text and f.metadata["help"] in " ".join(text.split())  # (its help wrapped)
 
 
 def test_cli_user_errors_are_one_line_with_exit_code_2(run_cli):
@@ -239,7 +242,11 @@ def test_evaluate_and_generate_take_the_objective_and_lengths_the_model_was_trai
 
 
 def test_each_command_notes_the_options_it_does_not_read():
-    from lowmem.cli.flags import READ_ONLY, TRAINING_ONLY, unread_flag_notes
+    from config import flags_with
+    from lowmem.cli.flags import unread_flag_notes
+
+    training_only = set(flags_with("reads", "train")) - set(flags_with("reads", "evaluate"))
+    assert {"learn_rate", "optimizer", "save_steps", "resume_from"} <= training_only
 
     assert unread_flag_notes("train", {"learn_rate": 1, "max-new-tokens": 4}) == [
         "note: --max_new_tokens has no effect on train (it is read by generate)"]
@@ -247,12 +254,14 @@ def test_each_command_notes_the_options_it_does_not_read():
         "note: --prompt has no effect on plan (it is read by generate)"]
     assert unread_flag_notes("preview", {"gradient_accumulation_steps": 4}) == []  # its windows are sorted per step
     for command in ("evaluate", "generate", "prepare"):
-        assert len(unread_flag_notes(command, dict.fromkeys(TRAINING_ONLY))) == len(TRAINING_ONLY), command
+        assert len(unread_flag_notes(command, dict.fromkeys(training_only))) == len(training_only), command
         assert unread_flag_notes(command, {"max_source_len": 8, "tokenizer_dir": "t", "num_beams": 2}) == []
     assert unread_flag_notes("generate", {"prompt": "x", "max_new_tokens": 4}) == []
     assert unread_flag_notes("plot", {"output_dir": "r", "init_from": "m"}) == [
         "note: --init_from has no effect on plot (it is read by train)"]
-    assert unread_flag_notes("train_tokenizer", dict.fromkeys(READ_ONLY["train_tokenizer"])) == []
+    assert unread_flag_notes("train_tokenizer", dict.fromkeys(flags_with("reads", "train_tokenizer"))) == []
+    assert unread_flag_notes("export", {"init_from": "m", "tokenizer_dir": "t", "epochs": 2}) == [
+        "note: --epochs has no effect on export (it is read by train)"]
 
 
 def test_objectives_come_from_the_registry_and_their_problems_join_the_config_error():
@@ -285,5 +294,7 @@ def test_objectives_come_from_the_registry_and_their_problems_join_the_config_er
     load_config({"objective": "pairs", "noise_density": 2})  # pairs reads no noise: nothing to refuse
     assert ".txt" in objective_class("prefix_lm").formats and ".txt" not in objective_class("pairs").formats
     assert objective_class("pairs").prepared_data and not objective_class("span_corruption").prepared_data
-    text = help_text()  # --help lists each objective with its summary
+    from train_low_mem import COMMANDS
+
+    text = help_text(COMMANDS)  # --help lists each objective with its summary
     assert all(f"{name}: {registry()[name].summary}" in text for name in names)

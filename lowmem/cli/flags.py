@@ -1,6 +1,7 @@
 """Command-line and YAML values into a ``TrainConfig``: type conversion, unknown flags with a
 suggestion, the YAML file, the profile's flags, then the config's own resolution and validation;
-and the ``--help`` listing.
+the notes for options a command does not read. Which flags play which part comes from their fields' roles
+(``config.flags_with``).
 
     from lowmem.cli.flags import load_config
     cfg, notes = load_config({"epochs": "3"}, "run.yaml")   # flags win over the YAML file
@@ -14,7 +15,7 @@ import os
 import typing
 from pathlib import Path
 
-from config import SHIPPED_TOKENIZER_DIR, TrainConfig
+from config import SHIPPED_TOKENIZER_DIR, TrainConfig, flags_with
 from data.objectives.base import objective_class, objective_problems, registry
 from lowmem.memory.profiles import apply_caps, profile_flags
 from lowmem.utils.errors import UserError
@@ -86,7 +87,7 @@ def _convert(name: str, value):
 
 
 # Options naming files or folders (train and eval files: comma lists of them)
-PATH_FLAGS = ("output_dir", "init_from", "tokenizer_dir", "resume_from", "train_file", "eval_file")
+PATH_FLAGS = flags_with("path")
 
 
 def _path(name: str, value: str) -> str:
@@ -167,7 +168,7 @@ def unused_flags(cfg: TrainConfig) -> list[tuple[str, str]]:
                                                                                            "eval_metrics")]
     if cfg.init_from:
         unused += [(name, "with --init_from (that model's shape is trained)")
-                   for name in ("model_preset", "feed_forward_proj", "tie_word_embeddings")]
+                   for name in flags_with("resume", "preset")]  # (a preset's shape)
     if cfg.effective_batch_size:
         unused.append(("gradient_accumulation_steps", "with --effective_batch_size (accumulation follows)"))
     if cfg.is_keep_training:
@@ -176,41 +177,21 @@ def unused_flags(cfg: TrainConfig) -> list[tuple[str, str]]:
     return unused + [(name, f"with --objective={cfg.objective}") for name in objective.unused_flags]
 
 
-# Options only training reads: the optimizer and its schedule, what trains and how, checkpoints, logs. Given on
-# the command line of another command they change nothing, and a note says so (a YAML file holds a whole run's
-# options, shared by the commands, so its keys are not noted).
-TRAINING_ONLY = ("is_keep_training", "resume_from", "overwrite_output_dir", "freeze", "dropout_rate",
-                 "gradient_accumulation_steps", "effective_batch_size", "epochs", "max_steps", "learn_rate",
-                 "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm", "max_nonfinite_steps",
-                 "gradient_checkpointing", "optimizer", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-                 "encoder_cache", "encoder_cache_dtype", "frozen_dtype", "quantize_wo", "eval_steps", "metric_for_best",
-                 "logging_steps", "save_steps", "save_total_limit", "gc_every_steps", "report_to", "dump_consumed",
-                 "eval_budget_s")
-GENERATE_ONLY = ("prompt", "max_new_tokens")  # every command accepts them (one config for all), generate reads them
-# The commands that read a few options only; the others read all but those of TRAINING_ONLY
-READ_ONLY = {"plot": ("output_dir", "is_finetune", "debug"),  # (--is_finetune: the default --output_dir, runs/sft)
-             "export": ("init_from", "tokenizer_dir", "debug"),
-             "train_tokenizer": ("train_file", "dataset_config", "tokenizer_dir", "vocab_size",
-                                 "tokenizer_max_sentences", "objective", "prompt_column", "response_column",
-                                 "text_column", "debug")}
-
-
 def unread_flag_notes(command: str, flags: dict) -> list[str]:
-    """Notes for the options on ``command``'s command line that it never reads (``plan`` plans a training run and
-    ``preview`` shows its stream, whose windows are sorted by length per optimizer step: both read what train
-    reads)."""
-    flags = [name.replace("-", "_") for name in flags]
-    if command in READ_ONLY:
-        unread = [name for name in flags if name not in READ_ONLY[command]]
-    else:
-        unread = [name for name in flags if name in GENERATE_ONLY and command != "generate"
-                  or name in TRAINING_ONLY and command not in ("train", "plan", "preview")]
-    reader = {name: "generate" if name in GENERATE_ONLY else "train" for name in unread}
-    return [f"note: --{name} has no effect on {command} (it is read by {reader[name]})" for name in unread]
+    """Notes for the options on ``command``'s command line that it never reads (each field's ``reads`` role: given
+    to another command they change nothing). A YAML file holds a whole run's options, shared by the commands, so
+    its keys are not noted."""
+    notes = []
+    for name in (name.replace("-", "_") for name in flags):
+        reads = FIELDS[name].metadata["reads"] if name in FIELDS else (command,)
+        if command not in reads:  # (a generate-only option is generate's; any other, train's)
+            notes.append(f"note: --{name} has no effect on {command} (it is read by "
+                         f"{'train' if 'train' in reads else reads[0]})")
+    return notes
 
 
-# Read only where answers are generated (--num_beams also goes into the exports' generation_config.json)
-ANSWER_OPTIONS = ("no_repeat_ngram_size", "repetition_penalty")
+# Read only where answers are generated (--num_beams, also in the exports' generation_config.json, is not one)
+ANSWER_OPTIONS = flags_with("answers_only")
 
 
 def unused_answer_notes(cfg: TrainConfig, flags: dict) -> list[str]:
@@ -224,8 +205,7 @@ def unused_answer_notes(cfg: TrainConfig, flags: dict) -> list[str]:
 # training_info.json: evaluate and generate take them from there unless given (a span-corruption model was
 # scored as prompt/response pairs, its masks drawn with another seed, its chunks of other lengths). Of these,
 # the ones its objective reads are taken (``Objective.trained_with``).
-TRAINED_WITH = ("objective", "seed", "max_source_len", "max_target_len", "noise_density", "mean_noise_span_length",
-                "text_column", "prompt_column", "response_column")
+TRAINED_WITH = flags_with("trained_with")
 
 
 def load_saved_model_config(flags: dict, yaml_path: str | None = None) -> tuple[TrainConfig, list[str]]:
@@ -276,33 +256,3 @@ def _read_yaml(path: str) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"--config file {path} must hold a mapping of option: value")
     return data
-
-
-def help_text() -> str:
-    """The ``--help`` listing: every option with its type, default and help."""
-    lines = ["t5-lowmem: low-memory T5 pretraining and SFT.", "",
-             "usage: python train_low_mem.py COMMAND [--option=value ...] [--config=FILE.yaml]", "",
-             "commands: train, plan, evaluate, generate, train_tokenizer, prepare, preview, plot, export", "",
-             "prepare takes --train_file and --prepared_dir (default runs/prepared): token-id parquet shards that "
-             "train reads with --train_file=PREPARED_DIR", "",
-             "plan also takes --json (one JSON object), --budget_gb=X (GiB) and --device=cpu|gpu (recommend modes), "
-             "--num_processes=N [--num_machines=M] (N processes) and --sharding=fsdp|zero2|zero3 (one sharded "
-             "process)", "",
-             "preview takes --num_examples=N (default 5) and --decode=True (the texts too): the first training "
-             "examples as the model sees them", "",
-             "plot takes --output_dir=RUN and --plot_dir (default RUN/plots): PNG charts of RUN/metrics.jsonl", "",
-             "export takes --init_from (a LoRA adapter folder, merged into its base; a run's checkpoint; a model), "
-             "--export_dir (a new or empty folder), --dtype=float32|bfloat16|float16 and --base=MODEL (the adapter's "
-             "or checkpoint's base, where it is elsewhere): one plain transformers model folder", "",
-             "options:"]
-    for f in dataclasses.fields(TrainConfig):
-        hint = _HINTS[f.name]
-        kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-        kind = f"{kinds[0].__name__} or auto" if str in kinds[1:] else kinds[0].__name__  # (lowmem.memory.batch_budget)
-        lines.append(f"  --{f.name} ({kind}, default {f.default!r})")
-        lines.append(f"      {f.metadata['help']}")
-        if f.name == "objective":  # the registry's (data.objectives): one line each
-            lines += [f"        {name}: {found.summary}" for name, found in registry().items()]
-    lines.append("  --config (str)")
-    lines.append("      YAML file of option: value pairs; CLI flags override it.")
-    return "\n".join(lines)

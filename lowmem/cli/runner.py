@@ -9,7 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
-from lowmem.cli.flags import help_text, text_flags
+from lowmem.cli.flags import text_flags
+from lowmem.cli.help_pages import command_help, help_text
 from lowmem.memory import collector
 from lowmem.utils.errors import UserError
 
@@ -78,8 +79,8 @@ def run_cli(commands: dict, argv: list[str], startup_handler=None) -> None:
     SIGINT handler of the imports before, replaced by Python's own as the command begins."""
     import fire
 
-    if not argv or "--help" in argv or "-h" in argv:
-        print(help_text())
+    if not argv or "--help" in argv or "-h" in argv:  # (fire's own help would list the function's signature)
+        print(command_help(argv[0], commands) if argv and argv[0] in commands else help_text(commands))
         return
     if argv[0] not in commands:
         print_error(f"unknown command {argv[0]!r}; use one of {', '.join(commands)} (see --help)")

@@ -20,39 +20,36 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import QUANTIZED_DTYPES, TrainConfig, flags_with
-from lowmem.utils.errors import UserError
-from lowmem.utils.ownership import saved_json
 from lowmem.checkpointing import checkpoint, checksums
-from lowmem.utils.ownership import check_closed, open_own, write_atomic
-from lowmem.runs.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.engines import Engine, engine_that_wrote
 from lowmem.parallel.layouts import layout_title
+from lowmem.runs.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
+from lowmem.utils.errors import UserError
 from lowmem.utils.eval_metrics import metric_named
+from lowmem.utils.ownership import check_closed, open_own, saved_json, write_atomic
 
-# Settings a checkpoint cannot be resumed under when they change; the others may change (logged).
-# The optimizer and LoRA's shape decide what the checkpoint's optimizer state and weights are.
-SHAPE_SETTINGS = ("model_preset", "feed_forward_proj", "tie_word_embeddings", "is_finetune", "freeze", "tokenizer_size",
-                  "tokenizer_sha1", "tokenizer_json_sha1", "optimizer", "lora_r", "lora_alpha", "lora_target_modules",
-                  "frozen_dtype", "quantize_wo")
-# the model's shape when there is no --init_from
-PRESET_SHAPE = ("model_preset", "feed_forward_proj", "tie_word_embeddings")
-# What a checkpoint's state is counted in: the order of the rows its data position counts (the seed shuffles
-# each epoch's files and the buffer, the buffer's size decides whether they are shuffled at all), the stream
-# that position belongs to (pairs count rows, the text objectives documents and packed tokens), and the
-# metric its best model was chosen by.
-FIXED_ON_RESUME = ("seed", "shuffle_buffer_size", "shuffle_buffer_mb", "objective", "metric_for_best")
+# What a resume does with a setting that changed is its flag's ``resume`` role (config.py); any other change is
+# logged. Refused: "shape", the model's shape, the optimizer and LoRA's (they decide what the checkpoint's weights
+# and optimizer state are), with the tokenizer, recorded beside the flags; "preset", a --model_preset model's shape
+# (--init_from's model has its own); "fixed", what the checkpoint's state is counted in: the order of the rows its
+# data position counts (the seed shuffles each epoch's files and the buffer, the buffer's size decides whether they
+# are shuffled at all), the stream that position belongs to (pairs count rows, the text objectives documents and
+# packed tokens) and the metric its best model was chosen by. "run" (how this run starts) is never compared.
+SHAPE_SETTINGS = (*flags_with("resume", "shape", "preset"), "tokenizer_size", "tokenizer_sha1", "tokenizer_json_sha1")
+PRESET_SHAPE = flags_with("resume", "preset")
+FIXED_ON_RESUME = flags_with("resume", "fixed")
 FIXED_WHY = {"metric_for_best": "its best model was chosen by that metric, whose values the new one's cannot be "
                                 "compared with",
              "objective": "its data position is one in that objective's stream, which another one reads differently",
              "shuffle_buffer_mb": "the rows its data position holds would come out in another order (the same rows: "
                                   "the run would not be the one it began as)"}
 # Settings added since runs began to be written, with the value in effect before: a checkpoint without one had it
-BEFORE_IT_EXISTED = {"shuffle_buffer_mb": 0, "feed_forward_proj": "relu", "tie_word_embeddings": True}
-RUN_ONLY_SETTINGS = ("is_keep_training", "resume_from", "overwrite_output_dir", "debug")
+BEFORE_IT_EXISTED = {name: TrainConfig.__dataclass_fields__[name].metadata["before"] for name in flags_with("before")}
+RUN_ONLY_SETTINGS = flags_with("resume", "run")
 # What an evaluation's numbers depend on besides the model: a best/ chosen under other values is not comparable
-EVAL_SETTINGS = ("eval_file", "max_eval_samples", "max_source_len", "max_target_len")
-GENERATION_SETTINGS = ("num_beams", "no_repeat_ngram_size", "repetition_penalty")
+EVAL_SETTINGS = flags_with("scores", "eval")
+GENERATION_SETTINGS = flags_with("scores", "answers")
 # What a run records beside its flags (compared above where it matters; the flags behind it are logged)
 NOT_FLAGS = ("batch_request", "held_out_rows", "parameter_group_sizes", "sharding", "base_model")
 

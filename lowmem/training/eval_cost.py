@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from config import AUTO, TrainConfig
+from config import AUTO, TrainConfig, flags_with
 from lowmem.hardware.precision import compute_context
 from lowmem.model.loss import batch_to_device
 from lowmem.parallel.sharding import is_sharded, runs_deepspeed, whole_root
@@ -34,9 +34,8 @@ from lowmem.training.evaluation import asked_generate_rows, eval_batches, genera
 from lowmem.utils.eval_metrics import metric_named
 
 PROBE_STEPS = 8  # decoding steps timed (after one untimed warm-up generation and a timed one-token one)
-# What a plan depends on: a resumed run where one of them differs plans again
-PLANNED_FOR = ("eval_generate", "eval_generate_samples", "eval_budget_s", "metric_for_best", "max_eval_samples",
-               "max_target_len", "eval_batch_size", "num_beams")
+# What a plan depends on (the flags' planned_for role): a resumed run where one of them differs plans again
+PLANNED_FOR = flags_with("planned_for")
 
 
 @dataclass

@@ -1,7 +1,6 @@
 """What a flag does besides holding its value, declared once in its ``TrainConfig`` field (``config.py``): the
 field helpers ``option`` (``_f`` there) and ``training_option`` (``_t``) put the flag's roles in the field's
-metadata, and every list of flags is derived from them (``config.flags_with``, ``config.flag_values``): none is
-written by hand.
+metadata, and every list of flags is derived from them (``config.flags_with``): none is written by hand.
 
     is_keep_training: bool = _t(False, "Resume from the latest valid checkpoint ...", resume="run")
     flags_with("resume", "fixed")      # the flags a resume may not change: seed, objective, ...
