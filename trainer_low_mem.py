@@ -24,7 +24,7 @@ import torch
 from config import TrainConfig
 from data.collate import shape_multiple, train_padding
 from data.objectives.base import objective_for
-from data.pipeline import DataFiles, TrainData, build_data, check_data
+from data.pipeline import DataFiles, DataProcess, TrainData, build_data, check_data
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
 from lowmem.hardware.memory_use import free_memory
 from lowmem.hardware.precision import Precision, precision_for
@@ -125,10 +125,10 @@ class LowMemTrainer:
         self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry, engine=self.engine)
         self.telemetry.open(self.out, cfg, resuming=resume_dir is not None)
         self.telemetry.log_memory("start")
-        self.data = build_data(cfg, self.files, self.tokenizer, self.accelerator.process_index,
-                               self.accelerator.num_processes, objective=objective, report=self.say, warn=self.warn,
-                               pad_multiple=train_padding(cfg, self.shape_multiple),  # (--torch_compile: buckets)
-                               indexes=indexes_from_main(self.accelerator, self.files.train))
+        self.data = build_data(cfg, self.files, self.tokenizer, DataProcess(
+            self.accelerator.process_index, self.accelerator.num_processes,
+            indexes_from_main(self.accelerator, self.files.train), report=self.say, warn=self.warn),
+            pad_multiple=train_padding(cfg, self.shape_multiple))  # (--torch_compile: buckets)
         self.batch_request = batch_request(cfg)  # the sizes used, from here on in the config (memory.batch_budget)
         sizes = size_run(cfg, self.data, self.accelerator, len(self.tokenizer), self.engine, resume_dir, self.say)
         cfg = self.cfg = self.telemetry.resolved(replace(cfg, **sizes.flags()))  # planned before the model exists:

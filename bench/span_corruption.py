@@ -327,15 +327,15 @@ def data_path(name: str, files: dict, length: int, target: int, options) -> dict
         windows = batched(loader, options.accumulation)
     else:
         from data.objectives.base import objective_for
-        from data.pipeline import build_data, check_data
+        from data.pipeline import DataProcess, build_data, check_data
         from lowmem.cli.flags import load_config
 
         flags = our_flags(name, *files[name], Path(tempfile.gettempdir()) / "span_bench_replay", length, target,
                           options)
         cfg, _ = load_config({k: str(v) for k, v in flags.items() if k != "overwrite_output_dir"})
         objective = objective_for(cfg)
-        data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None,
-                          warn=lambda _: None)
+        data = build_data(cfg, check_data(cfg, objective), tokenizer,
+                          DataProcess(report=lambda _: None, warn=lambda _: None))
         windows = (data.collator.window(examples, cfg.batch_size)
                    for examples in batched(data.stream.iter_epoch(), per_step))
     real = positions = 0

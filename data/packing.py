@@ -194,27 +194,6 @@ def concatenated(pieces: list[list[list[int]]], value: int, multiple: Padding) -
     return ids, segments
 
 
-def packed_window(sources: list[list[int]], targets: list[list[int]], capacity: tuple[int, int], pad_id: int,
-                  batch_size: int, max_tokens: int = 0, multiple: Padding = 1) -> list[dict]:
-    """The micro-batches of one window's examples packed into rows (``packed_rows``): ``batch_size`` rows each, or with
-    ``max_tokens`` as many rows as keep the padded tokens within it (``data.collate.micro_batches``: rows of similar
-    length together, so the last, part-filled rows of a window pad among themselves).
-
-    Each holds ``input_ids``, ``attention_mask`` (1 at tokens), ``labels`` (-100 at padding), and the segment ids
-    ``source_segments`` and ``target_segments``.
-    """
-    sizes = [(len(s), len(t)) for s, t in zip(sources, targets)]
-    rows = packed_rows(sizes, capacity)
-    lengths = row_sizes(sizes, rows)
-    out = []
-    for group in micro_batches([s for s, _ in lengths], [t for _, t in lengths], batch_size, max_tokens, multiple):
-        ids, source_segments = concatenated([[sources[i] for i in rows[r]] for r in group], pad_id, multiple)
-        labels, target_segments = concatenated([[targets[i] for i in rows[r]] for r in group], -100, multiple)
-        out.append({"input_ids": ids, "attention_mask": source_segments.gt(0).long(), "labels": labels,
-                    "source_segments": source_segments, "target_segments": target_segments})
-    return out
-
-
 class PackingCollator(Seq2SeqCollator):
     """A ``Seq2SeqCollator`` whose training windows are packed (``packed_window``); single micro-batches
     (evaluation, probes) stay one example per row."""
@@ -223,8 +202,29 @@ class PackingCollator(Seq2SeqCollator):
         if not group:
             return super().window(examples, batch_size, max_tokens, group)
         sources = self.token_ids([e.prompt for e in examples], self.max_source_len)
-        return packed_window(sources, self.targets(examples), (self.max_source_len, self.max_target_len),
-                             self.tokenizer.pad_token_id, batch_size, max_tokens, self.pad_multiple)
+        return self.packed_window(sources, self.targets(examples), batch_size, max_tokens)
+
+    def packed_window(self, sources: list[list[int]], targets: list[list[int]], batch_size: int,
+                      max_tokens: int = 0) -> list[dict]:
+        """The micro-batches of one window's examples (token ids) packed into rows of at most --max_source_len
+        source and --max_target_len target tokens (``packed_rows``): ``batch_size`` rows each, or with
+        ``max_tokens`` as many rows as keep the padded tokens within it (``data.collate.micro_batches``: rows of
+        similar length together, so the last, part-filled rows of a window pad among themselves).
+
+        Each holds ``input_ids``, ``attention_mask`` (1 at tokens), ``labels`` (-100 at padding), and the segment
+        ids ``source_segments`` and ``target_segments``.
+        """
+        sizes = [(len(s), len(t)) for s, t in zip(sources, targets)]
+        rows = packed_rows(sizes, (self.max_source_len, self.max_target_len))
+        lengths = row_sizes(sizes, rows)
+        multiple, out = self.pad_multiple, []
+        for group in micro_batches([s for s, _ in lengths], [t for _, t in lengths], batch_size, max_tokens, multiple):
+            ids, source_segments = concatenated([[sources[i] for i in rows[r]] for r in group],
+                                                self.tokenizer.pad_token_id, multiple)
+            labels, target_segments = concatenated([[targets[i] for i in rows[r]] for r in group], -100, multiple)
+            out.append({"input_ids": ids, "attention_mask": source_segments.gt(0).long(), "labels": labels,
+                        "source_segments": source_segments, "target_segments": target_segments})
+        return out
 
 
 def examples_in(micro_batch: dict) -> int:

@@ -1,7 +1,7 @@
 """The one entry point from files to what training reads.
 
     files = check_data(cfg, objective)             # resolve and check: before anything heavy is built
-    data = build_data(cfg, files, tokenizer, rank, world)
+    data = build_data(cfg, files, tokenizer, DataProcess(rank, world))
 
 ``check_data`` resolves ``--train_file`` / ``--eval_file`` and checks their columns; ``build_data``
 indexes the training files (or takes the indexes the main process read), splits off the eval set,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,15 @@ from data.sources.hf_datasets import DatasetRef, dataset_of, describe, has_rows
 from data.sources.readers import FileIndex, index_file, manifest_of
 from data.sources.text_files import layout_note
 from data.streams.dataset_stream import DatasetStream
-from data.streams.file_stream import ExampleStream, batched, largest_share, share_range, steps_per_epoch, total_steps
+from data.streams.file_stream import (
+    ExampleStream,
+    StreamSpec,
+    batched,
+    largest_share,
+    share_range,
+    steps_per_epoch,
+    total_steps,
+)
 from data.streams.packed_text import text_slices
 from data.tokenization import tokenizer_fingerprint
 from lowmem.utils.errors import UserError
@@ -43,6 +52,7 @@ class DataFiles:
     eval: list[Path]  # empty: the eval set is held out of ``train``
     prepared: dict | None  # the manifest when ``train`` are the shards of a prepared corpus
     columns: tuple[str, str]  # what the training stream reads (token-id columns for prepared shards)
+    objective: object  # what they were checked for (its formats and columns): ``build_data`` opens its stream
 
     @property
     def dataset(self) -> DatasetRef | None:
@@ -64,7 +74,7 @@ def check_data(cfg: TrainConfig, objective, eval_set: bool = True) -> DataFiles:
                         "reads raw text: pass the text corpus")
     columns = objective.columns(prepared)
     check_columns(train, columns, "--train_file")
-    return DataFiles(train, eval_files_of(cfg, train) if eval_set else [], prepared, columns)
+    return DataFiles(train, eval_files_of(cfg, train) if eval_set else [], prepared, columns, objective)
 
 
 def _check_dataset(cfg: TrainConfig, source: DatasetRef) -> None:
@@ -148,7 +158,7 @@ class TrainData:
         raw text. Counted when the first ``SAMPLE_DOCUMENTS`` documents are the whole corpus, else estimated
         from their tokens per row: a document's tokens are known only once its text is tokenized, and the
         learning-rate schedule is made for a number of steps."""
-        documents = _documents(self.cfg, self.files, self.indexes, 0, 1, self.held_out_rows)  # the whole corpus
+        documents = _documents(self.cfg, self.files, self.indexes, self.held_out_rows)  # the whole corpus
         counts = self._document_tokens(documents, SAMPLE_DOCUMENTS)
         world = self.world
         if documents.finished_epoch(0) and self.files.dataset is None:
@@ -163,7 +173,7 @@ class TrainData:
         # differ several-fold; the corpus's first documents come from one or two of them).
         sampled, per_row = 0, []
         for path, index in zip(self.files.train, self.indexes):
-            first = ExampleStream([path], self.files.columns, 0, 0, indexes=[index])
+            first = ExampleStream([path], StreamSpec(self.files.columns), indexes=[index])
             tokens = sum(self._document_tokens(first, max(1, SAMPLE_DOCUMENTS // len(self.files.train))).values())
             per_row.append(tokens / max(first.rows_read - len(first.buffer), 1))
             sampled += first.rows_read - len(first.buffer)
@@ -185,22 +195,37 @@ class TrainData:
         replays it to find the costliest micro-batch."""
         rank = self.rank if rank is None else rank
         cfg = self.cfg
-        documents = _documents(cfg, self.files, self.indexes, rank, self.world, self.held_out_rows)
+        documents = _documents(cfg, self.files, self.indexes, self.held_out_rows, (rank, self.world))
         return self.objective.stream(documents, self.collator.tokenizer)
 
 
-def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, rank: int = 0, world: int = 1, *, objective,
-               pad_multiple: int = 1, indexes: list[FileIndex] | None = None, report=print,
-               warn=print, eval_set: bool = True) -> TrainData:
-    """Open the run's data for process ``rank`` of ``world``.
+@dataclass(frozen=True)
+class DataProcess:
+    """The process ``build_data`` opens the data for: process ``rank`` of ``world``, and where its notes go.
 
     Args:
         indexes: the training files' ``index_file()``, read once by a launcher's main process and
-            handed to all; read here when None.
-        report, warn: where the eval set's bad rows are reported (main process) and the training
-            stream's (every process).
+            handed to all; read by ``build_data`` when None.
+        report, warn: where the eval set's bad rows (and the notes on the files) are reported (main process)
+            and the training stream's (every process).
+    """
+
+    rank: int = 0
+    world: int = 1
+    indexes: list[FileIndex] | None = None
+    report: Callable[[str], None] = print
+    warn: Callable[[str], None] = print
+
+
+def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, process: DataProcess = DataProcess(),
+               pad_multiple: int = 1, eval_set: bool = True) -> TrainData:
+    """Open the run's data, checked by ``check_data`` for its objective, for ``process``.
+
+    Args:
+        pad_multiple: what the collator rounds lengths up to (``data.collate.Padding``).
         eval_set: False: no eval set, none held out (the training stream alone: ``preview`` of prepared shards).
     """
+    objective, report, indexes = files.objective, process.report, process.indexes
     if files.prepared:
         check_manifest(files.prepared, tokenizer_fingerprint(tokenizer), cfg.max_source_len, cfg.max_target_len)
     eval_problems = DataProblems(report=report)
@@ -215,25 +240,24 @@ def build_data(cfg: TrainConfig, files: DataFiles, tokenizer, rank: int = 0, wor
                                                               if held else " (empty)"))
         elif index.kind.startswith("txt"):
             report(layout_note(path, index.kind))
-    documents = _documents(cfg, files, indexes, rank, world, held, DataProblems(report=warn))
+    documents = _documents(cfg, files, indexes, held, (process.rank, process.world), DataProblems(report=process.warn))
     if isinstance(documents, DatasetStream):
         report(_dataset_note(cfg, documents))
     eval_examples = objective.eval_examples(eval_examples, tokenizer, cfg.max_eval_samples)
     return TrainData(files, objective, objective.collator(tokenizer, pad_multiple), indexes, eval_examples, held,
-                     eval_problems, objective.stream(documents, tokenizer), rank, world, cfg,
+                     eval_problems, objective.stream(documents, tokenizer), process.rank, process.world, cfg,
                      not isinstance(documents, DatasetStream) or documents.share_rows is not None)
 
 
-def _documents(cfg: TrainConfig, files: DataFiles, indexes: list[FileIndex], rank: int, world: int, held: int,
-               problems: DataProblems | None = None):
-    """Process ``rank``'s stream of training rows: of the files, or of the dataset (its first ``held`` rows,
-    the eval set, left out)."""
-    buffer_bytes = cfg.shuffle_buffer_mb * 2**20
+def _documents(cfg: TrainConfig, files: DataFiles, indexes: list[FileIndex], held: int,
+               share: tuple[int, int] = (0, 1), problems: DataProblems | None = None):
+    """The stream of training rows of process ``rank`` of ``world`` (``share``; default: the whole corpus): of the
+    files, or of the dataset (its first ``held`` rows, the eval set, left out)."""
+    rank, world = share
+    spec = StreamSpec(files.columns, cfg.seed, cfg.shuffle_buffer_size, cfg.shuffle_buffer_mb * 2**20)
     if files.dataset is not None:
-        return DatasetStream(files.dataset, files.columns, cfg.seed, cfg.shuffle_buffer_size, rank, world, held,
-                             problems, buffer_bytes)
-    return ExampleStream(files.train, files.columns, cfg.seed, cfg.shuffle_buffer_size, rank=rank, world_size=world,
-                         indexes=indexes, problems=problems, buffer_bytes=buffer_bytes)
+        return DatasetStream(files.dataset, spec, rank, world, held, problems)
+    return ExampleStream(files.train, spec, rank=rank, world_size=world, indexes=indexes, problems=problems)
 
 
 def _dataset_note(cfg: TrainConfig, documents: DatasetStream) -> str:

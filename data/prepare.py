@@ -32,7 +32,7 @@ def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     from data.collate import Seq2SeqCollator
     from data.objectives.base import objective_class
     from data.sources.corpus import check_columns, resolve_files
-    from data.tokenization import load_trained_tokenizer, tokenizer_fingerprint
+    from data.tokenization import load_trained_tokenizer
 
     if not objective_class(cfg.objective).prepared_data:
         raise UserError(f"prepare tokenizes prompt/response pairs; --objective={cfg.objective} reads raw text, "
@@ -49,8 +49,7 @@ def prepare_command(cfg, out_dir: Path, tokenizer_dir: Path) -> dict:
     check_columns(files, columns, "--train_file")
     tokenizer = load_trained_tokenizer(tokenizer_dir)
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len)
-    manifest = prepare(files, columns, collator, out_dir, tokenizer_fingerprint(tokenizer), tokenizer_dir,
-                       max_bad_fraction=cfg.max_bad_rows_fraction)
+    manifest = prepare(cfg, files, collator, out_dir, tokenizer_dir)
     return {"prepared_dir": str(out_dir), "rows": manifest["rows"], "tokens": manifest["tokens"],
             "shards": len(manifest["shards"]), "bad_rows": manifest["bad_rows"]}
 
@@ -76,17 +75,21 @@ def check_prepared_dir(out_dir: Path) -> None:
     check_closed(out_dir, "--prepared_dir", "prepared")  # its staging folder filled, its shards replaced: no link
 
 
-def prepare(files: list[Path], columns: tuple[str, str], collator, out_dir: Path, tokenizer: dict,
-            tokenizer_dir: str, report=print, max_bad_fraction: float = 1.0) -> dict:
-    """Tokenize ``files`` into parquet shards in ``out_dir`` (new, empty or ours; written in a staging
-    folder inside it, the shards moved into place at the end and the manifest last).
+def prepare(cfg, files: list[Path], collator, out_dir: Path, tokenizer_dir: str, report=print) -> dict:
+    """Tokenize ``files`` (their columns --prompt_column and --response_column) with ``collator`` (its tokenizer,
+    loaded from ``tokenizer_dir``, and lengths) into parquet shards in ``out_dir`` (new, empty or ours; written in
+    a staging folder inside it, the shards moved into place at the end and the manifest last).
 
-    More bad rows than ``max_bad_fraction`` of the rows read stop it, as they stop ``train``; a stopped
+    More bad rows than --max_bad_rows_fraction of the rows read stop it, as they stop ``train``; a stopped
     prepare leaves nothing behind (nor the folder, when it made it).
 
     Returns:
         The manifest (also written as ``out_dir/prepared.manifest``).
     """
+    from data.tokenization import tokenizer_fingerprint
+
+    columns, max_bad_fraction = (cfg.prompt_column, cfg.response_column), cfg.max_bad_rows_fraction
+    tokenizer = tokenizer_fingerprint(collator.tokenizer)
     check_prepared_dir(out_dir)
     created = not out_dir.exists()
     claim_folder(out_dir, "--prepared_dir", "prepared")

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from config import TrainConfig
 from data.objectives.base import objective_for
-from data.pipeline import build_data, check_data
+from data.pipeline import DataProcess, build_data, check_data
 from data.sources.eval_set import eval_files_of
 from data.streams.packed_text import PackedStream
 from lowmem.utils.errors import UserError
@@ -24,8 +24,7 @@ def preview_examples(cfg: TrainConfig, tokenizer, count: int, decode: bool = Fal
     # train holds the eval set out of a text corpus given no --eval_file (and so does the preview); never out of
     # prepared shards, which train reads beside an --eval_file
     files = files if files.prepared else replace(files, eval=eval_files_of(cfg, files.train))
-    data = build_data(cfg, files, tokenizer, objective=objective, report=report, warn=report,
-                      eval_set=not files.prepared)
+    data = build_data(cfg, files, tokenizer, DataProcess(report=report, warn=report), eval_set=not files.prepared)
     shape = objective.describe()
     report(f"--objective={objective.name}" + (f": {shape}" if shape else ": each row one example"))
     if data.held_out_rows:

@@ -14,7 +14,7 @@ from data.collate import Seq2SeqCollator
 from data.sources.corpus import DataProblems, Example, check_columns, iter_rows, repeated_files, resolve_files
 from data.sources.eval_set import hold_out, read_ranges, take_examples
 from data.sources.readers import index_file, read_range
-from data.streams.file_stream import ExampleStream, example_bytes, largest_share
+from data.streams.file_stream import ExampleStream, StreamSpec, example_bytes, largest_share
 from lowmem.utils.errors import UserError
 
 COLS = ("prompt", "response")
@@ -66,7 +66,7 @@ def test_any_row_range_is_read_by_seeking(tmp_path, ending):
     index = index_file(path)
     assert index.rows == 12_000 and len(index.seeks) > 2
     for start, end in [(0, 5), (4_321, 4_330), (index.seeks[2][0] - 1, index.seeks[2][0] + 2), (11_998, 12_000)]:
-        got = [e for e in iter_rows(path, 0, COLS, start, end, index) if e is not None]
+        got = [e for e in iter_rows(path, 0, COLS, (start, end), index) if e is not None]
         assert [(e.row, e.prompt, e.response) for e in got] == \
             [(i, rows[i]["prompt"], rows[i]["response"]) for i in range(start, end)]
 
@@ -179,7 +179,7 @@ def test_processes_split_every_file_and_read_only_their_share(tmp_path, world):
     files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(101 + 50 * i, seed=i)) for i in range(2)]
     shares = []
     for rank in range(world):
-        stream = ExampleStream(files, COLS, seed=7, buffer_size=20, rank=rank, world_size=world)
+        stream = ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=20), rank=rank, world_size=world)
         shares.append(_drain(stream))
         assert stream.rows_read <= (101 + 151) // world + 2
     everything = sorted((f, r) for f, n in enumerate([101, 151]) for r in range(n))
@@ -195,7 +195,7 @@ def test_the_stream_knows_its_epoch_is_over_without_reading_on(tmp_path, buffer_
     indexes = [index_file(f) for f in files]
     assert largest_share(indexes, 1) == 21 and largest_share(indexes, 2) == 14 and largest_share(indexes, 4) == 7
     for rank in range(2):
-        stream = ExampleStream(files, COLS, seed=7, buffer_size=buffer_size, rank=rank, world_size=2)
+        stream = ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=buffer_size), rank=rank, world_size=2)
         share = 7 if rank == 0 else 14
         seen = []
         for example in stream.iter_epoch():
@@ -220,7 +220,7 @@ def test_the_epoch_ends_with_its_last_usable_row_when_bad_rows_follow_it(tmp_pat
              write_rows(tmp_path / "c.jsonl", bad)]
     for rank, world in [(0, 1), (0, 2), (1, 2)]:
         def stream(rank=rank, world=world):
-            return ExampleStream(files, COLS, seed=3, buffer_size=buffer_size, rank=rank, world_size=world)
+            return ExampleStream(files, StreamSpec(COLS, seed=3, buffer_size=buffer_size), rank=rank, world_size=world)
 
         whole = _drain(stream())
         share = len(whole)
@@ -273,7 +273,7 @@ def _drain(stream, limit=None):
 
 def test_shuffle_covers_every_row_once_per_epoch_and_changes_order(tmp_path):
     files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(97, seed=i)) for i in range(3)]
-    stream = ExampleStream(files, COLS, seed=7, buffer_size=50)
+    stream = ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=50))
     first, second = _drain(stream), _drain(stream)
     everything = sorted((f, r) for f in range(3) for r in range(97))
     assert sorted(first) == everything and sorted(second) == everything
@@ -284,11 +284,11 @@ def test_shuffle_covers_every_row_once_per_epoch_and_changes_order(tmp_path):
 @pytest.mark.parametrize("cut", [1, 49, 50, 150, 290])
 def test_stream_state_resumes_exactly_including_the_shuffle_buffer(tmp_path, cut):
     files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(97, seed=i)) for i in range(3)]
-    straight = _drain(ExampleStream(files, COLS, seed=7, buffer_size=50))
-    stream = ExampleStream(files, COLS, seed=7, buffer_size=50)
+    straight = _drain(ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=50)))
+    stream = ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=50))
     head = _drain(stream, limit=cut)
     state = stream.state_dict()
-    resumed = ExampleStream(files, COLS, seed=7, buffer_size=50)
+    resumed = ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=50))
     resumed.load_state_dict(state)
     assert head + _drain(resumed) == straight
 
@@ -303,7 +303,7 @@ def test_a_byte_bounded_shuffle_buffer_holds_long_rows_few_at_a_time_and_resumes
     bound, most = 64_000, max(example_bytes(Example(r["prompt"], "y", 0, 0)) for r in rows)
 
     def stream():
-        return ExampleStream(files, COLS, seed=7, buffer_size=50, buffer_bytes=bound)
+        return ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=50, buffer_bytes=bound))
 
     watched, held = stream(), []
     for _ in watched.iter_epoch():
@@ -312,7 +312,7 @@ def test_a_byte_bounded_shuffle_buffer_holds_long_rows_few_at_a_time_and_resumes
     assert sorted(straight) == sorted((f, r) for f, n in ((0, 120), (1, 97)) for r in range(n))
     assert max(b for _, b in held) <= bound + most and min(n for n, _ in held[:150]) < 10  # long rows: a few
     assert max(n for n, _ in held) == 50  # short rows: the rows' bound
-    assert _drain(ExampleStream(files, COLS, seed=7, buffer_size=50)) != straight
+    assert _drain(ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=50))) != straight
     first = stream()
     head = _drain(first, limit=cut)
     resumed = stream()
@@ -334,10 +334,10 @@ def test_a_byte_bounded_buffer_of_token_ids_resumes_exactly_through_a_saved_chec
     files = [write_rows(tmp_path / "prepared.parquet", rows)]
 
     def stream():
-        return ExampleStream(files, TOKEN_COLUMNS, seed=7, buffer_size=50, buffer_bytes=400_000)
+        return ExampleStream(files, StreamSpec(TOKEN_COLUMNS, seed=7, buffer_size=50, buffer_bytes=400_000))
 
     straight = _drain(stream())
-    assert straight != _drain(ExampleStream(files, TOKEN_COLUMNS, seed=7, buffer_size=50))  # the bound binds
+    assert straight != _drain(ExampleStream(files, StreamSpec(TOKEN_COLUMNS, 7, 50)))  # the bound binds
     for cut in (1, 40, 90):
         first = stream()
         head = _drain(first, limit=cut)
@@ -361,7 +361,7 @@ def test_a_raw_text_document_counts_once_against_the_bound(tmp_path):
     path = write_rows(tmp_path / "docs.jsonl", docs)
 
     def most_held(columns):
-        stream, held = ExampleStream([path], columns, seed=7, buffer_size=50, buffer_bytes=100_000), []
+        stream, held = ExampleStream([path], StreamSpec(columns, seed=7, buffer_size=50, buffer_bytes=100_000)), []
         for _ in stream.iter_epoch():
             held.append(len(stream.buffer))
         return max(held)
@@ -372,8 +372,8 @@ def test_a_raw_text_document_counts_once_against_the_bound(tmp_path):
 def test_a_byte_bound_that_never_binds_keeps_the_rows_bounds_order(tmp_path):
     """Short rows under the default bound shuffle exactly as before the bound existed (runs resume alike)."""
     files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(97, seed=i)) for i in range(3)]
-    plain = ExampleStream(files, COLS, seed=7, buffer_size=50)
-    bounded = ExampleStream(files, COLS, seed=7, buffer_size=50, buffer_bytes=64 * 2**20)
+    plain = ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=50))
+    bounded = ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=50, buffer_bytes=64 * 2**20))
     assert _drain(bounded) == _drain(plain) and _drain(bounded) == _drain(plain)  # two epochs
 
 
@@ -415,7 +415,7 @@ def test_held_out_eval_rows_are_cut_from_the_end_and_never_streamed(tmp_path):
     for world in (1, 2):
         streamed = []
         for rank in range(world):
-            stream = ExampleStream(files, COLS, seed=3, buffer_size=16, rank=rank, world_size=world, indexes=kept)
+            stream = ExampleStream(files, StreamSpec(COLS, seed=3, buffer_size=16), rank, world, indexes=kept)
             streamed += _drain(stream)
         assert len(streamed) == len(set(streamed)) == 142 - 14
         assert set(streamed) | held == {(n, r) for n, size in enumerate(sizes.values()) for r in range(size)}
@@ -486,19 +486,19 @@ def test_folders_skip_hidden_entries_follow_links_and_refuse_the_run_inside(tmp_
 
 def test_a_stream_refuses_a_position_taken_on_other_files_and_a_file_that_shrank(tmp_path):
     files = [write_rows(tmp_path / f"f{i}.jsonl", synthetic_rows(30, seed=i)) for i in range(2)]
-    stream = ExampleStream(files, COLS, seed=7, buffer_size=5)
+    stream = ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=5))
     _drain(stream, limit=10)
     state = stream.state_dict()
     added = files + [write_rows(tmp_path / "f2.jsonl", synthetic_rows(5))]
     with pytest.raises(UserError, match=r"changed since the checkpoint \(added f2.jsonl\)"):
-        ExampleStream(added, COLS, seed=7, buffer_size=5).load_state_dict(state)
+        ExampleStream(added, StreamSpec(COLS, seed=7, buffer_size=5)).load_state_dict(state)
     write_rows(files[0], synthetic_rows(31))
     with pytest.raises(UserError, match=r"f0.jsonl has 31 training rows, had 30"):
-        ExampleStream(files, COLS, seed=7, buffer_size=5).load_state_dict(state)
+        ExampleStream(files, StreamSpec(COLS, seed=7, buffer_size=5)).load_state_dict(state)
     moved = [write_rows(tmp_path / "moved" / f"f{i}.jsonl", synthetic_rows(30, seed=i)) for i in range(2)]
-    ExampleStream(moved, COLS, seed=7, buffer_size=5).load_state_dict(state)  # same names and rows: resumes
+    ExampleStream(moved, StreamSpec(COLS, seed=7, buffer_size=5)).load_state_dict(state)  # same names and rows: resumes
 
-    stream = ExampleStream(files[1:], COLS, seed=7, buffer_size=0)
+    stream = ExampleStream(files[1:], StreamSpec(COLS, seed=7, buffer_size=0))
     write_rows(files[1], synthetic_rows(12))  # rewritten shorter after the run indexed it
     with pytest.raises(UserError, match=r"f1.jsonl ended at row 12 of the 30 .* changed during training"):
         _drain(stream)

@@ -111,7 +111,7 @@ def test_the_eval_loss_does_not_depend_on_which_rows_generate(tmp_path, tokenize
     cfg = load_config(dict(train_file=str(train), output_dir=str(tmp_path / "run"), max_eval_samples=10,
                            eval_batch_size=3, max_target_len=8, dropout_rate=0.0))[0]
     objective = objective_for(cfg)
-    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer)
     torch.manual_seed(0)
     model = build_model(cfg, tokenizer).eval()
     acc = Accelerator(cpu=True)

@@ -15,7 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from data.collate import pad
-from data.packing import packed_window
+from data.packing import PackingCollator
 from lowmem.cli.flags import load_config
 from lowmem.model.build import ready_to_train, untie_head
 from lowmem.model.loss import batch_to_device, token_loss_sum
@@ -136,11 +136,11 @@ def test_a_batch_from_the_encoder_cache_runs_no_encoder(mode):
 
 
 @pytest.mark.parametrize("mode", ["full gated-gelu untied", "freeze=encoder", "lora q,v freeze=none"])
-def test_packed_rows(mode):
+def test_packed_rows(mode, tokenizer):
     feed_forward, tied, flags = MODES[mode]
     model, frozen = ready(tiny_t5(feed_forward, tied), **flags)
     sources, targets = token_rows([5, 9, 3, 12, 7, 4], 4), token_rows([6, 2, 8, 3, 5, 9], 5)
-    batch = packed_window(sources, targets, (24, 20), 0, batch_size=4)[0]
+    batch = PackingCollator(tokenizer, 24, 20).packed_window(sources, targets, batch_size=4)[0]
     assert batch["source_segments"].amax(dim=1).gt(1).any()  # several examples to a row
     assert relative_error(model, batch, frozen) < 1e-9
     if frozen:  # the frozen encoder runs each example alone: its terms are the examples' lengths

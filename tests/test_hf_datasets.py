@@ -18,10 +18,11 @@ from conftest import metrics, synthetic_rows
 from test_resume import assert_same_training
 
 from data.objectives.base import objective_for
-from data.pipeline import build_data, check_data
+from data.pipeline import DataProcess, build_data, check_data
 from data.sources.corpus import resolve_files
 from data.sources.hf_datasets import dataset_ref
 from data.streams.dataset_stream import DatasetStream
+from data.streams.file_stream import StreamSpec
 from lowmem.cli.flags import load_config
 from lowmem.utils.errors import UserError
 
@@ -83,8 +84,7 @@ def read_all(stream: DatasetStream, epochs: int = 2, cut: int | None = None) -> 
                 buffer = io.BytesIO()
                 torch.save(stream.state_dict(), buffer)
                 buffer.seek(0)
-                resumed = DatasetStream(stream.source, stream.columns, 3, stream.buffer_size, stream.rank,
-                                        stream.world_size, stream.skip)
+                resumed = DatasetStream(stream.source, stream.spec, stream.rank, stream.world_size, stream.skip)
                 resumed.load_state_dict(torch.load(buffer, weights_only=True))
                 return out + read_all(resumed, epochs)
     return out
@@ -115,13 +115,14 @@ def test_stream_resumes_exactly_anywhere_and_processes_share_disjointly(tmp_path
     for world, skip in ((1, 0), (2, 0), (2, 3), (3, 3)):
         seen = []
         for rank in range(world):
-            full = read_all(DatasetStream(source, PAIRS, 3, 8, rank, world, skip))
+            full = read_all(DatasetStream(source, StreamSpec(PAIRS, 3, 8), rank, world, skip))
             assert [e for e, _, _ in full].count(0) == [e for e, _, _ in full].count(1)  # the same rows each epoch
             for cut in (1, 9, len(full) // 2 + 1, len(full) - 1):  # in the buffer's fill, mid-epoch, at its end
-                assert read_all(DatasetStream(source, PAIRS, 3, 8, rank, world, skip), cut=cut) == full
+                assert read_all(DatasetStream(source, StreamSpec(PAIRS, 3, 8), rank, world, skip), cut=cut) == full
             seen += [row for epoch, row, _ in full if epoch == 0]
         assert sorted(seen) == list(range(skip, rows)), (world, skip)  # disjoint, all of them, never the held rows
-    strategies = {(w, s): DatasetStream(source, PAIRS, 3, 8, 0, w, s).share_of.strategy for w, s in ((2, 0), (2, 3))}
+    strategies = {(w, s): DatasetStream(source, StreamSpec(PAIRS, 3, 8), 0, w, s).share_of.strategy
+                  for w, s in ((2, 0), (2, 3))}
     # saved: one contiguous shard per process; streamed: 2 shards divide by 2, but held-out rows at the start
     # are skipped across shards only when every process reads the whole stream (one row in 2 each)
     assert strategies == ({(2, 0): "shards", (2, 3): "shards"} if kind == "saved"
@@ -132,7 +133,7 @@ def test_eval_set_comes_from_the_validation_split_or_the_first_rows(tmp_path, to
     def data_of(train_file, **flags):
         cfg, _ = load_config({"train_file": str(train_file), "max_eval_samples": 4, **flags})
         objective = objective_for(cfg)
-        return build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
+        return build_data(cfg, check_data(cfg, objective), tokenizer, DataProcess(report=lambda _: None))
 
     held = data_of(save_pairs(tmp_path / "saved", n=60))
     assert held.held_out_rows == 4 and held.rows == 56 and "first 4 rows" in held.eval_source

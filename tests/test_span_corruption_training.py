@@ -14,7 +14,7 @@ from test_resume import assert_same_training
 from config import SHIPPED_TOKENIZER_DIR
 from data.objectives import span_noise
 from data.objectives.base import objective_for
-from data.pipeline import build_data, check_data
+from data.pipeline import DataProcess, build_data, check_data
 from data.preview import preview_examples
 from data.tokenization import load_tokenizer
 from lowmem.cli.flags import load_config
@@ -91,7 +91,7 @@ def test_each_chunk_names_every_document_it_holds_tokens_of(tmp_path):
     cfg, _ = load_config({"objective": "span_corruption", "train_file": str(txt), "shuffle_buffer_size": 0,
                           "eval_file": str(txt), "max_eval_samples": 1})
     objective = objective_for(cfg)
-    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, DataProcess(report=lambda _: None))
     chunks = list(data.stream.iter_epoch())
     lengths = [len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1 for d in documents(60)]  # + EOS
     raw = span_noise.corrupted_lengths(128)[0]
@@ -112,7 +112,7 @@ def test_a_long_document_is_packed_a_slice_at_a_time_and_resumes_mid_document(tm
     cfg, _ = load_config({"objective": "span_corruption", "train_file": str(jsonl), "shuffle_buffer_size": 0,
                           "eval_file": str(jsonl), "max_eval_samples": 1})
     objective = objective_for(cfg)
-    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, DataProcess(report=lambda _: None))
 
     def plain():
         stream = data.fresh_stream()
@@ -145,7 +145,7 @@ def test_an_epoch_of_packed_chunks_is_counted_or_estimated_without_max_steps(tmp
     cfg, _ = load_config({"objective": "span_corruption", "train_file": str(txt), "batch_size": 2,
                           "gradient_accumulation_steps": 4, "epochs": 2, "max_eval_samples": 1})
     objective = objective_for(cfg)
-    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, DataProcess(report=lambda _: None))
     stream = data.fresh_stream()
     chunks, second = (sum(1 for _ in stream.iter_epoch()) for _epoch in range(2))
     per_epoch, total = data.steps(cfg)
@@ -171,7 +171,7 @@ def test_an_epochs_estimate_takes_each_files_own_document_length(tmp_path):
     cfg, _ = load_config({"objective": "span_corruption", "train_file": str(folder), "batch_size": 2,
                           "gradient_accumulation_steps": 4, "max_eval_samples": 1})
     objective = objective_for(cfg)
-    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective, report=lambda _: None)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer, DataProcess(report=lambda _: None))
     chunks = sum(1 for _ in data.fresh_stream().iter_epoch())
     tokens, how = data.epoch_tokens
     assert how.startswith("estimated from") and abs(tokens[0] / span_noise.corrupted_lengths(128)[0] / chunks

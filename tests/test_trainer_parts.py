@@ -13,7 +13,7 @@ from conftest import REPO, synthetic_rows, write_rows
 
 from data.objectives.base import objective_for
 from data.objectives.pairs import PairsObjective
-from data.pipeline import build_data, check_data
+from data.pipeline import DataProcess, build_data, check_data
 from data.sources.readers import TOKEN_COLUMNS
 from lowmem.cli.flags import load_config
 from lowmem.monitoring.telemetry import IntervalMeter, Telemetry
@@ -42,7 +42,7 @@ def test_build_data_holds_out_the_eval_rows_and_its_replay_is_the_stream(tmp_pat
     objective = objective_for(cfg)
     files = check_data(cfg, objective)
     assert files.eval == [] and files.prepared is None and files.columns == ("prompt", "response")
-    data = build_data(cfg, files, tokenizer, objective=objective)
+    data = build_data(cfg, files, tokenizer)
     # 200 rows, 10 held out (no --eval_file): never in the training stream
     assert (data.rows, data.held_out_rows, len(data.eval_examples)) == (190, 10, 10)
     trained = list(data.stream.iter_epoch())
@@ -56,7 +56,7 @@ def test_build_data_holds_out_the_eval_rows_and_its_replay_is_the_stream(tmp_pat
 def test_each_process_gets_its_own_share_and_the_objective_makes_the_batches(tmp_path, tokenizer):
     cfg = config(tmp_path)
     files = check_data(cfg, objective_for(cfg))
-    shares = [build_data(cfg, files, tokenizer, rank, 2, objective=objective_for(cfg)) for rank in (0, 1)]
+    shares = [build_data(cfg, files, tokenizer, DataProcess(rank, 2)) for rank in (0, 1)]
     rows = [{e.row for e in d.stream.iter_epoch()} for d in shares]
     assert rows[0].isdisjoint(rows[1]) and rows[0] | rows[1] == set(range(190))
     batch = shares[0].collator(shares[0].eval_examples[:3])
@@ -145,7 +145,7 @@ def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path,
 
     cfg = config(tmp_path, model_preset="tiny", optimizer="adamw")
     objective = objective_for(cfg)
-    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer)
     acc, state = accelerator(), State()
     telemetry = Telemetry(state)
     telemetry.attach(acc)
@@ -174,7 +174,7 @@ def test_checkpointer_restores_weights_optimizer_data_position_and_rng(tmp_path,
     expected_next = [e.row for e in data.stream.iter_epoch()][:5]
     expected_random = random.random()
 
-    fresh = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective)
+    fresh = build_data(cfg, check_data(cfg, objective), tokenizer)
     other = parts(1)
     random.seed(99)
     trainer_state, interval = Checkpointer(RunFolder(tmp_path / "run"), acc, telemetry).load(
@@ -198,7 +198,7 @@ def test_evaluate_and_generate_take_a_model_and_a_tokenizer(tmp_path, tokenizer)
 
     cfg = config(tmp_path, model_preset="tiny", eval_batch_size=3, max_new_tokens=5)
     objective = objective_for(cfg)
-    data = build_data(cfg, check_data(cfg, objective), tokenizer, objective=objective)
+    data = build_data(cfg, check_data(cfg, objective), tokenizer)
     torch.manual_seed(0)
     model = build_model(cfg, tokenizer).eval()
     acc = accelerator()

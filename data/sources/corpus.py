@@ -293,15 +293,16 @@ def row_place(kind: str, row: int) -> str:
     return f"line {row + 1}" if kind == "jsonl" else f"row {row + 1}"
 
 
-def iter_rows(path: Path, file_index: int, columns: tuple[str, str], start_row: int = 0,
-              end_row: int | None = None, index: FileIndex | None = None,
-              problems: DataProblems | None = None) -> Iterator[Example | None]:
-    """Stream rows ``start_row`` ≤ row < ``end_row`` of one file (seeking, not reading, to the start).
+def iter_rows(path: Path, file_index: int, columns: tuple[str, str], rows: tuple[int, int | None] = (0, None),
+              index: FileIndex | None = None, problems: DataProblems | None = None) -> Iterator[Example | None]:
+    """Stream rows ``start`` ≤ row < ``end`` (``rows``; an end of None: to the end) of one file (seeking, not
+    reading, to the start).
 
     Yields an ``Example`` per usable row and ``None`` for a bad row (counted in ``problems``), so
     the caller keeps an exact row position either way. Only a start past the first row needs the
     file's index (built here when not given); reading from the start makes no pass over it first.
     """
+    start_row, end_row = rows
     if index is None and start_row:
         index = index_file(path)
     kind = index.kind if index is not None else file_kind(path)

@@ -54,7 +54,7 @@ def read_ranges(files: list[Path], ranges: list[tuple[int, int, int]], columns: 
                 indexes: list[FileIndex], problems: DataProblems | None = None) -> list[Example]:
     """The usable examples of ``(file, start row, end row)`` ranges (bad rows counted in ``problems``)."""
     return [item for n, start, end in ranges
-            for item in iter_rows(files[n], n, columns, start, end, indexes[n], problems) if item is not None]
+            for item in iter_rows(files[n], n, columns, (start, end), indexes[n], problems) if item is not None]
 
 
 def eval_files_of(cfg, train_files: list[Path]) -> list[Path]:
@@ -126,7 +126,7 @@ def dataset_eval_split(cfg, eval_files: list[Path], source: DatasetRef,
             raise UserError(f"{cfg.eval_file or f'the {split} split of --train_file={cfg.train_file}'} holds no "
                             "usable rows; pass --eval_file")
         return examples, [index], 0
-    examples = [e for e in iter_rows(source, 0, columns, 0, held, None, problems) if e is not None]
+    examples = [e for e in iter_rows(source, 0, columns, (0, held), None, problems) if e is not None]
     if not examples:
         raise UserError(f"--train_file={cfg.train_file}: the {held} row(s) it would hold out for evaluation (its "
                         f"first, {HOLD_OUT_AT_MOST:.0%} of its rows at most) are none or all bad; pass --eval_file")

@@ -20,7 +20,7 @@ from pathlib import Path
 from data.sources.corpus import DataProblems, Example
 from data.sources.hf_datasets import DatasetRef, process_share, row_count, split_name
 from data.sources.readers import row_problem
-from data.streams.file_stream import through_buffer
+from data.streams.file_stream import StreamSpec, through_buffer
 from lowmem.utils.errors import UserError
 
 UNKNOWN_ROWS_FLOOR = 1000  # --max_bad_rows_fraction of an unknown row count: of the rows read, at least this many
@@ -31,21 +31,20 @@ class DatasetStream:
 
     Args:
         source: the dataset (``DatasetRef``; its split is the training split).
-        columns: (prompt column, response column), or the one raw-text column.
-        seed: seeds the shuffle buffer.
-        buffer_size: rows held for shuffling; 0 streams in the dataset's order (one row held ahead).
-        buffer_bytes: the most text the shuffle buffer holds (0: no bound; ``through_buffer``).
+        spec: the columns read, the seed of the shuffle buffer and its bounds (``StreamSpec``; a buffer of 0 rows
+            streams in the dataset's order, one row held ahead).
         rank, world_size: this process's disjoint share (``process_share``).
         skip: rows at the start of the split that are not trained on (the eval set held out there).
         problems: counts the bad rows of the first epoch (later epochs read the same rows again).
     """
 
-    def __init__(self, source: DatasetRef, columns: tuple[str, ...], seed: int, buffer_size: int, rank: int = 0,
-                 world_size: int = 1, skip: int = 0, problems: DataProblems | None = None, buffer_bytes: int = 0):
+    def __init__(self, source: DatasetRef, spec: StreamSpec, rank: int = 0, world_size: int = 1, skip: int = 0,
+                 problems: DataProblems | None = None):
         self.source = source
         self.files = [source]  # the run's one "file": the consumed log and the preview name it
-        self.columns = tuple(columns)
-        self.buffer_size, self.buffer_bytes = buffer_size, buffer_bytes
+        self.spec = spec
+        self.columns = tuple(spec.columns)
+        self.buffer_size, self.buffer_bytes = spec.buffer_size, spec.buffer_bytes
         self.rank, self.world_size = rank, world_size
         self.skip = skip
         self.share_of = process_share(source, skip, rank, world_size)
@@ -58,7 +57,7 @@ class DatasetStream:
         self.dataset_state: dict | None = None  # the dataset's state_dict() after the last row read
         self.rows_read = 0  # rows of the first epoch read by this process, bad ones included
         self.buffer: list[Example] = []
-        self.rng = random.Random(seed)
+        self.rng = random.Random(spec.seed)
 
     @property
     def total_rows(self) -> int:

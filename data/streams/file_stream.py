@@ -12,6 +12,7 @@ import math
 import random
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from data.sources.corpus import DataProblems, Example, iter_rows
@@ -22,15 +23,30 @@ _ASTRAL = re.compile("[\U00010000-\U0010ffff]")  # a character Python stores in 
 _TWO_BYTES = re.compile("[\u0100-\uffff]")
 
 
+@dataclass(frozen=True)
+class StreamSpec:
+    """What a training stream reads of each row, and how it shuffles the rows (``ExampleStream``,
+    ``data.streams.dataset_stream.DatasetStream``).
+
+    Args:
+        columns: (prompt column, response column), or the one raw-text column.
+        seed: seeds the per-epoch file order and the shuffle buffer.
+        buffer_size: rows held for shuffling; 0 streams in order (one row held ahead). Bounds host RAM.
+        buffer_bytes: the most text the shuffle buffer holds (0: no bound; ``through_buffer``).
+    """
+
+    columns: tuple[str, ...]
+    seed: int = 0
+    buffer_size: int = 0
+    buffer_bytes: int = 0
+
+
 class ExampleStream:
     """Resumable stream of ``Example`` over epochs.
 
     Args:
         files: data files, in their canonical (sorted) order.
-        columns: (prompt column, response column).
-        seed: seeds the per-epoch file order and the shuffle buffer.
-        buffer_size: rows held for shuffling; 0 streams in file order (one row held ahead). Bounds host RAM.
-        buffer_bytes: the most text the shuffle buffer holds (0: no bound; ``through_buffer``).
+        spec: the columns read, the seed and the shuffle buffer's bounds (``StreamSpec``).
         rank, world_size: this process's share: the rank-th of world_size contiguous row ranges of
             every file. Each row goes to exactly one process per epoch, shares differ by at most one
             row per file, and a process seeks to its range instead of reading the rows before it.
@@ -39,13 +55,13 @@ class ExampleStream:
         problems: counts the bad rows of the first epoch (later epochs read the same rows again).
     """
 
-    def __init__(self, files: list[Path], columns: tuple[str, str], seed: int, buffer_size: int,
-                 rank: int = 0, world_size: int = 1, indexes: list[FileIndex] | None = None,
-                 problems: DataProblems | None = None, buffer_bytes: int = 0):
+    def __init__(self, files: list[Path], spec: StreamSpec, rank: int = 0, world_size: int = 1,
+                 indexes: list[FileIndex] | None = None, problems: DataProblems | None = None):
         self.files = list(files)
-        self.columns = columns
-        self.seed = seed
-        self.buffer_size, self.buffer_bytes = buffer_size, buffer_bytes
+        self.spec = spec
+        self.columns = spec.columns
+        self.seed = spec.seed
+        self.buffer_size, self.buffer_bytes = spec.buffer_size, spec.buffer_bytes
         self.rank, self.world_size = rank, world_size
         self.indexes = indexes if indexes is not None else [index_file(f) for f in self.files]
         self.total_rows = sum(i.rows for i in self.indexes)
@@ -55,7 +71,7 @@ class ExampleStream:
         self.row_pos = 0  # next unread row of that file (0 = the start of this process's range)
         self.rows_read = 0  # rows of the first epoch read by this process, bad ones included
         self.buffer: list[Example] = []
-        self.rng = random.Random(seed)
+        self.rng = random.Random(spec.seed)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -137,8 +153,8 @@ class ExampleStream:
             start, end = self.share(index)
             problems = self.problems if self.epoch == 0 else None
             self.row_pos = max(self.row_pos, start)
-            for item in iter_rows(self.files[index], index, self.columns, self.row_pos, end,
-                                  self.indexes[index], problems):
+            for item in iter_rows(self.files[index], index, self.columns, (self.row_pos, end), self.indexes[index],
+                                  problems):
                 self.row_pos += 1  # before yielding: the state then describes what remains
                 self.rows_read += self.epoch == 0
                 if item is not None:

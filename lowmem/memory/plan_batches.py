@@ -31,7 +31,7 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
     from data.streams.file_stream import batched, example_bytes, example_parts
 
     files, columns = data.files.train, data.files.columns
-    items = (item for index, path in enumerate(files) for item in iter_rows(path, index, columns, 0, rows)
+    items = (item for index, path in enumerate(files) for item in iter_rows(path, index, columns, (0, rows))
              if item is not None)
     s, t, held, text_bytes = [], [], [], []  # what each row costs the shuffle buffer; its text in the file
     packed = bool(data.objective.chunk_length)  # examples (the eval set's too) are packed chunks, not rows

@@ -168,10 +168,12 @@ def plan_data(cfg: TrainConfig, tokenizer, num_processes: int):
     """The ``data.pipeline.TrainData`` of the run's first process, from the data entry point the trainer
     reads through (the ``plan`` command predicts from its lengths: ``run_lengths``)."""
     from data.objectives.base import objective_for
-    from data.pipeline import build_data, check_data
+    from data.pipeline import DataProcess, build_data, check_data
 
-    objective = objective_for(cfg)
     # As the trainer: without --eval_file the eval set is the training files' last rows, never trained on.
     # Notes go to stderr: `plan --json` prints one JSON object on stdout.
-    return build_data(cfg, check_data(cfg, objective), tokenizer, 0, num_processes, objective=objective,
-                      report=lambda line: print(line, file=sys.stderr), warn=lambda line: print(line, file=sys.stderr))
+    def note(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    return build_data(cfg, check_data(cfg, objective_for(cfg)), tokenizer, DataProcess(0, num_processes, report=note,
+                                                                                       warn=note))

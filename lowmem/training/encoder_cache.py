@@ -192,7 +192,7 @@ def build(folder: Path, share: CacheShare, encode, d_model: int, dtype: str, pro
     with open_own(folder / f"rows-rank{rank}.bin", "wb") as rows_out, \
             open_own(folder / f"states-rank{rank}.bin", "wb") as states_out:
         for file_index, (path, index, (start, end)) in enumerate(zip(share.files, share.indexes, share.shares)):
-            items = iter_rows(path, file_index, columns, start, end, index)
+            items = iter_rows(path, file_index, columns, (start, end), index)
             for chunk in batched(items, BUILD_CHUNK):
                 good = [e for e in chunk if e is not None]
                 spans = {}  # row -> (offset, length, checksum); bad rows (None) get none
