@@ -144,7 +144,7 @@ def plan(config: str | None = None, **flags) -> None:
     """Predicted peak memory by component (--json: one JSON object); --budget_gb=X --device=cpu|gpu
     recommends the fastest modes that fit (exit code 1 when nothing does); --num_processes=N
     [--num_machines=M] plans N processes, --sharding=fsdp|zero2|zero3 one process of a sharded run."""
-    from lowmem.cli.plan_command import plan_command
+    from lowmem.cli.plan_command import PlanFlags, plan_command
     from lowmem.parallel.engines import engine_for_launch
 
     as_json = to_bool("json", flags.pop("json", False))
@@ -158,7 +158,7 @@ def plan(config: str | None = None, **flags) -> None:
     if int(os.environ.get("RANK", 0)) != 0:
         return
     say_notes(notes + unread_flag_notes("plan", flags), sys.stderr)
-    result = plan_command(cfg, as_json, budget_gb, device, num_processes, num_machines, sharding)
+    result = plan_command(cfg, PlanFlags(as_json, budget_gb, device, num_processes, num_machines, sharding))
     if budget_gb is not None and result["recommendation"] is None:
         sys.exit(1)  # scripts can test it: `plan --budget_gb=X ... && train ...`
 

@@ -30,6 +30,7 @@ from lowmem.hardware.memory_use import free_memory
 from lowmem.hardware.precision import Precision, precision_for
 from lowmem.memory.batch_budget import batch_request, size_run
 from lowmem.memory.collector import freeze_long_lived, imports_done, thaw_long_lived
+from lowmem.memory.plan_sizes import Placement
 from lowmem.memory.run_memory import MemoryStop, peak_against_plan, plan_run
 from lowmem.model.adapters import adapter_export
 from lowmem.model.build import check_init_from, ready_to_train
@@ -130,10 +131,10 @@ class LowMemTrainer:
             indexes_from_main(self.accelerator, self.files.train), report=self.say, warn=self.warn),
             pad_multiple=train_padding(cfg, self.shape_multiple))  # (--torch_compile: buckets)
         self.batch_request = batch_request(cfg)  # the sizes used, from here on in the config (memory.batch_budget)
-        sizes = size_run(cfg, self.data, self.accelerator, len(self.tokenizer), self.engine, resume_dir, self.say)
+        sizes = size_run(cfg, self.data, self.accelerator, self.engine, resume_dir, self.say)
         cfg = self.cfg = self.telemetry.resolved(replace(cfg, **sizes.flags()))  # planned before the model exists:
-        self.memory_plan = plan_run(cfg, self.data, "gpu" if self.accelerator.device.type == "cuda" else "cpu",
-                                    resume_dir is not None, self.engine.sharding, sizes.lengths, self.say)
+        self.memory_plan = plan_run(cfg, self.data, Placement.of(self.accelerator, self.engine.sharding),
+                                    resume_dir is not None, sizes.lengths, self.say)
         self.ctx = RunContext(cfg, self.accelerator, self.engine, self.precision, self.shape_multiple,
                               self.memory.guard)
         imports_done()  # before the weights: lowmem.memory.collector

@@ -21,6 +21,7 @@ from lowmem.cli import plan_command
 from lowmem.cli.flags import load_config
 from lowmem.memory import planner
 from lowmem.memory.batch_budget import choose
+from lowmem.memory.plan_sizes import Placement
 from lowmem.utils.presets import MEMORY_PROFILES, MODEL_PRESETS, gpu_profile_gib
 
 
@@ -43,11 +44,11 @@ def main() -> None:
                 def peak_mb(micro, accumulation, eval_batch, cfg=cfg, device=device):
                     trial = replace(cfg, batch_size=micro, gradient_accumulation_steps=accumulation,
                                     eval_batch_size=eval_batch)
-                    return planner.predict(trial, vocab, lengths, baseline, device)["gpu_peak_mb"]
+                    return planner.predict(trial, vocab, lengths, baseline, Placement(device))["gpu_peak_mb"]
 
                 sizes = choose(cfg, peak_mb, gib * 1024, f"{gib:g} GiB", 1, 100)
                 cfg = replace(cfg, **sizes.flags())
-            plan = planner.predict(cfg, vocab, lengths, baseline, device)
+            plan = planner.predict(cfg, vocab, lengths, baseline, Placement(device))
             sizes = f" ({cfg.batch_size} x {cfg.gradient_accumulation_steps})"
             if device == "cpu":
                 cells[preset] = f"{plan['host_peak_mb'] / 1024:.1f} GB host{sizes}"

@@ -17,6 +17,7 @@ from data.sources.eval_set import take_examples
 from lowmem.cli.flags import load_config
 from lowmem.memory import planner
 from lowmem.memory.batch_budget import size_batches
+from lowmem.memory.plan_sizes import Placement
 
 
 def weights(trainer) -> torch.Tensor:
@@ -79,7 +80,7 @@ def test_a_request_that_would_not_fit_is_lowered_with_one_line_and_auto_fills_th
 
     def sized(budget_mb, **flags):
         trial, _ = load_config({"max_eval_samples": 32, **flags})
-        return size_batches(trial, data, len(tokenizer), baseline, "cpu", 1, budget_mb=budget_mb)
+        return size_batches(trial, data, baseline, Placement("cpu", 1), budget_mb=budget_mb)
 
     roomy = sized(1e6, batch_size=16, gradient_accumulation_steps=2)
     assert (roomy.micro, roomy.accumulation, roomy.notes) == (16, 2, [])

@@ -11,6 +11,7 @@ import torch
 from lowmem.hardware import cpu_probe, probe
 from lowmem.hardware.capability import DTYPES, SLOW_FACTOR, Capability
 from lowmem.hardware.gpu_peaks import datasheet_peaks, fast_half
+from lowmem.memory.plan_sizes import Placement
 
 SLOW_BF16 = Capability("cpu", "a CPU with AVX2 only", {"float32": 1e11, "bfloat16": 1e9, "float16": 1e9}, "measured")
 FAST_BF16 = Capability("cpu", "a CPU with AMX", {"float32": 1e11, "bfloat16": 4e11, "float16": 1e9}, "measured")
@@ -206,7 +207,7 @@ def test_plan_never_recommends_computing_in_a_dtype_this_gpu_runs_slowly(tmp_pat
     found = Capability("cuda", "a GPU", {"float32": 1e13, **half}, "datasheet")
     monkeypatch.setattr(probe, "_KNOWN", {"cuda": found})
     cfg, lengths = planned_run(tmp_path)
-    flags = plan_command.recommend(cfg, 80, "gpu", 8000, lengths, 300.0)["flags"]
+    flags = plan_command.recommend(cfg, 80, Placement("gpu"), 8000, lengths, plan_command.Baseline(300.0))["flags"]
     assert flags["mixed_precision"] == expected
     assert flags["frozen_dtype"] != "bfloat16" or expected == "bf16"
 
@@ -226,7 +227,8 @@ def test_the_planners_step_time_of_a_slow_dtype_is_its_measured_factor(tmp_path,
     # on the CPU the search never takes autocast: every recommendation computes in float32
     lengths = {"max_source": 64, "max_target": 64, "mean_source": 40, "row_bytes": 300, "rows": 100,
                "pairs": [(64, 64)] * 100}
-    assert plan_command.recommend(cfg, 64, "cpu", 8000, lengths, 300.0)["flags"]["mixed_precision"] == "no"
+    rec = plan_command.recommend(cfg, 64, Placement("cpu"), 8000, lengths, plan_command.Baseline(300.0))
+    assert rec["flags"]["mixed_precision"] == "no"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "no"])

@@ -439,11 +439,11 @@ def planned(device: str | None = "cpu", num_processes: int = 1, num_machines: in
     """What ``plan --json`` gives for ``flags``, planned in this process: for how the terms relate to one
     another. The CLI's start-up (~10 s a call) is paid where the command line itself is what is tested, and
     where a budget is: the framework baseline measured here is the test process's, not a fresh run's."""
-    from lowmem.cli.plan_command import plan_command
+    from lowmem.cli.plan_command import PlanFlags, plan_command
 
     cfg, _ = load_config(flags)
     with contextlib.redirect_stdout(io.StringIO()):
-        return plan_command(cfg, True, None, device, num_processes, num_machines, sharding)
+        return plan_command(cfg, PlanFlags(True, None, device, num_processes, num_machines, sharding))
 
 
 def test_plan_json_table_and_recommendation(tmp_path, run_cli):
@@ -510,6 +510,7 @@ def test_recommendation_of_equally_fast_modes_takes_the_one_needing_least_memory
 
     # with LoRA the base decoder is frozen too (the encoder cache already takes the encoder off the GPU)
     from lowmem.memory import planner
+    from lowmem.memory.plan_sizes import Placement
     cfg, _ = load_config({"is_finetune": True, "init_from": preset_shaped_model(tmp_path, "base"), "lora_r": 8})
     lengths = {"max_source": 128, "max_target": 128, "mean_source": 60, "row_bytes": 500, "rows": 1000,
                "pairs": [(128, 128)] * 1000}
@@ -517,16 +518,17 @@ def test_recommendation_of_equally_fast_modes_takes_the_one_needing_least_memory
     def peak(frozen_dtype):  # the leanest combination the search can reach
         lean = replace(cfg, gradient_checkpointing=True, mixed_precision="bf16", optimizer="adafactor", batch_size=1,
                        gradient_accumulation_steps=32, encoder_cache="auto", frozen_dtype=frozen_dtype)
-        return planner.predict(lean, 8000, lengths, 300.0, "gpu")["gpu_peak_mb"]
+        return planner.predict(lean, 8000, lengths, 300.0, Placement("gpu"))["gpu_peak_mb"]
 
     assert peak("bfloat16") < peak("float32") - 150  # the base decoder's matrices: 2 x ~100M bytes less
     # Under bf16 autocast the frozen matrices are cast to bf16 at every use: stored so they take half the
     # memory and compute the same. The encoder the cache parks on the host halves too.
-    roomy = plan_command.recommend(cfg, 80, "gpu", 8000, lengths, 300.0)
+    roomy = plan_command.recommend(cfg, 80, Placement("gpu"), 8000, lengths, plan_command.Baseline(300.0))
     assert roomy["flags"]["frozen_dtype"] == "bfloat16" and roomy["flags"]["encoder_cache"] == "auto"
     as_float32 = replace(cfg, **{**roomy["flags"], "frozen_dtype": "float32"})
-    assert roomy["host_peak_mb"] < planner.predict(as_float32, 8000, lengths, 300.0, "gpu")["host_peak_mb"] - 100
-    tight = plan_command.recommend(cfg, (peak("bfloat16") + peak("float32")) / 2 / 1024, "gpu", 8000, lengths, 300.0)
+    gpu, baseline = Placement("gpu"), plan_command.Baseline(300.0)
+    assert roomy["host_peak_mb"] < planner.predict(as_float32, 8000, lengths, 300.0, gpu)["host_peak_mb"] - 100
+    tight = plan_command.recommend(cfg, (peak("bfloat16") + peak("float32")) / 2 / 1024, gpu, 8000, lengths, baseline)
     assert tight["flags"]["frozen_dtype"] == "bfloat16" and tight["flags"]["mixed_precision"] == "bf16"
 
 
@@ -534,13 +536,15 @@ def test_recommendation_takes_the_encoder_cache_for_speed_only_when_rows_are_rea
     from dataclasses import replace
 
     from lowmem.cli import plan_command
+    from lowmem.memory.plan_sizes import Placement
 
     cfg, _ = load_config({"is_finetune": True, "init_from": preset_shaped_model(tmp_path, "small")})
     lengths = {"max_source": 64, "max_target": 64, "mean_source": 40, "row_bytes": 300, "rows": 3200,
                "pairs": [(64, 64)] * 1000}
 
     def cache(**changes):  # a roomy GPU: memory decides nothing, speed over the whole run does
-        rec = plan_command.recommend(replace(cfg, **changes), 80, "gpu", 8000, lengths, 300.0)
+        rec = plan_command.recommend(replace(cfg, **changes), 80, Placement("gpu"), 8000, lengths,
+                                     plan_command.Baseline(300.0))
         return rec["flags"]["encoder_cache"]
 
     # encoding every row once costs what the encoder takes in one epoch's steps: no gain in one pass
@@ -788,13 +792,14 @@ def test_trim_heap_returns_freed_memory():
 
 def test_the_shuffle_buffer_is_planned_at_most_as_large_as_the_corpus(tmp_path):
     from lowmem.memory import plan_batches, planner
+    from lowmem.memory.plan_sizes import Placement
 
     lengths = {"max_source": 50, "max_target": 20, "mean_source": 40, "row_bytes": 500, "rows": 1000,
                "pairs": [(40, 20)] * 1000}
 
     def buffers(rows, world=1, **flags):
         plan = planner.predict(load_config({"max_eval_samples": 1, **flags})[0], 8000,
-                               {**lengths, "rows": rows}, 300.0, world=world)
+                               {**lengths, "rows": rows}, 300.0, Placement(world=world))
         return plan["host_mb"]["data_buffers"]
 
     # 1,000 rows of 500 bytes (~1,400 bytes each in the buffer): a 100,000-row buffer holds 1,000

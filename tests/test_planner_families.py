@@ -138,13 +138,14 @@ def test_a_gated_feed_forward_saves_more_for_backward(family_models):
     cfg = config(family_models["flan"])
     gated = tensor_bytes.model_dims(cfg, 0)
     relu = {**gated, "gated": False}
-    act = {name: tensor_bytes.activation_bytes(cfg, dims, 40, 20) for name, dims in (("gated", gated), ("relu", relu))}
+    act = {name: tensor_bytes.activation_bytes(cfg, dims, (40, 20))
+           for name, dims in (("gated", gated), ("relu", relu))}
     # each token of each layer keeps wi_1's output, the activation's output and gelu_new's intermediates
     per_token_layer = tensor_bytes.GATED_FF_SAVED * gated["d_ff"] * 4
     tokens = cfg.batch_size * (40 * gated["num_layers"] + 20 * gated["num_decoder_layers"])
     assert act["gated"]["activations"] - act["relu"]["activations"] == pytest.approx(per_token_layer * tokens)
     sft = replace(cfg, is_finetune=True, freeze="encoder")
-    assert tensor_bytes.activation_bytes(sft, gated, 40, 20)["encoder_saved"] == 0
+    assert tensor_bytes.activation_bytes(sft, gated, (40, 20))["encoder_saved"] == 0
 
 
 def saved_activation_bytes(module, *inputs) -> int:

@@ -73,7 +73,7 @@ def test_frozen_linear_layers_are_stored_in_8_bits_and_counted_by_the_planner(fa
     assert sum(tensor_bytes.numel(s) for s in tensor_bytes.quantized_shapes(cfg, shapes)) == counts["frozen_8bit"]
     stored = sum(w._data.untyped_storage().nbytes() + w._scale.untyped_storage().nbytes() for w in eight_bit.values())
     plan = plan_sizes.step_sizes(cfg, 8000, {"max_source": 16, "max_target": 16, "mean_source": 10, "row_bytes": 100,
-                                             "rows": 50, "pairs": [(16, 16)] * 50}, "cpu", 1)
+                                             "rows": 50, "pairs": [(16, 16)] * 50})
     assert plan.saved_8bit == pytest.approx(4 * counts["frozen_8bit"] - stored, abs=8 * len(eight_bit))
 
 

@@ -12,7 +12,7 @@ import itertools
 import json
 import math
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from config import QUANTIZED_DTYPES, TrainConfig
 from data.streams.file_stream import total_steps
@@ -20,6 +20,7 @@ from lowmem.hardware.precision import PRECISIONS
 from lowmem.memory import planner
 from lowmem.memory.plan_batches import run_lengths
 from lowmem.memory.plan_sharding import SHARDINGS
+from lowmem.memory.plan_sizes import Placement
 from lowmem.memory.profiles import gpu_half_precision
 from lowmem.memory.tensor_bytes import frozen_parts
 from lowmem.utils.errors import UserError
@@ -86,13 +87,26 @@ def run_time(cfg: TrainConfig, device: str, reads: float) -> float:
 LAST_RESORT_LORA_R = 8  # the adapters' rank plan recommends when nothing fits without LoRA
 
 
-def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, lengths: dict,
-              framework_mb: float, world: int = 1, per_machine: int = 1,
-              import_mb: dict[str, float] | None = None, sharding: str | None = None) -> dict | None:
+@dataclass(frozen=True)
+class Baseline:
+    """The framework baseline (MiB, ``planner.framework_mb``): ``core_mb`` without the optional extras, and what
+    importing each adds (``import_mb``), by the flag value that imports it (int8 / float8 for optimum-quanto, adamw8bit
+    for bitsandbytes): every mode ``recommend`` tries gets its own."""
+
+    core_mb: float
+    import_mb: dict[str, float] = field(default_factory=dict)
+
+    def of(self, cfg: TrainConfig) -> float:
+        """The baseline of a run of ``cfg``: the core's and its optimizer's and frozen form's imports."""
+        return self.core_mb + self.import_mb.get(cfg.optimizer, 0.0) + self.import_mb.get(cfg.frozen_dtype, 0.0)
+
+
+def recommend(cfg: TrainConfig, budget_gb: float, placement: Placement, vocab_size: int, lengths: dict,
+              baseline: Baseline) -> dict | None:
     """The fastest combination of modes whose predicted peak fits ``budget_gb`` GiB less
-    RECOMMEND_HEADROOM (None: nothing fits): one GPU's memory, or on the CPU the host RAM of
-    ``per_machine`` processes together. ``import_mb`` adds to ``framework_mb`` (taken without
-    bitsandbytes) what importing an optimizer's package costs (bitsandbytes for adamw8bit).
+    RECOMMEND_HEADROOM (None: nothing fits): one GPU's memory, or on the CPU the host RAM of the
+    ``placement``'s processes on one machine together. Each mode is planned on its own ``baseline`` (its
+    optimizer's and frozen form's imports added).
 
     Searched: checkpointing, bf16, optimizer (adamw8bit only when bitsandbytes is installed),
     the run's micro-batch (as asked, or as auto chose it), 2 or 1 (accumulation raised to keep the effective
@@ -103,13 +117,14 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
     trained. "Fastest" is over the whole run: the encoder cache wins only where the run reads its rows more
     than once. A tie goes to the larger micro-batch, then to the least host RAM, then the least peak.
     """
+    device, world, sharding, import_mb = placement.device, placement.world, placement.sharding, baseline.import_mb
     optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
     has_frozen = bool(frozen_parts(cfg))
     caches = ["off", "auto"] if cfg.frozen_encoder and not cfg.packing else ["off"]
     # autocast only where its dtype is fast on this machine's GPU (a CPU's bf16 autocast measured more host memory)
     precisions = list(dict.fromkeys(["no", gpu_half_precision()])) if device == "gpu" else ["no"]
     frozen = ["float32", "bfloat16"] if has_frozen else ["float32"]
-    if "int8" in (import_mb or {}) and (cfg.freeze == "encoder" or cfg.lora_r) and not sharding:
+    if "int8" in import_mb and (cfg.freeze == "encoder" or cfg.lora_r) and not sharding:
         frozen += ["int8", "int8+wo"]  # optimum-quanto installed: 8-bit frozen linear layers (wo too if only that fits)
     reads, best = reads_per_row(cfg, lengths.get("train_rows", lengths["rows"]), world), None
     effective = cfg.batch_size * cfg.gradient_accumulation_steps  # kept: micro-batches that divide it
@@ -123,9 +138,8 @@ def recommend(cfg: TrainConfig, budget_gb: float, device: str, vocab_size: int, 
         trial = replace(cfg, gradient_checkpointing=ckpt, mixed_precision=prec, optimizer=opt, batch_size=batch,
                         gradient_accumulation_steps=accumulation, encoder_cache=cache, frozen_dtype=frozen_dtype,
                         quantize_wo=wo, cpu=device == "cpu")
-        baseline = framework_mb + sum((import_mb or {}).get(key, 0.0) for key in (opt, frozen_dtype))
-        plan = planner.predict(trial, vocab_size, lengths, baseline, device, world, sharding)
-        peak = plan["gpu_peak_mb"] if device == "gpu" else per_machine * plan["host_peak_mb"]
+        plan = planner.predict(trial, vocab_size, lengths, baseline.of(trial), placement)
+        peak = plan["gpu_peak_mb"] if device == "gpu" else placement.per_machine * plan["host_peak_mb"]
         if peak > budget_gb * 1024 * (1 - RECOMMEND_HEADROOM):
             continue
         speed = run_time(trial, device, reads)
@@ -179,27 +193,41 @@ def format_table(plan: dict) -> str:
     return "\n".join(lines)
 
 
-def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, device: str | None,
-                 num_processes: int = 1, num_machines: int = 1, sharding: str | None = None) -> dict:
-    """What ``python train_low_mem.py plan`` prints: the table (or JSON) and, with a budget, the flags.
+@dataclass(frozen=True)
+class PlanFlags:
+    """``plan``'s own flags, beside the training flags (``train_low_mem.py plan``).
 
     With ``num_processes`` N over ``num_machines`` M, each process reads 1/N of the data and a machine
     hosts N/M processes: the host total is theirs together (the budget of ``--device=cpu`` is the
     machine's RAM; that of ``--device=gpu`` one GPU's memory). ``sharding`` (fsdp, zero2, zero3): the
     processes shard the model (``lowmem.memory.plan_sharding``).
     """
+
+    as_json: bool = False  # one JSON object instead of the table
+    budget_gb: float | None = None  # recommend the fastest modes that fit it
+    device: str | None = None  # cpu or gpu; None: a GPU where there is one (and not --cpu=True)
+    num_processes: int = 1
+    num_machines: int = 1
+    sharding: str | None = None
+
+
+def plan_command(cfg: TrainConfig, flags: PlanFlags) -> dict:
+    """What ``python train_low_mem.py plan`` prints for the run of ``cfg``: the table (or JSON) and, with
+    ``flags.budget_gb``, the flags that fit it."""
     import torch
 
     from data.tokenization import load_trained_tokenizer
     from lowmem.model.source import check_vocabulary, check_weights, model_folder_config, tokenizer_folder
 
+    device, budget_gb, num_processes = flags.device, flags.budget_gb, flags.num_processes
     chosen = device is None
     device = device or ("gpu" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-    check_plan_flags(device, budget_gb, num_processes, num_machines, sharding)
+    check_plan_flags(device, budget_gb, num_processes, flags.num_machines, flags.sharding)
     if chosen and device == "cpu" and cfg.gpu_profile:
         print(f"note: --memory_profile={cfg.memory_profile} is a GPU profile and this plan is for the CPU (no GPU "
               "here, or --cpu=True); add --device=gpu to plan one GPU's memory", file=sys.stderr)
-    per_machine = num_processes // num_machines
+    placement = Placement(device, num_processes, flags.sharding, flags.num_machines)
+    per_machine = placement.per_machine
     tokenizer = load_trained_tokenizer(tokenizer_folder(cfg))
     if cfg.init_from:  # as train checks it: a plan's lengths come from the tokenizer the run would refuse
         check_vocabulary(cfg, model_folder_config(cfg.init_from)["vocab_size"], tokenizer)
@@ -209,36 +237,34 @@ def plan_command(cfg: TrainConfig, as_json: bool, budget_gb: float | None, devic
         check_weights(cfg.init_from)  # a plan of weights that are not its config's model would size another one
     data = planner.plan_data(cfg, tokenizer, num_processes)
     local_capability(device)  # probed before the baseline, as in the trainer (its products leave kernels resident)
-    core, import_mb = framework_baselines(cfg, budget_gb)  # after reading, as in the trainer
-    baseline = core + import_mb.get(cfg.optimizer, 0.0) + import_mb.get(cfg.frozen_dtype, 0.0)
-    cfg = sized(cfg, data, len(tokenizer), baseline, device, num_processes, per_machine, sharding, budget_gb)
+    baselines = framework_baselines(cfg, budget_gb)  # after reading, as in the trainer
+    baseline_mb = baselines.of(cfg)
+    cfg = sized(cfg, data, baseline_mb, placement, budget_gb)
     lengths = run_lengths(cfg, data)
     lengths["train_rows"] = data.rows  # counted ("rows" is estimated from a sample)
-    result = planner.predict(cfg, len(tokenizer), lengths, baseline, device, num_processes, sharding)
+    result = planner.predict(cfg, len(tokenizer), lengths, baseline_mb, placement)
     result.update(num_processes=num_processes, processes_per_machine=per_machine,
                   host_total_mb=round(per_machine * result["host_peak_mb"], 1))
     if budget_gb is not None:
         result["budget_gb"] = budget_gb
-        result["recommendation"] = recommend(cfg, budget_gb, device, len(tokenizer), lengths, core,
-                                             num_processes, per_machine, import_mb, sharding)
-        if result["recommendation"] is None and cfg.init_from and not cfg.lora_r and not sharding:
+        result["recommendation"] = recommend(cfg, budget_gb, placement, len(tokenizer), lengths, baselines)
+        if result["recommendation"] is None and cfg.init_from and not cfg.lora_r and not flags.sharding:
             # Nothing fits training every weight: LoRA (what is trained changes, so only as the last resort)
-            lora = recommend(replace(cfg, lora_r=LAST_RESORT_LORA_R), budget_gb, device, len(tokenizer), lengths,
-                             core, num_processes, per_machine, import_mb, sharding)
+            lora = recommend(replace(cfg, lora_r=LAST_RESORT_LORA_R), budget_gb, placement, len(tokenizer), lengths,
+                             baselines)
             if lora is not None:
                 lora["flags"] = {"lora_r": LAST_RESORT_LORA_R, **lora["flags"]}
                 result["recommendation"] = lora
-    if as_json:
+    if flags.as_json:
         print(json.dumps(result))
     else:
         print_plan(cfg, result)
     return result
 
 
-def framework_baselines(cfg: TrainConfig, budget_gb: float | None) -> tuple[float, dict[str, float]]:
-    """(the framework baseline without the optional extras, MiB; what importing each adds, by the flag value
-    that imports it: int8 / float8 for optimum-quanto, adamw8bit for bitsandbytes), for those the run or a
-    recommendation may import."""
+def framework_baselines(cfg: TrainConfig, budget_gb: float | None) -> Baseline:
+    """The framework baseline without the optional extras, and what importing each adds (``Baseline``), for
+    those the run or a recommendation may import."""
     # After reading, as in the trainer: the data readers' imports count. Taken without bitsandbytes first,
     # then what importing it adds, so every optimizer the search tries gets its own baseline.
     # Each extra's import is measured against the RSS just before it (imports pile up in this process: measured
@@ -252,13 +278,13 @@ def framework_baselines(cfg: TrainConfig, budget_gb: float | None) -> tuple[floa
     if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
         after = planner.framework_mb(replace(cfg, optimizer="adamw8bit", frozen_dtype="float32"))
         import_mb["adamw8bit"] = max(0.0, after - before)
-    return core, import_mb
+    return Baseline(core, import_mb)
 
 
-def sized(cfg: TrainConfig, data, vocab_size: int, baseline_mb: float, device: str, num_processes: int,
-          per_machine: int, sharding: str | None, budget_gb: float | None) -> TrainConfig:
-    """``cfg`` with the batch sizes to plan (``lowmem.memory.batch_budget``). With --budget_gb (a machine's RAM,
-    shared by its processes, or one GPU's memory): sizes asked for as given (the plan shows what they cost;
+def sized(cfg: TrainConfig, data, baseline_mb: float, placement: Placement, budget_gb: float | None) -> TrainConfig:
+    """``cfg`` with the batch sizes to plan (``lowmem.memory.batch_budget``) for ``placement``'s processes. With
+    --budget_gb (a machine's RAM, shared by its processes, or one GPU's memory): sizes asked for as given (the plan
+    shows what they cost;
     a recommendation, what fits), ``auto`` the largest that fits it. Without: this machine's budget, as
     the trainer takes it (--max_rss_gb, the available RAM or the GPU's memory), which also lowers a size
     asked for that does not fit, as the trainer would. Its notes go to stderr."""
@@ -267,18 +293,18 @@ def sized(cfg: TrainConfig, data, vocab_size: int, baseline_mb: float, device: s
     from config import AUTO
     from lowmem.memory.batch_budget import size_batches
 
-    auto = AUTO in (cfg.batch_size, cfg.eval_batch_size)
+    device, auto = placement.device, AUTO in (cfg.batch_size, cfg.eval_batch_size)
     budget_mb = math.inf
     if budget_gb is not None:
         if auto:
-            budget_mb = budget_gb * 1024 / (per_machine if device == "cpu" else 1)
+            budget_mb = budget_gb * 1024 / (placement.per_machine if device == "cpu" else 1)
     elif device == "gpu" and not torch.cuda.is_available():
         if auto:
             raise UserError("--batch_size=auto / --eval_batch_size=auto on --device=gpu without a GPU here: pass "
                             "--budget_gb=GPU_MEMORY_GB to size them")
     else:
         budget_mb = None  # this machine's, as the trainer takes it
-    sizes = size_batches(cfg, data, vocab_size, baseline_mb, device, num_processes, sharding, budget_mb=budget_mb)
+    sizes = size_batches(cfg, data, baseline_mb, placement, budget_mb=budget_mb)
     for note in sizes.notes:
         print(note, file=sys.stderr)
     return replace(cfg, **sizes.flags())

@@ -7,7 +7,7 @@ would not (the same rows per optimizer step: accumulation grows, so the gradient
 for); ``auto`` takes the largest that fits. ``--eval_batch_size`` follows the same rule. The budget is
 ``--max_rss_gb``'s guard, else the RAM available to this process, or the GPU's memory.
 
-    sizes = size_batches(cfg, data, vocab_size, framework_mb, "cpu", world=1)
+    sizes = size_batches(cfg, data, framework_mb, Placement("cpu", world=1))
     cfg = replace(cfg, **sizes.flags())
 
 ``--memory_profile=host16g`` keeps the reference's caps (``lowmem.memory.profiles.apply_caps``), within which the
@@ -19,11 +19,15 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from config import TrainConfig
 from lowmem.memory.guard import MEMORY_GUARD_AT
 from lowmem.utils.errors import UserError
 from lowmem.utils.presets import AUTO, gpu_profile_gib
+
+if TYPE_CHECKING:
+    from lowmem.memory.plan_sizes import Placement
 
 MB = 2**20
 AUTO_LIMIT = 256  # auto's largest micro-batch (rows): far past where per-call overhead stops mattering
@@ -172,17 +176,19 @@ def largest(sizes: list[int], fits) -> int:
     return sizes[lo]
 
 
-def size_batches(cfg: TrainConfig, data, vocab_size: int, framework_mb: float, device: str, world: int,
-                 sharding: str | None = None, resuming: bool = False, budget_mb: float | None = None
-                 ) -> BatchSizes:
-    """The sizes for this process of the run, planned from its lengths (``plan_batches``: the sampled
-    rows, its replayed windows cut for each size tried, its evaluation rows).
+def size_batches(cfg: TrainConfig, data, framework_mb: float, placement: Placement, resuming: bool = False,
+                 budget_mb: float | None = None) -> BatchSizes:
+    """The sizes for this process of the run (``placement``: its device, processes and sharding), planned from
+    its lengths (``plan_batches``: the sampled rows, its replayed windows cut for each size tried, its evaluation
+    rows).
 
-    ``data``: the run's ``data.pipeline.TrainData``; ``budget_mb``: instead of ``memory_budget``'s.
+    ``data``: the run's ``data.pipeline.TrainData`` (its tokenizer's size is the model's vocabulary);
+    ``budget_mb``: instead of ``memory_budget``'s.
     """
     from lowmem.memory import planner
     from lowmem.memory.plan_batches import eval_batches, eval_pairs, replay_epochs, sample_lengths, windows_of
 
+    device, world, vocab_size = placement.device, placement.world, len(data.collator.tokenizer)
     check_request(cfg)
     if budget_mb == math.inf and AUTO not in (cfg.batch_size, cfg.eval_batch_size):  # nothing to check
         return choose(cfg, lambda *sizes: 0.0, math.inf, "none", world, 1)
@@ -210,7 +216,7 @@ def size_batches(cfg: TrainConfig, data, vocab_size: int, framework_mb: float, d
         if (micro, accumulation, eval_batch) not in cache:
             trial = replace(cfg, batch_size=micro, gradient_accumulation_steps=accumulation, eval_batch_size=eval_batch)
             plan = planner.predict(trial, vocab_size, lengths_for(micro, accumulation, eval_batch), framework_mb,
-                                   device, world, sharding)
+                                   placement)
             cache[(micro, accumulation, eval_batch)] = plan[key]
         return cache[(micro, accumulation, eval_batch)]
 
@@ -239,30 +245,28 @@ def batch_request(cfg: TrainConfig) -> dict:
                                                   "effective_batch_size", "max_tokens_per_batch")}
 
 
-def size_run(cfg: TrainConfig, data, accelerator, vocab_size: int, engine, resume_dir=None,
-             say=print) -> BatchSizes:
+def size_run(cfg: TrainConfig, data, accelerator, engine, resume_dir=None, say=print) -> BatchSizes:
     """The trainer's sizes, its notes said, and the ``engine``'s settings set to them (DeepSpeed's bookkeeping
     checks them; ``lowmem.parallel.engines``): a resumed run's as it began (``reused``), else ``size_batches``' for
     this process, the smallest on any process (each plans its own share of the data)."""
-    sizes = agreed_sizes(cfg, data, accelerator, vocab_size, engine.sharding, resume_dir)
+    sizes = agreed_sizes(cfg, data, accelerator, engine.sharding, resume_dir)
     for note in sizes.notes:
         say(note)
     engine.set_batch_sizes(accelerator, sizes.micro, sizes.accumulation)
     return sizes
 
 
-def agreed_sizes(cfg: TrainConfig, data, accelerator, vocab_size: int, sharding: str | None,
-                 resume_dir=None) -> BatchSizes:
+def agreed_sizes(cfg: TrainConfig, data, accelerator, sharding: str | None, resume_dir=None) -> BatchSizes:
     from lowmem.memory import planner
+    from lowmem.memory.plan_sizes import Placement
     from lowmem.parallel.distributed import smallest
     from lowmem.utils.ownership import saved_json
 
     sizes = reused(saved_json(resume_dir / "run_config.json") if resume_dir else None, cfg)
     if sizes is not None:
         return sizes
-    device = "gpu" if accelerator.device.type == "cuda" else "cpu"
-    sizes = size_batches(cfg, data, vocab_size, planner.framework_mb(cfg), device, accelerator.num_processes,
-                         sharding, resuming=resume_dir is not None)
+    sizes = size_batches(cfg, data, planner.framework_mb(cfg), Placement.of(accelerator, sharding),
+                         resuming=resume_dir is not None)
     micro, eval_batch = smallest(accelerator, [sizes.micro, sizes.eval_batch])
     if (micro, eval_batch) != (sizes.micro, sizes.eval_batch):
         sizes.lengths = None  # planned for other sizes

@@ -20,14 +20,16 @@ SHARDINGS = tuple(LAYOUTS)  # as `plan --sharding` and the trainer name them ("f
 
 
 @dataclass(frozen=True)
-class ShardedSizes:
-    """Bytes a sharded process holds at its step's peak, by term (``gathered`` is part of ``weights``)."""
+class HeldSizes:
+    """Bytes a process holds of the model's terms at its step's peak: the whole model's in data parallelism, its
+    shares and what it gathers in a sharded run (``sharded_sizes``; ``gathered`` is part of ``weights``)."""
 
     weights: float
     gathered: float
     gradients: float
     optimizer: float
     optimizer_temp: float
+    gradient_copy: float = 0.0  # DDP's: between all-reduces autograd accumulates beside its buckets
 
 
 def block_elements(dims: dict) -> int:
@@ -37,18 +39,17 @@ def block_elements(dims: dict) -> int:
     return 2 * attention + (3 if dims["gated"] else 2) * f * d + d
 
 
-def sharded_sizes(sharding: str, world: int, dims: dict, shapes: dict, weights: float, gradients: float,
-                  optimizer: float, optimizer_temp: float) -> ShardedSizes:
-    """The sharded terms of one process of ``world``, from the whole-model ones (``sharding``: a name in
-    ``lowmem.parallel.layouts.LAYOUTS``)."""
+def sharded_sizes(sharding: str, world: int, dims: dict, shapes: dict, whole: HeldSizes) -> HeldSizes:
+    """The sharded terms of one process of ``world``, from the ``whole`` model's (``sharding``: a name in
+    ``lowmem.parallel.layouts.LAYOUTS``; no DDP buckets, so no gradient copy)."""
+    weights, gradients, optimizer = whole.weights, whole.gradients, whole.optimizer
     layout = LAYOUTS[sharding]
     block = 4 * block_elements(dims)
     if layout.whole_weights:  # ZeRO-2: DeepSpeed steps a float32 copy of this process's partition
-        return ShardedSizes(weights + weights / world, 0.0, gradients / world + block, optimizer / world,
-                            3 * block)
+        return HeldSizes(weights + weights / world, 0.0, gradients / world + block, optimizer / world, 3 * block)
     embedding = 4 * part_elements(shapes, "shared")
     gathered = 2 * block + embedding * (1 - 1 / world)
     # FSDP steps each weight's shard (the largest one's temporaries); DeepSpeed one sub-group of a block's
     # size at a time (its flat copy of the sub-group's gradients, and the optimizer's temporaries)
-    temp = optimizer_temp / world if layout.steps_by_shard else 3 * block
-    return ShardedSizes(weights / world + gathered, gathered, gradients / world + block, optimizer / world, temp)
+    temp = whole.optimizer_temp / world if layout.steps_by_shard else 3 * block
+    return HeldSizes(weights / world + gathered, gathered, gradients / world + block, optimizer / world, temp)

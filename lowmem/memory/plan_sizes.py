@@ -16,7 +16,7 @@ from config import TrainConfig
 from data.streams.file_stream import total_steps
 from lowmem.hardware.memory_use import SHARDED_MMAP_THRESHOLD
 from lowmem.memory.plan_batches import eval_example_bytes, padded_peak_batches
-from lowmem.memory.plan_sharding import sharded_sizes
+from lowmem.memory.plan_sharding import HeldSizes, sharded_sizes
 from lowmem.memory.tensor_bytes import (
     activation_bytes,
     evaluation_bytes,
@@ -45,6 +45,36 @@ MMAP_THRESHOLD = 32 * 2**20
 # activations' bytes churn. Fitted on 26 runs of tiny, small and base with accumulation 1 (2 was best;
 # 1 and 3 within 0.05 of it), checked on 6 more: without the bound short rows were planned 1.09-1.14x.
 FRESH_GRADIENT_CHURN = 2.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's processes are, for its plan: ``device`` ("cpu": host RAM; "gpu": one GPU a process), ``world``
+    processes over ``machines`` machines, and ``sharding`` ("fsdp", "zero2", "zero3": one process of a sharded
+    run, ``lowmem.memory.plan_sharding``; None: data parallelism, a whole model each)."""
+
+    device: str = "cpu"
+    world: int = 1
+    sharding: str | None = None
+    machines: int = 1
+
+    @classmethod
+    def of(cls, accelerator, sharding: str | None = None) -> Placement:
+        """This run's: its accelerator's device (a GPU, or the host) and processes."""
+        return cls("gpu" if accelerator.device.type == "cuda" else "cpu", accelerator.num_processes, sharding)
+
+    @property
+    def per_machine(self) -> int:
+        """Processes on one machine (their host RAM adds up)."""
+        return self.world // self.machines
+
+    @property
+    def mmap_threshold(self) -> int:
+        """glibc serves blocks of this size and up with mmap in such a process (``memory_use.map_large_blocks``)."""
+        return SHARDED_MMAP_THRESHOLD if self.sharding else MMAP_THRESHOLD
+
+
+ONE_PROCESS = Placement()  # a run of one process on the CPU
 
 
 @dataclass
@@ -85,12 +115,12 @@ class StepSizes:
     sharding: str | None = None
 
 
-def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, world: int,
-               first_step: bool = False, sharding: str | None = None) -> StepSizes:
+def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, placement: Placement = ONE_PROCESS,
+               first_step: bool = False) -> StepSizes:
     """Weights, gradients, optimizer state, the costliest micro-batch's activations, caches, buffers,
-    saves and evaluation of a run, in bytes. ``first_step``: ``lengths`` holds a fresh run's first
-    step only (a run of one step is one too). ``sharding`` ("fsdp", "zero2", "zero3"): one process of a
-    sharded run (``lowmem.memory.plan_sharding``)."""
+    saves and evaluation of one process of a run (``placement``), in bytes. ``first_step``: ``lengths`` holds a
+    fresh run's first step only (a run of one step is one too)."""
+    device, world, sharding = placement.device, placement.world, placement.sharding
     dims = model_dims(cfg, vocab_size)
     shapes = parameter_shapes(dims)
     n_params = part_elements(shapes, *shapes)
@@ -107,41 +137,38 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, device: str, wo
     saved_8bit = quantized_saving(cfg, eight_bit)
     weights -= saved_8bit
     grads = 4 * n_train
-    opt_state, opt_temp = optimizer_bytes(cfg, train_shapes)
     peak, runner_up = padded_peak_batches(cfg, dims, lengths, device, world)
-    act = activation_bytes(cfg, dims, *peak[:2], device, *peak[2:])
-    before = activation_bytes(cfg, dims, *runner_up[:2], device, *runner_up[2:])
-    mmap_threshold = SHARDED_MMAP_THRESHOLD if sharding else MMAP_THRESHOLD
+    act = activation_bytes(cfg, dims, peak, device)
+    before = activation_bytes(cfg, dims, runner_up, device)
     # Under DDP (world > 1) the gradients live in its all-reduce buckets (as views), which stay
     # allocated between steps. Between all-reduces (no_sync micro-steps) autograd accumulates into
     # fresh tensors beside them: one more copy of the gradients whenever accumulation > 1.
     ddp_copy = grads if world > 1 and cfg.gradient_accumulation_steps > 1 else 0
-    churn, fresh_gradients = heap_churn(cfg, dims, train_shapes, runner_up, device, world, mmap_threshold)
-    gathered = 0.0
+    churn, fresh_gradients = heap_churn(cfg, dims, train_shapes, runner_up, placement)
+    held = HeldSizes(weights, 0.0, grads, *optimizer_bytes(cfg, train_shapes), ddp_copy)
     if sharding:  # no DDP buckets; a share of the rest, and what is gathered for the step
-        sized = sharded_sizes(sharding, world, dims, shapes, weights, grads, opt_state, opt_temp)
-        weights, gathered, grads, opt_state, opt_temp = (sized.weights, sized.gathered, sized.gradients,
-                                                         sized.optimizer, sized.optimizer_temp)
-        ddp_copy = 0
+        held = sharded_sizes(sharding, world, dims, shapes, held)
     # Freed before a save: the step's temporaries and, on one process, the gradients (set to None).
-    freed_at_save = act["activations"] + act["logits"] + opt_temp + ddp_copy + (grads if world == 1 else 0)
+    freed_at_save = (act["activations"] + act["logits"] + held.optimizer_temp + held.gradient_copy
+                     + (held.gradients if world == 1 else 0))
     first_step = first_step or (steps == 1 and not cfg.is_keep_training)
-    peak_at, alive = alive_at_peak(cfg, shapes, act, grads, opt_state, opt_temp, ddp_copy, world, first_step)
+    peak_at, alive = alive_at_peak(cfg, shapes, act, held, world, first_step)
     return StepSizes(
         dims=dims, n_params=n_params, n_train=n_train, head_parts=head_parts, half=half,
         quantized=quantized, saved_8bit=saved_8bit,
-        gathered=gathered,
+        gathered=held.gathered,
         encoder_elements=part_elements(shapes, "encoder"),
         encoder_matrices=matrix_elements(shapes["encoder"]),
-        weights=weights, optimizer=opt_state,
+        weights=held.weights, optimizer=held.optimizer,
         cast_cache=2 * n_train if cfg.mixed_precision != "no" else 0,
         cache=encoder_cache_in_ram(cfg, dims, lengths, world),
         buffers=data_buffer_bytes(cfg, lengths, world),
         alive=alive, peak_at=peak_at, act=act, before=before,
-        churn=churn, mmap_threshold=mmap_threshold, fresh_gradients=fresh_gradients, first_step=first_step,
-        optimizer_temp=opt_temp,
+        churn=churn, mmap_threshold=placement.mmap_threshold, fresh_gradients=fresh_gradients, first_step=first_step,
+        optimizer_temp=held.optimizer_temp,
         freed_at_save=freed_at_save,
-        **save_sizes(cfg, dims, device, sharding, n_params, n_train, quantized, half),
+        serialize=serialize_bytes(cfg, placement, n_params, n_train),
+        export_copies=export_bytes(cfg, dims, sharding, n_train, quantized, half),
         largest_read=largest_read_bytes(dims, shapes) if cfg.init_from else 0,
         evaluation=evaluation_bytes(cfg, dims, lengths.get("eval", [])), peak=peak, sharding=sharding)
 
@@ -167,11 +194,12 @@ def data_buffer_bytes(cfg: TrainConfig, lengths: dict, world: int) -> float:
     return buffered * (lengths["row_bytes"] * 2 + 400) + cfg.max_eval_samples * eval_example_bytes(cfg, lengths)
 
 
-def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_state: float, opt_temp: int,
-                  ddp_copy: int, world: int, first_step: bool) -> tuple[str, dict]:
+def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, held: HeldSizes, world: int,
+                  first_step: bool) -> tuple[str, dict]:
     """Where a training step peaks ("backward" or "optimizer step") and what it holds then, by
-    component (bytes): the backward of its costliest micro-batch, or the optimizer step (every
-    gradient, the optimizer's state and temporaries; the activations are freed by then).
+    component (bytes): the backward of its costliest micro-batch (``act``), or the optimizer step (every
+    gradient, the optimizer's state and temporaries; the activations are freed by then). ``held``: the
+    gradients, optimizer state and temporaries and DDP's gradient copy a process of ``world`` holds.
 
     The optimizers make their state at their first step, so the first step's backward (``first_step``:
     the batches planned are those of a fresh run's first step) does not have it beside: base with AdamW
@@ -190,6 +218,8 @@ def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_sta
     checkpointing, recomputed: small SFT with checkpointing was planned 0.93x without them), or its
     end (every gradient, and the input embeddings' one).
     """
+    grads, opt_state, ddp_copy = held.gradients, held.optimizer, held.gradient_copy
+
     def moment(gradients, activations=0.0, logits=0.0, temp=0.0, copy=0.0, state=0.0 if first_step else opt_state):
         return {"optimizer": state, "gradients": gradients, "activations": activations, "logits_loss": logits,
                 "optimizer_step_temp": temp, "ddp_gradient_copy": copy}
@@ -204,7 +234,7 @@ def alive_at_peak(cfg: TrainConfig, shapes: dict, act: dict, grads: int, opt_sta
     if act.get("head_grad_in_forward"):  # the chunked loss makes the head weight's gradient in the forward
         tied_head += own_head
     after_decoder = act["activations"] - act["decoder_saved"]
-    moments = [moment(grads, temp=opt_temp, state=opt_state)]
+    moments = [moment(grads, temp=held.optimizer_temp, state=opt_state)]
     if world > 1 or cfg.gradient_accumulation_steps > 1:
         moments += [moment(grads + tied_head, act["activations"], act["logits"], copy=ddp_copy),
                     moment(grads + own_head, act["activations"], act["logits_grad"], copy=ddp_copy),
@@ -233,47 +263,50 @@ def encoder_cache_in_ram(cfg: TrainConfig, dims: dict, lengths: dict, world: int
     return cache
 
 
-def heap_churn(cfg: TrainConfig, dims: dict, train_shapes: list, runner_up: tuple[int, ...], device: str,
-               world: int, mmap_threshold: int = MMAP_THRESHOLD) -> tuple[float, bool]:
-    """(bytes carved from the CPU heap at every step, whether each step's gradients are made anew).
+def heap_churn(cfg: TrainConfig, dims: dict, train_shapes: list, runner_up: tuple[int, ...],
+               placement: Placement) -> tuple[float, bool]:
+    """(bytes carved from the CPU heap at every step, whether each step's gradients are made anew) in a process
+    of ``placement``.
 
     The tensors of each step that outlive no step: gradients (set to None at every optimizer step),
     activations, logits and the optimizer's temporaries; those above the mmap threshold (a large
     vocabulary's embedding gradient and its update) go back to the system when freed.
     """
-    on_heap = [x for x in train_shapes if 4 * numel(x) < mmap_threshold]
+    on_heap = [x for x in train_shapes if 4 * numel(x) < placement.mmap_threshold]
     churn = 4 * sum(numel(x) for x in on_heap) + optimizer_bytes(cfg, on_heap)[1]
-    fresh_gradients = world == 1 and cfg.gradient_accumulation_steps == 1 and not cfg.lora_r
-    if fresh_gradients:
-        made = activation_bytes(replace(cfg, gradient_checkpointing=False), dims, *runner_up[:2], device,
-                                *runner_up[2:])  # with checkpointing, the recomputed ones too
+    fresh_gradients = placement.world == 1 and cfg.gradient_accumulation_steps == 1 and not cfg.lora_r
+    if fresh_gradients:  # (with checkpointing, the recomputed ones too)
+        made = activation_bytes(replace(cfg, gradient_checkpointing=False), dims, runner_up, placement.device)
         churn = min(churn, FRESH_GRADIENT_CHURN * (made["activations"] + made["logits"]))
     return churn, fresh_gradients
 
 
-def save_sizes(cfg: TrainConfig, dims: dict, device: str, sharding: str | None, n_params: int, n_train: int,
-               quantized: int, half: int) -> dict:
-    """Host bytes a checkpoint (``serialize``) and an export (``export_copies``) make.
+def serialize_bytes(cfg: TrainConfig, placement: Placement, n_params: int, n_train: int) -> int:
+    """Host bytes a checkpoint makes: saving copies the weights to host bytes first, from a GPU always, on the
+    CPU only with a safetensors that is not zero-copy (recent ones write straight from the tensors' memory). A
+    checkpoint of a run with frozen weights holds the trained tensors only
+    (lowmem.checkpointing.checkpoint.save_trained), while sharded engines write every process's shards of
+    everything."""
+    sharding = placement.sharding
+    copies = placement.device == "gpu" or sharding or not zero_copy_save()
+    return 4 * (n_params if sharding or not frozen_parts(cfg) else n_train) if copies else 0
 
-    Saving copies the weights to host bytes first: from a GPU always, on the CPU only with a safetensors that
-    is not zero-copy (recent ones write straight from the tensors' memory); a checkpoint of a run with frozen
-    weights holds the trained tensors only (lowmem.checkpointing.checkpoint.save_trained), while sharded engines write
-    every process's shards of everything and a sharded export gathers the whole model on the main process.
-    Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored ones (one tensor
-    at a time), large, so mmapped fresh rather than carved from the heap the allocator kept (from a GPU they
-    are made on the host, within the host copy of the weights counted there). An export of 8-bit weights
-    dequantizes (and merges) them a shard at a time (lowmem.model.quantize). A LoRA run exports its adapters
-    (float32 copies of them) unless --merge_lora.
+
+def export_bytes(cfg: TrainConfig, dims: dict, sharding: str | None, n_train: int, quantized: int, half: int) -> int:
+    """Host bytes an export makes beside the weights.
+
+    A sharded export gathers the whole model on the main process (counted as a checkpoint's copy,
+    ``serialize_bytes``). Exports also make new tensors: LoRA's merged weights, and float32 copies of bf16-stored
+    ones (one tensor at a time), large, so mmapped fresh rather than carved from the heap the allocator kept (from
+    a GPU they are made on the host, within the host copy of the weights counted there). An export of 8-bit
+    weights (``quantized`` elements) dequantizes (and merges) them a shard at a time (lowmem.model.quantize). A
+    LoRA run exports its adapters (float32 copies of them) unless --merge_lora.
     """
-    copies = device == "gpu" or sharding or not zero_copy_save()
-    serialize = 4 * (n_params if sharding or not frozen_parts(cfg) else n_train) if copies else 0
     if cfg.lora_r and not cfg.merge_lora and not sharding:
-        export = 4 * n_train
-    elif quantized:
-        export = min(4 * (quantized + lora_merged_elements(cfg, dims)), SHARD_BYTES)
-    else:
-        export = 4 * lora_merged_elements(cfg, dims) + 2 * half
-    return {"serialize": serialize, "export_copies": export}
+        return 4 * n_train
+    if quantized:
+        return min(4 * (quantized + lora_merged_elements(cfg, dims)), SHARD_BYTES)
+    return 4 * lora_merged_elements(cfg, dims) + 2 * half
 
 
 def zero_copy_save() -> bool:

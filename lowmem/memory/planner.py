@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from config import TrainConfig
-from lowmem.memory.plan_sizes import StepSizes, step_sizes
+from lowmem.memory.plan_sizes import ONE_PROCESS, Placement, StepSizes, step_sizes
 from lowmem.memory.tensor_bytes import parameter_shapes, quantized_saving, quantized_shapes
 
 MB = 2**20
@@ -98,9 +98,10 @@ def host_components(cfg: TrainConfig, s: StepSizes, framework_mb: float) -> dict
     return host
 
 
-def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str = "cpu",
-            world: int = 1, sharding: str | None = None) -> dict:
-    """Peak memory by component for host RAM and GPU memory (MiB), plus their totals.
+def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float,
+            placement: Placement = ONE_PROCESS) -> dict:
+    """Peak memory by component for host RAM and GPU memory (MiB), plus their totals, of one process of a run
+    (``placement``: its device, processes and sharding).
 
     When the run's batches are known (replayed) and it starts fresh, its first step and the later ones
     are planned apart, and the larger peak is the plan: the optimizers make their state at the end of
@@ -109,19 +110,18 @@ def predict(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: floa
     """
     windows = lengths.get("windows")
     if windows and len(windows) > 1 and not cfg.is_keep_training:
-        key = "gpu_peak_mb" if device == "gpu" else "host_peak_mb"
-        return max((one_plan(cfg, vocab_size, {**lengths, "windows": windows[:1]}, framework_mb, device, world, True,
-                             sharding),
-                    one_plan(cfg, vocab_size, {**lengths, "windows": windows[1:]}, framework_mb, device, world,
-                             sharding=sharding)),
+        key = "gpu_peak_mb" if placement.device == "gpu" else "host_peak_mb"
+        return max((one_plan(cfg, vocab_size, {**lengths, "windows": windows[:1]}, framework_mb, placement, True),
+                    one_plan(cfg, vocab_size, {**lengths, "windows": windows[1:]}, framework_mb, placement)),
                    key=lambda plan: plan[key])
-    return one_plan(cfg, vocab_size, lengths, framework_mb, device, world, sharding=sharding)
+    return one_plan(cfg, vocab_size, lengths, framework_mb, placement)
 
 
-def one_plan(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, device: str, world: int,
-             first_step: bool = False, sharding: str | None = None) -> dict:
+def one_plan(cfg: TrainConfig, vocab_size: int, lengths: dict, framework_mb: float, placement: Placement,
+             first_step: bool = False) -> dict:
     """``predict`` for the batches of ``lengths`` (``first_step``: those of a fresh run's first step)."""
-    s = step_sizes(cfg, vocab_size, lengths, device, world, first_step, sharding)
+    s = step_sizes(cfg, vocab_size, lengths, placement, first_step)
+    device, sharding = placement.device, placement.sharding
     gpu, host = gpu_components(cfg, s, framework_mb) if device == "gpu" else ({}, host_components(cfg, s, framework_mb))
     host_mb = {k: round(v / MB, 1) for k, v in host.items()}
     gpu_mb = {k: round(v / MB, 1) for k, v in gpu.items()}

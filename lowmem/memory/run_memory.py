@@ -11,25 +11,26 @@ from lowmem.hardware.memory_use import memory_snapshot
 from lowmem.memory import planner
 from lowmem.memory.guard import MEMORY_GUARD_AT, MemoryGuard, StoppedForMemory
 from lowmem.memory.plan_batches import run_lengths
+from lowmem.memory.plan_sizes import Placement
 from lowmem.parallel.distributed import any_process, first_tripped
 
 
-def plan_run(cfg: TrainConfig, data, device: str, resuming: bool, sharding: str | None = None,
-             lengths: dict | None = None, say=print) -> dict:
+def plan_run(cfg: TrainConfig, data, placement: Placement, resuming: bool, lengths: dict | None = None,
+             say=print) -> dict:
     """The planner's prediction for this process of the run (``python train_low_mem.py plan`` prints
     the same), from the run's ``data.pipeline.TrainData``.
 
     Made before the model exists (the framework baseline is measured here). A run from the start
     replays this process's stream to find its costliest micro-batch; a resumed one, which starts
-    mid-stream, is planned from the sampled lengths. ``sharding``: ``Engine.sharding``;
-    ``lengths``: those already read for these sizes (``lowmem.memory.batch_budget``). A resumed run keeps the sizes
-    it began with, whatever --max_rss_gb is now: a note says when they are planned above its guard.
+    mid-stream, is planned from the sampled lengths. ``placement``: ``Placement.of`` the accelerator and
+    ``Engine.sharding``; ``lengths``: those already read for these sizes (``lowmem.memory.batch_budget``). A resumed
+    run keeps the sizes it began with, whatever --max_rss_gb is now: a note says when they are planned above its
+    guard.
     """
     lengths = lengths or run_lengths(cfg, data, replay=not resuming)
-    plan = planner.predict(cfg, len(data.collator.tokenizer), lengths, planner.framework_mb(cfg), device, data.world,
-                           sharding)
+    plan = planner.predict(cfg, len(data.collator.tokenizer), lengths, planner.framework_mb(cfg), placement)
     guard_mb = MEMORY_GUARD_AT * cfg.max_rss_gb * 1024
-    if resuming and cfg.max_rss_gb and device == "cpu" and plan["host_peak_mb"] > guard_mb:
+    if resuming and cfg.max_rss_gb and placement.device == "cpu" and plan["host_peak_mb"] > guard_mb:
         say(f"note: this run resumes at micro-batch {cfg.batch_size} x {cfg.gradient_accumulation_steps}, as it "
             f"began, planned to peak at {plan['host_peak_mb']:,.0f} MiB: above the memory guard at {guard_mb:,.0f} "
             f"MiB ({MEMORY_GUARD_AT:.0%} of --max_rss_gb={cfg.max_rss_gb:g}), which will likely stop it; a smaller "

@@ -305,14 +305,14 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
     return encoder, decoder
 
 
-def activation_bytes(cfg: TrainConfig, dims: dict, source_len: int, target_len: int, device: str = "cpu",
-                     target_tokens: int | None = None, rows: int | None = None) -> dict:
-    """Bytes saved for backward (and live at the backward peak) for one micro-batch of ``rows`` rows
-    (default: --batch_size) padded to these lengths; logits exist only at its ``target_tokens`` real
-    target positions (default: all).
+def activation_bytes(cfg: TrainConfig, dims: dict, batch: tuple[int, ...], device: str = "cpu") -> dict:
+    """Bytes saved for backward (and live at the backward peak) for one micro-batch ``batch``: (source length,
+    target length[, target tokens[, rows]]), its ``rows`` rows (default: --batch_size) padded to these lengths;
+    logits exist only at its ``target tokens`` real target positions (default: all).
     ``decoder_block``: one decoder block's activations (what its backward, or recomputation, holds);
     ``logits_grad``: the logits' float gradient, what is left of them when the output layer's weight
     gradient is made."""
+    source_len, target_len, target_tokens, rows = (*batch, None, None)[:4]
     b, s, t = rows or cfg.batch_size, source_len, target_len
     d, f, h = dims["d_model"], dims["d_ff"], dims["num_heads"]
     gated = dims["gated"]
@@ -362,7 +362,7 @@ def batch_cost(cfg: TrainConfig, dims: dict, device: str):
     """Bytes a micro-batch of (source, target[, target tokens]) lengths holds at its backward peak."""
 
     def cost(batch: tuple[int, ...]) -> float:
-        act = activation_bytes(cfg, dims, *batch[:2], device, *batch[2:])
+        act = activation_bytes(cfg, dims, batch, device)
         return act["activations"] + act["logits"]
 
     return cost
