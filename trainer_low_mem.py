@@ -151,7 +151,7 @@ class LowMemTrainer:
             self.encoder_cache, self.train_collator = encoder_cache.train_from_cache(
                 self.ctx, self.core, self.data, self.run_config["tokenizer_json_sha1"],
                 self.total_steps - self.state.step, self.telemetry)
-        plan = plan_evals(self.model, self.core, self.data, cfg, self.accelerator, self.shape_multiple, self.state)
+        plan = plan_evals(self.ctx, self.model, self.core, self.data, self.state)
         model = ModelInRun(self.core, self.parameters, self.encoder_cache)
         lines, record = startup_summary(cfg, self.accelerator, self.data, model, self.state.step, plan)
         self.say("\n".join(lines))

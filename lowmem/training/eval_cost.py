@@ -28,9 +28,17 @@ import torch
 from config import AUTO, TrainConfig, flags_with
 from lowmem.hardware.precision import compute_context
 from lowmem.model.loss import batch_to_device
-from lowmem.parallel.sharding import is_sharded, runs_deepspeed, whole_root
+from lowmem.parallel.sharding import whole_root
 from lowmem.training.encoder_cache import encoder_on
-from lowmem.training.evaluation import asked_generate_rows, eval_batches, generate_for, loss_and_inputs, loss_budget
+from lowmem.training.evaluation import (
+    EvalModel,
+    asked_generate_rows,
+    eval_batches,
+    generate_for,
+    loss_and_inputs,
+    loss_budget,
+)
+from lowmem.training.run_context import RunContext
 from lowmem.utils.eval_metrics import metric_named
 
 PROBE_STEPS = 8  # decoding steps timed (after one untimed warm-up generation and a timed one-token one)
@@ -145,27 +153,26 @@ def _timed(work) -> float:
 
 
 @torch.no_grad()
-def probe(model, core, collator, examples: list, cfg: TrainConfig, accelerator, multiple: int,
-          generation: bool) -> list[float]:
+def probe(at: EvalModel, examples: list, generation: bool) -> list[float]:
     """[seconds of one eval batch's loss forward, of its generation's fixed part, of one decoding step], timed on
-    this process's middle eval batch by source length (zeros for a process without rows). Each part runs once
-    untimed first: the run's first forward and generation pay for allocations a later one does not.
-    Sharded, every process runs the same forwards (each is a collective)."""
-    sharded = is_sharded(core) or runs_deepspeed(accelerator)
+    this process's middle eval batch of ``examples`` by source length (zeros for a process without rows), with the
+    run's model ``at``. Each part runs once untimed first: the run's first forward and generation pay for
+    allocations a later one does not. Sharded, every process runs the same forwards (each is a collective)."""
+    cfg, accelerator, collator, sharded = at.cfg, at.ctx.accelerator, at.collator, at.sharded
     batches = eval_batches(examples, collator, cfg, accelerator, sharded, len(examples))
     if not batches:
         return [0.0, 0.0, 0.0]
-    model.eval()
-    batch = batch_to_device(collator(batches[len(batches) // 2][0]), accelerator.device, multiple)
+    at.model.eval()
+    batch = batch_to_device(collator(batches[len(batches) // 2][0]), accelerator.device, at.ctx.multiple)
     budget = loss_budget(accelerator, sharded)
-    with compute_context(accelerator, cfg.mixed_precision), whole_root(core):
-        _, inputs = loss_and_inputs(model, core, batch, sharded, budget, multiple, cfg.loss_chunk_size)
-        loss_s = _timed(lambda: loss_and_inputs(model, core, batch, sharded, budget, multiple, cfg.loss_chunk_size))
+    with compute_context(accelerator, cfg.mixed_precision), whole_root(at.core):
+        _, inputs = loss_and_inputs(at, batch, budget)
+        loss_s = _timed(lambda: loss_and_inputs(at, batch, budget))
         if not generation:
             return [loss_s, 0.0, 0.0]
-        generate_for(core, inputs, batch, cfg, sharded, 1, forced=True)
-        short = _timed(lambda: generate_for(core, inputs, batch, cfg, sharded, 1, forced=True))
-        long = _timed(lambda: generate_for(core, inputs, batch, cfg, sharded, 1 + PROBE_STEPS, forced=True))
+        generate_for(at, inputs, batch, 1, forced=True)
+        short = _timed(lambda: generate_for(at, inputs, batch, 1, forced=True))
+        long = _timed(lambda: generate_for(at, inputs, batch, 1 + PROBE_STEPS, forced=True))
     step = max(long - short, 0.0) / PROBE_STEPS
     return [loss_s, max(short - step, 0.0), step]
 
@@ -178,10 +185,11 @@ def slowest(accelerator, values: list[float]) -> list[float]:
     return gathered.max(dim=0).values.tolist()
 
 
-def plan_evals(model, core, data, cfg: TrainConfig, accelerator, multiple: int, state) -> EvalPlan:
+def plan_evals(ctx: RunContext, model, core, data, state) -> EvalPlan:
     """The run's ``EvalPlan``, kept in ``state.eval_plan`` (the trainer's ``TrainState``): a resumed run's when
-    planned for the same options, else timed by ``probe`` on the model (``data``: the run's ``TrainData``) and
-    chosen by ``choose`` (the same on every process)."""
+    planned for the same options, else timed by ``probe`` on the model (``model`` as prepared, ``core`` inside it;
+    ``data``: the run's ``TrainData``) and chosen by ``choose`` (the same on every process)."""
+    cfg, accelerator = ctx.cfg, ctx.accelerator
     planned_for = {key: getattr(cfg, key) for key in PLANNED_FOR}
     saved = state.eval_plan or {}
     if saved.get("planned_for") == planned_for and saved.keys() == EvalPlan.__dataclass_fields__.keys() - {"resumed"}:
@@ -192,7 +200,7 @@ def plan_evals(model, core, data, cfg: TrainConfig, accelerator, multiple: int, 
     timings = [0.0, 0.0, 0.0]
     if rows:
         with encoder_on(core, accelerator.device), modes_kept(model):  # (the encoder cache takes it off the GPU)
-            timings = probe(model, core, data.collator, examples, cfg, accelerator, multiple, bool(asked))
+            timings = probe(EvalModel(ctx, model, core, None, data.collator), examples, bool(asked))  # (no text)
     loss_per_batch, fixed, step = slowest(accelerator, timings)
     batches = busiest_batches(rows, world, cfg.eval_batch_size)
     batch_generate_s = fixed + step * cfg.max_target_len
