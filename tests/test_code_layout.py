@@ -6,6 +6,7 @@
 - no import cycle between the project's modules (imports inside functions count);
 - no product module over 400 lines, no class over 400, no function over 60, except today's offenders in
   ``OVER_THE_LIMIT``, each at most its recorded size: the list only shrinks;
+- no product function takes more than 6 parameters (self and cls not counted; ``*args`` and ``**kwargs`` count);
 - every package ``install_requires`` names is imported by product code;
 - no product module outside ``lowmem/parallel/`` compares an engine's name: it asks the engine object
   (``lowmem.parallel.engines``) or the planner's layout (``lowmem.parallel.layouts``).
@@ -31,6 +32,7 @@ FLOORS = ("lowmem.utils", "config", "data", "lowmem.hardware", "lowmem.model", "
           "lowmem", "trainer_low_mem", "train_low_mem")
 
 MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 400, 400, 60
+PARAMETERS = 6  # a function's most (self and cls not counted; *args and **kwargs count one each)
 
 # Today's offenders and their sizes in lines (a module: its lines; a function: from `def` to its last line).
 # Split by concern, then lower or remove the entry: the test fails when one grows, when a new one appears
@@ -181,6 +183,23 @@ def test_no_module_class_or_function_past_its_size_but_todays_offenders_which_on
     smaller = {k: over.get(k, "within the limit: remove the entry") for k, v in OVER_THE_LIMIT.items()
                if over.get(k) != v}
     assert not smaller, f"shrank: lower (or remove) its entry in OVER_THE_LIMIT: {smaller}"
+
+
+def parameter_count(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's parameters: positional-only, positional and keyword-only ones but self and cls, and
+    ``*args`` and ``**kwargs`` one each."""
+    args = function.args
+    named = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
+    return len(named) + (args.vararg is not None) + (args.kwarg is not None)
+
+
+def test_no_product_function_takes_more_than_six_parameters():
+    """Parameters that travel together are one object (a run context, a stream's spec), values derivable from
+    ``cfg`` are derived inside, and shared state lives on a class."""
+    over = {f"{name}.{node.name} (line {node.lineno})": parameter_count(node)
+            for name, (_, tree) in product_modules().items() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and parameter_count(node) > PARAMETERS}
+    assert not over, f"more than {PARAMETERS} parameters (pass one object for those that travel together): {over}"
 
 
 # Names of engines and sharded layouts, and what holds one: compared anywhere but lowmem/parallel/, they are a
