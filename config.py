@@ -22,7 +22,9 @@ from lowmem.utils.eval_metrics import DEFAULT_METRICS, metric_problems
 from lowmem.utils.flag_roles import COMMANDS, RUN_COMMANDS, TOKENIZER_TOO, names_with
 from lowmem.utils.flag_roles import option as _f  # a field that the commands building a run read
 from lowmem.utils.flag_roles import training_option as _t  # a field that only training reads
+from lowmem.utils.frozen_forms import FROZEN_FORMS, frozen_form_problems
 from lowmem.utils.optional import installed, optional_package_missing
+from lowmem.utils.precision_names import PRECISION_DTYPES, precision_choices
 from lowmem.utils.presets import AUTO, FEED_FORWARD_WIDTHS, MEMORY_PROFILES, MODEL_PRESETS
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -41,8 +43,7 @@ OPTIMIZERS = ("adafactor", "adamw", "adamw8bit", "adamw_scale")
 LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo", "wi_0", "wi_1")
 ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
 CACHE_DTYPES = ("float32", "bfloat16", "float16")
-FROZEN_DTYPES = ("float32", "bfloat16", "int8", "float8")
-QUANTIZED_DTYPES = ("int8", "float8")  # optimum-quanto weights (lowmem.model.quantize)
+FROZEN_DTYPES = tuple(FROZEN_FORMS)  # --frozen_dtype's choices (lowmem.utils.frozen_forms)
 FREEZE_CHOICES = ("encoder", "embeddings", "none")
 
 
@@ -296,8 +297,8 @@ class TrainConfig:
                             f"(got {self.feed_forward_proj!r})")
         if self.loss_chunk_size != AUTO and not (isinstance(self.loss_chunk_size, int) and self.loss_chunk_size >= 0):
             problems.append(f"--loss_chunk_size must be auto, 0 or a number of tokens (got {self.loss_chunk_size!r})")
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            problems.append(f"--mixed_precision must be no, bf16 or fp16 (got {self.mixed_precision!r})")
+        if self.mixed_precision not in PRECISION_DTYPES:
+            problems.append(f"--mixed_precision must be {precision_choices()} (got {self.mixed_precision!r})")
         if self.lr_scheduler not in ("linear", "cosine", "constant"):
             problems.append(f"--lr_scheduler must be linear, cosine or constant (got {self.lr_scheduler!r})")
         problems += metric_problems(self.eval_metrics, self.metric_for_best, self.eval_generate)
@@ -353,22 +354,7 @@ class TrainConfig:
         elif self.encoder_cache != "off" and not self.frozen_encoder:
             problems.append("--encoder_cache needs a frozen encoder (--is_finetune=True with --freeze=encoder, the "
                             "default): a trained encoder's outputs change every step")
-        if self.frozen_dtype not in FROZEN_DTYPES:
-            problems.append(f"--frozen_dtype must be one of {', '.join(FROZEN_DTYPES)} (got {self.frozen_dtype!r})")
-        elif self.frozen_dtype == "bfloat16" and not ((self.freeze != "none" or self.lora_r)
-                                                      and self.mixed_precision == "bf16"):
-            problems.append("--frozen_dtype=bfloat16 needs frozen weights (--is_finetune=True, --freeze=encoder or "
-                            "embeddings, or --lora_r) and --mixed_precision=bf16 (bf16 weights are only used inside "
-                            "bf16 autocast)")
-        elif self.frozen_dtype in QUANTIZED_DTYPES and self.mixed_precision == "fp16":
-            problems.append(f"--frozen_dtype={self.frozen_dtype} does not run with --mixed_precision=fp16: use bf16")
-        elif self.frozen_dtype in QUANTIZED_DTYPES and self.freeze != "encoder" and not self.lora_r:
-            problems.append(f"--frozen_dtype={self.frozen_dtype} quantizes frozen linear layers and this run has none: "
-                            "use it with --is_finetune=True and --freeze=encoder, or with --lora_r")
-        elif self.frozen_dtype in QUANTIZED_DTYPES and not installed("optimum.quanto"):
-            problems.append(optional_package_missing(f"--frozen_dtype={self.frozen_dtype}", "optimum-quanto", "quant"))
-        if self.quantize_wo and self.frozen_dtype not in QUANTIZED_DTYPES:
-            problems.append("--quantize_wo=True needs --frozen_dtype=int8 or float8")
+        problems += frozen_form_problems(self)
         if self.encoder_cache_dtype not in CACHE_DTYPES:
             problems.append(f"--encoder_cache_dtype must be one of {', '.join(CACHE_DTYPES)} "
                             f"(got {self.encoder_cache_dtype!r})")
@@ -386,10 +372,11 @@ class TrainConfig:
 
     def optional_modules(self) -> list[tuple[str, str]]:
         """(module, the flag that needs it) for each optional package this run imports beyond the trainer's own."""
+        frozen = FROZEN_FORMS[self.frozen_dtype].module  # optimum.quanto for 8-bit frozen weights
         return [(module, flag) for module, flag, used in (
             ("peft", "--lora_r", self.lora_r > 0),
             ("bitsandbytes", "--optimizer=adamw8bit", self.optimizer == "adamw8bit"),
-            ("optimum.quanto", "--frozen_dtype", self.frozen_dtype in QUANTIZED_DTYPES)) if used]
+            (frozen, "--frozen_dtype", frozen is not None)) if used]
 
     @property
     def lora_targets(self) -> list[str]:

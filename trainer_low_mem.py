@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from config import TrainConfig
-from data.collate import shape_multiple, train_padding
+from data.collate import train_padding
 from data.objectives.base import objective_for
 from data.pipeline import DataFiles, DataProcess, TrainData, build_data, check_data
 from data.tokenization import tokenizer_fingerprint, tokenizer_for_run
@@ -112,7 +112,7 @@ class LowMemTrainer:
         self.accelerator, self.engine = start_accelerator(cfg)
         self.precision = precision_for(cfg.mixed_precision, self.accelerator.device.type)
         self.telemetry.attach(self.accelerator)
-        self.shape_multiple = shape_multiple(cfg.mixed_precision, self.accelerator.device.type == "cpu")
+        self.shape_multiple = self.precision.shape_multiple(self.accelerator.device.type == "cpu")
         self.start_time = time.time()
         if self.model is None and cfg.init_from:  # checked before the run folder is made: a refusal leaves nothing
             self.tokenizer_dir, self.tokenizer = tokenizer_for_model(cfg, self.files, self.tokenizer,

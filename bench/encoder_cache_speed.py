@@ -67,10 +67,11 @@ def corpora(folder: Path, extra: list[str], turns: list[int]) -> dict[str, list[
 def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", precision: str = "no",
             seed: int = 0) -> dict:
     from config import SHIPPED_TOKENIZER_DIR
-    from data.collate import Seq2SeqCollator, shape_multiple
+    from data.collate import Seq2SeqCollator
     from data.sources.corpus import Example
     from data.tokenization import load_tokenizer
     from lowmem.cli.flags import load_config
+    from lowmem.hardware.precision import PRECISIONS
     from lowmem.model.build import build_model, freeze_parts
     from lowmem.model.loss import frozen_encoder_states, target_index, token_loss_sum
     from lowmem.training.optim import build_optimizer, parameter_groups
@@ -85,7 +86,7 @@ def measure(preset: str, rows: list[dict], windows: int, device: str = "cpu", pr
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, parameter_groups(model, cfg.weight_decay))
     cuda = torch.device(device).type == "cuda"
-    multiple = shape_multiple(precision, not cuda)  # bf16 on the CPU pads as the trainer does
+    multiple = PRECISIONS[precision].shape_multiple(not cuda)  # bf16 on the CPU pads as the trainer does
     collator = Seq2SeqCollator(tokenizer, cfg.max_source_len, cfg.max_target_len, multiple)
     rng = random.Random(seed)
     size = cfg.batch_size * cfg.gradient_accumulation_steps

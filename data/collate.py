@@ -54,20 +54,10 @@ def length_buckets(longest: tuple[int, int], multiple: int = 1, smallest: int = 
 
 
 def train_padding(cfg, multiple: int) -> Padding:
-    """What training micro-batches' lengths are rounded up to: ``multiple`` (``shape_multiple``), or with
+    """What training micro-batches' lengths are rounded up to: ``multiple`` (the precision's ``shape_multiple``,
+    ``lowmem.hardware.precision``), or with
     --torch_compile=True the ``length_buckets``."""
     return length_buckets((cfg.max_source_len, cfg.max_target_len), multiple) if cfg.torch_compile else multiple
-
-
-def shape_multiple(mixed_precision: str, on_cpu: bool) -> int:
-    """What lengths and target counts are rounded up to: 16 for bf16 on the CPU, else 1.
-
-    oneDNN's bf16 kernels on the CPU keep a primitive, with a packed copy of the weight, per matrix
-    shape: dynamic padding makes hundreds of shapes, and host RSS grew by ~0.7 GB in 24 steps (tiny,
-    16k vocabulary). Multiples of 16 keep a few dozen shapes and RSS flat. fp32 and CUDA kernels keep
-    no such state: no rounding.
-    """
-    return 16 if mixed_precision != "no" and on_cpu else 1
 
 
 def pad(rows: list[list[int]], value: int, multiple: Padding = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +143,7 @@ class Seq2SeqCollator:
     """Turn examples into ``input_ids``, ``attention_mask`` and ``labels`` tensors.
 
     Each side is padded to the longest row of its micro-batch (not to a fixed length), rounded up to
-    a multiple of ``pad_multiple`` (see ``shape_multiple`` above), or to a length bucket (``train_padding``);
+    a multiple of ``pad_multiple`` (the precision's ``shape_multiple``), or to a length bucket (``train_padding``);
     label padding is -100 so it never counts in the loss.
     """
 

@@ -9,7 +9,8 @@
 - no product function takes more than 6 parameters (self and cls not counted; ``*args`` and ``**kwargs`` count);
 - every package ``install_requires`` names is imported by product code;
 - no product module outside ``lowmem/parallel/`` compares an engine's name: it asks the engine object
-  (``lowmem.parallel.engines``) or the planner's layout (``lowmem.parallel.layouts``).
+  (``lowmem.parallel.engines``) or the planner's layout (``lowmem.parallel.layouts``); none but
+  ``lowmem.hardware.precision`` compares a precision's name, none but ``lowmem.utils.frozen_forms`` a frozen form's.
 
 Every ``.py`` file at the top level and under ``data/`` and ``lowmem/``, subpackages included, is a product module.
 """
@@ -208,9 +209,10 @@ ENGINE_NAMES = {"fsdp", "deepspeed", "ddp", "zero2", "zero3"}
 ENGINE_HOLDERS = {"engine", "sharding"}
 
 
-def engine_name_comparisons(tree: ast.AST) -> list[int]:
-    """Lines of ``tree`` comparing an engine's name: a string in ENGINE_NAMES on either side (alone or in a
-    tuple, list or set), or any string against a name or attribute called ``engine`` or ``sharding``."""
+def name_comparisons(tree: ast.AST, names: set[str], holders: set[str]) -> list[int]:
+    """Lines of ``tree`` comparing a kind's name: a string in ``names`` on either side (alone or in a tuple, list
+    or set), or any string against a name or attribute called one of ``holders`` (or a dict's value read under that
+    key: ``saved["mixed_precision"]``, ``saved.get("mixed_precision")``)."""
     lines = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Compare):
@@ -219,11 +221,26 @@ def engine_name_comparisons(tree: ast.AST) -> list[int]:
         values = [v for side in sides for v in (side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set))
                                                  else [side])]
         strings = {v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)}
-        holders = {getattr(side, "id", None) or getattr(side, "attr", None) for side in sides
-                   if isinstance(side, (ast.Name, ast.Attribute))}
-        if strings & ENGINE_NAMES or (strings and holders & ENGINE_HOLDERS):
+        if strings & names or (strings and {holder_name(side) for side in sides} & holders):
             lines.append(node.lineno)
     return lines
+
+
+def holder_name(node: ast.AST) -> str | None:
+    """What a compared value is called: a name's, an attribute's, or the string key a dict is read under."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    key = node.slice if isinstance(node, ast.Subscript) else (
+        node.args[0] if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" and node.args
+        else None)
+    return key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else None
+
+
+def engine_name_comparisons(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` comparing an engine's name (``name_comparisons``: ENGINE_NAMES, ENGINE_HOLDERS)."""
+    return name_comparisons(tree, ENGINE_NAMES, ENGINE_HOLDERS)
 
 
 def test_no_module_outside_the_parallel_package_compares_an_engines_name():
@@ -232,6 +249,35 @@ def test_no_module_outside_the_parallel_package_compares_an_engines_name():
     found = [f"{path.relative_to(REPO)}:{line}" for name, (path, tree) in product_modules().items()
              if not name.startswith("lowmem.parallel.") for line in engine_name_comparisons(tree)]
     assert not found, f"engine names compared outside lowmem/parallel/ (ask the engine object instead): {found}"
+
+
+# --mixed_precision's and --frozen_dtype's names. "no", "float32" and "bfloat16" are other flags' values too
+# (--cache_dtype, --encoder_cache_dtype, a checkpoint's dtype) and words of every kind: they count only against
+# what holds a precision or a frozen form; "bf16", "fp16", "int8" and "float8" name nothing else here, so they count
+# on either side of any comparison
+PRECISION_NAMES, PRECISION_HOLDERS = {"bf16", "fp16"}, {"mixed_precision", "precision"}
+FROZEN_FORM_NAMES, FROZEN_FORM_HOLDERS = {"int8", "float8"}, {"frozen_dtype"}
+
+
+def test_no_module_but_their_own_compares_a_precisions_or_a_frozen_forms_name():
+    """A precision is asked (``PRECISIONS[cfg.mixed_precision].half``, ``.width``, ``.dtype``, ...) outside
+    ``lowmem.hardware.precision``, and a frozen form (``FROZEN_FORMS[cfg.frozen_dtype].quantized``, ``.narrow``, ...)
+    outside ``lowmem.utils.frozen_forms``: no other product module compares their names (docs/architecture.md).
+    Found as the engine's are (``name_comparisons``): a name in PRECISION_NAMES / FROZEN_FORM_NAMES anywhere in a
+    comparison, or any string compared with what PRECISION_HOLDERS / FROZEN_FORM_HOLDERS call a value."""
+    old = ('if cfg.mixed_precision == "bf16": pass\nif precision != "no": pass\nif s in ("bf16", "x"): pass\n'
+           'if cfg.frozen_dtype in ("int8", "y"): pass\nif x == "float8": pass\n'
+           'if saved["mixed_precision"] != "no": pass\nif cfg.get("frozen_dtype") == "float32": pass\n'
+           'if cfg.cache_dtype == "bfloat16": pass\n')
+    tree = ast.parse(old)  # the check finds the branches it replaced, and leaves a cache's dtype alone
+    assert name_comparisons(tree, PRECISION_NAMES, PRECISION_HOLDERS) == [1, 2, 3, 6]
+    assert name_comparisons(tree, FROZEN_FORM_NAMES, FROZEN_FORM_HOLDERS) == [4, 5, 7]
+    found = []
+    for own, names, holders in (("lowmem.hardware.precision", PRECISION_NAMES, PRECISION_HOLDERS),
+                                ("lowmem.utils.frozen_forms", FROZEN_FORM_NAMES, FROZEN_FORM_HOLDERS)):
+        found += [f"{path.relative_to(REPO)}:{line}" for name, (path, tree) in product_modules().items()
+                  if name != own for line in name_comparisons(tree, names, holders)]
+    assert not found, f"precision or frozen-form names compared outside their modules (ask the object): {found}"
 
 
 def test_every_required_package_is_imported_by_product_code():

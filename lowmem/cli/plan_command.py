@@ -14,9 +14,9 @@ import math
 import sys
 from dataclasses import dataclass, field, replace
 
-from config import QUANTIZED_DTYPES, TrainConfig
+from config import TrainConfig
 from data.streams.file_stream import total_steps
-from lowmem.hardware.precision import PRECISIONS
+from lowmem.hardware.precision import PRECISIONS, BFloat16, Precision
 from lowmem.memory import planner
 from lowmem.memory.plan_batches import run_lengths
 from lowmem.memory.plan_sharding import SHARDINGS
@@ -24,6 +24,7 @@ from lowmem.memory.plan_sizes import Placement
 from lowmem.memory.profiles import gpu_half_precision
 from lowmem.memory.tensor_bytes import frozen_parts
 from lowmem.utils.errors import UserError
+from lowmem.utils.frozen_forms import FROZEN_FORMS, FrozenForm, Int8Form
 from lowmem.utils.optional import installed
 from lowmem.utils.presets import MODEL_PRESETS
 
@@ -42,15 +43,16 @@ SPEED = {"checkpointing": 1.3, "bf16_gpu": 0.6, "bf16_cpu": 1.1, "adamw8bit": 1.
 def relative_time(cfg: TrainConfig, device: str) -> float:
     """Step time relative to fp32, no checkpointing, AdamW (a ranking model, not a measurement)."""
     factor = SPEED["checkpointing"] if cfg.gradient_checkpointing else 1.0
-    if cfg.mixed_precision != "no":
+    precision = PRECISIONS[cfg.mixed_precision]
+    if precision.half:
         here = local_capability(device)  # a dtype measured slow on this machine: its measured factor
-        slow = here is not None and not here.fast(PRECISIONS[cfg.mixed_precision].dtype)
-        factor *= (here.slowdown(PRECISIONS[cfg.mixed_precision].dtype) if slow
+        slow = here is not None and not here.fast(precision.dtype)
+        factor *= (here.slowdown(precision.dtype) if slow
                    else SPEED["bf16_gpu"] if device == "gpu" else SPEED["bf16_cpu"])
     factor *= SPEED.get(cfg.optimizer, 1.0)
     if cfg.encoder_cache != "off":
         factor *= SPEED["encoder_cache"]
-    if cfg.frozen_dtype in QUANTIZED_DTYPES:
+    if FROZEN_FORMS[cfg.frozen_dtype].quantized:
         factor *= SPEED["int8_gpu"] if device == "gpu" else SPEED["int8_cpu"]
     return round(factor * 2 / min(cfg.batch_size, 2), 3)  # a micro-batch of 1 takes twice the steps
 
@@ -90,15 +92,16 @@ LAST_RESORT_LORA_R = 8  # the adapters' rank plan recommends when nothing fits w
 @dataclass(frozen=True)
 class Baseline:
     """The framework baseline (MiB, ``planner.framework_mb``): ``core_mb`` without the optional extras, and what
-    importing each adds (``import_mb``), by the flag value that imports it (int8 / float8 for optimum-quanto, adamw8bit
-    for bitsandbytes): every mode ``recommend`` tries gets its own."""
+    importing each adds (``import_mb``), by the optimizer that imports it (adamw8bit for bitsandbytes) or the frozen
+    forms' module (optimum.quanto): every mode ``recommend`` tries gets its own."""
 
     core_mb: float
     import_mb: dict[str, float] = field(default_factory=dict)
 
     def of(self, cfg: TrainConfig) -> float:
         """The baseline of a run of ``cfg``: the core's and its optimizer's and frozen form's imports."""
-        return self.core_mb + self.import_mb.get(cfg.optimizer, 0.0) + self.import_mb.get(cfg.frozen_dtype, 0.0)
+        return (self.core_mb + self.import_mb.get(cfg.optimizer, 0.0)
+                + self.import_mb.get(FROZEN_FORMS[cfg.frozen_dtype].module, 0.0))
 
 
 def recommend(cfg: TrainConfig, budget_gb: float, placement: Placement, vocab_size: int, lengths: dict,
@@ -119,25 +122,26 @@ def recommend(cfg: TrainConfig, budget_gb: float, placement: Placement, vocab_si
     """
     device, world, sharding, import_mb = placement.device, placement.world, placement.sharding, baseline.import_mb
     optimizers = ["adamw", "adafactor"] + (["adamw8bit"] if installed("bitsandbytes") else [])
-    has_frozen = bool(frozen_parts(cfg))
     caches = ["off", "auto"] if cfg.frozen_encoder and not cfg.packing else ["off"]
     # autocast only where its dtype is fast on this machine's GPU (a CPU's bf16 autocast measured more host memory)
-    precisions = list(dict.fromkeys(["no", gpu_half_precision()])) if device == "gpu" else ["no"]
-    frozen = ["float32", "bfloat16"] if has_frozen else ["float32"]
-    if "int8" in import_mb and (cfg.freeze == "encoder" or cfg.lora_r) and not sharding:
-        frozen += ["int8", "int8+wo"]  # optimum-quanto installed: 8-bit frozen linear layers (wo too if only that fits)
+    half = gpu_half_precision(BFloat16.name) if device == "gpu" else Precision.name
+    precisions = list(dict.fromkeys([Precision.name, half]))
+    # Frozen forms a trial may hold (8 bits where optimum-quanto's import was measured, then wo too if only that
+    # fits; a sharded run holds them as loaded), where the trial's flags run them (``problem``)
+    frozen = [(form, wo) for form in FROZEN_FORMS.values() for wo in ((False, True) if form.quantized else (False,))
+              if form.recommended and not (sharding and form.narrow)
+              and (form.module is None or form.module in import_mb)]
     reads, best = reads_per_row(cfg, lengths.get("train_rows", lengths["rows"]), world), None
     effective = cfg.batch_size * cfg.gradient_accumulation_steps  # kept: micro-batches that divide it
     batches = [b for b in dict.fromkeys((cfg.batch_size, 2, 1)) if effective % b == 0]
-    for ckpt, prec, opt, batch, cache, frozen_dtype in itertools.product(
+    for ckpt, prec, opt, batch, cache, (form, wo) in itertools.product(
             [False, True], precisions, optimizers, batches, caches, frozen):
-        if frozen_dtype == "bfloat16" and prec != "bf16":
-            continue
         accumulation = effective // batch
-        frozen_dtype, wo = frozen_dtype.removesuffix("+wo"), frozen_dtype.endswith("+wo")
         trial = replace(cfg, gradient_checkpointing=ckpt, mixed_precision=prec, optimizer=opt, batch_size=batch,
-                        gradient_accumulation_steps=accumulation, encoder_cache=cache, frozen_dtype=frozen_dtype,
+                        gradient_accumulation_steps=accumulation, encoder_cache=cache, frozen_dtype=form.name,
                         quantize_wo=wo, cpu=device == "cpu")
+        if form.problem(trial):  # bf16 storage outside bf16 autocast, or 8 bits without frozen linear layers
+            continue
         plan = planner.predict(trial, vocab_size, lengths, baseline.of(trial), placement)
         peak = plan["gpu_peak_mb"] if device == "gpu" else placement.per_machine * plan["host_peak_mb"]
         if peak > budget_gb * 1024 * (1 - RECOMMEND_HEADROOM):
@@ -269,14 +273,14 @@ def framework_baselines(cfg: TrainConfig, budget_gb: float | None) -> Baseline:
     # then what importing it adds, so every optimizer the search tries gets its own baseline.
     # Each extra's import is measured against the RSS just before it (imports pile up in this process: measured
     # against the first baseline, optimum-quanto's counted bitsandbytes' 44 MiB too).
-    core = before = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="float32"))
+    core = before = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype=FrozenForm.name))
     import_mb = {}
-    if cfg.frozen_dtype in QUANTIZED_DTYPES or (budget_gb is not None and installed("optimum.quanto")):
-        after = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype="int8"))  # optimum-quanto
-        import_mb["int8"] = import_mb["float8"] = max(0.0, after - before)
+    if FROZEN_FORMS[cfg.frozen_dtype].quantized or (budget_gb is not None and installed(Int8Form.module)):
+        after = planner.framework_mb(replace(cfg, optimizer="adafactor", frozen_dtype=Int8Form.name))
+        import_mb[Int8Form.module] = max(0.0, after - before)
         before = after
     if cfg.optimizer == "adamw8bit" or (budget_gb is not None and installed("bitsandbytes")):
-        after = planner.framework_mb(replace(cfg, optimizer="adamw8bit", frozen_dtype="float32"))
+        after = planner.framework_mb(replace(cfg, optimizer="adamw8bit", frozen_dtype=FrozenForm.name))
         import_mb["adamw8bit"] = max(0.0, after - before)
     return Baseline(core, import_mb)
 

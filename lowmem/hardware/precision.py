@@ -1,7 +1,12 @@
 """How a run computes (``--mixed_precision``): float32, bf16 autocast, or fp16 autocast with a loss scaler.
 
-One class per kind; the trainer, the evaluation and the encoder cache ask the run's kind for their autocast context,
-and the trainer asks it to scale the loss, unscale the gradients and keep the scaler's state in checkpoints.
+One class per kind, registered by its name (``lowmem.utils.registry``: ``PRECISIONS``); the trainer, the evaluation
+and the encoder cache ask the run's kind for their autocast context, and the trainer asks it to scale the loss,
+unscale the gradients and keep the scaler's state in checkpoints. What holds only the config (the planner, the
+checks of the flags, the padding of shapes) asks the class ``PRECISIONS[cfg.mixed_precision]``: its ``dtype``,
+its ``width`` and ``half``, whether T5's ``wo`` runs on a float32 cast (``float32_wo``). No module but this one
+compares a precision's name (tests/test_code_layout.py). Adding a precision: one subclass here with its ``name``
+(and the name with its dtype in ``lowmem.utils.precision_names``, for ``config``).
 
 fp16 (for GPUs without fast bf16: T4, V100, RTX 20xx) is float16 autocast with ``torch.amp.GradScaler``, which also
 runs on the CPU. T5 overflows float16 in one place under autocast, measured on a tiny T5 whose feed-forward output
@@ -17,13 +22,19 @@ import functools
 
 import torch
 
+from lowmem.utils.registry import Registered
 
-class Precision:
+
+class Precision(Registered, family=True):
     """Float32 (``--mixed_precision=no``): no autocast, no loss scaling."""
 
     name = "no"
     accelerate_name = "no"  # what accelerate is told (fp16's autocast and scaler are this class's own)
     dtype = torch.float32  # what matrix products compute in
+    width = 4  # bytes of each value its products make and of the casts of their inputs (the planner's activations)
+    half = False  # computes in 16 bits
+    float32_wo = False  # T5's feed-forward output projections run on a float32 cast of their input (fp16's guard)
+    scales_loss = False  # its own loss scaler (DeepSpeed, which would run it with float16 weights, refuses it)
 
     def __init__(self, device_type: str):
         """``device_type``: the accelerator's ("cpu", "cuda"), where a loss scaler would work."""
@@ -35,6 +46,22 @@ class Precision:
 
     def prepare(self, core) -> None:
         """Make the plain model (before wrapping) fit to compute in this precision."""
+
+    @classmethod
+    def shape_multiple(cls, on_cpu: bool) -> int:
+        """What lengths and target counts are rounded up to: 16 for a half precision on the CPU, else 1.
+
+        oneDNN's bf16 kernels on the CPU keep a primitive, with a packed copy of the weight, per matrix
+        shape: dynamic padding makes hundreds of shapes, and host RSS grew by ~0.7 GB in 24 steps (tiny,
+        16k vocabulary). Multiples of 16 keep a few dozen shapes and RSS flat. fp32 and CUDA kernels keep
+        no such state: no rounding.
+        """
+        return 16 if cls.half and on_cpu else 1
+
+    @classmethod
+    def missing_on_gpu(cls) -> bool:
+        """Whether this machine's GPU lacks this precision's dtype (bf16 before Ampere)."""
+        return cls.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported()
 
     # ------------------------------------------------------------------ loss scaling (fp16's)
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -72,6 +99,7 @@ class BFloat16(Precision):
 
     name = accelerate_name = "bf16"
     dtype = torch.bfloat16
+    width, half = 2, True
 
 
 class Float16(Precision):
@@ -79,6 +107,8 @@ class Float16(Precision):
 
     name = "fp16"
     dtype = torch.float16
+    width, half = 2, True
+    float32_wo = scales_loss = True  # (``prepare``, ``scale``)
 
     def __init__(self, device_type: str):
         self.scaler = torch.amp.GradScaler(device_type)
@@ -120,11 +150,19 @@ class Float16(Precision):
         return {"loss_scale": self.scaler.get_scale(), "scaler_skipped_steps": self.skipped}
 
 
-PRECISIONS = {kind.name: kind for kind in (Precision, BFloat16, Float16)}
+PRECISIONS: dict[str, type[Precision]] = Precision.kinds  # --mixed_precision -> its class
 
 
 def precision_for(mixed_precision: str, device_type: str) -> Precision:
+    """The run's precision object (``device_type``: the accelerator's)."""
     return PRECISIONS[mixed_precision](device_type)
+
+
+def fast_half_precision(found) -> str:
+    """The ``--mixed_precision`` of the first half precision whose products ``found`` (``lowmem.hardware.capability``)
+    measured fast: bf16 where they are (Ampere on), else fp16 with its loss scaler (T4, V100, RTX 20xx), else
+    float32's ``no``."""
+    return next((kind.name for kind in PRECISIONS.values() if kind.half and found.fast(kind.dtype)), Precision.name)
 
 
 def slow_here(precision: Precision, found) -> str | None:

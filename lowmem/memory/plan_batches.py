@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from config import TrainConfig
+from lowmem.hardware.precision import PRECISIONS
 from lowmem.memory.tensor_bytes import batch_cost
 
 if TYPE_CHECKING:
@@ -236,9 +237,9 @@ def packing_capacity(cfg: TrainConfig) -> tuple[int, int] | None:
 
 def padding_multiple(cfg: TrainConfig, device: str) -> Padding:
     """What the trainer rounds training lengths up to (``data.collate.train_padding``)."""
-    from data.collate import shape_multiple, train_padding
+    from data.collate import train_padding
 
-    return train_padding(cfg, shape_multiple(cfg.mixed_precision, device == "cpu"))
+    return train_padding(cfg, PRECISIONS[cfg.mixed_precision].shape_multiple(device == "cpu"))
 
 
 def eval_pairs(cfg: TrainConfig, data) -> list[tuple[int, int]]:

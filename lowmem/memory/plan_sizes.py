@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from config import TrainConfig
 from data.streams.file_stream import total_steps
 from lowmem.hardware.memory_use import SHARDED_MMAP_THRESHOLD
+from lowmem.hardware.precision import PRECISIONS
 from lowmem.memory.plan_batches import eval_example_bytes, padded_peak_batches
 from lowmem.memory.plan_sharding import HeldSizes, sharded_sizes
 from lowmem.memory.tensor_bytes import (
@@ -35,6 +36,7 @@ from lowmem.memory.tensor_bytes import (
     trainable_shapes,
 )
 from lowmem.model.quantize import SHARD_BYTES
+from lowmem.utils.frozen_forms import FROZEN_FORMS
 
 MB = 2**20
 # glibc serves blocks above this with mmap and unmaps them when freed: they leave no heap behind.
@@ -130,7 +132,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, placement: Plac
     quantized = sum(numel(shape) for shape in eight_bit)
     # --frozen_dtype=bfloat16 stores the frozen matrices in 2 bytes; int8|float8 those it does not quantize
     # (wo, the embedding, a frozen head: lowmem.model.streamed_load)
-    half = frozen_matrix_elements(cfg, shapes) - quantized if cfg.frozen_dtype != "float32" else 0
+    half = frozen_matrix_elements(cfg, shapes) - quantized if FROZEN_FORMS[cfg.frozen_dtype].narrow else 0
     steps = total_steps(cfg, math.ceil(lengths["rows"] / world))
     head_parts = head_part_bytes(cfg, shapes, half)
     weights = 4 * (n_params + (n_train if cfg.lora_r else 0)) - 2 * half
@@ -160,7 +162,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, placement: Plac
         encoder_elements=part_elements(shapes, "encoder"),
         encoder_matrices=matrix_elements(shapes["encoder"]),
         weights=held.weights, optimizer=held.optimizer,
-        cast_cache=2 * n_train if cfg.mixed_precision != "no" else 0,
+        cast_cache=2 * n_train if PRECISIONS[cfg.mixed_precision].half else 0,
         cache=encoder_cache_in_ram(cfg, dims, lengths, world),
         buffers=data_buffer_bytes(cfg, lengths, world),
         alive=alive, peak_at=peak_at, act=act, before=before,

@@ -10,6 +10,7 @@ config's own resolution of its defaults; the profiles and caps themselves are da
 from __future__ import annotations
 
 from config import TrainConfig
+from lowmem.hardware.precision import PRECISIONS, fast_half_precision
 from lowmem.utils.presets import AUTO, CAPPED_PROFILES, LOW_MEMORY_CAPS, MEMORY_PROFILES
 
 
@@ -31,27 +32,26 @@ def profile_flags(converted: dict) -> list[str]:
         if name in converted and converted[name] != value:
             notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
                          f"wins over the profile's {value!r}")
-        elif name == "mixed_precision" and value == "bf16" and not converted.get("cpu"):
-            value = gpu_half_precision()
-            if value != "bf16":
-                notes.append(f"--memory_profile={profile}: bf16 products are slow on this GPU: "
-                             f"--mixed_precision={value} instead of the profile's bf16")
+        elif name == "mixed_precision" and PRECISIONS[value].half and not converted.get("cpu"):
+            value, asked = gpu_half_precision(value), value
+            if value != asked:
+                notes.append(f"--memory_profile={profile}: {asked} products are slow on this GPU: "
+                             f"--mixed_precision={value} instead of the profile's {asked}")
         converted.setdefault(name, value)
     return notes
 
 
-def gpu_half_precision() -> str:
-    """The --mixed_precision a GPU profile's bf16 becomes on this machine's GPU (``lowmem.hardware``): bf16 where its
-    products are fast (Ampere on), else fp16 with its loss scaler where those are (T4, V100, RTX 20xx), else no.
-    Without a GPU here (a plan for one elsewhere): bf16."""
+def gpu_half_precision(planned: str) -> str:
+    """The --mixed_precision a GPU profile's half precision ``planned`` becomes on this machine's GPU
+    (``lowmem.hardware``): the first half precision whose products are fast there (bf16 on Ampere on, fp16 with
+    its loss scaler on T4, V100, RTX 20xx), else no. Without a GPU here (a plan for one elsewhere): ``planned``."""
     import torch
 
     if not torch.cuda.is_available():
-        return "bf16"
+        return planned
     from lowmem.hardware.probe import capability
 
-    found = capability("cuda")
-    return "bf16" if found.fast(torch.bfloat16) else "fp16" if found.fast(torch.float16) else "no"
+    return fast_half_precision(capability("cuda"))
 
 
 def apply_caps(cfg: TrainConfig) -> list[str]:

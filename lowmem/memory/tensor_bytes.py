@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 
 from config import TrainConfig
+from lowmem.hardware.precision import PRECISIONS
 from lowmem.model.source import model_folder_config
+from lowmem.utils.frozen_forms import FROZEN_FORMS
 from lowmem.utils.presets import loss_chunk_rows, preset_shape
 
 ATTENTION_GRADS = 2  # attention-sized gradients alive at once in one layer's backward
@@ -182,9 +184,7 @@ QUANTIZED_LAYERS = ("q", "k", "v", "o", "wi", "wi_0", "wi_1")  # what --frozen_d
 def quantized_shapes(cfg: TrainConfig, shapes: dict) -> list[tuple[int, ...]]:
     """Shapes of the weights ``--frozen_dtype=int8|float8`` stores in 8 bits (``lowmem.model.quantize``): the
     frozen stacks' linear layers, ``wo`` only with ``--quantize_wo``; never embeddings or the head."""
-    from config import QUANTIZED_DTYPES
-
-    if cfg.frozen_dtype not in QUANTIZED_DTYPES:
+    if not FROZEN_FORMS[cfg.frozen_dtype].quantized:
         return []
     names = QUANTIZED_LAYERS + (("wo",) if cfg.quantize_wo else ())
     return [shape for part in ("encoder", "decoder") if part in frozen_parts(cfg)
@@ -194,7 +194,7 @@ def quantized_shapes(cfg: TrainConfig, shapes: dict) -> list[tuple[int, ...]]:
 def quantized_saving(cfg: TrainConfig, quantized: list[tuple[int, ...]]) -> int:
     """Bytes 8-bit storage saves against float32: 3 of each element's 4, less one scale per output row
     (in the compute dtype) and quanto's two unused activation scales per layer."""
-    scale = 2 if cfg.mixed_precision != "no" else 4
+    scale = PRECISIONS[cfg.mixed_precision].width
     return sum(3 * numel(shape) - scale * shape[0] - 8 for shape in quantized)
 
 
@@ -280,8 +280,8 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
     GPU's measured peaks against the plan.
     """
     d, f, h, i = dims["d_model"], dims["d_ff"], dims["num_heads"], dims["num_heads"] * dims["d_kv"]
-    half = cfg.mixed_precision != "no"
-    w = 2 if half else 4  # matmul outputs and the casts of their inputs
+    precision = PRECISIONS[cfg.mixed_precision]
+    half, w = precision.half, precision.width  # w: matmul outputs and the casts of their inputs
     mask = 1 if cfg.dropout_rate > 0 else 0  # a bool per dropped value
 
     def norm(readers: int) -> int:  # a norm's saved values and what the linear layers reading it keep
@@ -297,7 +297,7 @@ def gpu_layer_bytes(cfg: TrainConfig, dims: dict, rows: int, source_len: int, ta
     else:  # ReLU's output, the dropout's mask, wo's input (a bf16 cast, or the dropout's float output;
         # without either, ReLU's output itself)
         ff = norm(1) + w * f + mask * f + (w * f if half or mask else 0) + mask * d
-    ff += 2 * f if cfg.mixed_precision == "fp16" else 0  # fp16's wo runs on a float32 cast (4 bytes; bf16's: 2)
+    ff += 2 * f if precision.float32_wo else 0  # fp16's wo runs on a float32 cast (4 bytes; bf16's: 2)
     encoder = rows * source_len * (attention(3, source_len) + ff)
     # cross-attention: q from the target, k and v (and their bf16 casts) from each source token
     decoder = (rows * target_len * (attention(3, target_len) + attention(1, source_len) + ff)
@@ -317,7 +317,7 @@ def activation_bytes(cfg: TrainConfig, dims: dict, batch: tuple[int, ...], devic
     d, f, h = dims["d_model"], dims["d_ff"], dims["num_heads"]
     gated = dims["gated"]
     if device == "gpu":
-        width = 2 if cfg.mixed_precision != "no" else 4
+        width = PRECISIONS[cfg.mixed_precision].width
         enc_layer, dec_layer = gpu_layer_bytes(cfg, dims, b, s, t)
     else:
         width = 4  # CPU autocast measured no saving
@@ -346,11 +346,11 @@ def activation_bytes(cfg: TrainConfig, dims: dict, batch: tuple[int, ...], devic
     vocab, chunk = dims["vocab_size"], loss_chunk_rows(dims["vocab_size"], d, cfg.loss_chunk_size)
     if chunk:  # lowmem.model.chunked_loss: one chunk's float32 logits (and their half product) at a time, and the
         # gradient of the head's input, made in the forward (the head weight's too: ``backward_peak`` counts it)
-        logits = min(positions, chunk) * vocab * (4 if cfg.mixed_precision == "no" else 6) + positions * d * 4
+        logits = min(positions, chunk) * vocab * (6 if PRECISIONS[cfg.mixed_precision].half else 4) + positions * d * 4
         logits_grad = positions * d * 4
     else:  # fp32: the log-softmax output (saved), its gradient and the logits' gradient at the loss's backward
         # (3.05 copies measured at 8,192 x 8,100); bf16 adds the bf16 logits and their float copy
-        logits = positions * vocab * (3 * 4 if cfg.mixed_precision == "no" else 2 + 3 * 4)
+        logits = positions * vocab * (2 + 3 * 4 if PRECISIONS[cfg.mixed_precision].half else 3 * 4)
         logits_grad = positions * vocab * 4
     encoder_out = b * s * d * 4
     return {"activations": encoder_saved + decoder_saved + encoder_peak + encoder_out + attention_grads,
@@ -385,7 +385,8 @@ def evaluation_bytes(cfg: TrainConfig, dims: dict, batches: list[tuple[int, int,
     Measured on the CPU (small, 512 tokens): 101 MiB predicted 119 (greedy), 511 predicted 572 (4 beams).
     """
     d, h, vocab, beams = dims["d_model"], dims["num_heads"], dims["vocab_size"], cfg.num_beams
-    width, chunk = 2 if cfg.mixed_precision != "no" else 4, loss_chunk_rows(vocab, d, cfg.loss_chunk_size)
+    half, chunk = PRECISIONS[cfg.mixed_precision].half, loss_chunk_rows(vocab, d, cfg.loss_chunk_size)
+    width = PRECISIONS[cfg.mixed_precision].width
     worst = 0.0
     for rows, source, target, tokens in batches:
         n = rows * beams
@@ -393,8 +394,7 @@ def evaluation_bytes(cfg: TrainConfig, dims: dict, batches: list[tuple[int, int,
         generate = (kv_cache_bytes(dims, n, positions, width) + n * source * d * 4 + 3 * n * vocab * 4
                     if cfg.eval_generate else 0)
         # logits at the targets and their log-softmax (or one chunk's), one layer's attention scores and softmax
-        logits = (min(tokens, chunk) * vocab * (4 if cfg.mixed_precision == "no" else 6) if chunk
-                  else tokens * vocab * (8 if cfg.mixed_precision == "no" else 10))
+        logits = (min(tokens, chunk) * vocab * (6 if half else 4) if chunk else tokens * vocab * (10 if half else 8))
         loss = logits + 2 * rows * h * max(target * (target + source), source * source) * 4
         worst = max(worst, generate, loss)
     return worst

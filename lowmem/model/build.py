@@ -13,6 +13,7 @@ from config import TrainConfig
 from lowmem.model.narrow_compute import compute_beside_narrow
 from lowmem.model.source import adapter_base, check_weights, model_folder_config, resolve_model_dir
 from lowmem.utils.errors import UserError
+from lowmem.utils.frozen_forms import FROZEN_FORMS
 from lowmem.utils.optional import hidden, import_accelerate, import_while_replaced, optional_import
 from lowmem.utils.presets import preset_shape
 
@@ -358,8 +359,7 @@ def ready_to_train(model, cfg: TrainConfig, stored: tuple[int, int] | None = Non
     ``stored``: (bf16, 8-bit) elements of a model ``lowmem.model.streamed_load`` read in its training form already
     (frozen, narrowed and quantized as it was read); None for a model built or loaded whole.
     """
-    from config import QUANTIZED_DTYPES
-
+    form = FROZEN_FORMS[cfg.frozen_dtype]
     fuse_gelu(model)
     freeze_parts(model, cfg.freeze)
     model = apply_memory_modes(model, cfg)
@@ -367,9 +367,9 @@ def ready_to_train(model, cfg: TrainConfig, stored: tuple[int, int] | None = Non
     if stored is not None:
         frozen_bf16, frozen_8bit = stored
     else:
-        frozen_bf16 = store_frozen_in_bf16(model) if cfg.frozen_dtype == "bfloat16" else 0
+        frozen_bf16 = store_frozen_in_bf16(model) if form.narrow and not form.quantized else 0
         frozen_8bit = 0
-        if cfg.frozen_dtype in QUANTIZED_DTYPES:
+        if form.quantized:
             from lowmem.model.quantize import quantize_frozen
 
             frozen_8bit = quantize_frozen(model, cfg)

@@ -22,11 +22,12 @@ import functools
 import torch
 
 from config import TrainConfig
+from lowmem.hardware.precision import PRECISIONS
 from lowmem.model.narrow_compute import BlockLinear
 from lowmem.utils.errors import UserError
+from lowmem.utils.frozen_forms import FROZEN_FORMS
 from lowmem.utils.optional import optional_package_missing
 
-QTYPES = {"int8": "qint8", "float8": "qfloat8"}  # --frozen_dtype -> optimum.quanto's weight type
 # The state dict entries of a quantized layer (its 8-bit weight and scales; the activation scales are unused)
 QUANTO_STATE = ("weight._data", "weight._scale", "input_scale", "output_scale")
 
@@ -107,12 +108,13 @@ def quantize_frozen(model, cfg: TrainConfig) -> int:
 
 
 def compute_dtype(cfg: TrainConfig) -> torch.dtype:
-    """The dtype of the 8-bit layers' scales, and so of their products.
+    """The dtype of the 8-bit layers' scales, and so of their products: the run's precision's (float32 or bf16;
+    fp16 is refused with 8-bit weights).
 
     bf16 in bf16 runs, so that the quantized layers compute and pass gradients back in bf16 like the rest
     under autocast (with float32 scales, quanto's backward multiplies a bf16 gradient by float32 weights and
     fails, and so does its CPU int8 kernel forward)."""
-    return torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    return PRECISIONS[cfg.mixed_precision].dtype
 
 
 def quantize_block(cfg: TrainConfig, block, names: list[str]) -> int:
@@ -121,7 +123,7 @@ def quantize_block(cfg: TrainConfig, block, names: list[str]) -> int:
     from lowmem.hardware.memory_use import trim_heap
 
     quanto = import_quanto(cfg)
-    quanto.quantize(block, weights=getattr(quanto, QTYPES[cfg.frozen_dtype]), include=names)
+    quanto.quantize(block, weights=getattr(quanto, FROZEN_FORMS[cfg.frozen_dtype].qtype), include=names)
     quanto.freeze(block)  # the 8-bit weights replace the float ones here: one block at a time
     # The block's float weights and quantizing's temporaries are freed now, but the 8-bit results sit
     # between them on the C heap, which keeps them resident: a LoRA base model rose by 1 GiB.

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from config import QUANTIZED_DTYPES, TrainConfig
+from config import TrainConfig
+from lowmem.model.quantize import compute_dtype
 from lowmem.model.weight_check import meta_model  # (the checks before a load build the same)
 from lowmem.utils.errors import UserError
+from lowmem.utils.frozen_forms import FROZEN_FORMS
 
 # Checkpoint keys transformers drops on load (T5ForConditionalGeneration._keys_to_ignore_on_load_unexpected)
 IGNORED_KEYS = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
@@ -36,17 +38,17 @@ def is_frozen_matrix(name: str, param) -> bool:
 
 def stored_dtype(cfg: TrainConfig, name: str, param) -> torch.dtype:
     """The dtype a tensor of the model is kept in (8-bit layers: the dtype they are quantized from)."""
-    if not is_frozen_matrix(name, param) or cfg.frozen_dtype == "float32":
+    if not is_frozen_matrix(name, param) or not FROZEN_FORMS[cfg.frozen_dtype].narrow:
         return torch.float32
-    if cfg.frozen_dtype == "bfloat16" or not quantized_later(cfg, name):
+    if not quantized_later(cfg, name):  # (every frozen matrix, in bf16 storage)
         return torch.bfloat16
-    return torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32  # the 8-bit layers' compute dtype
+    return compute_dtype(cfg)  # the 8-bit layers'
 
 
 def quantized_later(cfg: TrainConfig, name: str) -> bool:
     """Whether ``name`` (a frozen matrix) is a linear layer of a block that ``--frozen_dtype`` stores in 8 bits."""
     parts = name.split(".")
-    return (cfg.frozen_dtype in QUANTIZED_DTYPES and "block" in parts and parts[-2] != "relative_attention_bias"
+    return (FROZEN_FORMS[cfg.frozen_dtype].quantized and "block" in parts and parts[-2] != "relative_attention_bias"
             and (cfg.quantize_wo or parts[-2] != "wo"))
 
 
@@ -183,7 +185,7 @@ def load_for_training(cfg: TrainConfig, folder, device="cpu", guard=None):
 def quantizer(cfg: TrainConfig):
     """For 8-bit frozen weights, a function that quantizes the named weights of one block (returns their
     element count); else None."""
-    if cfg.frozen_dtype not in QUANTIZED_DTYPES:
+    if not FROZEN_FORMS[cfg.frozen_dtype].quantized:
         return None
     from lowmem.hardware.memory_use import map_large_blocks
     from lowmem.model.quantize import quantize_block

@@ -64,7 +64,7 @@ class StepFlops:
 
     def micro_batch(self, batch: dict, frozen_encoder: bool, multiple: int = 1) -> int:
         """Model FLOPs of one collated micro-batch as ``lowmem.model.loss.token_loss_sum`` runs it (``multiple``:
-        what the trainer rounds frozen encoder rows and target counts up to, ``shape_multiple``)."""
+        what the trainer rounds frozen encoder rows and target counts up to, the precision's ``shape_multiple``)."""
         return dot(self.chosen(batch, frozen_encoder).model, self.terms(batch, frozen_encoder, multiple))
 
     def recomputed(self, batch: dict, frozen_encoder: bool, multiple: int = 1) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from config import TrainConfig
+from lowmem.hardware.precision import PRECISIONS
 from lowmem.utils.errors import UserError
 from lowmem.utils.optional import import_while_replaced, replaced
 
@@ -46,7 +47,7 @@ def check_deepspeed(cfg: TrainConfig) -> None:
     if cfg.optimizer not in ("adamw", "adafactor"):
         raise UserError(f"--optimizer={cfg.optimizer} is not supported with DeepSpeed (ZeRO hands the optimizer flat "
                         "slices of the weights); use --optimizer=adamw or adafactor")
-    if cfg.mixed_precision == "fp16":
+    if PRECISIONS[cfg.mixed_precision].scales_loss:
         raise UserError("--mixed_precision=fp16 is not supported with DeepSpeed (its fp16 mode keeps float16 weights, "
                         "which T5 overflows); use --mixed_precision=bf16 or no, or launch with the FSDP config")
     if torch.cuda.is_available():

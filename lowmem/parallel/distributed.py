@@ -35,8 +35,7 @@ def start_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
-    if cfg.mixed_precision == "bf16" and torch.cuda.is_available() and not cfg.cpu \
-            and not torch.cuda.is_bf16_supported():
+    if torch.cuda.is_available() and not cfg.cpu and PRECISIONS[cfg.mixed_precision].missing_on_gpu():
         raise UserError("--mixed_precision=bf16: this GPU has no bf16 support; use --mixed_precision=fp16 (or no)")
     engine = engine_for_launch()
     engine.check(cfg)

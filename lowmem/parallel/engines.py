@@ -299,9 +299,10 @@ def fsdp_settings() -> dict:
 def check_shardable(cfg, title: str) -> None:
     """Refuse, in one line each, the options a sharded engine (``title``: FSDP or DeepSpeed) does not run with."""
     from lowmem.utils.errors import UserError
+    from lowmem.utils.frozen_forms import FROZEN_FORMS
 
     refused = {"--lora_r": cfg.lora_r > 0, "--encoder_cache": cfg.encoder_cache != "off",
-               f"--frozen_dtype={cfg.frozen_dtype}": cfg.frozen_dtype != "float32",
+               f"--frozen_dtype={cfg.frozen_dtype}": FROZEN_FORMS[cfg.frozen_dtype].narrow,
                "--torch_compile": cfg.torch_compile}
     for flag, on in refused.items():
         if on:

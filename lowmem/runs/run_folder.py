@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import QUANTIZED_DTYPES, TrainConfig, flags_with
+from config import TrainConfig, flags_with
 from lowmem.checkpointing import checkpoint, checksums
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.engines import Engine, engine_that_wrote
@@ -27,6 +27,7 @@ from lowmem.parallel.layouts import layout_title
 from lowmem.runs.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.utils.errors import UserError
 from lowmem.utils.eval_metrics import metric_named
+from lowmem.utils.frozen_forms import FROZEN_FORMS, FrozenForm
 from lowmem.utils.ownership import check_closed, open_own, saved_json, write_atomic
 
 # What a resume does with a setting that changed is its flag's ``resume`` role (config.py); any other change is
@@ -320,8 +321,9 @@ def compare_settings(saved: dict, current: dict, folder: Path, say=print) -> Non
     _compare_parameter_groups(saved, current, folder)
     _compare_rows_per_step(saved, current, folder)
     _compare_base_model(saved, current, folder)
-    if current.get("frozen_dtype") in QUANTIZED_DTYPES and saved.get("mixed_precision", current["mixed_precision"]) \
-            != current["mixed_precision"]:  # the 8-bit weights' scales are stored in the compute dtype
+    quantized = FROZEN_FORMS.get(current.get("frozen_dtype"), FrozenForm).quantized
+    if quantized and saved.get("mixed_precision", current["mixed_precision"]) != current["mixed_precision"]:
+        # the 8-bit weights' scales are stored in the compute dtype
         raise UserError(f"checkpoint {folder} holds {current['frozen_dtype']} weights with scales in the dtype of "
                         f"--mixed_precision={saved['mixed_precision']}; resume with it, or use a new --output_dir")
     for key in FIXED_ON_RESUME:

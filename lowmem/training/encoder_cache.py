@@ -38,7 +38,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from config import QUANTIZED_DTYPES
 from data.collate import CachedEncoderCollator
 from data.sources.corpus import iter_rows, row_place
 from data.sources.readers import file_kind
@@ -48,6 +47,7 @@ from lowmem.model.loss import batch_to_device, frozen_encoder_states
 from lowmem.monitoring.telemetry import on_terminal
 from lowmem.training.run_context import RunContext
 from lowmem.utils.errors import UserError
+from lowmem.utils.frozen_forms import FROZEN_FORMS
 from lowmem.utils.ownership import MARKERS, claim_folder, open_own, remove_ours, saved_json, write_atomic
 
 STORAGE = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.int16),
@@ -321,7 +321,7 @@ def open_for_training(ctx: RunContext, core, data, tokenizer_hash: str, reads: i
     # 8-bit frozen weights (--frozen_dtype=int8|float8): the cache holds the quantized encoder's outputs
     # (its state dict, hashed below, holds the 8-bit bytes and scales; the dtype is named as well).
     compute = f"{cfg.mixed_precision}/{device.type}/{multiple}" + (
-        f"/{cfg.frozen_dtype}" if cfg.frozen_dtype in QUANTIZED_DTYPES else "")
+        f"/{cfg.frozen_dtype}" if FROZEN_FORMS[cfg.frozen_dtype].quantized else "")
     key = fingerprint(core.encoder, share, tokenizer_hash, cfg.max_source_len, cfg.encoder_cache_dtype, compute)
     rows = share.rows
 
@@ -335,7 +335,7 @@ def open_for_training(ctx: RunContext, core, data, tokenizer_hash: str, reads: i
         return hidden, batch["attention_mask"]
 
     def build_into(folder: Path) -> None:
-        quantized = cfg.frozen_dtype in QUANTIZED_DTYPES
+        quantized = FROZEN_FORMS[cfg.frozen_dtype].quantized
         say(f"encoder cache: encoding {rows:,} rows into {folder}"
             + (f" with the {cfg.frozen_dtype} encoder (--frozen_dtype)" if quantized else ""))
         if reads <= rows:

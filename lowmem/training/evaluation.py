@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from config import AUTO, SHIPPED_CORPORA, TrainConfig
-from data.collate import by_source_length, length_groups, round_up, shape_multiple
+from data.collate import by_source_length, length_groups, round_up
 from data.objectives.base import objective_for
 from data.sources.corpus import DataProblems, resolve_files
 from data.sources.eval_set import eval_files_of, eval_split
@@ -340,9 +340,10 @@ def load_saved_model(cfg: TrainConfig, say=print, eval_set: bool = True) -> Save
     own = has_tokenizer(model_dir) and not (cfg.init_from and cfg.tokenizer_dir)
     tokenizer = load_tokenizer(model_dir) if own else load_trained_tokenizer(tokenizer_folder(cfg))
     check_vocabulary(cfg, model.get_input_embeddings().num_embeddings, tokenizer, model_dir)
-    precision_for(cfg.mixed_precision, accelerator.device.type).prepare(model)
+    precision = precision_for(cfg.mixed_precision, accelerator.device.type)
+    precision.prepare(model)
     model = accelerator.prepare(model)
-    multiple = shape_multiple(cfg.mixed_precision, accelerator.device.type == "cpu")
+    multiple = precision.shape_multiple(accelerator.device.type == "cpu")
     collator = objective.collator(tokenizer, multiple)
     info = saved_json(model_dir / "training_info.json") or {}  # (model_dir resolved: a hub id's cached copy)
     main_says = say if accelerator.is_main_process else (lambda _line: None)  # every process reads the rows

@@ -8,5 +8,11 @@
 - ``presets``: named model shapes and memory profiles (data only: ``config`` validates against them).
 - ``flag_roles``: the field helper of ``config`` and the roles a flag declares with its field (the commands that
   read it, what a resume does when it changed, ...), from which every list of flags is derived.
+- ``registry``: ``Registered``, how every kind registers (precisions, frozen forms, engines, objectives, trackers,
+  metrics): defining its class adds it to its family's ``kinds`` by name.
+- ``precision_names``: the ``--mixed_precision`` names and the dtype each computes in (``config`` validates with them;
+  the classes are ``lowmem.hardware.precision``'s).
+- ``frozen_forms``: ``--frozen_dtype``'s forms (float32, bfloat16, int8, float8), one class each: what code asks of
+  the frozen weights' storage.
 - ``eval_metrics``: the scores of ``--eval_metrics`` (one ``Metric`` class each), pure functions of texts.
 """
