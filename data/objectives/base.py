@@ -1,7 +1,7 @@
 """The ``Objective`` interface, and the registry that finds every objective of this package.
 
 An objective is one subclass of ``Objective`` with a ``name``, in a module of its own in ``data/objectives/``:
-defining the class registers it (``Objective.__init_subclass__``), and ``registry()`` imports every module of
+defining the class registers it (``lowmem.utils.registry``), and ``registry()`` imports every module of
 the package before answering, so a new file is all a new objective takes. Code elsewhere asks the objective
 (``objective_for(cfg)``, or before one can be made ``objective_class(name)``): what it reads, whether it takes
 prepared shards, which flags it leaves unread, what its flags must satisfy, how its examples look.
@@ -23,14 +23,12 @@ from typing import TYPE_CHECKING, ClassVar
 from config import TrainConfig
 from data.sources.corpus import FORMATS, Example
 from lowmem.utils.errors import UserError
+from lowmem.utils.registry import Registered
 
 if TYPE_CHECKING:  # imported where a collator is made: it needs torch
     from data.collate import Seq2SeqCollator
 
-_REGISTRY: dict[str, type[Objective]] = {}
-
-
-class Objective:
+class Objective(Registered, family=True):
     """What turns the rows a stream reads into ``(input_ids, labels)`` examples, and what a run must know of it.
 
     Class attributes are read before an objective is made (validation, the flags' notes, the files to list);
@@ -50,16 +48,6 @@ class Objective:
     packs: ClassVar[bool] = False  # whether --packing=True packs its examples several to a row (data.packing)
     noun = "rows"  # what a training row is in the log: rows, or documents packed into chunks
     example_noun = "rows"  # what an eval example is: a row, or a chunk
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if not cls.__dict__.get("name"):
-            return
-        known = _REGISTRY.get(cls.name)
-        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise TypeError(f"two objectives are named {cls.name!r}: {known.__module__}.{known.__qualname__} and "
-                            f"{cls.__module__}.{cls.__qualname__}")
-        _REGISTRY[cls.name] = cls
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -110,7 +98,7 @@ def registry() -> dict[str, type[Objective]]:
     """Every objective by name, in the order their modules are found. Every module of this package is
     imported first (a module whose name starts with ``_`` is private: skipped)."""
     _import_package_modules()
-    return dict(_REGISTRY)
+    return dict(Objective.kinds)
 
 
 @cache

@@ -15,6 +15,7 @@ import io
 import math
 from pathlib import Path
 
+from lowmem.monitoring import trackers  # noqa: F401  (importing it adds the trackers' entries to a run's own)
 from lowmem.monitoring.metrics_log import read_metrics
 from lowmem.utils.errors import UserError
 from lowmem.utils.eval_metrics import DEFAULT_METRICS, METRICS, metrics_of
@@ -91,7 +92,7 @@ def score_charts(run: Path, records: list[dict]) -> dict:
     its lines (``lowmem.utils.eval_metrics``)."""
     asked = metrics_of((saved_json(run / "config.json") or {}).get("eval_metrics") or DEFAULT_METRICS)
     logged = [m for m in METRICS.values() if any(series(records, "eval", n) for n in m.names)]
-    return {m.key: (f"eval {m.title}", f"{m.title} (0-100)", [(n if len(m.names) > 1 else "eval", "eval", n)
+    return {m.name: (f"eval {m.title}", f"{m.title} (0-100)", [(n if len(m.names) > 1 else "eval", "eval", n)
                                                                 for n in m.names])
             for m in dict.fromkeys([*asked, *logged])}
 

@@ -5,7 +5,9 @@ A tracker is started (a new run, or the one it continues), gets the scalars of m
 Each library's own settings (its environment variables) win: a tracker only fills in what the user left
 unset, and bounds the waits the library would otherwise spend on a server that does not answer. A tracker with a
 server is reached before the run starts (``reach``): one that does not answer is refused in one line. Add a tracker:
-one subclass here, with its ``name``, ``extra``, the three methods and, when it sends to a server, ``reach``.
+one subclass here, with its ``name`` (it registers by it: ``lowmem.utils.registry``), ``extra``, the three methods,
+what it writes in OUTPUT_DIR (``folders``, ``files``: the run folder owns them, ``lowmem.utils.ownership``) and, when it
+sends to a server, ``reach``.
 
     python train_low_mem.py train --report_to=tensorboard,wandb,mlflow,trackio
 """
@@ -26,22 +28,25 @@ from urllib.parse import urlsplit
 
 from lowmem.utils.errors import UserError
 from lowmem.utils.optional import installed, optional_package_missing
+from lowmem.utils.ownership import own_run_entries
+from lowmem.utils.registry import Registered
 
 PROJECT = "t5-lowmem"  # the project / experiment a run goes into when the user names none
-TRACKERS: dict[str, type[Tracker]] = {}  # --report_to name -> class, filled as the classes are defined
 
 
-class Tracker:
+class Tracker(Registered, family=True):
     """One library a run's scalars go to (main process only)."""
 
     name: ClassVar[str]  # the --report_to value
     extra: ClassVar[str]  # pip install '.[extra]'
     live: ClassVar[bool] = False  # gets each record as it is written (it can hide, on resume, what came later)
     reach_timeout_s: ClassVar[float] = 10.0  # how long the start waits for a tracker's server before refusing
+    folders: ClassVar[tuple[str, ...]] = ()  # what it writes in OUTPUT_DIR by default: folders,
+    files: ClassVar[tuple[str, ...]] = ()  # and files (the run folder's own entries: starting over removes them)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        TRACKERS[cls.name] = cls
+        own_run_entries(cls.__dict__.get("files", ()), cls.__dict__.get("folders", ()))
 
     def __init__(self, out: Path, config: dict):
         self.out = Path(out).resolve()  # the run folder
@@ -72,6 +77,14 @@ class Tracker:
 
     def finish(self, complete: bool) -> None:
         """Flush and close; ``complete``: the training run ended (False: it stopped, to be resumed)."""
+
+
+TRACKERS: dict[str, type[Tracker]] = Tracker.kinds  # --report_to name -> class, filled as the classes are defined
+
+
+def tracker_entries() -> list[str]:
+    """The names of what every tracker writes in OUTPUT_DIR (files and folders)."""
+    return [name for kind in TRACKERS.values() for name in (*kind.folders, *kind.files)]
 
 
 def requested(report_to: str) -> list[str]:
@@ -155,6 +168,7 @@ class TensorBoardTracker(Tracker):
     run logged after its checkpoint."""
 
     name, extra, live = "tensorboard", "tensorboard", True
+    folders = ("tensorboard",)
 
     def start(self, run_id, resume_step):
         writer = import_module("torch.utils.tensorboard", self.extra).SummaryWriter
@@ -180,6 +194,7 @@ class WandbTracker(Tracker):
     final ``memory_peak``, after the last evaluation). Each record is one row, written at once."""
 
     name, extra = "wandb", "wandb"
+    folders = ("wandb",)  # (WANDB_DIR unset)
     init_timeout_s = 30  # wandb.init's wait for its server (wandb's default: 90 s), unless WANDB_INIT_TIMEOUT is set
 
     @classmethod
@@ -221,6 +236,7 @@ class MlflowTracker(Tracker):
     MLFLOW_ALLOW_FILE_STORE is set) and the experiment ``t5-lowmem``."""
 
     name, extra = "mlflow", "mlflow"
+    files = ("mlflow.db", "mlflow.db-journal")  # (MLFLOW_TRACKING_URI unset)
 
     # mlflow's own waits for a server (7 retries with backoff factor 2, 120 s a request) hold a checkpoint's feed about
     # 4 minutes per call when the server is down; these (unless set) bound a failed call to a few seconds

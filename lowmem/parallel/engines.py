@@ -6,8 +6,10 @@ window and the checkpointer (none of them compares an engine's name).
 - ``DeepSpeedEngine``: DeepSpeed ZeRO 2 or 3, started by accelerate, driven by the trainer
   (``lowmem.parallel.deepspeed_engine``).
 
-``engine_for_launch()`` reads ``accelerate launch``'s config (its ``distributed_type``, passed on in the
-environment); ``engine_that_wrote(folder)`` tells which engine's files a checkpoint holds.
+Each registers by its ``name`` as its class is defined (``lowmem.utils.registry``: ``ENGINES``, in the order a launch
+config and a checkpoint are recognised). ``engine_for_launch()`` reads ``accelerate launch``'s config (its
+``distributed_type``, passed on in the environment); ``engine_that_wrote(folder)`` tells which engine's files a
+checkpoint holds. Adding an engine: one subclass here with its ``name``, ``launched`` and ``written_with``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.layouts import UNSHARDED_TITLE
 from lowmem.parallel.sharding import full_value, runs_deepspeed
+from lowmem.utils.registry import Registered
 
 FSDP_ENV = "ACCELERATE_USE_FSDP"
 DEEPSPEED_ENV = "ACCELERATE_USE_DEEPSPEED"
@@ -29,7 +32,7 @@ SHARD_WEIGHTS = "model-shard{rank:05d}.safetensors"  # sharded (FSDP) checkpoint
 SHARD_OPTIMIZER = "optimizer-shard{rank:05d}.pt"
 
 
-class Engine:
+class Engine(Registered, family=True):
     """How the processes of a run split the model and its steps. The base is the plain engine's behaviour
     where the others share it."""
 
@@ -127,6 +130,7 @@ class Engine:
 class PlainEngine(Engine):
     """One process, or plain data parallelism: accelerate's own path."""
 
+    name = "plain"
     title = UNSHARDED_TITLE  # in "written with ... and this run uses ..."
 
 
@@ -134,7 +138,7 @@ class FSDPEngine(Engine):
     """FSDP2 (``fully_shard``), applied by the trainer (``lowmem.parallel.sharding``'s docstring says why not
     through accelerate); accelerate itself runs as plain data parallelism."""
 
-    title = "FSDP"
+    name, title = "fsdp", "FSDP"
     shards = True
 
     def __init__(self):
@@ -201,7 +205,7 @@ class DeepSpeedEngine(Engine):
     """DeepSpeed ZeRO, built by accelerate from the launch config and driven by the trainer: it clips, skips a
     non-finite step and zeroes the gradients itself (``lowmem.parallel.deepspeed_engine``)."""
 
-    title = "DeepSpeed"
+    name, title = "deepspeed", "DeepSpeed"
     shards = True
     divides_window = False  # its backward, as driven here, uses the loss as given
 
@@ -273,18 +277,18 @@ class DeepSpeedEngine(Engine):
         return deepspeed_engine.full_state_dict(core, is_main)
 
 
-SHARDED_ENGINES = (FSDPEngine, DeepSpeedEngine)  # in the order a launch config and a checkpoint are recognised
+ENGINES: dict[str, type[Engine]] = Engine.kinds  # by name, in the order a launch config and a checkpoint are recognised
 
 
 def engine_for_launch() -> Engine:
     """The engine ``accelerate launch`` was given (its config's ``distributed_type``): FSDP, DeepSpeed, or the
     plain one."""
-    return next((kind() for kind in SHARDED_ENGINES if kind.launched()), PlainEngine())
+    return next((kind() for kind in ENGINES.values() if kind.launched()), PlainEngine())
 
 
 def engine_that_wrote(folder: Path) -> type[Engine]:
     """The engine whose files the checkpoint ``folder`` holds."""
-    return next((kind for kind in SHARDED_ENGINES if kind.written_with(folder)), PlainEngine)
+    return next((kind for kind in ENGINES.values() if kind.written_with(folder)), PlainEngine)
 
 
 def fsdp_settings() -> dict:

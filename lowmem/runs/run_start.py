@@ -14,19 +14,21 @@ import os
 from pathlib import Path
 
 from config import TrainConfig
-from lowmem.utils.errors import UserError
-from lowmem.utils.ownership import STARTED_MARKER, saved_json
 from lowmem.checkpointing import checkpoint
+from lowmem.model.source import resolve_model_dir
+from lowmem.monitoring.metrics_log import read_metrics
+from lowmem.monitoring.trackers import tracker_entries  # (importing it adds the trackers' entries to a run's own)
+from lowmem.utils.errors import UserError
 from lowmem.utils.ownership import (
     LEGACY_STARTED_MARKER,
+    STARTED_MARKER,
     check_closed,
     check_folder,
     claim_folder,
     is_ours,
     is_run_folder,
+    saved_json,
 )
-from lowmem.model.source import resolve_model_dir
-from lowmem.monitoring.metrics_log import read_metrics
 
 LOCK_FILE = ".lock"
 
@@ -34,7 +36,7 @@ LOCK_FILE = ".lock"
 def run_files(path: Path) -> list[Path]:
     """The files a run leaves in ``path`` (what starting over removes)."""
     files = [path / "checkpoints", path / "best", path / "final", path / "metrics.jsonl",
-             path / "tensorboard", path / "wandb", path / "mlflow.db", path / "trackers.json", path / "plots",
+             *[path / name for name in tracker_entries()], path / "trackers.json", path / "plots",
              *path.glob("consumed-rank*.tsv"),
              path / ".old-best", path / ".old-final"]  # (an export's swap cut between its two renames)
     return [p for p in files if p.is_symlink() or p.exists() and not checkpoint.only_foreign(p)]
@@ -166,7 +168,7 @@ def stopped_before_training(path: Path, used: list[Path]) -> bool:
     metrics = path / "metrics.jsonl"
     # What setup opens before the first step: the consumed-example logs and the trackers' files
     # (empty of steps then), and the step-0 evaluation's best/
-    opened = {metrics, path / "best", path / "tensorboard", path / "wandb", path / "mlflow.db", path / "trackers.json",
+    opened = {metrics, path / "best", *[path / name for name in tracker_entries()], path / "trackers.json",
               *path.glob("consumed-rank*.tsv")}
     if metrics not in used or not set(used) <= opened:
         return False

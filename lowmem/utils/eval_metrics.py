@@ -3,19 +3,21 @@
     python train_low_mem.py train --is_finetune=True --eval_metrics=rouge,chrf --metric_for_best=rougeL
     python train_low_mem.py evaluate --init_from=runs/sft/best --is_finetune=True --eval_metrics=bleu,exact_match
 
-Each kind of score is one ``Metric`` class in ``METRICS``: the names it logs, which way is better, whether it
-needs generated answers, and how it scores (predictions, references) on a 0-100 scale. ``EvalLoss`` is the one
-kind every evaluation computes without generating (evaluation measures it; it is no ``--eval_metrics`` choice).
-Code elsewhere asks these objects (``metric_named``, ``metrics_of``), never compares a metric's name.
-Adding a metric: one class here, listed in ``METRICS``.
+Each kind of score is one ``Metric`` class, registered by its name in ``METRICS`` (``lowmem.utils.registry``): the
+names it logs, which way is better, whether it needs generated answers, and how it scores (predictions, references)
+on a 0-100 scale. ``EvalLoss`` is the one kind every evaluation computes without generating (evaluation measures
+it; it has no ``name``: no ``--eval_metrics`` choice). Code elsewhere asks these classes (``metric_named``,
+``metrics_of``), never compares a metric's name. Adding a metric: one subclass here with its ``name``.
 
-A leaf module: it imports nothing of the project (``config`` validates ``--eval_metrics`` through it).
+On the ground floor, importing only ``lowmem.utils.registry`` (``config`` validates ``--eval_metrics`` through it).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
+
+from lowmem.utils.registry import Registered
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 # Scripts written without spaces between words (CJK ideographs, kana, Thai, Lao, Myanmar, Khmer, CJK symbols):
@@ -25,11 +27,11 @@ _NO_SPACES = (r"[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u3400-\u4d
 _TOKEN = re.compile(rf"{_NO_SPACES}|[^\W_]+")
 
 
-class Metric:
+class Metric(Registered, family=True):
     """One kind of evaluation score.
 
     Attributes:
-        key: its name in ``--eval_metrics``.
+        name: its name in ``--eval_metrics``.
         names: the values it logs (in metrics.jsonl's ``eval`` records, the log line, the plots), each
             usable as ``--metric_for_best``.
         title: what the plot and the messages call it.
@@ -38,14 +40,14 @@ class Metric:
         module: an optional package it imports (None: one the project requires anyway).
     """
 
-    key = ""
     names: tuple[str, ...] = ()
     title = ""
     higher_is_better = True
     needs_generation = True
     module: str | None = None
 
-    def score(self, predictions: list[str], references: list[str]) -> dict[str, float]:
+    @classmethod
+    def score(cls, predictions: list[str], references: list[str]) -> dict[str, float]:
         """``{name: value}`` (0-100) of ``predictions`` against one reference each."""
         raise NotImplementedError
 
@@ -72,18 +74,20 @@ def bleu_score(predictions: list[str], references: list[str]) -> float:
 class Bleu(Metric):
     """sacrebleu's corpus BLEU-4, tokenised "zh" when a reference holds Chinese (``bleu_tokenizer``)."""
 
-    key, names, title = "bleu", ("bleu",), "BLEU-4"
+    name, names, title = "bleu", ("bleu",), "BLEU-4"
 
-    def score(self, predictions: list[str], references: list[str]) -> dict[str, float]:
+    @classmethod
+    def score(cls, predictions: list[str], references: list[str]) -> dict[str, float]:
         return {"bleu": bleu_score(predictions, references)}
 
 
 class Chrf(Metric):
     """sacrebleu's corpus chrF (character 6-grams, beta 2): by character, so Chinese counts as English does."""
 
-    key, names, title = "chrf", ("chrf",), "chrF"
+    name, names, title = "chrf", ("chrf",), "chrF"
 
-    def score(self, predictions: list[str], references: list[str]) -> dict[str, float]:
+    @classmethod
+    def score(cls, predictions: list[str], references: list[str]) -> dict[str, float]:
         from sacrebleu.metrics import CHRF
 
         return {"chrf": CHRF().corpus_score(predictions, [references]).score if references else 0.0}
@@ -103,14 +107,15 @@ class Rouge(Metric):
     """rouge_score's ROUGE-1, ROUGE-2, ROUGE-L and ROUGE-Lsum (sentences split at newlines), the mean F-measure
     over the rows, with ``RougeTokenizer``."""
 
-    key, names, title = "rouge", ("rouge1", "rouge2", "rougeL", "rougeLsum"), "ROUGE"
+    name, names, title = "rouge", ("rouge1", "rouge2", "rougeL", "rougeLsum"), "ROUGE"
     module = "rouge_score"
 
-    def score(self, predictions: list[str], references: list[str]) -> dict[str, float]:
+    @classmethod
+    def score(cls, predictions: list[str], references: list[str]) -> dict[str, float]:
         from rouge_score.rouge_scorer import RougeScorer
 
-        scorer = RougeScorer(list(self.names), tokenizer=RougeTokenizer())
-        totals = dict.fromkeys(self.names, 0.0)
+        scorer = RougeScorer(list(cls.names), tokenizer=RougeTokenizer())
+        totals = dict.fromkeys(cls.names, 0.0)
         for prediction, reference in zip(predictions, references):
             for name, value in scorer.score(reference, prediction).items():
                 totals[name] += value.fmeasure
@@ -120,9 +125,10 @@ class Rouge(Metric):
 class ExactMatch(Metric):
     """The share of answers equal to their reference, leading and trailing whitespace aside."""
 
-    key, names, title = "exact_match", ("exact_match",), "exact match"
+    name, names, title = "exact_match", ("exact_match",), "exact match"
 
-    def score(self, predictions: list[str], references: list[str]) -> dict[str, float]:
+    @classmethod
+    def score(cls, predictions: list[str], references: list[str]) -> dict[str, float]:
         same = sum(p.strip() == r.strip() for p, r in zip(predictions, references))
         return {"exact_match": 100 * same / max(len(references), 1)}
 
@@ -130,22 +136,22 @@ class ExactMatch(Metric):
 class EvalLoss(Metric):
     """The token-mean eval loss: every evaluation measures it (``lowmem.training.evaluation``), without generating."""
 
-    key, names, title = "eval_loss", ("eval_loss",), "eval loss"
+    names, title = ("eval_loss",), "eval loss"  # (no name: no --eval_metrics choice)
     higher_is_better = False
     needs_generation = False
 
 
 DEFAULT_METRICS = "bleu"  # --eval_metrics's default, and what a run computed before the option existed
-METRICS = {metric.key: metric for metric in (Bleu(), Chrf(), Rouge(), ExactMatch())}  # --eval_metrics's choices
-EVAL_LOSS = EvalLoss()
+METRICS: dict[str, type[Metric]] = Metric.kinds  # --eval_metrics's choices
+EVAL_LOSS = EvalLoss
 
 
-def metric_named(name: str) -> Metric | None:
+def metric_named(name: str) -> type[Metric] | None:
     """The kind of metric that logs ``name`` (eval_loss included); None for a name none logs."""
     return next((m for m in (EVAL_LOSS, *METRICS.values()) if name in m.names), None)
 
 
-def metrics_of(eval_metrics: str) -> list[Metric]:
+def metrics_of(eval_metrics: str) -> list[type[Metric]]:
     """The metrics a ``--eval_metrics`` comma list names, in its order (unknown names left out: see
     ``metric_problems``)."""
     keys = dict.fromkeys(k.strip() for k in str(eval_metrics).split(","))
@@ -160,22 +166,22 @@ def metric_problems(eval_metrics: str, metric_for_best: str, eval_generate) -> l
     if unknown:
         problems.append(f"--eval_metrics takes a comma list of {', '.join(METRICS)} (got {eval_metrics!r})")
     asked = metrics_of(eval_metrics)
-    problems += [f"--eval_metrics={m.key} needs the {m.module} package: pip install -e . (or pip install "
+    problems += [f"--eval_metrics={m.name} needs the {m.module} package: pip install -e . (or pip install "
                  f"{m.module.replace('_', '-')})" for m in asked if m.module and not _installed(m.module)]
     best = metric_named(metric_for_best)
     if best is None:
         names = ", ".join(n for m in (EVAL_LOSS, *METRICS.values()) for n in m.names)
         problems.append(f"--metric_for_best must be one of {names} (got {metric_for_best!r})")
     elif best is not EVAL_LOSS and best not in asked:
-        problems.append(f"--metric_for_best={metric_for_best} is a score of {best.key}, which --eval_metrics="
-                        f"{eval_metrics} does not compute: add {best.key} to --eval_metrics")
+        problems.append(f"--metric_for_best={metric_for_best} is a score of {best.name}, which --eval_metrics="
+                        f"{eval_metrics} does not compute: add {best.name} to --eval_metrics")
     elif best.needs_generation and eval_generate is False:
         problems.append(f"--metric_for_best={metric_for_best} needs --eval_generate=True or auto ({best.title} "
                         "scores generated answers)")
     return problems
 
 
-def score_answers(metrics: list[Metric], predictions: list[str], references: list[str]) -> dict[str, float]:
+def score_answers(metrics: list[type[Metric]], predictions: list[str], references: list[str]) -> dict[str, float]:
     """Every value of ``metrics`` for ``predictions`` against ``references``, rounded to 4 decimals."""
     return {name: round(value, 4) for m in metrics for name, value in m.score(predictions, references).items()}
 

@@ -145,10 +145,10 @@ def remove_ours(path: str | Path, kind: str, recognise: Recogniser | None = None
 
 RUN_ENTRY_KINDS = {"plots": "plots", "encoder_cache": "encoder_cache"}  # a run's folders of a kind of their own
 LEGACY_STARTED_MARKER = ".started"  # what versions before 2026-11-28 left instead (a name other tools use too)
-# What a run writes in OUTPUT_DIR (staging folders and an export's set-aside copy included)
-RUN_ENTRIES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|best|final|plots|tensorboard|encoder_cache|\.lock|"
-                         r"\.started|\.(old|tmp)-(best|final)|consumed-rank\d+\.tsv|"
-                         r"wandb|mlflow\.db(-journal)?|\.?trackers\.json(\.tmp)?")  # (--report_to's files)
+# What a run writes in OUTPUT_DIR (staging folders and an export's set-aside copy included); the --report_to
+# trackers add theirs as their classes are defined (``own_run_entries``)
+RUN_ENTRIES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|best|final|plots|encoder_cache|\.lock|"
+                         r"\.started|\.(old|tmp)-(best|final)|consumed-rank\d+\.tsv|\.?trackers\.json(\.tmp)?")
 
 
 def is_run_folder(path: Path) -> bool:
@@ -178,13 +178,22 @@ OWN_ENTRIES = {"run": RUN_ENTRIES,
                "prepared": re.compile(r"\.partial|shard-\d+\.parquet|prepared\.manifest"),
                "plots": re.compile(r"\.?[\w-]+\.png(\.tmp)?")}
 # Which of those are folders (the rest are files): an entry of the other kind in its place is no entry of ours
-OWN_FOLDERS = {"run": re.compile(r"checkpoints|best|final|plots|tensorboard|encoder_cache|wandb|"
-                                 r"\.(old|tmp)-(best|final)"),
+OWN_FOLDERS = {"run": re.compile(r"checkpoints|best|final|plots|encoder_cache|\.(old|tmp)-(best|final)"),
                "tokenizer": re.compile(r"\.saving"), "prepared": re.compile(r"\.partial"), "plots": re.compile(r"(?!)")}
 # What a run writes in OUTPUT_DIR/checkpoints: step folders (staged and set aside too), the latest pointer (and its
 # temporary), the continuations a --resume_from set aside
 CHECKPOINT_ENTRIES = re.compile(r"(\.(tmp|old)-)?step_\d+|latest|\.latest\.tmp|abandoned-[\d-]+")
 CHECKPOINT_FOLDERS = re.compile(r"(\.(tmp|old)-)?step_\d+|abandoned-[\d-]+")
+
+
+def own_run_entries(files: tuple[str, ...], folders: tuple[str, ...]) -> None:
+    """Count ``files`` and ``folders`` (names in OUTPUT_DIR) among a run's own entries: what a kind defined above
+    this floor writes there (each ``--report_to`` tracker, ``lowmem.monitoring.trackers``, as its class is defined)."""
+    global RUN_ENTRIES
+    if files or folders:
+        RUN_ENTRIES = OWN_ENTRIES["run"] = re.compile("|".join([RUN_ENTRIES.pattern, *map(re.escape, files + folders)]))
+    if folders:
+        OWN_FOLDERS["run"] = re.compile("|".join([OWN_FOLDERS["run"].pattern, *map(re.escape, folders)]))
 
 
 def refuse_link(path: Path, flag: str = "--output_dir", kind: str = "run") -> None:
