@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import logging
 import sys
 
 from lowmem.utils.errors import UserError
@@ -101,16 +102,46 @@ def import_extras(cfg) -> None:
             continue
         try:
             with hidden("bitsandbytes") if module == "peft" else contextlib.nullcontext():
-                importlib.import_module(module)
+                import_quietly(module)
         except ImportError as err:
             package = {"optimum.quanto": "optimum-quanto"}.get(module, module)
             raise UserError(f"{flag} needs {package}, which is installed but fails to import ({err}); reinstall it "
                             f"for this environment: pip install --force-reinstall {package}") from None
 
 
+# What a package reaches for at import time for a feature this trainer never uses: bitsandbytes (0.50), on a CPU
+# with AVX512-BF16, fetches a 4-bit matrix kernel from the hub (``kernels.get_kernel``: code downloaded and run) and
+# logs a warning when it cannot (offline, or a publisher it cannot verify). The trainer uses its 8-bit AdamW only:
+# while it imports, the fetch fails at once, and its warning, the one line on stderr of a healthy run, is not shown.
+IMPORTED_WITHOUT = {"bitsandbytes": ("kernels", "get_kernel")}
+
+
+def _not_fetched(*_args, **_kwargs):
+    raise ImportError("not fetched: t5-lowmem does not use this kernel")
+
+
+def import_quietly(module: str):
+    """Import ``module``; for a package in ``IMPORTED_WITHOUT``, without what it names, its warnings unshown."""
+    package = module.split(".")[0]
+    if package not in IMPORTED_WITHOUT or module in sys.modules:
+        return importlib.import_module(module)
+    reached, attribute = IMPORTED_WITHOUT[package]
+    log = logging.getLogger(package)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        if reached in sys.modules:  # (transformers imports kernels)
+            with replaced(sys.modules[reached], attribute, _not_fetched):
+                return importlib.import_module(module)
+        with hidden(reached):
+            return importlib.import_module(module)
+    finally:
+        log.setLevel(level)
+
+
 def optional_import(module: str, flag: str):
     """Import an optional extra, or say in one line how to install it."""
     try:
-        return importlib.import_module(module)
+        return import_quietly(module)
     except ImportError:
         raise UserError(optional_package_missing(flag, module)) from None
