@@ -34,7 +34,7 @@ def preset_shape(preset: str, feed_forward_proj: str) -> dict:
 
 
 # Named budgets: each is a set of flags (explicit flags win). Expected memory and speed per preset:
-# docs/memory.md, 'Memory modes, profiles and the planner' (python bench/profile_table.py).
+# docs/memory.md, 'Memory modes, profiles and the planner' (python -m bench.profile_table).
 MEMORY_PROFILES = {
     # A 16 GB host, no GPU: fp32 on the CPU, the smallest optimizer state, and the memory guard
     # checkpoints and stops before the OOM killer would.
