@@ -95,10 +95,11 @@ class Objective(Registered, family=True):
 
 
 def registry() -> dict[str, type[Objective]]:
-    """Every objective by name, in the order their modules are found. Every module of this package is
-    imported first (a module whose name starts with ``_`` is private: skipped)."""
+    """Every objective by name, sorted by name (not by definition: which module a process imported first would
+    change that order, and with it --help and docs/options.md). Every module of this package is imported first (a
+    module whose name starts with ``_`` is private: skipped)."""
     _import_package_modules()
-    return dict(Objective.kinds)
+    return {name: Objective.kinds[name] for name in sorted(Objective.kinds)}
 
 
 @cache
