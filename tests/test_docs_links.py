@@ -157,3 +157,18 @@ def test_the_checks_find_what_they_look_for(tmp_path):
         f"[b.md]: no heading 'Elsewhere' in docs/b.md {lead}",
         "names c.md, which is not in the repository",
     ]
+
+
+LONGEST_CELL = 250  # characters: a longer explanation goes in a note under the table
+
+
+def long_cells(text: str) -> list[int]:
+    """Lengths of the table cells in ``text`` (outside code blocks) longer than LONGEST_CELL."""
+    return [len(cell) for line in prose(text, inline=True).splitlines() if line.startswith("|")
+            for cell in line.split("|") if len(cell) > LONGEST_CELL]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_tables_keep_short_cells(page):
+    assert long_cells("| a | " + "x" * 300 + " |\n") == [302]  # the check finds a long one
+    assert not long_cells(page.read_text(encoding="utf-8")), f"{page.name}: cells over {LONGEST_CELL} characters"
