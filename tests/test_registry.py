@@ -13,7 +13,7 @@ from lowmem.parallel.engines import ENGINES, Engine, PlainEngine
 from lowmem.utils import ownership
 from lowmem.utils.eval_metrics import METRICS, Metric
 from lowmem.utils.frozen_forms import FROZEN_FORMS, FrozenForm, frozen_form_problems
-from lowmem.utils.precision_names import PRECISION_DTYPES
+from lowmem.utils.precision_names import PRECISION_DTYPES, computes_in_half
 from lowmem.utils.registry import Registered
 
 
@@ -50,6 +50,7 @@ def test_every_family_registers_through_the_one_hook_and_its_registry_is_the_roo
 
 def test_the_precision_names_config_validates_with_are_the_precision_classes():
     assert {name: str(kind.dtype).removeprefix("torch.") for name, kind in PRECISIONS.items()} == PRECISION_DTYPES
+    assert {name: kind.half for name, kind in PRECISIONS.items()} == {n: computes_in_half(n) for n in PRECISIONS}
     assert [kind.width for kind in PRECISIONS.values()] == [4, 2, 2]
     assert [kind.name for kind in PRECISIONS.values() if kind.scales_loss or kind.float32_wo] == ["fp16"]
 

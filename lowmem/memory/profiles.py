@@ -10,7 +10,7 @@ config's own resolution of its defaults; the profiles and caps themselves are da
 from __future__ import annotations
 
 from config import TrainConfig
-from lowmem.hardware.precision import PRECISIONS, fast_half_precision
+from lowmem.utils.precision_names import computes_in_half
 from lowmem.utils.presets import AUTO, CAPPED_PROFILES, LOW_MEMORY_CAPS, MEMORY_PROFILES
 
 
@@ -32,7 +32,8 @@ def profile_flags(converted: dict) -> list[str]:
         if name in converted and converted[name] != value:
             notes.append(f"--memory_profile={profile}: --{name}={converted[name]!r} given explicitly "
                          f"wins over the profile's {value!r}")
-        elif name == "mixed_precision" and PRECISIONS[value].half and not converted.get("cpu"):
+        elif name == "mixed_precision" and computes_in_half(value) and not converted.get("cpu"):
+            # (the names' table, not the Precision classes: flags are read before torch is imported)
             value, asked = gpu_half_precision(value), value
             if value != asked:
                 notes.append(f"--memory_profile={profile}: {asked} products are slow on this GPU: "
@@ -49,6 +50,7 @@ def gpu_half_precision(planned: str) -> str:
 
     if not torch.cuda.is_available():
         return planned
+    from lowmem.hardware.precision import fast_half_precision
     from lowmem.hardware.probe import capability
 
     return fast_half_precision(capability("cuda"))

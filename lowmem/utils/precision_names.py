@@ -15,3 +15,8 @@ def precision_choices() -> str:
     """``no, bf16 or fp16``: the names, as a message lists them."""
     names = list(PRECISION_DTYPES)
     return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def computes_in_half(name: str) -> bool:
+    """Whether --mixed_precision=``name`` computes its products in 16 bits (``Precision.half``, without torch)."""
+    return PRECISION_DTYPES[name] != "float32"
