@@ -354,6 +354,24 @@ def test_a_server_that_never_answers_is_refused_after_the_bounded_wait(monkeypat
     assert TRACKERS["mlflow"].reach_timeout_s <= 10
 
 
+def free_port_outside_the_ephemeral_range() -> int:
+    """A port free now below Linux's ephemeral range (where the kernel picks the local end of connections), so
+    that no connection on the machine takes it while the server is down."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for port in range(max(1024, low - 8000 + os.getpid() % 4000), low):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    return 0
+
+
 class MlflowServer:
     """mlflow's own tracking server (its Flask app on a sqlite store) on 127.0.0.1, in a thread of the test: ``up()``
     and ``down()`` start and stop it on the same port, as a user's server would go down and come back."""
@@ -361,7 +379,7 @@ class MlflowServer:
     def __init__(self, root: Path, monkeypatch):
         monkeypatch.setenv("_MLFLOW_SERVER_FILE_STORE", f"sqlite:///{root / 'server.db'}")  # (mlflow server's own)
         monkeypatch.setenv("_MLFLOW_SERVER_ARTIFACT_ROOT", str(root / "artifacts"))
-        self.port, self.server = 0, None  # the first up() takes a free port; the next ones come back on it
+        self.port, self.server = free_port_outside_the_ephemeral_range(), None  # every up() comes back on it
 
     @property
     def uri(self) -> str:
@@ -371,13 +389,13 @@ class MlflowServer:
         from mlflow.server import app
         from werkzeug.serving import make_server
 
-        # Back on its port: a port picked free and let go can be taken meanwhile by any process of a loaded
-        # machine (seen once in CI), and a stopped server's port may take a moment to be free again
+        # Back on its port: a stopped server's port may take a moment to be free again. (A port from the
+        # ephemeral range was taken meanwhile, as some connection's own end, twice in CI: it is picked outside it.)
         for attempt in range(50):
             try:  # one request per connection (HTTP/1.0): a kept-alive connection would outlive down()
                 self.server = make_server("127.0.0.1", self.port, app, threaded=False)
                 break
-            except OSError:
+            except (OSError, SystemExit):  # (werkzeug prints the OSError and exits)
                 if attempt == 49:
                     raise
                 time.sleep(0.2)
