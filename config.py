@@ -331,10 +331,7 @@ class TrainConfig:
         elif self.freeze != "none" and not self.init_from:
             problems.append(f"--freeze={self.freeze} needs a trained model (--init_from, or --is_finetune=True): a "
                             "new model's weights are random, and frozen they would stay random")
-        for flag, wanted, module in (("--optimizer=adamw8bit", self.optimizer == "adamw8bit", "bitsandbytes"),
-                                     ("--lora_r", self.lora_r > 0, "peft")):
-            if wanted and not installed(module):
-                problems.append(optional_package_missing(flag, module))
+        problems += [optional_package_missing(flag, m) for m, flag in self.extras_used() if not installed(m)]
         if self.lora_r and self.lora_alpha <= 0:
             problems.append(f"--lora_alpha must be positive (got {self.lora_alpha})")
         if not 0 <= self.lora_dropout < 1:
@@ -370,13 +367,16 @@ class TrainConfig:
         """Whether the encoder stays fixed (it then runs under no_grad in eval mode, and may be cached)."""
         return self.freeze == "encoder"
 
+    def extras_used(self) -> list[tuple[str, str]]:
+        """(module, the flag that needs it) for each package of '.[gpu]' this run imports (peft first: it is imported
+        with bitsandbytes hidden, ``lowmem.utils.optional.import_extras``)."""
+        return [(module, flag) for module, flag, used in (("peft", "--lora_r", self.lora_r > 0), (
+            "bitsandbytes", "--optimizer=adamw8bit", self.optimizer == "adamw8bit")) if used]
+
     def optional_modules(self) -> list[tuple[str, str]]:
-        """(module, the flag that needs it) for each optional package this run imports beyond the trainer's own."""
-        frozen = FROZEN_FORMS[self.frozen_dtype].module  # optimum.quanto for 8-bit frozen weights
-        return [(module, flag) for module, flag, used in (
-            ("peft", "--lora_r", self.lora_r > 0),
-            ("bitsandbytes", "--optimizer=adamw8bit", self.optimizer == "adamw8bit"),
-            (frozen, "--frozen_dtype", frozen is not None)) if used]
+        """``extras_used``, and the frozen form's package (optimum.quanto for 8-bit frozen weights)."""
+        frozen = FROZEN_FORMS[self.frozen_dtype].module
+        return self.extras_used() + ([(frozen, "--frozen_dtype")] if frozen else [])
 
     @property
     def lora_targets(self) -> list[str]:

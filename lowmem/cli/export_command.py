@@ -157,10 +157,11 @@ def find_source(init_from: str, base: str | None, say=print) -> Source:
         raise UserError(f"--init_from={init_from} does not exist; pass a LoRA adapter folder, a run's checkpoint "
                         "(RUN/checkpoints/latest) or a model folder")
     if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
-        if not isinstance(saved_json(folder / ADAPTER_CONFIG), dict):
+        adapter_config = saved_json(folder / ADAPTER_CONFIG)
+        if adapter_config is None:
             raise UserError(f"--init_from={init_from}: its {ADAPTER_CONFIG} cannot be read as JSON; pass a complete "
                             "adapter folder")
-        named = saved_json(folder / ADAPTER_CONFIG).get("base_model_name_or_path")
+        named = adapter_config.get("base_model_name_or_path")
         if not named and not base:
             raise UserError(f"--init_from={init_from}: its {ADAPTER_CONFIG} names no base_model_name_or_path; pass "
                             "--base=MODEL with the model it adapts")
@@ -224,9 +225,10 @@ def base_folder(named: str, whose: str, run_config: dict | None = None) -> Path:
     except UserError as err:
         raise UserError(f"{whose} adapts the base model {named}, which cannot be used ({err}); {fix}") from None
     recorded = ((run_config or {}).get("base_model") or {}).get("fingerprint")
-    if recorded and fingerprint(folder) != recorded:
+    found = fingerprint(folder) if recorded else None
+    if recorded and found != recorded:
         raise UserError(f"{whose} trained on weights with fingerprint {recorded}, and {named} holds other weights "
-                        f"(fingerprint {fingerprint(folder)}); {fix}")
+                        f"(fingerprint {found}); {fix}")
     return folder
 
 
