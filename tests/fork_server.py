@@ -116,8 +116,11 @@ if __name__ == "__main__":
     sys.path[0] = str(REPO)
     address, preloaded = sys.argv[1], [m for m in sys.argv[2].split(",") if m]
     server_socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server_socket.bind(address)
+    # Bound beside, then renamed into place once listening: the client waits for the address to exist, and a socket
+    # bound but not yet listening refuses a connection (17 tests of one session errored so in CI)
+    server_socket.bind(address + ".binding")
     server_socket.listen(16)
+    os.rename(address + ".binding", address)
     lifeline_stream = os.fdopen(os.dup(0), "rb", buffering=0)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)

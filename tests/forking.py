@@ -34,7 +34,8 @@ class ForkServer:
                                        cwd=TESTS.parent, env=env, stdin=subprocess.PIPE)
 
     def connect(self) -> socket.socket:
-        """A connection (the server binds first thing; it answers once its imports are done)."""
+        """A connection (the server listens first thing, its address appearing then; it answers once its imports are
+        done)."""
         started = time.monotonic()
         while not os.path.exists(self.address):
             assert self.server.poll() is None, f"the fork server ended (exit code {self.server.returncode})"
