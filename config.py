@@ -63,6 +63,9 @@ class TrainConfig:
                                       reads=(*RUN_COMMANDS, "plot"), path=True)
     overwrite_output_dir: bool = _t(False, "Start over in an --output_dir that already holds a run (deletes it).",
                                            resume="run")
+    peer_timeout_s: float = _t(30.0, "Launched processes: one silent this long (a lost or hung machine) stops every "
+                                     "other with one line and exit code 4 (0 = off: they wait in the collective).",
+                                     resume="run")
     init_from: str | None = _f(None, "Model to start from: a folder (a run's best/ or final/, a downloaded T5, "
                                      "flan-t5, t5-v1_1, mT5, umT5 or ByT5) or a hub id such as google/flan-t5-small "
                                      "(the Hugging Face cache first, then the hub). Without --is_finetune: continued "
@@ -275,7 +278,7 @@ class TrainConfig:
                 problems.append(f"--{name} must be at least 1 (got {getattr(self, name)})")
         for name in ["effective_batch_size", "max_tokens_per_batch", "shuffle_buffer_size", "shuffle_buffer_mb",
                      "eval_steps", "save_steps", "warmup_steps", "weight_decay", "max_grad_norm", "max_rss_gb",
-                     "eval_budget_s",                      "no_repeat_ngram_size", "lora_r"]:
+                     "eval_budget_s", "peer_timeout_s", "no_repeat_ngram_size", "lora_r"]:
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must not be negative (got {getattr(self, name)})")
         if not 0 <= self.max_bad_rows_fraction <= 1:

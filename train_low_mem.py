@@ -62,9 +62,13 @@ from lowmem.utils.errors import UserError  # noqa: E402
 
 def train(config: str | None = None, **flags) -> dict:
     """Pretrain (default) or fine-tune (--is_finetune=True); resume with --is_keep_training=True."""
+    from lowmem.runs.run_start import settle_watch, watch_peers
+
     die_with_launcher()
+    watch = watch_peers(flags)  # several launched processes: a lost one, or one's mistake, stops them all
     cfg, notes = load_config(flags, config)
-    notes += unread_flag_notes("train", flags) + unused_answer_notes(cfg, flags)
+    cfg, restarted = settle_watch(cfg, watch)  # an elastic restart continues its run
+    notes += restarted + unread_flag_notes("train", flags) + unused_answer_notes(cfg, flags)
     files, tokenizer_dir, tokenizer = claim_output_dir(cfg)  # before the heavy imports below: refusals come at
     # once, and a run killed this early can still be continued
     from lowmem.memory.guard import StoppedForMemory

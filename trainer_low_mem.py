@@ -43,6 +43,7 @@ from lowmem.monitoring.telemetry import IntervalMeter, Telemetry, log_interval
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.distributed import indexes_from_main, start_accelerator, window_counts
 from lowmem.parallel.engines import Engine
+from lowmem.parallel.launch import runs_here
 from lowmem.parallel.sharding import padded_window, weights_finite
 from lowmem.runs.checkpointer import Checkpointer
 from lowmem.runs.run_folder import ExportFiles, RunFolder, training_info
@@ -105,8 +106,7 @@ class LowMemTrainer:
     def setup(self) -> LowMemTrainer:
         """Check inputs, then build everything; nothing heavy is built before the checks pass."""
         cfg = self.cfg
-        objective = objective_for(cfg)
-        self.files = self.files or check_data(cfg, objective)
+        self.files = self.files or check_data(cfg, objective_for(cfg))
         if self.model is None:
             check_init_from(cfg)
         self.accelerator, self.engine = start_accelerator(cfg)
@@ -117,10 +117,10 @@ class LowMemTrainer:
         if self.model is None and cfg.init_from:  # checked before the run folder is made: a refusal leaves nothing
             self.tokenizer_dir, self.tokenizer = tokenizer_for_model(cfg, self.files, self.tokenizer,
                                                                      self.tokenizer_dir)
-        resume_dir, old_files = self.folder.check(cfg, self.accelerator.process_index, say=self.say)
+        resume_dir, old_files = self.folder.check(cfg, self.accelerator, say=self.say)  # one folder, every machine
         if self.tokenizer is None:  # before a stopped run's files go: a tokenizer folder refused loses nothing
             self.tokenizer_dir = tokenizer_folder(cfg)
-            self.tokenizer = tokenizer_for_run(cfg, self.tokenizer_dir, self.files, self.main,
+            self.tokenizer = tokenizer_for_run(cfg, self.tokenizer_dir, self.files, runs_here("tokenizer"),
                                                self.accelerator.wait_for_everyone, self.say)
         self.folder.claim(self.accelerator, old_files, resume_dir, bool(cfg.resume_from), self.say)
         self.checkpointer = Checkpointer(self.folder, self.accelerator, self.telemetry, engine=self.engine)

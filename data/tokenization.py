@@ -284,6 +284,9 @@ def tokenizer_for_run(cfg, folder: Path, files, is_main: bool = True, wait=lambd
         train_tokenizer(files.train, folder, objective_class(cfg.objective).text_columns(cfg), cfg.vocab_size,
                         cfg.tokenizer_max_sentences, progress=sys.stderr.isatty())
     wait()
+    if not has_tokenizer(folder):  # trained by the main process on a disk this machine does not share
+        raise UserError(f"--tokenizer_dir={folder}: the main process trained the run's tokenizer there, and this "
+                        "machine cannot see it; put --tokenizer_dir on storage every machine shares")
     tokenizer = load_tokenizer(folder)
     shortfall = vocab_shortfall(tokenizer, cfg.vocab_size)
     if shortfall:

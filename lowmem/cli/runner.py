@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 
 from lowmem.cli.flags import text_flags
 from lowmem.cli.help_pages import command_help, help_text
 from lowmem.memory import collector
-from lowmem.utils.errors import UserError
+from lowmem.parallel import peer_watch
+from lowmem.utils.errors import UserError, print_error
 
 
 def verbatim_text(argv: list[str]) -> list[str]:
@@ -27,32 +27,6 @@ def verbatim_text(argv: list[str]) -> list[str]:
             arg = repr(arg)  # --prompt "hello, world"
         out.append(arg)
     return out
-
-
-def print_error(message: str) -> None:
-    """Print ``error: message`` on stderr, once per machine under ``accelerate launch``.
-
-    A wrong flag or bad data is met by every process alike, and N identical lines (interleaved, as
-    processes write at once) bury it. The launcher's per-launch folder (the parent of each worker's
-    ``TORCHELASTIC_ERROR_FILE``) holds the lines already printed; a process prints only a line no
-    other process on this machine has, so a mistake met by one process alone is still shown.
-    """
-    line = f"error: {message}"
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        import fcntl
-
-        key = line.replace("\n", "\\n")
-        try:
-            with open(Path(error_file).parent.parent / "t5_lowmem_errors.txt", "a+") as seen:
-                fcntl.flock(seen, fcntl.LOCK_EX)  # released when the file closes
-                seen.seek(0)
-                if key in seen.read().splitlines():
-                    return
-                seen.write(key + "\n")
-        except OSError:
-            pass  # cannot share the folder: print the line anyway
-    print(line, file=sys.stderr, flush=True)
 
 
 def die_with_launcher() -> None:
@@ -95,6 +69,7 @@ def run_cli(commands: dict, argv: list[str], startup_handler=None) -> None:
         if startup_handler is not None and signal.getsignal(signal.SIGINT) is startup_handler:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt, handled below
         fire.Fire(commands, command=verbatim_text(argv), name="train_low_mem.py")
+        finish_watch()
         if "LOCAL_RANK" in os.environ:  # a launched worker whose work is done and flushed
             # Skip interpreter teardown: C++ threads of the gloo process group left to static
             # destructors can abort a finished worker ("terminate called without an active exception").
@@ -104,28 +79,46 @@ def run_cli(commands: dict, argv: list[str], startup_handler=None) -> None:
     except UserError as err:
         if debug:
             raise
-        print_error(str(err))
-        sys.exit(2)
+        stop_with(str(err), 2)
     except RuntimeError as err:  # under a launcher: another process died in the middle of a collective
         if debug or "LOCAL_RANK" not in os.environ or not any(sign in str(err) for sign in PEER_LOST):
             raise
-        print_error("another process of this launch stopped (killed, or out of memory) inside a collective this one "
-                    "was waiting in; checkpoints are written whole, so the last one is intact: continue with "
-                    "--is_keep_training=True")
-        sys.exit(1)
+        watch = peer_watch.active()
+        line, code = watch.explain_loss() if watch else (
+            "another process of this launch stopped (killed, or out of memory) inside a collective this one was "
+            "waiting in; checkpoints are written whole, so the last one is intact: continue with "
+            "--is_keep_training=True", peer_watch.EXIT_PEER_LOST)
+        print_error(line)
+        sys.exit(code)
     except Exception as err:  # a write the user can make possible (an OSError, or a Rust library's "(os error N)")
         message = None if debug else write_error(err, argv[0])
         if message is None:
             raise
-        print_error(message)
-        sys.exit(2)
+        stop_with(message, 2)
     except KeyboardInterrupt:  # Ctrl-C where no handler checkpoints (train's loop has one): a line, not a traceback
         if debug:
             raise
         print_error("interrupted (Ctrl-C)")
         sys.exit(130)
     finally:
+        finish_watch()
         collector.before_exit()
+
+
+def stop_with(message: str, code: int) -> None:
+    """Print ``message`` as the one ``error:`` line and exit with ``code``; the other processes of a launch (when
+    this one watches them, ``lowmem.parallel.peer_watch``) stop with the same line instead of waiting for it."""
+    watch = peer_watch.active()
+    if watch is not None:
+        watch.post_failure(message, code)
+    print_error(message)
+    sys.exit(code)
+
+
+def finish_watch() -> None:
+    watch = peer_watch.active()
+    if watch is not None:
+        watch.finish()
 
 
 def write_error(err: Exception, command: str) -> str | None:

@@ -14,6 +14,7 @@ from data.packing import examples_in
 from data.sources.readers import index_file
 from lowmem.hardware.memory_use import map_large_blocks, peak_rss_bytes
 from lowmem.hardware.precision import PRECISIONS
+from lowmem.parallel import peer_watch
 from lowmem.parallel.engines import engine_for_launch
 from lowmem.utils.errors import UserError
 from lowmem.utils.optional import import_accelerate
@@ -45,10 +46,15 @@ def start_accelerator(cfg: TrainConfig):
     # views the gradients live in the buckets themselves (one copy fewer per process).
     ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
     options = engine.accelerator_options(cfg.cpu or launched_without_gpu())  # FSDP's read before accelerate starts
+    watch = peer_watch.active()
+    if watch is not None and watch.launch.max_restarts:  # an attempt's own keys (PeerWatch.init_process_group)
+        watch.init_process_group()
     accelerator = Accelerator(cpu=options["cpu"], mixed_precision=PRECISIONS[cfg.mixed_precision].accelerate_name,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               kwargs_handlers=[ddp] + options["kwargs_handlers"])
     engine.configure(accelerator, cfg)
+    if accelerator.num_processes > 1 and peer_watch.active() is None and cfg.peer_timeout_s:
+        peer_watch.PeerWatch.start(cfg.peer_timeout_s)  # a store the process group made (its rank 0 hosts it)
     if accelerator.device.type == "cuda":
         attention_without_shape_plans()
     set_seed(cfg.seed)

@@ -25,6 +25,7 @@ from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.engines import Engine, engine_that_wrote
 from lowmem.parallel.layouts import layout_title
 from lowmem.runs.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
+from lowmem.runs.shared_folder import decided_on_main, made_here, record_launchers, seen_by_every_process
 from lowmem.utils.errors import UserError
 from lowmem.utils.eval_metrics import metric_named
 from lowmem.utils.frozen_forms import FROZEN_FORMS, FrozenForm
@@ -64,28 +65,27 @@ class RunFolder:
         self.checkpoints = self.path / "checkpoints"
         self.lock = None  # the open OUTPUT_DIR/.lock while this process runs here (main process)
 
-    def check(self, cfg: TrainConfig, rank: int, say=print) -> tuple[Path | None, list[Path]]:
-        """Decide where the run starts, before anything heavy is built (``run_start``'s checks, again now
-        that the processes are up), and hold the folder's lock on the main process.
+    def check(self, cfg: TrainConfig, accelerator, say=print) -> tuple[Path | None, list[Path]]:
+        """Decide where the run starts, before anything heavy is built (``run_start``'s checks, again now that the
+        processes are up), on the main process, which holds the folder's lock; then check that every process sees
+        the folder it made (``lowmem.runs.shared_folder``: one run folder for all machines).
 
         Returns:
             The checkpoint to resume from (None: step 0) and the old run files to remove first.
 
         Raises:
-            UserError: a folder of files not ours, unwritable, in use, a run already there, nothing to resume.
+            UserError: on every process: a folder of files not ours, unwritable, in use, a run already there,
+                nothing to resume, a folder some machine cannot see.
         """
-        check_owned(cfg, self.path)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".write-test-{rank}"
-            with open_own(probe, "w") as fh:
-                fh.write("ok")
-            probe.unlink()
-        except OSError as err:
-            raise UserError(f"--output_dir={cfg.output_dir} is not writable ({err.strerror})") from None
-        if rank == 0:
+        def decide():
+            check_owned(cfg, self.path)
+            probe = made_here(self.path, "--output_dir")
             self.hold_lock(cfg.output_dir)
-        return starting_point(cfg, self.path, say, states=True)  # torch is imported by now
+            return (*starting_point(cfg, self.path, say, states=True), probe)  # torch is imported by now
+
+        resume_dir, old_files, probe = decided_on_main(accelerator, decide)
+        seen_by_every_process(accelerator, self.path, probe, "--output_dir")
+        return resume_dir, old_files
 
     def hold_lock(self, output_dir: str) -> None:
         """Hold OUTPUT_DIR/.lock for as long as this process runs (the OS drops it when the process
@@ -121,7 +121,7 @@ class RunFolder:
             check_closed(self.path)  # again, just before: a link planted since check() is refused, its target kept
             self.remove(old_files)
             self.set_aside_newer(resume_dir if set_aside else None, say)
-        accelerator.wait_for_everyone()
+        record_launchers(accelerator, self.path)  # a process an elastic agent restarts continues this run
 
     @staticmethod
     def remove(paths: list[Path]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from config import TrainConfig
@@ -18,6 +19,8 @@ from lowmem.checkpointing import checkpoint
 from lowmem.model.source import resolve_model_dir
 from lowmem.monitoring.metrics_log import read_metrics
 from lowmem.monitoring.trackers import tracker_entries  # (importing it adds the trackers' entries to a run's own)
+from lowmem.parallel.launch import Launch
+from lowmem.runs.shared_folder import LAUNCHERS_FILE, launcher_id
 from lowmem.utils.errors import UserError
 from lowmem.utils.ownership import (
     LEGACY_STARTED_MARKER,
@@ -181,13 +184,49 @@ def stopped_before_training(path: Path, used: list[Path]) -> bool:
 
 def refuse_early(cfg: TrainConfig) -> None:
     """Every refusal of ``starting_point`` and ``check_owned``, and a lock another run holds, before the
-    trainer's imports. Only the first process of a launch looks at the lock: the others may start after
-    it has taken it."""
+    trainer's imports, on the first process of a launch (the only one that claims the folder)."""
+    if int(os.environ.get("RANK", 0)) != 0:  # the main process decides for the launch; its refusal stops the others
+        return  # (lowmem.parallel.peer_watch), and the trainer checks that every process sees the folder it made
     path = Path(cfg.output_dir)
     check_owned(cfg, path)
     if cfg.tokenizer_dir and is_ours(cfg.tokenizer_dir, "tokenizer"):  # one a run trained (or trains) there
         check_closed(cfg.tokenizer_dir, "--tokenizer_dir", "tokenizer")
-    owner = lock_holder(path) if int(os.environ.get("RANK", 0)) == 0 else None
+    owner = lock_holder(path)
     if owner is not None:
         raise in_use_error(cfg.output_dir, owner)
     starting_point(cfg, path, say=lambda _line: None)  # what it would say, the trainer says
+
+
+def watch_peers(flags: dict):
+    """Under a launcher that hosts the launch's store, with several processes: the running
+    ``lowmem.parallel.peer_watch.PeerWatch`` (else None; the trainer starts one once the process group is up),
+    started before anything else with ``--peer_timeout_s`` as given on the command line (``settle_watch``
+    applies a config file's): a mistake met by one process stops all of them from here on."""
+    from lowmem.parallel.launch import Launch
+
+    launch = Launch.from_env()
+    if not (launch.several and launch.agent_store):
+        return None
+    from lowmem.parallel.peer_watch import PeerWatch
+
+    given = flags.get("peer_timeout_s", TrainConfig.peer_timeout_s)
+    return PeerWatch.start(given if isinstance(given, (int, float)) and not isinstance(given, bool) and given >= 0
+                           else TrainConfig.peer_timeout_s)
+
+
+def settle_watch(cfg: TrainConfig, watch) -> tuple[TrainConfig, list[str]]:
+    """The run's config, with the watch's timeout settled; a process restarted by an elastic agent (torchrun or
+    accelerate launch with --max_restarts) continues the run its launch claimed (``launchers.json`` names its
+    launcher) from its latest valid checkpoint, as ``--is_keep_training=True`` would, with the same checks (a
+    changed configuration or data is refused). Returns (config, notes)."""
+    if watch is not None:
+        watch.timeout_s = cfg.peer_timeout_s
+        if not cfg.peer_timeout_s:
+            watch.finish()
+    me = launcher_id()
+    launch = saved_json(Path(cfg.output_dir) / LAUNCHERS_FILE) if me and Launch.from_env().max_restarts else None
+    if me not in (launch or {}).get("launchers", []):
+        return cfg, []
+    note = (f"restarted by the launcher (--max_restarts): continuing the run in {cfg.output_dir} from its latest "
+            "valid checkpoint")
+    return replace(cfg, is_keep_training=True, overwrite_output_dir=False, resume_from=None), [note]

@@ -148,7 +148,8 @@ LEGACY_STARTED_MARKER = ".started"  # what versions before 2026-11-28 left inste
 # What a run writes in OUTPUT_DIR (staging folders and an export's set-aside copy included); the --report_to
 # trackers add theirs as their classes are defined (``own_run_entries``)
 RUN_ENTRIES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|best|final|plots|encoder_cache|\.lock|"
-                         r"\.started|\.(old|tmp)-(best|final)|consumed-rank\d+\.tsv|\.?trackers\.json(\.tmp)?")
+                         r"\.started|\.(old|tmp)-(best|final)|consumed-rank\d+\.tsv|\.?trackers\.json(\.tmp)?|"
+                         r"\.?launchers\.json(\.tmp)?|\.write-test-\w+")  # (a probe: a process killed as it looked)
 
 
 def is_run_folder(path: Path) -> bool:

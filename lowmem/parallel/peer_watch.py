@@ -1,0 +1,218 @@
+"""Every process of a launch watches another one, so that a lost machine stops the rest within a minute.
+
+A process waiting in a collective for a peer that hung (a frozen host, a stalled disk, a network partition)
+waits until the process group's timeout: 30 minutes for gloo, 10 for NCCL. Shortening that timeout would
+also stop a healthy run whose main process evaluates, generates or writes a large checkpoint while the others
+wait. So the processes beat instead, through the launch's own c10d store (the TCPStore the launcher hosts,
+at MASTER_ADDR:MASTER_PORT): a thread in each process adds 1 to its counter every second, and watches the
+counter of the next rank (a ring: whatever set of processes is lost, some survivor watches one of them). A
+counter that has not moved for ``--peer_timeout_s`` marks its process lost in the store, and every process,
+reading that mark at its next beat, prints one line naming it and exits with ``EXIT_PEER_LOST``, whatever its
+main thread is blocked in. The thread needs the interpreter for microseconds a second: the library calls a
+run makes (torch's kernels and collectives, safetensors, sentencepiece) let it run (measured: gaps of 0.05 s
+while a 1.6 GB checkpoint was written).
+
+The same store carries the mistakes of the user's: a process that stops with an ``error:`` line posts it, and the
+others stop with that line instead of waiting for a peer that will never come (before the process group exists
+too, where the launcher hosts the store). Keys are per attempt: an elastic agent (``--max_restarts``) starts the
+processes again with the same store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+
+from lowmem.parallel.launch import Launch
+from lowmem.utils.errors import print_error
+
+EXIT_PEER_LOST = 4  # distinct from a mistake (2), the memory guard (3) and a signal's stop (128 + N)
+BEAT_S = 1.0
+
+_ACTIVE: PeerWatch | None = None
+
+
+def active() -> PeerWatch | None:
+    """The watch of this process, when it runs one."""
+    return _ACTIVE
+
+
+class PeerWatch:
+    """The beat, the ring watch and the posted failures of one process (``start`` returns it running)."""
+
+    def __init__(self, launch: Launch, timeout_s: float):
+        self.launch, self.timeout_s = launch, timeout_s
+        self.store = None
+        self.prefix = ""  # this attempt's keys (an elastic restart is a new attempt)
+        self.lock = threading.RLock()  # the store client is one connection: one caller at a time
+        self.done = threading.Event()
+        self.reported = threading.Lock()  # the first report exits the process; a second waits for that
+
+    @classmethod
+    def start(cls, timeout_s: float) -> PeerWatch | None:
+        """Start watching (a launched process of several, with the launch's store address); else None."""
+        global _ACTIVE
+        launch = Launch.from_env()
+        if not launch.several or launch.store_address is None or timeout_s <= 0:
+            return None
+        watch = cls(launch, timeout_s)
+        watch.connect()
+        threading.Thread(target=watch.run, name="peer-watch", daemon=True).start()
+        _ACTIVE = watch
+        return watch
+
+    def connect(self) -> None:
+        from torch.distributed import TCPStore
+
+        host, port = self.launch.store_address
+        self.store = TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=max(BEAT_S * 5, min(self.timeout_s, 30))))
+        # This attempt's number: every process of an attempt arrives once, and an elastic agent starts the next
+        # attempt only after every process of this one has ended (so a failure posted by a process of an earlier
+        # attempt is never read as this one's).
+        arrived = int(self.store.add("t5lowmem/arrivals", 1))
+        self.prefix = f"t5lowmem/{(arrived - 1) // self.launch.world}/"
+        self.store.set(f"{self.prefix}where/{self.launch.rank}", f"{self.launch.machine} {socket.gethostname()}")
+        self.store.add(f"{self.prefix}beat/{self.launch.rank}", 1)
+
+    # ------------------------------------------------------------------ the thread
+    def run(self) -> None:
+        watched = (self.launch.rank + 1) % self.launch.world
+        seen, moved = None, time.monotonic()
+        store_ok = time.monotonic()
+        while not self.done.wait(BEAT_S):
+            try:
+                with self.lock:
+                    self.store.add(f"{self.prefix}beat/{self.launch.rank}", 1)
+                    posted = self._posted()
+                    beat = self._beat(watched)
+                    stopped = self._flag(f"done/{watched}")
+                store_ok = time.monotonic()
+            except Exception:  # the store stopped answering: its host (machine 0's launcher) is lost or hung
+                if time.monotonic() - store_ok > self.timeout_s:
+                    self.report(self.lost_line(self._store_host(), self.timeout_s), EXIT_PEER_LOST)
+                continue
+            if posted is not None:
+                self.report(*posted)
+            if beat != seen or stopped:
+                seen, moved = beat, time.monotonic()
+            elif beat is not None and time.monotonic() - moved > self.timeout_s:
+                self._mark_lost(watched)
+
+    def _posted(self) -> tuple[str, int] | None:
+        """(line, exit code) of a failure or a lost process marked in the store, or None."""
+        if self.store.check([f"{self.prefix}failed"]):
+            rank, code, line = self.store.get(f"{self.prefix}failed").decode().split("\t", 2)
+            if int(rank) != self.launch.rank:
+                return line, int(code)
+        if self.store.check([f"{self.prefix}lost"]):
+            rank, silent_s = self.store.get(f"{self.prefix}lost").decode().split()
+            return self.lost_line(self._names([int(rank)]), float(silent_s)), EXIT_PEER_LOST
+        return None
+
+    def _beat(self, rank: int) -> int | None:
+        key = f"{self.prefix}beat/{rank}"
+        return int(self.store.add(key, 0)) if self.store.check([key]) else None  # None: not started yet
+
+    def _flag(self, name: str) -> bool:
+        return self.store.check([f"{self.prefix}{name}"])
+
+    def _mark_lost(self, rank: int) -> None:
+        with self.lock:
+            self.store.compare_set(f"{self.prefix}lost", "", f"{rank} {self.timeout_s:.0f}")
+            posted = self._posted()
+        if posted is not None:
+            self.report(*posted)
+
+    # ------------------------------------------------------------------ what the main thread asks
+    def lost_line(self, who: str, silent_s: float | None = None) -> str:
+        """The one line a survivor prints: who was lost (``_names``), how (``silent_s``: hung that long; None:
+        gone), and how to continue."""
+        how = f"has not answered for {silent_s:.0f} s (hung, or cut off)" if silent_s else \
+            "stopped (killed, or out of memory)"
+        return (f"{who} {how}; this process stops too. Checkpoints are written whole, so the last one is intact: "
+                "continue with the same command plus --is_keep_training=True (under an elastic launcher with "
+                "--max_restarts, its restart continues the run by itself)")
+
+    def _names(self, ranks: list[int]) -> str:
+        return ", ".join(self._where(rank) for rank in ranks) or "another process of this launch"
+
+    def _store_host(self) -> str:
+        host, port = self.launch.store_address
+        return f"machine 0 (it holds the launch's rendezvous store, {host}:{port})"
+
+    def _where(self, rank: int) -> str:
+        try:
+            with self.lock:
+                machine, host = self.store.get(f"{self.prefix}where/{rank}").decode().split(" ", 1)
+        except Exception:
+            return f"process {rank}"
+        return f"process {rank} (machine {machine}, {host})" if self.launch.machines > 1 else f"process {rank}"
+
+    def explain_loss(self) -> tuple[str, int]:
+        """(line, exit code) for a collective that failed because a peer went away: a peer's own posted error,
+        else the processes whose beat stopped (read twice, a few beats apart)."""
+        world = range(self.launch.world)
+        try:
+            with self.lock:
+                first = [self._beat(r) for r in world]
+            time.sleep(BEAT_S * 3)
+            with self.lock:
+                posted = self._posted()
+                second = [self._beat(r) for r in world]
+                ended = [self._flag(f"done/{r}") for r in world]
+        except Exception:  # the store went with the lost machine
+            return self.lost_line(self._store_host()), EXIT_PEER_LOST
+        if posted is not None:
+            return posted
+        lost = [r for r in world if first[r] == second[r] and not ended[r] and r != self.launch.rank]
+        return self.lost_line(self._names(lost)), EXIT_PEER_LOST
+
+    def post_failure(self, line: str, code: int) -> None:
+        """Tell the others this process stops with ``line`` (its ``error:`` message) and exit code ``code``."""
+        try:
+            with self.lock:
+                self.store.compare_set(f"{self.prefix}failed", "", f"{self.launch.rank}\t{code}\t{line}")
+        except Exception:
+            pass  # the store is gone too: the others find this process silent instead
+
+    def init_process_group(self) -> None:
+        """Start torch's default process group through this attempt's keys of the launch's store.
+
+        An elastic agent (torchrun's c10d rendezvous, which shares its TCPStore with the workers, and accelerate
+        launch's static one) keeps one store for every attempt, and torch's process group keys carry no attempt:
+        a restarted process read the address a process of the attempt before had published and was refused
+        (gloo's ``connectFullMesh``; NCCL's unique id, pytorch/pytorch#135712). Called before accelerate starts,
+        which then uses this group."""
+        import torch
+        import torch.distributed as dist
+
+        host, port = self.launch.store_address
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+        dist.init_process_group(None if torch.cuda.is_available() else "gloo",
+                                store=dist.PrefixStore(f"{self.prefix}process_group/", store),
+                                rank=self.launch.rank, world_size=self.launch.world)
+
+    def finish(self) -> None:
+        """This process ends on its own terms (done, a signal's checkpoint, the memory guard): not lost."""
+        global _ACTIVE
+        self.done.set()
+        try:
+            with self.lock:
+                self.store.set(f"{self.prefix}done/{self.launch.rank}", "1")
+        except Exception:
+            pass
+        _ACTIVE = None
+
+    def report(self, line: str, code: int) -> None:
+        """Print ``line`` once per machine and end this process at once: its main thread may be blocked in a
+        collective that never returns."""
+        with self.reported:
+            print_error(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
