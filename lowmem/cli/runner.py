@@ -141,4 +141,5 @@ def write_error(err: Exception, command: str) -> str | None:
 
 
 # How gloo and NCCL report a peer gone in the middle of a collective
-PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "communicator was aborted")
+PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "communicator was aborted",
+             "Connection was likely closed")  # (the last: the launch's store, with machine 0's launcher)

@@ -51,6 +51,7 @@ class PeerWatch:
         self.lock = threading.RLock()  # the store client is one connection: one caller at a time
         self.done = threading.Event()
         self.reported = threading.Lock()  # the first report exits the process; a second waits for that
+        self.peer_failure: tuple[str, int] | None = None  # (line, exit code) another process posted
 
     @classmethod
     def start(cls, timeout_s: float) -> PeerWatch | None:
@@ -108,7 +109,10 @@ class PeerWatch:
         if self.store.check([f"{self.prefix}failed"]):
             rank, code, line = self.store.get(f"{self.prefix}failed").decode().split("\t", 2)
             if int(rank) != self.launch.rank:
-                return line, int(code)
+                if self.peer_failure is None:
+                    self.store.add(f"{self.prefix}failed_seen", 1)  # (the poster waits for the others to read it)
+                self.peer_failure = (line, int(code))
+                return self.peer_failure
         if self.store.check([f"{self.prefix}lost"]):
             rank, silent_s = self.store.get(f"{self.prefix}lost").decode().split()
             return self.lost_line(self._names([int(rank)]), float(silent_s)), EXIT_PEER_LOST
@@ -165,8 +169,8 @@ class PeerWatch:
                 posted = self._posted()
                 second = [self._beat(r) for r in world]
                 ended = [self._flag(f"done/{r}") for r in world]
-        except Exception:  # the store went with the lost machine
-            return self.lost_line(self._store_host()), EXIT_PEER_LOST
+        except Exception:  # the store went with the lost machine (its launcher stopped after a mistake of its own?)
+            return self.peer_failure or (self.lost_line(self._store_host()), EXIT_PEER_LOST)
         if posted is not None:
             return posted
         lost = [r for r in world if first[r] == second[r] and not ended[r] and r != self.launch.rank]
@@ -174,9 +178,21 @@ class PeerWatch:
 
     def post_failure(self, line: str, code: int) -> None:
         """Tell the others this process stops with ``line`` (its ``error:`` message) and exit code ``code``."""
+        mine = f"{self.launch.rank}\t{code}\t{line}"
         try:
             with self.lock:
-                self.store.compare_set(f"{self.prefix}failed", "", f"{self.launch.rank}\t{code}\t{line}")
+                posted = self.store.compare_set(f"{self.prefix}failed", "", mine).decode()
+                if posted != mine:  # another process posted first: this one has read it
+                    self.store.add(f"{self.prefix}failed_seen", 1)
+                    return
+            # Wait (a few beats at most) until the others have read it: this process's exit ends its launcher, and
+            # on machine 0 the store with it, which a process still waiting to read it would meet as a lost machine
+            deadline = time.monotonic() + BEAT_S * 3
+            while time.monotonic() < deadline:
+                with self.lock:
+                    if int(self.store.add(f"{self.prefix}failed_seen", 0)) >= self.launch.world - 1:
+                        return
+                time.sleep(BEAT_S / 10)
         except Exception:
             pass  # the store is gone too: the others find this process silent instead
 

@@ -99,7 +99,7 @@ def seen_by_every_process(accelerator, path: Path, probe: str, flag: str) -> Non
                 mine.unlink()
             except OSError as err:
                 problem = f"cannot write there ({err.strerror})"
-    reports = [(launch.rank, launch.machine, socket.gethostname(), problem)]
+    reports = [(launch.rank, launch.machine, socket.gethostname(), problem, str(Path(path).resolve()))]
     if accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
@@ -109,8 +109,8 @@ def seen_by_every_process(accelerator, path: Path, probe: str, flag: str) -> Non
     failed = [r for r in reports if r[3] is not None]
     if not failed:
         return
-    machines = sorted({(machine, host, problem) for _, machine, host, problem in failed})
+    machines = sorted({(machine, host, problem) for _, machine, host, problem, _ in failed})
     who = "; ".join(f"machine {machine} ({host}) {problem}" for machine, host, problem in machines)
     raise UserError(f"{flag}={path}: {who}. Every process of a launch uses the one run folder the main process "
-                    f"made ({Path(path).resolve()}, on machine 0): put {flag} on storage every machine reaches at "
+                    f"made ({reports[0][4]}, on machine 0): put {flag} on storage every machine reaches at "
                     "that path (NFS, Lustre, a shared volume), not on a disk of each machine's own")
