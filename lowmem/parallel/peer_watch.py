@@ -52,6 +52,7 @@ class PeerWatch:
         self.done = threading.Event()
         self.reported = threading.Lock()  # the first report exits the process; a second waits for that
         self.peer_failure: tuple[str, int] | None = None  # (line, exit code) another process posted
+        self.answered = time.monotonic()  # when the store last answered a round of the beat
 
     @classmethod
     def start(cls, timeout_s: float) -> PeerWatch | None:
@@ -62,7 +63,9 @@ class PeerWatch:
             return None
         watch = cls(launch, timeout_s)
         watch.connect()
+        watch.answered = time.monotonic()
         threading.Thread(target=watch.run, name="peer-watch", daemon=True).start()
+        threading.Thread(target=watch.supervise, name="peer-watch-supervisor", daemon=True).start()
         _ACTIVE = watch
         return watch
 
@@ -71,7 +74,7 @@ class PeerWatch:
 
         host, port = self.launch.store_address
         self.store = TCPStore(host, port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=max(BEAT_S * 5, min(self.timeout_s, 30))))
+                              timeout=datetime.timedelta(seconds=BEAT_S * 5))  # longer: its host is lost
         # This attempt's number: every process of an attempt arrives once, and an elastic agent starts the next
         # attempt only after every process of this one has ended (so a failure posted by a process of an earlier
         # attempt is never read as this one's).
@@ -84,7 +87,6 @@ class PeerWatch:
     def run(self) -> None:
         watched = (self.launch.rank + 1) % self.launch.world
         seen, moved = None, time.monotonic()
-        store_ok = time.monotonic()
         while not self.done.wait(BEAT_S):
             try:
                 with self.lock:
@@ -92,10 +94,8 @@ class PeerWatch:
                     posted = self._posted()
                     beat = self._beat(watched)
                     stopped = self._flag(f"done/{watched}")
-                store_ok = time.monotonic()
-            except Exception:  # the store stopped answering: its host (machine 0's launcher) is lost or hung
-                if time.monotonic() - store_ok > self.timeout_s:
-                    self.report(self.lost_line(self._store_host(), self.timeout_s), EXIT_PEER_LOST)
+                self.answered = time.monotonic()
+            except Exception:  # the store refused or timed out: its host is lost (supervise() decides when)
                 continue
             if posted is not None:
                 self.report(*posted)
@@ -103,6 +103,14 @@ class PeerWatch:
                 seen, moved = beat, time.monotonic()
             elif beat is not None and time.monotonic() - moved > self.timeout_s:
                 self._mark_lost(watched)
+
+    def supervise(self) -> None:
+        """Watch the watch: a store whose host hung (SIGSTOP, a frozen machine) never answers, and torch's store
+        client waits for an answer to ``add`` with no timeout of its own (measured, torch 2.13), so the beat
+        above blocks; the store's host is then lost."""
+        while not self.done.wait(BEAT_S):
+            if time.monotonic() - self.answered > self.timeout_s:
+                self.report(self.lost_line(self._store_host(), self.timeout_s), EXIT_PEER_LOST)
 
     def _posted(self) -> tuple[str, int] | None:
         """(line, exit code) of a failure or a lost process marked in the store, or None."""
