@@ -10,7 +10,9 @@ can ask before its heavy imports.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 JOB, MACHINE = "once per job", "once per machine"
 
@@ -67,10 +69,21 @@ class Launch:
         """Several processes started by a launcher."""
         return self.world > 1
 
-    def where(self, rank: int | None = None) -> str:
-        """``process R`` and, with several machines, ``on machine M`` (this process's, or ``rank``'s when the
-        machines hold equal numbers of processes, as accelerate and torchrun start them)."""
-        rank = self.rank if rank is None else rank
-        if self.machines == 1:
-            return f"process {rank}"
-        return f"process {rank} (machine {rank // max(self.local_world, 1)})"
+
+def launcher_id() -> str | None:
+    """This process's launcher (its parent, an elastic agent: ``lowmem.cli.runner.die_with_launcher`` keeps it so) as
+    "host pid start-time", which no other process on any machine shares; None outside a launcher."""
+    if "LOCAL_RANK" not in os.environ:
+        return None
+    parent = os.getppid()
+    started = start_time(parent)
+    return f"{socket.gethostname()} {parent} {started}" if started else None
+
+
+def start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat's field 22): with the pid, it names
+    one process, which a later one reusing the number does not share; None where there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 
-from lowmem.parallel.launch import Launch
+from lowmem.parallel.launch import Launch, start_time
 from lowmem.utils.errors import print_error
 
 EXIT_PEER_LOST = 4  # distinct from a mistake (2), the memory guard (3) and a signal's stop (128 + N)
@@ -62,7 +62,10 @@ class PeerWatch:
         if not launch.several or launch.store_address is None or timeout_s <= 0:
             return None
         watch = cls(launch, timeout_s)
-        watch.connect()
+        try:
+            watch.connect()
+        except Exception:  # no store at that address (a launcher that hosts none): the run goes on unwatched
+            return None
         watch.answered = time.monotonic()
         threading.Thread(target=watch.run, name="peer-watch", daemon=True).start()
         threading.Thread(target=watch.supervise, name="peer-watch-supervisor", daemon=True).start()
@@ -237,6 +240,39 @@ class PeerWatch:
         collective that never returns."""
         with self.reported:
             print_error(line)
+            if code == EXIT_PEER_LOST:
+                self.end_launcher_if_stuck()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+
+    def end_launcher_if_stuck(self) -> None:
+        """End this process's launcher ``LAUNCHER_GRACE_S`` after this process, if it is still there then.
+
+        A torchrun agent whose workers have all stopped closes its c10d rendezvous before it exits, and when the
+        lost machine hosts that rendezvous store, torch's store client waits for its answer with no timeout: the
+        agent would wait forever (measured: over 180 s, where accelerate's launchers exit within 1 s of their
+        workers). Not under --max_restarts, where the launcher's own restart logic decides. A detached process
+        sleeps, then SIGKILLs the launcher only if that process (pid and start time) is still alive."""
+        parent = os.getppid()
+        started = start_time(parent)
+        if self.launch.max_restarts or started is None or "TORCHELASTIC_RUN_ID" not in os.environ:
+            return
+        import subprocess
+
+        subprocess.Popen([sys.executable, "-c", END_IF_STILL_THERE, str(parent), started, str(LAUNCHER_GRACE_S)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True, close_fds=True)
+
+
+LAUNCHER_GRACE_S = 15  # a launcher that still runs this long after its worker stopped for a lost machine is stuck
+END_IF_STILL_THERE = """
+import os, sys, time
+pid, started, grace = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+time.sleep(grace)
+try:
+    if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19] == started:
+        os.kill(pid, 9)
+except (OSError, IndexError):
+    pass
+"""

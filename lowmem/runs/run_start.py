@@ -19,8 +19,8 @@ from lowmem.checkpointing import checkpoint
 from lowmem.model.source import resolve_model_dir
 from lowmem.monitoring.metrics_log import read_metrics
 from lowmem.monitoring.trackers import tracker_entries  # (importing it adds the trackers' entries to a run's own)
-from lowmem.parallel.launch import Launch
-from lowmem.runs.shared_folder import LAUNCHERS_FILE, launcher_id
+from lowmem.parallel.launch import Launch, launcher_id
+from lowmem.runs.shared_folder import LAUNCHERS_FILE
 from lowmem.utils.errors import UserError
 from lowmem.utils.ownership import (
     LEGACY_STARTED_MARKER,

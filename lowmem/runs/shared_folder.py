@@ -14,30 +14,16 @@ agent restarts (``--max_restarts``) has the same launcher, and so continues the 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import socket
 from pathlib import Path
 
-from lowmem.parallel.launch import Launch
+from lowmem.parallel.launch import Launch, launcher_id
 from lowmem.utils.errors import UserError
 from lowmem.utils.ownership import open_own, write_atomic
 
 PROBE_PREFIX = ".write-test-"  # a run's own entry (lowmem.utils.ownership.RUN_ENTRIES)
 LAUNCHERS_FILE = "launchers.json"  # the launchers of the launch that claimed the folder last (a run's own entry)
-
-
-def launcher_id() -> str | None:
-    """This process's launcher (its parent, an elastic agent: ``lowmem.cli.runner.die_with_launcher`` keeps it so) as
-    "host pid start-time", which no other process on any machine shares; None outside a launcher."""
-    if "LOCAL_RANK" not in os.environ:
-        return None
-    parent = os.getppid()
-    try:
-        started = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22, starttime
-    except (OSError, IndexError):
-        return None
-    return f"{socket.gethostname()} {parent} {started}"
 
 
 def record_launchers(accelerator, path: Path) -> None:
