@@ -58,12 +58,19 @@ class Machines:
 
     @classmethod
     def start(cls, commands: list[list[str]], logs: list[Path], cwds: list[Path] | None = None,
-              env: dict | None = None, popen=subprocess.Popen) -> Machines:
-        launchers = []
-        for i, (command, log) in enumerate(zip(commands, logs)):
-            with open(log, "w") as out:  # (a file, not a pipe nobody reads)
-                launchers.append(popen(command, cwd=(cwds or [REPO] * len(commands))[i], env=env or launch_env(),
-                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+              env: dict | None = None, popen=subprocess.Popen, last_first_s: float = 0.0) -> Machines:
+        """Start the launchers, in order; ``last_first_s``: the last one first, the others that many seconds later
+        (under torchrun's c10d the first launcher hosts the rendezvous store)."""
+        launchers: list = [None] * len(commands)
+        order = list(range(len(commands)))
+        if last_first_s:
+            order = order[-1:] + order[:-1]
+        for i in order:
+            with open(logs[i], "w") as out:  # (a file, not a pipe nobody reads)
+                launchers[i] = popen(commands[i], cwd=(cwds or [REPO] * len(commands))[i], env=env or launch_env(),
+                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            if last_first_s and i == order[0]:
+                time.sleep(last_first_s)
         return cls(launchers, logs)
 
     def processes(self, machine: int) -> list[psutil.Process]:

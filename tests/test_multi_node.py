@@ -33,12 +33,13 @@ def corpus(folder: Path) -> list[str]:
 
 
 def launch(processes, kind: str, machines: int, per_machine: int, port: int, args: list[str], logs: Path,
-           launch_flags: tuple[str, ...] = (), cwds: list[Path] | None = None, env: dict | None = None) -> Machines:
+           launch_flags: tuple[str, ...] = (), cwds: list[Path] | None = None, env: dict | None = None,
+           last_first_s: float = 0.0) -> Machines:
     logs.mkdir(parents=True, exist_ok=True)
     commands = [launcher_command(kind, rank, machines, per_machine, port, args, launch_flags)
                 for rank in range(machines)]
     return Machines.start(commands, [logs / f"machine{rank}.log" for rank in range(machines)], cwds, env,
-                          popen=processes.popen)
+                          popen=processes.popen, last_first_s=last_first_s)
 
 
 def finished(machines: Machines, timeout: float = 600) -> None:
@@ -129,12 +130,14 @@ def test_sharded_engines_on_two_machines_equal_one_launcher(tmp_path, processes,
     each_row_once_per_epoch(two, 2)
 
 
-def stop_machine_and_time_the_other(processes, tmp_path, straight, kind: str, port: int, sig: int):
+def stop_machine_and_time_the_other(processes, tmp_path, straight, kind: str, port: int, sig: int,
+                                    last_first_s: float = 0.0):
     """Train on 2 x 1 machines, send ``sig`` to machine 1 once the step-6 checkpoint is there; returns (run, the
     machines, seconds each of machine 0's processes took to end)."""
     _, args = straight
     run = tmp_path / "run"
-    machines = launch(processes, kind, 2, 1, port, args + [f"--output_dir={run}"], tmp_path / "logs")
+    machines = launch(processes, kind, 2, 1, port, args + [f"--output_dir={run}"], tmp_path / "logs",
+                      last_first_s=last_first_s)
     deadline = time.monotonic() + 300
     while not checkpoint_reached(run, 6):
         assert time.monotonic() < deadline and all(p.poll() is None for p in machines.launchers), machines.output(0)
@@ -164,6 +167,17 @@ def test_a_hung_machine_stops_the_other_within_a_minute_and_both_resume_bit_for_
                     tmp_path / "again"))
     assert "resumed from" in (tmp_path / "again" / "machine0.log").read_text()
     assert largest_difference(run, run_dir) == 0
+
+
+def test_under_torchrun_a_hung_machine_holding_the_rendezvous_stops_the_other_within_a_minute(tmp_path, processes,
+                                                                                              straight):
+    """Machine 1's launcher starts first and so hosts torchrun's c10d store: the survivor's agent, closing its
+    rendezvous, would wait on that store for good; it is ended 15 s after its worker (peer_watch)."""
+    _, machines, seconds = stop_machine_and_time_the_other(processes, tmp_path, straight, "torchrun", 29857,
+                                                           signal.SIGSTOP, last_first_s=4.0)
+    assert None not in seconds and max(seconds) < 60, seconds
+    errors = [line for line in machines.output(0).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "has not answered for 30 s" in errors[0], errors
 
 
 def test_a_killed_machine_stops_the_other_within_seconds_naming_it(tmp_path, processes, straight):
