@@ -239,6 +239,7 @@ def test_a_refusal_on_the_main_process_stops_every_machine_with_its_line(tmp_pat
     for machine in (0, 1):
         errors = [line for line in machines.output(machine).splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "already holds a run" in errors[0], machines.output(machine)[-2000:]
+    assert machines.output(1).count("error: process 0 (machine 0, ") == 1  # whose line it is
 
 
 def test_work_runs_once_per_job_or_once_per_machine_as_declared(monkeypatch):

@@ -51,7 +51,7 @@ class PeerWatch:
         self.lock = threading.RLock()  # the store client is one connection: one caller at a time
         self.done = threading.Event()
         self.reported = threading.Lock()  # the first report exits the process; a second waits for that
-        self.peer_failure: tuple[str, int] | None = None  # (line, exit code) another process posted
+        self.peer_failure: tuple[str, int, str] | None = None  # (line, exit code, its own line) another one posted
         self.answered = time.monotonic()  # when the store last answered a round of the beat
 
     @classmethod
@@ -115,14 +115,14 @@ class PeerWatch:
             if time.monotonic() - self.answered > self.timeout_s:
                 self.report(self.lost_line(self._store_host(), self.timeout_s), EXIT_PEER_LOST)
 
-    def _posted(self) -> tuple[str, int] | None:
-        """(line, exit code) of a failure or a lost process marked in the store, or None."""
+    def _posted(self) -> tuple | None:
+        """(line, exit code[, the poster's own line]) of a failure or a lost process marked in the store, or None."""
         if self.store.check([f"{self.prefix}failed"]):
             rank, code, line = self.store.get(f"{self.prefix}failed").decode().split("\t", 2)
             if int(rank) != self.launch.rank:
                 if self.peer_failure is None:
                     self.store.add(f"{self.prefix}failed_seen", 1)  # (the poster waits for the others to read it)
-                self.peer_failure = (line, int(code))
+                    self.peer_failure = (f"{self._where(int(rank))}: {line}", int(code), line)
                 return self.peer_failure
         if self.store.check([f"{self.prefix}lost"]):
             rank, silent_s = self.store.get(f"{self.prefix}lost").decode().split()
@@ -181,9 +181,9 @@ class PeerWatch:
                 second = [self._beat(r) for r in world]
                 ended = [self._flag(f"done/{r}") for r in world]
         except Exception:  # the store went with the lost machine (its launcher stopped after a mistake of its own?)
-            return self.peer_failure or (self.lost_line(self._store_host()), EXIT_PEER_LOST)
+            return self.peer_failure[:2] if self.peer_failure else (self.lost_line(self._store_host()), EXIT_PEER_LOST)
         if posted is not None:
-            return posted
+            return posted[:2]
         lost = [r for r in world if first[r] == second[r] and not ended[r] and r != self.launch.rank]
         return self.lost_line(self._names(lost)), EXIT_PEER_LOST
 
@@ -235,11 +235,11 @@ class PeerWatch:
             pass
         _ACTIVE = None
 
-    def report(self, line: str, code: int) -> None:
+    def report(self, line: str, code: int, same_as: str | None = None) -> None:
         """Print ``line`` once per machine and end this process at once: its main thread may be blocked in a
-        collective that never returns."""
+        collective that never returns. ``same_as``: the line as its process printed it (lowmem.utils.errors)."""
         with self.reported:
-            print_error(line)
+            print_error(line, same_as)
             if code == EXIT_PEER_LOST:
                 self.end_launcher_if_stuck()
             sys.stdout.flush()

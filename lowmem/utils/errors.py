@@ -11,8 +11,9 @@ class UserError(Exception):
     """A mistake the user can fix; the CLI prints it as one line and exits with code 2."""
 
 
-def print_error(message: str) -> None:
-    """Print ``error: message`` on stderr, once per machine under ``accelerate launch``.
+def print_error(message: str, same_as: str | None = None) -> None:
+    """Print ``error: message`` on stderr, once per machine under ``accelerate launch`` (``same_as``: a message that
+    counts as this one, printed already or later: the same mistake another process met, and said so).
 
     A wrong flag or bad data is met by every process alike, and N identical lines (interleaved, as
     processes write at once) bury it. The launcher's per-launch folder (the parent of each worker's
@@ -24,7 +25,7 @@ def print_error(message: str) -> None:
     if error_file:
         import fcntl
 
-        key = line.replace("\n", "\\n")
+        key = f"error: {same_as or message}".replace("\n", "\\n")
         try:
             with open(Path(error_file).parent.parent / "t5_lowmem_errors.txt", "a+") as seen:
                 fcntl.flock(seen, fcntl.LOCK_EX)  # released when the file closes
