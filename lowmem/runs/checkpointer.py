@@ -18,6 +18,7 @@ from lowmem.model.build import export_state_dict, weights_in_float32
 from lowmem.monitoring.metrics_log import MetricsLog
 from lowmem.parallel.distributed import any_process
 from lowmem.parallel.engines import Engine, PlainEngine
+from lowmem.parallel.launch import runs_here
 from lowmem.runs.run_folder import ExportFiles, RunFolder, eval_changes
 from lowmem.training.optim import resume_schedule
 from lowmem.utils.ownership import saved_json
@@ -69,7 +70,7 @@ class Checkpointer:
         model, optimizer, _, _ = training
         if self.engine.shards:
             self._write_shard(folder, model, optimizer)
-        if self.accelerator.is_main_process:
+        if runs_here("run folder"):
             self.folder.write_checkpoint(training, trainer_state, process_states, keep, staged=self.engine.shards)
             self.telemetry.metrics.write_line(record)
             self.telemetry.checkpointed()  # the trackers that wait for a checkpoint get the records it keeps
@@ -80,7 +81,7 @@ class Checkpointer:
     def _write_shard(self, folder: Path, model, optimizer) -> None:
         """This process's weight and optimizer shards, into the staging folder the main process then
         completes and renames into place (``RunFolder.write_checkpoint``)."""
-        if self.accelerator.is_main_process:
+        if runs_here("run folder"):
             checkpoint.new_staging(folder)
         self.accelerator.wait_for_everyone()
         self.engine.save(model, optimizer, checkpoint.staging_path(folder), self.accelerator.process_index)
@@ -101,9 +102,9 @@ class Checkpointer:
         self.saved_step = trainer_state["step"]
         # best/ set aside with a continuation --resume_from replaces (or removed): the model the state names as
         # the best is gone, and the next evaluation exports a new one. Main's look decides for every process.
-        if self.accelerator.is_main_process:
+        if runs_here("run folder"):
             checkpoint.restore_cut_swap(self.folder.path / "best")  # an export cut between its two renames
-        gone = self.accelerator.is_main_process and not (self.folder.path / "best").is_dir()
+        gone = runs_here("run folder") and not (self.folder.path / "best").is_dir()
         changes = eval_changes(saved_json(folder / "run_config.json") or {}, run_config)
         if trainer_state.get("best_step") is not None and changes:
             self.telemetry.say(f"resume: best/ (step {trainer_state['best_step']}) was chosen on other evaluations "
@@ -121,16 +122,17 @@ class Checkpointer:
         training_info.json, written by the main process; with ``adapter`` (``lowmem.model.adapters.adapter_export``)
         a peft adapter folder of its base model instead."""
         self.accelerator.wait_for_everyone()
+        exporting = runs_here("exports")  # (lowmem.parallel.launch: once per job, the main process)
         if adapter is not None and not self.engine.shards:
-            if self.accelerator.is_main_process:
+            if exporting:
                 beside = replace(beside, info={**beside.info, "base_form": adapter["base_form"]})
                 self.folder.export_adapter(folder, core, adapter["base"], beside, then=self.folder.how_to_continue)
         elif self.engine.shards:  # the whole weights gathered on the main process's host (all take part)
-            whole = self.engine.full_state_dict(core, self.accelerator.is_main_process)
-            if self.accelerator.is_main_process:
+            whole = self.engine.full_state_dict(core, exporting)
+            if exporting:
                 self.folder.export(folder, core, beside, state_dict=whole, then=self.folder.how_to_continue)
             del whole
-        elif self.accelerator.is_main_process:
+        elif exporting:
             # One dtype and no adapters: on the CPU bf16-stored weights turn float32 in place; from a
             # GPU every tensor is copied to the host as float32 (nothing new on the GPU).
             on_gpu = self.accelerator.device.type == "cuda"

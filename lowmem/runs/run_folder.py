@@ -23,6 +23,7 @@ from config import TrainConfig, flags_with
 from lowmem.checkpointing import checkpoint, checksums
 from lowmem.parallel import deepspeed_engine
 from lowmem.parallel.engines import Engine, engine_that_wrote
+from lowmem.parallel.launch import runs_here
 from lowmem.parallel.layouts import layout_title
 from lowmem.runs.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
 from lowmem.runs.shared_folder import decided_on_main, made_here, record_launchers, seen_by_every_process
@@ -117,7 +118,7 @@ class RunFolder:
         """Remove a stopped run's files (``check`` listed them) and, with ``set_aside`` (--resume_from), set aside
         the checkpoints newer than the one resumed from: on the main process, once every process has looked."""
         accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
+        if runs_here("run folder"):
             check_closed(self.path)  # again, just before: a link planted since check() is refused, its target kept
             self.remove(old_files)
             self.set_aside_newer(resume_dir if set_aside else None, say)

@@ -18,7 +18,7 @@ import secrets
 import socket
 from pathlib import Path
 
-from lowmem.parallel.launch import Launch, launcher_id
+from lowmem.parallel.launch import Launch, launcher_id, runs_here
 from lowmem.utils.errors import UserError
 from lowmem.utils.ownership import open_own, write_atomic
 
@@ -33,7 +33,7 @@ def record_launchers(accelerator, path: Path) -> None:
         from accelerate.utils import gather_object
 
         ids = gather_object(ids)
-    if accelerator.is_main_process and any(ids):
+    if runs_here("run folder") and any(ids):
         write_atomic(path / LAUNCHERS_FILE, json.dumps({"launchers": sorted({i for i in ids if i})}, indent=1) + "\n")
 
 
@@ -45,7 +45,7 @@ def decided_on_main(accelerator, decide):
     from accelerate.utils import broadcast_object_list
 
     box = [None]
-    if accelerator.is_main_process:
+    if runs_here("run folder"):
         try:
             box = [("ok", decide())]
         except UserError as err:
@@ -74,7 +74,7 @@ def seen_by_every_process(accelerator, path: Path, probe: str, flag: str) -> Non
     on every process naming the machines that cannot. The probe is removed."""
     launch = Launch.from_env()
     problem = None
-    if not accelerator.is_main_process:
+    if not runs_here("run folder"):
         mine = path / f"{PROBE_PREFIX}{launch.rank}"
         if not (path / probe).is_file():
             problem = "cannot see it"
@@ -90,7 +90,7 @@ def seen_by_every_process(accelerator, path: Path, probe: str, flag: str) -> Non
         from accelerate.utils import gather_object
 
         reports = gather_object(reports)
-    if accelerator.is_main_process:
+    if runs_here("run folder"):
         (path / probe).unlink(missing_ok=True)
     failed = [r for r in reports if r[3] is not None]
     if not failed:
