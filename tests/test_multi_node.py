@@ -260,3 +260,22 @@ def test_work_runs_once_per_job_or_once_per_machine_as_declared(monkeypatch):
     assert launch.store_address == ("10.0.0.1", 29500) and launch.agent_store and launch.several
     assert {runs_here(work, launch) for work, scope in SCOPES.items() if scope == JOB} == {False}
     assert {runs_here(work, launch) for work, scope in SCOPES.items() if scope == MACHINE} == {True}
+
+
+def test_only_a_restart_under_the_same_launchers_continues_a_run_without_the_flag(tmp_path, monkeypatch):
+    """A process an elastic agent restarts finds its own launcher in launchers.json and continues; a new launch (other
+    launchers) on the same folder, or one without --max_restarts, is refused as any second run is."""
+    from config import TrainConfig
+    from lowmem.parallel.launch import launcher_id
+    from lowmem.runs.run_start import settle_watch
+
+    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "2"}.items():
+        monkeypatch.setenv(name, value)
+    cfg = TrainConfig(output_dir=str(tmp_path), overwrite_output_dir=True)
+    (tmp_path / "launchers.json").write_text(json.dumps({"launchers": ["elsewhere 12 345"]}))
+    assert settle_watch(cfg, None) == (cfg, [])  # another launch's folder
+    (tmp_path / "launchers.json").write_text(json.dumps({"launchers": ["elsewhere 12 345", launcher_id()]}))
+    restarted, notes = settle_watch(cfg, None)
+    assert restarted.is_keep_training and not restarted.overwrite_output_dir and "restarted by the launcher" in notes[0]
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert settle_watch(cfg, None) == (cfg, [])  # no restarts asked for: never one

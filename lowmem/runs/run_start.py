@@ -202,8 +202,6 @@ def watch_peers(flags: dict):
     ``lowmem.parallel.peer_watch.PeerWatch`` (else None; the trainer starts one once the process group is up),
     started before anything else with ``--peer_timeout_s`` as given on the command line (``settle_watch``
     applies a config file's): a mistake met by one process stops all of them from here on."""
-    from lowmem.parallel.launch import Launch
-
     launch = Launch.from_env()
     if not (launch.several and launch.agent_store):
         return None
@@ -224,8 +222,8 @@ def settle_watch(cfg: TrainConfig, watch) -> tuple[TrainConfig, list[str]]:
         if not cfg.peer_timeout_s:
             watch.finish()
     me = launcher_id()
-    launch = saved_json(Path(cfg.output_dir) / LAUNCHERS_FILE) if me and Launch.from_env().max_restarts else None
-    if me not in (launch or {}).get("launchers", []):
+    recorded = saved_json(Path(cfg.output_dir) / LAUNCHERS_FILE) if me and Launch.from_env().max_restarts else None
+    if me not in (recorded or {}).get("launchers", []):
         return cfg, []
     note = (f"restarted by the launcher (--max_restarts): continuing the run in {cfg.output_dir} from its latest "
             "valid checkpoint")
