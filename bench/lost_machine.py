@@ -6,7 +6,7 @@
     python -m bench.lost_machine --only=xl        # the waits of a healthy run at flan-t5-xl's shape, watch running
 
 Two launchers on this host are two machines (bench/machines.py), one CPU process each over gloo, training the tiny
-preset on synthetic rows; the trainer's default ``--peer_timeout_s`` (30 s). ``stop``: machine 1 (or machine 0,
+preset on the shipped chat pairs; the trainer's default ``--peer_timeout_s`` (30 s). ``stop``: machine 1 (or machine 0,
 whose launcher holds the launch's store) is stopped or killed after the step-6 checkpoint; each surviving process's
 seconds until it ended. ``restart``: ``--max_restarts=1``, a worker of machine 1 killed after the step-6
 checkpoint; seconds from the kill to the first step of the restarted run (its ``train`` record). ``xl``: two
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench.harness import REPO, Column, Table
-from bench.machines import Machines, checkpoint_reached, launch_env, launcher_command
+from bench.machines import Machines, launch_env, launcher_command
 
 ARGS = ["--max_steps=200", "--epochs=20", "--save_steps=3", "--eval_steps=0", "--gradient_accumulation_steps=2",
         "--max_source_len=32", "--max_target_len=32", "--logging_steps=1"]
@@ -37,21 +37,12 @@ STOPS = [("accelerate", 1, "SIGSTOP"), ("accelerate", 1, "SIGKILL"), ("accelerat
          ("torchrun", 1, "SIGSTOP"), ("torchrun", 1, "SIGKILL"), ("torchrun", 0, "SIGSTOP")]
 
 
-def corpus(folder: Path) -> list[str]:
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import synthetic_rows, write_rows
+def corpus() -> list[str]:
+    """The shipped chat pairs (any rows would do: what is timed is the stop, not the training)."""
+    from config import SHIPPED_CORPORA
 
-    a = write_rows(folder / "a.jsonl", synthetic_rows(300, seed=1))
-    evals = write_rows(folder / "eval.jsonl", synthetic_rows(4, seed=2))
-    return [f"--train_file={a}", f"--eval_file={evals}", *ARGS]
-
-
-def wait_for_checkpoint(machines: Machines, run: Path, step: int) -> None:
-    deadline = time.monotonic() + 600
-    while not checkpoint_reached(run, step):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in machines.launchers):
-            raise RuntimeError(machines.output(0)[-2000:])
-        time.sleep(0.05)
+    train, evals = SHIPPED_CORPORA["sft"]
+    return [f"--train_file={train}", f"--eval_file={evals}", *ARGS]
 
 
 def stop_times(root: Path, args: list[str], port: int) -> Table:
@@ -62,7 +53,7 @@ def stop_times(root: Path, args: list[str], port: int) -> Table:
         run = root / f"stop{i}"
         machines = Machines.start([launcher_command(kind, r, 2, 1, port + i, args + [f"--output_dir={run}"])
                                    for r in (0, 1)], [root / f"stop{i}-{r}.log" for r in (0, 1)])
-        wait_for_checkpoint(machines, run, 6)
+        machines.wait_for_checkpoint(run, 6, 600)
         survivor = 1 - victim
         processes, workers = machines.processes(survivor), {p.pid for p in machines.workers(survivor)}
         machines.signal(victim, getattr(signal, sig))
@@ -87,7 +78,7 @@ def restart_times(root: Path, args: list[str], port: int) -> Table:
         machines = Machines.start([launcher_command(kind, r, 2, 1, port + i, args + [f"--output_dir={run}",
                                                                                       "--max_steps=30"], (flag, "1"))
                                    for r in (0, 1)], [root / f"restart{i}-{r}.log" for r in (0, 1)])
-        wait_for_checkpoint(machines, run, 6)
+        machines.wait_for_checkpoint(run, 6, 600)
         machines.workers(1)[0].kill()
         killed = time.monotonic()
         resumed, step = None, None
@@ -186,7 +177,7 @@ def main() -> None:
         return xl_worker()
     root = Path(tempfile.mkdtemp(prefix="lost-machine-"))
     try:
-        args = corpus(root)
+        args = corpus()
         parts = options.only.split(",")
         if "stop" in parts:
             print("A machine stopped or killed after the step-6 checkpoint: when the other's processes ended")

@@ -136,6 +136,15 @@ class Machines:
             self.signal(machine, signal.SIGCONT)
             self.signal(machine, signal.SIGKILL)
 
+    def wait_for_checkpoint(self, run: Path, step: int, limit_s: float = 300) -> None:
+        """Wait until ``run``'s latest checkpoint is at ``step`` or later; AssertionError (machine 0's log) when a
+        launcher ends first or ``limit_s`` passes."""
+        deadline = time.monotonic() + limit_s
+        while not checkpoint_reached(run, step):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in self.launchers), \
+                self.output(0)[-2000:]
+            time.sleep(0.05)
+
     def output(self, machine: int) -> str:
         return self.logs[machine].read_text(errors="replace")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import metrics, shared_folder, synthetic_rows, write_rows
 
-from bench.machines import Machines, checkpoint_reached, launch_env, launcher_command
+from bench.machines import Machines, launch_env, launcher_command
 
 STEPS = 24  # 2 files of 50 and 33 rows, 8 examples a step: an epoch is 11 steps, so the run crosses two epoch ends
 SAVE = 3
@@ -142,10 +142,7 @@ def stop_machine_and_time_the_other(launch, tmp_path, straight, kind: str, port:
     run = tmp_path / "run"
     machines = launch(kind, 2, 1, port, args + [f"--output_dir={run}", *flags], tmp_path / "logs",
                       last_first_s=last_first_s)
-    deadline = time.monotonic() + 300
-    while not checkpoint_reached(run, 6):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in machines.launchers), machines.output(0)
-        time.sleep(0.05)
+    machines.wait_for_checkpoint(run, 6)
     survivors = machines.processes(0)
     machines.signal(1, sig)
     gone = machines.wait_gone(survivors, 120)
@@ -202,10 +199,7 @@ def test_elastic_restarts_continue_the_run_by_themselves(tmp_path, launch, strai
     machines = launch("torchrun", 2, 1, 29860, args + [f"--output_dir={run}"], tmp_path / "logs",
                       ("--max-restarts", "2"))
     for step in (3, 9):
-        deadline = time.monotonic() + 300
-        while not checkpoint_reached(run, step):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in machines.launchers)
-            time.sleep(0.05)
+        machines.wait_for_checkpoint(run, step)
         machines.workers(1)[0].kill()
         time.sleep(1.0)
     finished(machines)

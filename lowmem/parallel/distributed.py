@@ -89,12 +89,27 @@ def launched_without_gpu() -> bool:
 
 def indexes_from_main(accelerator, files: list) -> list:
     """Row counts and seek points of the training files, read once by the main process and sent to all."""
+    return decided_on_main(accelerator, lambda: [index_file(f) for f in files])
+
+
+def decided_on_main(accelerator, decide):
+    """``decide()``'s result on the main process, sent to every process; a ``UserError`` it raised is raised on every
+    process alike (none is left waiting for the others)."""
+    if accelerator.num_processes == 1:
+        return decide()
     from accelerate.utils import broadcast_object_list
 
-    box = [[index_file(f) for f in files] if accelerator.is_main_process else None]
-    if accelerator.num_processes > 1:
-        broadcast_object_list(box)
-    return box[0]
+    box = [None]
+    if accelerator.is_main_process:
+        try:
+            box = [("ok", decide())]
+        except UserError as err:
+            box = [("refused", str(err))]
+    broadcast_object_list(box)
+    outcome, value = box[0]
+    if outcome == "refused":
+        raise UserError(value)
+    return value
 
 
 def summed(accelerator, values: torch.Tensor) -> torch.Tensor:

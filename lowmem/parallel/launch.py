@@ -25,7 +25,6 @@ SCOPES = {
     "prepared shards": JOB,  # `prepare` runs as one process; a run reads the shards
     "exports": JOB,  # best/, final/, adapters
     "error line": MACHINE,  # a mistake every process meets is printed once per machine (lowmem.utils.errors)
-    "hardware probe": MACHINE,  # the CPU's measured rates, cached in the machine's $XDG_CACHE_HOME
 }
 
 

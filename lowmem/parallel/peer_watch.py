@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 from lowmem.parallel.launch import Launch, start_time
 from lowmem.utils.errors import print_error
@@ -260,7 +261,8 @@ class PeerWatch:
             return
         import subprocess
 
-        subprocess.Popen([sys.executable, "-c", END_IF_STILL_THERE, str(parent), started, str(LAUNCHER_GRACE_S)],
+        repo = str(Path(__file__).resolve().parents[2])  # (its working folder may be any: it imports start_time)
+        subprocess.Popen([sys.executable, "-c", END_IF_STILL_THERE, repo, str(parent), started, str(LAUNCHER_GRACE_S)],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True, close_fds=True)
 
@@ -268,11 +270,10 @@ class PeerWatch:
 LAUNCHER_GRACE_S = 15  # a launcher that still runs this long after its worker stopped for a lost machine is stuck
 END_IF_STILL_THERE = """
 import os, sys, time
-pid, started, grace = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+sys.path.insert(0, sys.argv[1])
+from lowmem.parallel.launch import start_time
+pid, started, grace = int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 time.sleep(grace)
-try:
-    if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19] == started:
-        os.kill(pid, 9)
-except (OSError, IndexError):
-    pass
+if start_time(pid) == started:
+    os.kill(pid, 9)
 """

@@ -22,11 +22,12 @@ from pathlib import Path
 from config import TrainConfig, flags_with
 from lowmem.checkpointing import checkpoint, checksums
 from lowmem.parallel import deepspeed_engine
+from lowmem.parallel.distributed import decided_on_main
 from lowmem.parallel.engines import Engine, engine_that_wrote
 from lowmem.parallel.launch import runs_here
 from lowmem.parallel.layouts import layout_title
 from lowmem.runs.run_start import LOCK_FILE, check_owned, in_use_error, starting_point
-from lowmem.runs.shared_folder import decided_on_main, made_here, record_launchers, seen_by_every_process
+from lowmem.runs.shared_folder import made_here, record_launchers, seen_by_every_process
 from lowmem.utils.errors import UserError
 from lowmem.utils.eval_metrics import metric_named
 from lowmem.utils.frozen_forms import FROZEN_FORMS, FrozenForm

@@ -37,26 +37,6 @@ def record_launchers(accelerator, path: Path) -> None:
         write_atomic(path / LAUNCHERS_FILE, json.dumps({"launchers": sorted({i for i in ids if i})}, indent=1) + "\n")
 
 
-def decided_on_main(accelerator, decide):
-    """``decide()``'s result on the main process, sent to every process; a ``UserError`` it raised is raised on every
-    process alike (none is left waiting for the others)."""
-    if accelerator.num_processes == 1:
-        return decide()
-    from accelerate.utils import broadcast_object_list
-
-    box = [None]
-    if runs_here("run folder"):
-        try:
-            box = [("ok", decide())]
-        except UserError as err:
-            box = [("refused", str(err))]
-    broadcast_object_list(box)
-    outcome, value = box[0]
-    if outcome == "refused":
-        raise UserError(value)
-    return value
-
-
 def made_here(path: Path, flag: str) -> str:
     """Make the folder (the main process), and leave a probe in it for the others to find: its name."""
     probe = path / f"{PROBE_PREFIX}{secrets.token_hex(8)}"
