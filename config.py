@@ -22,8 +22,8 @@ from lowmem.utils.eval_metrics import DEFAULT_METRICS, metric_problems
 from lowmem.utils.flag_roles import COMMANDS, RUN_COMMANDS, TOKENIZER_TOO, names_with
 from lowmem.utils.flag_roles import option as _f  # a field that the commands building a run read
 from lowmem.utils.flag_roles import training_option as _t  # a field that only training reads
-from lowmem.utils.frozen_forms import FROZEN_FORMS, frozen_form_problems
-from lowmem.utils.optional import installed, optional_package_missing
+from lowmem.utils.frozen_forms import FROZEN_FORMS
+from lowmem.utils.memory_modes import memory_mode_problems
 from lowmem.utils.precision_names import PRECISION_DTYPES, precision_choices
 from lowmem.utils.presets import AUTO, FEED_FORWARD_WIDTHS, MEMORY_PROFILES, MODEL_PRESETS
 
@@ -37,14 +37,7 @@ SHIPPED_CORPORA = {
 }
 
 
-OPTIMIZERS = ("adafactor", "adamw", "adamw8bit", "adamw_scale")
-# T5's linear layers by name: attention q, k, v, o; feed-forward wi, wo (wi_0 and wi_1 on gated models:
-# t5-v1_1, flan-t5, mT5, ByT5, where "wi" names both).
-LORA_TARGETS = ("q", "k", "v", "o", "wi", "wo", "wi_0", "wi_1")
-ENCODER_CACHE_MODES = ("off", "memory", "disk", "auto")
-CACHE_DTYPES = ("float32", "bfloat16", "float16")
 FROZEN_DTYPES = tuple(FROZEN_FORMS)  # --frozen_dtype's choices (lowmem.utils.frozen_forms)
-FREEZE_CHOICES = ("encoder", "embeddings", "none")
 
 
 @dataclass
@@ -107,6 +100,21 @@ class TrainConfig:
                                     resume="fixed", before=0)
     num_workers: int = _f(0, "Loader worker processes. Only 0: the data position must live in the trainer.")
     pin_memory: bool = _f(False, "Pin batches in page-locked host memory before a CUDA copy. False saves host RAM.")
+    chosen_column: str = _f("chosen", "Preference objectives (dpo, orpo, simpo): column holding the preferred answer.",
+                                      reads=TOKENIZER_TOO, trained_with=True, section="preference tuning")
+    rejected_column: str = _f("rejected", "Preference objectives: column holding the dispreferred answer.",
+                                          reads=TOKENIZER_TOO, trained_with=True)
+    beta: float = _t(0.0, "dpo / simpo: β, how far the policy may move for a preference (0: the objective's own, dpo "
+                          "0.1, simpo 2.0).")
+    label_smoothing: float = _t(0.0, "dpo / simpo: share of pairs taken as mislabelled (conservative DPO; 0: none).")
+    dpo_loss: str = _t("sigmoid", "dpo: sigmoid (the DPO paper's loss) or ipo (IPO's squared loss).")
+    orpo_lambda: float = _t(0.1, "orpo: weight λ of the odds-ratio term beside the chosen answer's NLL.")
+    simpo_gamma: float = _t(0.5, "simpo: target margin γ between the chosen and rejected rewards.")
+    reference: str = _t("auto", "dpo: the reference policy: copy (a frozen copy of the start model, --frozen_dtype), "
+                                "adapter (--lora_r: the model with its adapter off, no copy), cached (a pre-pass "
+                                "stores every pair's reference log-probs in OUTPUT_DIR/reference; training holds no "
+                                "reference: least memory), auto (adapter with --lora_r, else copy).",
+                                resume="fixed", before="auto")
     model_preset: str = _f("tiny", "Model shape: tiny (3M parameters, CPU demos), small (T5-small shape: 52M), base "
                                    "(the reference's shape: 178M), t5-v1_1-base (T5 v1.1 base's: 12 + 12 layers, "
                                    "recipes/nanot5.yaml), with the tokenizer's vocabulary. Smaller saves memory.",
@@ -317,48 +325,7 @@ class TrainConfig:
         names = [n.strip() for n in self.report_to.split(",")]  # (which trackers exist: lowmem.monitoring.trackers)
         if not all(names) or len(set(names)) < len(names) or "none" in names and len(names) > 1:
             problems.append(f"--report_to takes none or a comma list of trackers, each once (got {self.report_to!r})")
-        return problems + self._memory_mode_problems()
-
-    def _memory_mode_problems(self) -> list[str]:
-        problems = []
-        if self.memory_profile is not None and self.memory_profile not in MEMORY_PROFILES:
-            problems.append(f"--memory_profile must be one of {', '.join(MEMORY_PROFILES)} "
-                            f"(got {self.memory_profile!r})")
-        if self.optimizer not in OPTIMIZERS:
-            problems.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
-        if self.lora_r and not self.init_from:
-            problems.append("--lora_r needs a model to adapt (--init_from, or --is_finetune=True): pretraining from "
-                            "scratch must train every weight")
-        if self.freeze not in FREEZE_CHOICES:
-            problems.append(f"--freeze must be one of {', '.join(FREEZE_CHOICES)} (got {self.freeze!r})")
-        elif self.freeze != "none" and not self.init_from:
-            problems.append(f"--freeze={self.freeze} needs a trained model (--init_from, or --is_finetune=True): a "
-                            "new model's weights are random, and frozen they would stay random")
-        problems += [optional_package_missing(flag, m) for m, flag in self.extras_used() if not installed(m)]
-        if self.lora_r and self.lora_alpha <= 0:
-            problems.append(f"--lora_alpha must be positive (got {self.lora_alpha})")
-        if not 0 <= self.lora_dropout < 1:
-            problems.append(f"--lora_dropout must be in [0, 1) (got {self.lora_dropout})")
-        targets = self.lora_targets
-        bad = [t for t in targets if t not in LORA_TARGETS]
-        if bad or not targets:
-            problems.append(f"--lora_target_modules must be a comma list of {', '.join(LORA_TARGETS)} "
-                            f"(got {self.lora_target_modules!r})")
-        elif len(set(targets)) < len(targets):
-            twice = sorted({t for t in targets if targets.count(t) > 1})
-            problems.append(f"--lora_target_modules names {', '.join(twice)} more than once "
-                            f"(got {self.lora_target_modules!r}): list each layer once")
-        if self.encoder_cache not in ENCODER_CACHE_MODES:
-            problems.append(f"--encoder_cache must be one of {', '.join(ENCODER_CACHE_MODES)} "
-                            f"(got {self.encoder_cache!r})")
-        elif self.encoder_cache != "off" and not self.frozen_encoder:
-            problems.append("--encoder_cache needs a frozen encoder (--is_finetune=True with --freeze=encoder, the "
-                            "default): a trained encoder's outputs change every step")
-        problems += frozen_form_problems(self)
-        if self.encoder_cache_dtype not in CACHE_DTYPES:
-            problems.append(f"--encoder_cache_dtype must be one of {', '.join(CACHE_DTYPES)} "
-                            f"(got {self.encoder_cache_dtype!r})")
-        return problems
+        return problems + memory_mode_problems(self)
 
     @property
     def gpu_profile(self) -> bool:

@@ -5,10 +5,9 @@
     accelerate launch --multi_gpu train_low_mem.py train --is_finetune=True
     python train_low_mem.py train --is_keep_training=True                  # resume
 
-Lifecycle: ``setup()`` (check the inputs, then the accelerator, run folder, tokenizer, data, plan,
-model, optimizer, resume) -> ``train()`` (the loop; one optimizer step is ``train_step``) ->
-``close()``. Everything else has its own module: the data entry point is ``data.pipeline``, and
-``lowmem/__init__.py`` maps the rest by concern. docs/architecture.md walks through one step.
+Lifecycle: ``setup()`` (check the inputs, then the accelerator, run folder, tokenizer, data, plan, model, optimizer,
+criterion, resume) -> ``train()`` (the loop; one step is ``train_step``) -> ``close()``. Everything else has its own
+module (``data.pipeline``: the data; ``lowmem/__init__.py`` maps the rest); docs/architecture.md walks one step.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from lowmem.runs.checkpointer import Checkpointer
 from lowmem.runs.run_folder import ExportFiles, RunFolder, training_info
 from lowmem.training import encoder_cache
 from lowmem.training.accumulation import Window, window_backward
+from lowmem.training.criteria import criterion_for
 from lowmem.training.eval_cost import plan_evals
 from lowmem.training.evaluation import EvalModel, eval_log_line, evaluate_in_run, is_better
 from lowmem.training.optim import optimizer_for_run
@@ -83,8 +83,7 @@ class LowMemTrainer:
         self.tokenizer = tokenizer
         self.tokenizer_dir: Path | None = tokenizer_dir  # where the tokenizer came from (its files go into exports)
         self.data: TrainData | None = None
-        self.memory_plan: dict = {}
-        self.batch_request: dict = {}  # the batch flags as asked for (the config holds the sizes used)
+        self.memory_plan, self.batch_request = {}, {}  # the batch flags as asked (the config holds the sizes used)
         self.model = model  # prepared by accelerate (DDP-wrapped with several processes)
         self.core = None  # the unwrapped model: generation, checkpoints, exports
         self.run_config: dict = {}  # the options and the tokenizer's fingerprint, checked on resume
@@ -95,8 +94,7 @@ class LowMemTrainer:
         self.train_collator = None  # the objective's collator, or the encoder cache's
         self.encoder_cache = None
         self.resumed_interval: dict | None = None  # the interval sums a checkpoint carried
-        self.bar = None  # the progress bar (a terminal) or None
-        self.grad_norm = self.step_lr = None  # of the last optimizer step, for its log record
+        self.bar = self.grad_norm = self.step_lr = None  # the progress bar; the last step's, for its log record
 
     @property
     def main(self) -> bool:
@@ -140,7 +138,9 @@ class LowMemTrainer:
         imports_done()  # before the weights: lowmem.memory.collector
         self._build_model()
         self.total_steps = self.data.steps(cfg)[1]
-        self._build_optimizer()
+        self._build_optimizer()  # then the criterion (a preference objective's reference: from the starting policy)
+        self.ctx = replace(self.ctx, criterion=criterion_for(self.ctx, self.model, self.core, self.data, self.say))
+        self.meter.describe = self.ctx.criterion.fields  # (the log's values of the interval's sums)
         self.compiled.install(self.core, self.data.collator.pad_multiple, self.say)  # (--torch_compile=True)
         self.train_collator = self.data.collator
         if resume_dir is not None:
@@ -263,7 +263,7 @@ class LowMemTrainer:
             window = padded_window(window, self.train_collator.empty, self.accelerator.num_processes)
         drawn = WindowRandomness(self.accelerator.device)  # run again (fp16), the window draws the same dropout
         while True:
-            loss_sum = self.accumulate_gradients(window, counts["tokens"])
+            loss_sum = self.accumulate_gradients(window, counts)
             if self.memory.tripped_in_window(self.accelerator):  # before the optimizer step: the window is
                 self.stop_for_memory(in_window=True)  # dropped on every process
             self.precision.unscale(self.optimizer)  # (fp16's) then the same norm on every process (DeepSpeed
@@ -284,12 +284,11 @@ class LowMemTrainer:
         self.bar.update()
         return True
 
-    def accumulate_gradients(self, window: list[dict], total_tokens: int | None = None) -> torch.Tensor:
+    def accumulate_gradients(self, window: list[dict], counts: dict | None = None) -> torch.Tensor:
         """Backward over one window; the gradient is that of (sum of token losses) / (target tokens of the whole
-        window on all processes), whatever the micro-batch split. Returns the local sum of token losses (a tensor)."""
-        if total_tokens is None:
-            total_tokens = window_counts(self.accelerator, window, self.data.stream, self.state.epoch)["tokens"]
-        return window_backward(self.ctx, self.model, self.core, window, total_tokens, self.train_collator.empty)
+        window on all processes), whatever the micro-batch split. Returns the local sums the criterion logs."""
+        counts = counts or window_counts(self.accelerator, window, self.data.stream, self.state.epoch)
+        return window_backward(self.ctx, self.model, self.core, window, counts, self.train_collator.empty)
 
     # ------------------------------------------------------------------ hooks between steps
     def maybe_log(self, force: bool = False) -> None:
@@ -391,9 +390,10 @@ class LowMemTrainer:
         thaw_long_lived()
         self.folder.release_lock()
         self.telemetry.close()
-        if self.encoder_cache is not None:
-            self.encoder_cache.close()
-            self.encoder_cache = None
+        for cache in (self.encoder_cache, self.ctx and self.ctx.criterion):  # (a preference run's reference too)
+            if cache is not None:
+                cache.close()
+        self.encoder_cache = None
         if self.accelerator is not None:
             # gloo threads left to static destructors can abort a finished process: tear the group down first
             self.accelerator.end_training()

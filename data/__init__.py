@@ -11,5 +11,6 @@
   ``tokenization``: training a sentencepiece tokenizer.
 
 Shipped corpora (``pinyin/``, ``chatterbot/``) and the default tokenizer (``tokenizer/``) live beside
-these modules, built by ``build_shipped_data.py`` (see data/README.md).
+these modules, built by ``build_shipped_data.py`` (see data/README.md); ``build_preference_pairs.py`` builds
+``chatterbot/preference_{train,eval}.jsonl`` from the chat turns (for the preference objectives' demo and tests).
 """

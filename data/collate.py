@@ -186,15 +186,22 @@ class Seq2SeqCollator:
             return [list(range(len(sources)))]
         return micro_batches(sources, targets, batch_size, max_tokens, self.pad_multiple)
 
+    def answer_sides(self, examples: list[Example]):
+        """(each example's target length, as micro-batches are grouped by it; ``side(rows)``: the target side of a
+        micro-batch of those examples' positions, its ``labels``). A preference objective's collator gives its
+        two answers instead (``data.objectives.preference``)."""
+        targets = self.targets(examples)
+        return [len(t) for t in targets], lambda rows: {"labels": self.labels([targets[i] for i in rows])}
+
     def window(self, examples: list[Example], batch_size: int, max_tokens: int = 0, group: bool = True) -> list[dict]:
         """The micro-batches of one accumulation window (rows of similar length together; see
         ``micro_batches``)."""
         sources = self.token_ids([e.prompt for e in examples], self.max_source_len)
-        targets = self.targets(examples)
+        lengths, side = self.answer_sides(examples)
         out = []
-        for rows in self.grouped([len(s) for s in sources], [len(t) for t in targets], batch_size, max_tokens, group):
+        for rows in self.grouped([len(s) for s in sources], lengths, batch_size, max_tokens, group):
             ids, mask = pad([sources[i] for i in rows], self.tokenizer.pad_token_id, self.pad_multiple)
-            out.append({"input_ids": ids, "attention_mask": mask, "labels": self.labels([targets[i] for i in rows])})
+            out.append({"input_ids": ids, "attention_mask": mask, **side(rows)})
         return out
 
     def empty(self) -> dict[str, torch.Tensor]:
@@ -217,16 +224,16 @@ class CachedEncoderCollator:
     def window(self, examples: list[Example], batch_size: int, max_tokens: int = 0, group: bool = True) -> list[dict]:
         """Like ``Seq2SeqCollator.window``, grouped by the same lengths (the cached source length is
         the tokenized one), so cached and uncached runs form identical micro-batches."""
-        targets = self.collator.targets(examples)
+        lengths, side = self.collator.answer_sides(examples)
         sources = [self.cache.entry(e.file_index, e.row)[1] for e in examples]
         out = []
-        for rows in self.collator.grouped(sources, [len(t) for t in targets], batch_size, max_tokens, group):
+        for rows in self.collator.grouped(sources, lengths, batch_size, max_tokens, group):
             hidden, mask = self.cache.hidden_states([examples[i] for i in rows], self.collator.pad_multiple)
-            out.append({"encoder_hidden_states": hidden, "attention_mask": mask,
-                        "labels": self.collator.labels([targets[i] for i in rows])})
+            out.append({"encoder_hidden_states": hidden, "attention_mask": mask, **side(rows)})
         return out
 
     def empty(self) -> dict[str, torch.Tensor]:
         """A micro-batch with no target tokens (one zero encoder state): its backward adds zero gradient."""
-        return {"encoder_hidden_states": torch.zeros(1, 1, self.cache.d_model), "attention_mask": torch.tensor([[1]]),
-                "labels": torch.tensor([[-100]])}
+        batch = self.collator.empty()
+        del batch["input_ids"]
+        return {**batch, "encoder_hidden_states": torch.zeros(1, 1, self.cache.d_model)}

@@ -228,7 +228,8 @@ class PackingCollator(Seq2SeqCollator):
 
 
 def examples_in(micro_batch: dict) -> int:
-    """How many examples a micro-batch holds: its rows, or with packing its segments."""
+    """How many examples a micro-batch holds: its rows (its prompts: a preference pair's two answers are one
+    example), or with packing its segments."""
     if "target_segments" in micro_batch:
         return int(micro_batch["target_segments"].amax(dim=1).sum())
-    return len(micro_batch["labels"])
+    return len(micro_batch["attention_mask"])

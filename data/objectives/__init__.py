@@ -7,4 +7,6 @@ itself and ``--objective=NAME`` finds it (no list to edit).
 - ``packed_text``: the shared base of the raw-text objectives: documents packed into chunks of tokens.
 - ``span_corruption``: T5's pretraining objective on those chunks; ``span_noise``: its maths on one chunk.
 - ``prefix_lm``: each chunk split at a random point, prefix -> rest.
+- ``preference``: the shared base of the preference objectives (prompt, chosen, rejected rows; their collator);
+  ``dpo``, ``orpo``, ``simpo``: one each, the loss of a pair from its answers' log-probabilities.
 """

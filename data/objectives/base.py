@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar
 from config import TrainConfig
 from data.sources.corpus import FORMATS, Example
 from lowmem.utils.errors import UserError
+from lowmem.utils.eval_metrics import metric_named
 from lowmem.utils.registry import Registered
 
 if TYPE_CHECKING:  # imported where a collator is made: it needs torch
@@ -46,6 +47,7 @@ class Objective(Registered, family=True):
     chunk_length = 0  # tokens per packed chunk (0: rows are examples, nothing is packed)
     fixed_lengths: tuple[int, int] | None = None  # (input, target) tokens of every example, when fixed
     packs: ClassVar[bool] = False  # whether --packing=True packs its examples several to a row (data.packing)
+    preference: ClassVar[bool] = False  # rows of preference pairs, trained by a pair loss (objectives.preference)
     noun = "rows"  # what a training row is in the log: rows, or documents packed into chunks
     example_noun = "rows"  # what an eval example is: a row, or a chunk
 
@@ -135,6 +137,10 @@ def objective_problems(cfg: TrainConfig) -> list[str]:
     if cfg.packing and cfg.encoder_cache != "off":
         packing.append("--packing=True does not run with --encoder_cache (its micro-batches are one example per row): "
                        "leave one of them out")
+    best = metric_named(cfg.metric_for_best)
+    if best is not None and best.preference_only and not found.preference:
+        packing.append(f"--metric_for_best={cfg.metric_for_best} is measured on preference pairs: it needs "
+                       "--objective=dpo, orpo or simpo")
     return packing + found.problems(cfg)
 
 

@@ -45,6 +45,20 @@ class Example:
     file_index: int
     row: int
     also: tuple[tuple[int, int], ...] = ()  # (file index, row) of further documents in a packed chunk
+    rejected: str | None = None  # a preference pair's rejected answer (its chosen one is the response)
+
+    @classmethod
+    def of(cls, record: dict, columns: tuple[str, ...], file_index: int, row: int) -> Example:
+        """The example of a usable record: (prompt, response), (prompt, chosen, rejected) of a preference pair, or
+        a raw-text row's one column (read as both)."""
+        rejected = record[columns[2]] if len(columns) == 3 else None
+        return cls(record[columns[0]], record[columns[1 if rejected is not None else -1]], file_index, row,
+                   rejected=rejected)
+
+    def saved(self) -> tuple:
+        """The example as a stream's checkpoint keeps it (``Example(*saved)`` makes it again)."""
+        head = (self.prompt, self.response, self.file_index, self.row)
+        return head if self.rejected is None else (*head, self.also, self.rejected)
 
     def sources(self) -> list[tuple[int, int]]:
         """(file index, row) of every row this example was made from."""
@@ -313,7 +327,7 @@ def iter_rows(path: Path, file_index: int, columns: tuple[str, str], rows: tuple
                 problems.add(path, kind, row, *problem)
             yield None
             continue
-        yield Example(record[columns[0]], record[columns[-1]], file_index, row)  # raw text: one column
+        yield Example.of(record, columns, file_index, row)
 
 
 def check_columns(files: list[Path], columns: tuple[str, str], flag: str, sample: int = 100) -> None:
@@ -356,9 +370,10 @@ def _check_file_columns(path: Path, columns: tuple[str, str], flag: str, sample:
     if seen and missing:
         which = " and ".join(f"'{c}'" for c in missing)
         separator = next((s for s in ";\t|" if len(seen) == 1 and s in next(iter(seen))), None)
+        flags = {1: "--text_column", 2: "--prompt_column / --response_column",
+                 3: "--prompt_column / --chosen_column / --rejected_column"}
         fix = (f"it looks separated by {separator!r}, not commas: save it comma-separated" if separator and
-               path.suffix.lower() == ".csv" else "set --prompt_column / --response_column" if len(columns) > 1
-               else "set --text_column")
+               path.suffix.lower() == ".csv" else f"set {flags[len(columns)]}")
         raise UserError(f"{flag}: {path} has no column {which} (columns: {', '.join(seen)}); {fix}")
     text = "list" if columns == TOKEN_COLUMNS else "str"  # a prepared corpus holds token ids
     for column, types in found.items():

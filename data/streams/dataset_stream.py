@@ -83,7 +83,7 @@ class DatasetStream:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "exhausted": self.exhausted,
                 "dataset": self.dataset_state, "rows_read": self.rows_read,
-                "buffer": [(e.prompt, e.response, e.file_index, e.row) for e in self.buffer],
+                "buffer": [e.saved() for e in self.buffer],
                 "rng": self.rng.getstate(), "problems": self.problems.state_dict(), "source": self.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -147,7 +147,7 @@ class DatasetStream:
                 if problems is not None:
                     problems.add(self.source, "dataset", row, *problem)
                 continue
-            yield Example(record[self.columns[0]], record[self.columns[-1]], 0, row)  # raw text: one column
+            yield Example.of(record, self.columns, 0, row)
         self.exhausted = True
 
     def iter_epoch(self) -> Iterator[Example]:

@@ -77,7 +77,7 @@ class ExampleStream:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "file_pos": self.file_pos, "row_pos": self.row_pos,
                 "rows_read": self.rows_read,
-                "buffer": [(e.prompt, e.response, e.file_index, e.row) for e in self.buffer],
+                "buffer": [e.saved() for e in self.buffer],
                 "rng": self.rng.getstate(), "problems": self.problems.state_dict(),
                 "files": [str(f) for f in self.files], "rows": [i.rows for i in self.indexes]}
 
@@ -217,8 +217,10 @@ def _pop_at_random(buffer: list[Example], rng: random.Random) -> Example:
 
 
 def example_parts(example: Example) -> tuple:
-    """The prompt and the response; a raw-text row's one document (read as both) once."""
-    return (example.prompt,) if example.response == example.prompt else (example.prompt, example.response)
+    """The prompt and the response (and a preference pair's rejected answer); a raw-text row's one document (read
+    as both) once."""
+    parts = (example.prompt,) if example.response == example.prompt else (example.prompt, example.response)
+    return parts if example.rejected is None else (*parts, example.rejected)
 
 
 def example_bytes(example: Example) -> int:

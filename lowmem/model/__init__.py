@@ -17,5 +17,7 @@
 - ``loss``: the loss a step trains on (LM head at the target tokens only, summed token losses).
 - ``packed_attention``: the attention masks and decoder inputs of packed rows (``--packing``).
 - ``chunked_loss``: the LM head and cross-entropy a chunk of target tokens at a time (``--loss_chunk_size``).
+- ``chunked_logprobs``: each target token's log-probability under the LM head a chunk at a time (preference tuning).
+- ``answer_logprobs``: each answer's summed log-probability for preference pairs, each prompt encoded once.
 - ``compiled``: the encoder and decoder stacks compiled for training, once per length bucket (``--torch_compile``).
 """

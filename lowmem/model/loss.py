@@ -113,15 +113,22 @@ def loss_at_head(core, index: torch.Tensor, targets: torch.Tensor, chunk: int):
     def loss(hidden: torch.Tensor) -> torch.Tensor:
         return chunked_head_loss(hidden.flatten(0, -2).index_select(0, index), head.weight, targets, chunk)
 
-    own = head.__dict__.get("forward")  # (a forward set on the instance before: put back after)
-    head.forward = loss
+    with forward_replaced(head, loss):
+        yield
+
+
+@contextlib.contextmanager
+def forward_replaced(module: torch.nn.Module, forward):
+    """While inside, ``module`` runs ``forward`` instead of its own (its hooks still run around it)."""
+    own = module.__dict__.get("forward")  # (a forward set on the instance before: put back after)
+    module.forward = forward
     try:
         yield
     finally:
         if own is None:
-            del head.forward
+            del module.forward
         else:
-            head.forward = own
+            module.forward = own
 
 
 @torch.no_grad()

@@ -74,7 +74,9 @@ def train_line(step: int, total: int, record: dict) -> str:
     examples_per_row, mfu = record.get("examples_per_row", 1.0), record.get("mfu")
     packed = f" ({examples_per_row:.1f} examples/row)" if examples_per_row > 1 else ""
     utilisation = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
-    return (f"step {step}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+    preference = (f" | acc {record['reward_accuracy']:.3f} | margin {record['reward_margin']:.4f}"
+                  if "reward_accuracy" in record else "")  # (a preference objective's rewards)
+    return (f"step {step}/{total} | loss {record['loss']:.4f}{preference} | lr {record['lr']:.2e} | "
             f"tok/s {record['tokens_per_s']:,.0f}{utilisation} | pad {record['padding_pct']:.1f}%{packed} | "
             f"rss {record['rss_mb'] / 1024:.2f} GiB")
 

@@ -173,6 +173,9 @@ class IntervalMeter:
         self.untimed_since: float | None = None  # inside ``untimed``: since when
         self.flops = None  # counts a window's model FLOPs (``count_flops``): FLOP/s and MFU in the records
         self.peak = 0.0  # FLOP/s of one device in the run's compute dtype (lowmem.hardware)
+        # the log's values from the interval's loss sums (summed over processes) and target tokens: the run's
+        # criterion's ``fields`` (lowmem.training.criteria; a preference objective logs its rewards too)
+        self.describe = lambda sums, tokens: {"loss": round(sums[0] / max(tokens, 1), 5)}
 
     def count_flops(self, core, cfg: TrainConfig, multiple: int, device_type: str, dtype: torch.dtype) -> None:
         """Count each window's model FLOPs (``lowmem.monitoring.flops``; ``core``: the model as trained, after its
@@ -203,7 +206,7 @@ class IntervalMeter:
         if self.flops is not None:
             counter, frozen_encoder, multiple = self.flops
             sums["flops"] += sum(counter.micro_batch(micro, frozen_encoder, multiple) for micro in window)
-        sums["loss"] += loss_sum
+        sums["loss"] = sums["loss"] + loss_sum  # (a vector of sums for a preference objective)
         sums["tokens"] += counts["local_tokens"]
         sums["all_tokens"] += counts["local_all_tokens"]  # this process's timed tokens: tok/s
         sums["real_tokens"] += counts["local_all_tokens"]  # with the steps before a resume: the padding share
@@ -235,10 +238,12 @@ class IntervalMeter:
         counts = torch.tensor([sums["tokens"], sums["all_tokens"], sums["real_tokens"], sums["positions"],
                                sums["rows"], sums["row_examples"], sums["flops"]],
                               dtype=torch.float64, device=sums["loss"].device)
-        totals = torch.cat([sums["loss"].double().reshape(1), counts])
+        losses = sums["loss"].double().reshape(-1)
+        totals = torch.cat([losses, counts])
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, "sum")
-        loss_sum, tokens, all_tokens, real, padded, rows, examples, flops = totals.tolist()
+        values = totals.tolist()
+        tokens, all_tokens, real, padded, rows, examples, flops = values[len(losses):]
         seconds = max(time.time() - sums["t0"], 1e-9)
         self.timed["seconds"] += seconds
         self.timed["steps"] += sums["timed_steps"]
@@ -246,7 +251,7 @@ class IntervalMeter:
         if self.flops is not None:  # model FLOPs of every process's steps over the interval's time
             rates["flops_per_s"] = round(flops / seconds, 1)
             rates["mfu"] = round(flops / (seconds * accelerator.num_processes * self.peak), 4) if self.peak else None
-        return {"loss": round(loss_sum / max(tokens, 1), 5), "tokens_per_s": round(all_tokens / seconds, 1),
+        return {**self.describe(values[:len(losses)], tokens), "tokens_per_s": round(all_tokens / seconds, 1),
                 "step_s": round(seconds / max(sums["timed_steps"], 1), 4),
                 "padding_pct": round(100 * (1 - real / padded), 1) if padded else 0.0,
                 "examples_per_row": round(examples / rows, 2) if rows else 1.0, **rates}  # (above 1: --packing)
@@ -254,7 +259,7 @@ class IntervalMeter:
     def saved(self) -> dict:
         """The interval's sums as a checkpoint keeps them, and the training time so far (see ``start``)."""
         now = self.untimed_since or time.time()  # a checkpoint is written inside ``untimed``
-        return {**{k: float(v) if k == "loss" else v for k, v in self.sums.items()
+        return {**{k: v.tolist() if k == "loss" else v for k, v in self.sums.items()
                    if k in ("loss", "tokens", "steps", "real_tokens", "positions", "rows", "row_examples")},
                 "timed_seconds": self.timed["seconds"] + now - self.sums.get("t0", now),  # (none: not started)
                 "timed_steps": self.timed["steps"] + self.sums.get("timed_steps", 0)}
@@ -285,6 +290,7 @@ def log_interval(telemetry: Telemetry, meter: IntervalMeter, accelerator, bar, t
         fields["rss_mb_per_process"] = [round(v, 1) for v in rss.tolist()]
     if grad_norm is not None:
         fields["grad_norm"] = round(float(grad_norm), 7)
+    fields.update({k: v for k, v in interval.items() if k not in fields and k not in ("tokens_per_s", "step_s")})
     fields.update(extra)
     telemetry.record("train", **fields)
     if telemetry.main:

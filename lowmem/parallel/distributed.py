@@ -130,16 +130,18 @@ def window_counts(accelerator, window: list[dict], stream, epoch: int, over_budg
     local = torch.tensor([sum(int(mb["labels"].ne(-100).sum()) for mb in window),
                           sum(examples_in(mb) for mb in window),
                           stream.problems.counted, int(over_budget),
-                          int(not stream.finished_epoch(epoch)), stream.problems.total])
+                          int(not stream.finished_epoch(epoch)), stream.problems.total,
+                          sum(int(mb["labels"][:len(mb["attention_mask"])].ne(-100).sum()) for mb in window)])
     total = summed(accelerator, local)
     source_tokens = sum(int(mb["attention_mask"].sum()) for mb in window)
     padded = sum(mb["labels"].numel() + mb["attention_mask"].numel() for mb in window)  # pads included
     return {"local_tokens": int(local[0]), "local_all_tokens": int(local[0]) + source_tokens,
-            "local_padded_tokens": padded, "local_rows": sum(len(mb["labels"]) for mb in window),
+            "local_padded_tokens": padded, "local_rows": sum(len(mb["attention_mask"]) for mb in window),
             "local_examples": int(local[1]),
             "tokens": int(total[0]), "examples": int(total[1]), "bad_rows": int(total[2]),
             "memory": int(total[3]) > 0, "rows_left": int(total[4]) > 0,
-            "rows_not_read": int(total[5])}  # the bad rows and the blank lines (bad_rows: those held against the limit)
+            "rows_not_read": int(total[5]),  # the bad rows and the blank lines (bad_rows: those held against the limit)
+            "chosen_tokens": int(total[6])}  # a preference pair's chosen answers' (else every target token)
 
 
 def smallest(accelerator, values: list[int]) -> list[int]:

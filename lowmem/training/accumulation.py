@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from data.packing import examples_in
-from lowmem.model.loss import batch_to_device, token_loss_sum
+from lowmem.model.loss import batch_to_device
 from lowmem.parallel.sharding import equal_counts
 from lowmem.training.run_context import RunContext
 
@@ -57,7 +57,7 @@ def start_window(accelerator, micro_batches: int) -> None:
     accelerator.step = 0  # a short window (end of an epoch) must still end in one sync
 
 
-def window_backward(ctx: RunContext, model, core, window: list[dict], total_tokens: int, empty=None) -> torch.Tensor:
+def window_backward(ctx: RunContext, model, core, window: list[dict], counts: dict, empty=None) -> torch.Tensor:
     """Backward over ``window`` (collated micro-batches), gradients left in place for the optimizer step.
 
     Args:
@@ -65,20 +65,25 @@ def window_backward(ctx: RunContext, model, core, window: list[dict], total_toke
             (``lowmem.hardware.precision``: the autocast, fp16's loss scale), padding multiple, memory guard (read
             after each micro-batch) and options (--freeze's frozen encoder, --loss_chunk_size, --pin_memory).
         model: the model as prepared (DDP-wrapped, FSDP-sharded or a DeepSpeed engine); core: the plain one.
-        total_tokens: target tokens of the window on all processes.
+        counts: the window's counts on all processes (``lowmem.parallel.distributed.window_counts``): its target
+            tokens, examples (a preference objective's pairs) and chosen answers' tokens, which the loss
+            (``ctx.criterion``, ``lowmem.training.criteria``) is divided by.
         empty: makes a micro-batch without targets (run in place of the rest of the window once the guard tripped).
 
     Returns:
-        The local sum of token losses (a device tensor).
+        The local sums the criterion logs (a device tensor: the sum of token losses, or a preference objective's
+        sums).
     """
     accelerator, engine, precision, guard = ctx.accelerator, ctx.engine, ctx.precision, ctx.guard
     frozen_encoder, multiple = ctx.cfg.frozen_encoder, ctx.multiple
     # accelerator.backward divides by gradient_accumulation_steps (DeepSpeed's backward, as driven here,
-    # does not), and DDP and ZeRO average over processes: this scale makes it sum(token losses) / tokens.
+    # does not), and DDP and ZeRO average over processes: this factor undoes both (the criterion divides by the
+    # window's totals), so the gradient is that of sum(token losses) / tokens, however the window is split.
     divided = len(window) if engine.divides_window else 1
-    scale = divided * accelerator.num_processes / max(total_tokens, 1)
+    factor = divided * accelerator.num_processes
+    criterion = ctx.criterion
     start_window(accelerator, len(window))
-    loss_sum = torch.zeros((), device=accelerator.device)
+    loss_sum = None
     # A frozen encoder runs one row at a time (frozen_encoder_states), and under a sharded engine each of
     # its calls gathers weights from every process: each process makes as many calls as the one with the
     # most rows in that micro-batch (token budgets, an epoch's last window and skipped rows make them differ).
@@ -93,12 +98,11 @@ def window_backward(ctx: RunContext, model, core, window: list[dict], total_toke
         batch = {**batch_to_device(micro, accelerator.device, multiple, ctx.pin), "encoder_calls": encoder_calls[k]}
         with engine.accumulating(accelerator, model):
             with precision.autocast(accelerator):
-                loss = token_loss_sum(model, core, batch, frozen_encoder=frozen_encoder, multiple=multiple,
-                                      loss_chunk=ctx.cfg.loss_chunk_size)
+                loss, logged = criterion.micro(ctx, model, core, batch, counts, factor)
             # (fp16: the loss scaled up so that small gradients do not underflow; DDP: all-reduce on the last only)
-            engine.backward(accelerator, model, precision.scale(loss * scale), last)
-        loss_sum += loss.detach()
+            engine.backward(accelerator, model, precision.scale(loss), last)
+        loss_sum = logged if loss_sum is None else loss_sum + logged
         del batch, loss  # free this micro-batch's activations before the next one
         if guard is not None:
             guard.over(f"micro-batch {k + 1} of {len(window)}")  # (its peak too: the high-water mark rose)
-    return loss_sum
+    return loss_sum if loss_sum is not None else torch.zeros((), device=accelerator.device)

@@ -35,7 +35,6 @@ from lowmem.training.evaluation import (
     asked_generate_rows,
     eval_batches,
     generate_for,
-    loss_and_inputs,
     loss_budget,
 )
 from lowmem.training.run_context import RunContext
@@ -166,8 +165,8 @@ def probe(at: EvalModel, examples: list, generation: bool) -> list[float]:
     batch = batch_to_device(collator(batches[len(batches) // 2][0]), accelerator.device, at.ctx.multiple)
     budget = loss_budget(accelerator, sharded)
     with compute_context(accelerator, cfg.mixed_precision), whole_root(at.core):
-        _, inputs = loss_and_inputs(at, batch, budget)
-        loss_s = _timed(lambda: loss_and_inputs(at, batch, budget))
+        inputs = at.ctx.criterion.eval_forward(at, batch, budget)  # (a preference objective's: both answers')
+        loss_s = _timed(lambda: at.ctx.criterion.eval_forward(at, batch, budget))
         if not generation:
             return [loss_s, 0.0, 0.0]
         generate_for(at, inputs, batch, 1, forced=True)

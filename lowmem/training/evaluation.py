@@ -162,6 +162,10 @@ def evaluate_model(at: EvalModel, examples: list, progress: bool = False, interr
     """
     from accelerate.utils import gather_object
 
+    own = at.ctx.criterion.evaluate(at, examples, progress=progress, interrupted=interrupted,
+                                    generate_rows=generate_rows)
+    if own is not None:  # a preference objective's (lowmem.training.criteria)
+        return own
     start = time.time()
     cfg, accelerator, tokenizer = at.cfg, at.ctx.accelerator, at.tokenizer
     at.model.eval()
@@ -206,7 +210,10 @@ def eval_log_line(step: int, result: dict, improved: bool) -> str:
     scores = "".join(f" | {name} {value:.2f}" for name, value in scores_in(result).items())
     if scores and result["scored_rows"] < result["eval_examples"]:
         scores += f" ({result['scored_rows']} of {result['eval_examples']} rows)"
-    return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{scores}" + (" | new best" if improved else "")
+    pairs = (f" | reward_accuracy {result['eval_reward_accuracy']:.3f} | margin {result['eval_reward_margin']:.3f}"
+             if "eval_reward_accuracy" in result else "")  # (a preference objective's)
+    best = " | new best" if improved else ""
+    return f"eval step {step} | eval_loss {result['eval_loss']:.4f}{pairs}{scores}{best}"
 
 
 def loss_and_encoded(model, core, batch: dict, budget: int, multiple: int,

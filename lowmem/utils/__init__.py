@@ -14,5 +14,7 @@
   the classes are ``lowmem.hardware.precision``'s).
 - ``frozen_forms``: ``--frozen_dtype``'s forms (float32, bfloat16, int8, float8), one class each: what code asks of
   the frozen weights' storage.
+- ``memory_modes``: the memory modes' choices (optimizer, LoRA's layers, --freeze, the encoder cache) and their
+  validation (``config`` calls it).
 - ``eval_metrics``: the scores of ``--eval_metrics`` (one ``Metric`` class each), pure functions of texts.
 """

@@ -45,6 +45,7 @@ class Metric(Registered, family=True):
     higher_is_better = True
     needs_generation = True
     module: str | None = None
+    preference_only = False  # measured by the preference objectives' evaluation alone
 
     @classmethod
     def score(cls, predictions: list[str], references: list[str]) -> dict[str, float]:
@@ -141,14 +142,33 @@ class EvalLoss(Metric):
     needs_generation = False
 
 
+class RewardScores(Metric):
+    """A preference objective's rewards on the held-out pairs (``lowmem.training.preference_eval``): the share of
+    pairs whose chosen answer gets the higher reward, the mean margin, the chosen answers' mean reward."""
+
+    names, title = ("eval_reward_accuracy", "eval_reward_margin", "eval_rewards_chosen"), "reward"
+    needs_generation = False
+    preference_only = True
+
+
+class ChosenNLL(Metric):
+    """A preference objective's token-mean NLL of the held-out chosen answers."""
+
+    names, title = ("eval_nll_chosen",), "chosen NLL"
+    higher_is_better = False
+    needs_generation = False
+    preference_only = True
+
+
 DEFAULT_METRICS = "bleu"  # --eval_metrics's default, and what a run computed before the option existed
 METRICS: dict[str, type[Metric]] = Metric.kinds  # --eval_metrics's choices
 EVAL_LOSS = EvalLoss
+MEASURED = (EvalLoss, RewardScores, ChosenNLL)  # what evaluations measure without being asked (no name)
 
 
 def metric_named(name: str) -> type[Metric] | None:
     """The kind of metric that logs ``name`` (eval_loss included); None for a name none logs."""
-    return next((m for m in (EVAL_LOSS, *METRICS.values()) if name in m.names), None)
+    return next((m for m in (*MEASURED, *METRICS.values()) if name in m.names), None)
 
 
 def metrics_of(eval_metrics: str) -> list[type[Metric]]:
@@ -170,9 +190,9 @@ def metric_problems(eval_metrics: str, metric_for_best: str, eval_generate) -> l
                  f"{m.module.replace('_', '-')})" for m in asked if m.module and not _installed(m.module)]
     best = metric_named(metric_for_best)
     if best is None:
-        names = ", ".join(n for m in (EVAL_LOSS, *METRICS.values()) for n in m.names)
+        names = ", ".join(n for m in (*MEASURED, *METRICS.values()) for n in m.names)
         problems.append(f"--metric_for_best must be one of {names} (got {metric_for_best!r})")
-    elif best is not EVAL_LOSS and best not in asked:
+    elif best not in MEASURED and best not in asked:
         problems.append(f"--metric_for_best={metric_for_best} is a score of {best.name}, which --eval_metrics="
                         f"{eval_metrics} does not compute: add {best.name} to --eval_metrics")
     elif best.needs_generation and eval_generate is False:

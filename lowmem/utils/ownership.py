@@ -13,6 +13,7 @@ that passes the same test.
     --prepared_dir   .t5-lowmem-prepared
     --plot_dir       .t5-lowmem-plots, or the chart PNGs alone in a run folder's plots/
     encoder cache    .t5-lowmem-encoder-cache, or cache files alone (OUTPUT_DIR/encoder_cache/...)
+    reference cache  .t5-lowmem-reference (OUTPUT_DIR/reference/...: --reference=cached)
 
 A marker is a small file named for its kind; its existence is what counts, and it is created
 before anything else in the folder (exclusively, O_EXCL): processes claiming one folder at once each
@@ -40,9 +41,10 @@ from lowmem.utils.errors import UserError
 STARTED_MARKER = ".t5-lowmem-run"  # left in an output folder as soon as a run begins there
 
 MARKERS = {"run": STARTED_MARKER, "tokenizer": ".t5-lowmem-tokenizer", "prepared": ".t5-lowmem-prepared",
-           "plots": ".t5-lowmem-plots", "encoder_cache": ".t5-lowmem-encoder-cache"}
+           "plots": ".t5-lowmem-plots", "encoder_cache": ".t5-lowmem-encoder-cache",
+           "reference": ".t5-lowmem-reference"}
 KIND_NAMES = {"run": "training run", "tokenizer": "tokenizer", "prepared": "prepared-data", "plots": "plots",
-              "encoder_cache": "encoder-cache"}
+              "encoder_cache": "encoder-cache", "reference": "reference-cache"}
 MARKER_TEXT = "written by t5-lowmem: this folder is its own, and its next run may replace the files it wrote here\n"
 SHOWN = 3  # entries named in a refusal
 
@@ -143,11 +145,12 @@ def remove_ours(path: str | Path, kind: str, recognise: Recogniser | None = None
     return True
 
 
-RUN_ENTRY_KINDS = {"plots": "plots", "encoder_cache": "encoder_cache"}  # a run's folders of a kind of their own
+# a run's folders of a kind of their own
+RUN_ENTRY_KINDS = {"plots": "plots", "encoder_cache": "encoder_cache", "reference": "reference"}
 LEGACY_STARTED_MARKER = ".started"  # what versions before 2026-11-28 left instead (a name other tools use too)
 # What a run writes in OUTPUT_DIR (staging folders and an export's set-aside copy included); the --report_to
 # trackers add theirs as their classes are defined (``own_run_entries``)
-RUN_ENTRIES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|best|final|plots|encoder_cache|\.lock|"
+RUN_ENTRIES = re.compile(r"config\.json|metrics\.jsonl|checkpoints|best|final|plots|encoder_cache|reference|\.lock|"
                          r"\.started|\.(old|tmp)-(best|final)|consumed-rank\d+\.tsv|\.?trackers\.json(\.tmp)?|"
                          r"\.?launchers\.json(\.tmp)?|\.write-test-\w+")  # (a probe: a process killed as it looked)
 
@@ -179,7 +182,7 @@ OWN_ENTRIES = {"run": RUN_ENTRIES,
                "prepared": re.compile(r"\.partial|shard-\d+\.parquet|prepared\.manifest"),
                "plots": re.compile(r"\.?[\w-]+\.png(\.tmp)?")}
 # Which of those are folders (the rest are files): an entry of the other kind in its place is no entry of ours
-OWN_FOLDERS = {"run": re.compile(r"checkpoints|best|final|plots|encoder_cache|\.(old|tmp)-(best|final)"),
+OWN_FOLDERS = {"run": re.compile(r"checkpoints|best|final|plots|encoder_cache|reference|\.(old|tmp)-(best|final)"),
                "tokenizer": re.compile(r"\.saving"), "prepared": re.compile(r"\.partial"), "plots": re.compile(r"(?!)")}
 # What a run writes in OUTPUT_DIR/checkpoints: step folders (staged and set aside too), the latest pointer (and its
 # temporary), the continuations a --resume_from set aside
