@@ -110,10 +110,11 @@ class TrainConfig:
     dpo_loss: str = _t("sigmoid", "dpo: sigmoid (the DPO paper's loss) or ipo (IPO's squared loss).")
     orpo_lambda: float = _t(0.1, "orpo: weight λ of the odds-ratio term beside the chosen answer's NLL.")
     simpo_gamma: float = _t(0.5, "simpo: target margin γ between the chosen and rejected rewards.")
-    reference: str = _t("auto", "dpo: the reference policy: copy (a frozen copy of the start model, --frozen_dtype), "
-                                "adapter (--lora_r: the model with its adapter off, no copy), cached (a pre-pass "
-                                "stores every pair's reference log-probs in OUTPUT_DIR/reference; training holds no "
-                                "reference: least memory), auto (adapter with --lora_r, else copy).",
+    reference: str = _t("auto", "dpo: the reference policy: copy, adapter, cached or auto. copy: a frozen copy of the "
+                                "starting model (in --frozen_dtype); adapter (--lora_r): the model with its adapter "
+                                "off, no copy; cached: a pre-pass stores every pair's reference log-probs in "
+                                "OUTPUT_DIR/reference, and training holds no reference (least memory); auto: adapter "
+                                "with --lora_r, else copy.",
                                 resume="fixed", before="auto")
     model_preset: str = _f("tiny", "Model shape: tiny (3M parameters, CPU demos), small (T5-small shape: 52M), base "
                                    "(the reference's shape: 178M), t5-v1_1-base (T5 v1.1 base's: 12 + 12 layers, "

@@ -102,7 +102,8 @@ def test_the_eval_line_says_every_score_and_the_rows_they_scored():
     ({"eval_metrics": "bleu,"}, "--eval_metrics takes a comma list"),
     ({"metric_for_best": "rougeL"}, "--metric_for_best=rougeL is a score of rouge, which --eval_metrics=bleu does "
                                     "not compute: add rouge to --eval_metrics"),
-    ({"metric_for_best": "rouge"}, "--metric_for_best must be one of eval_loss, bleu, chrf, rouge1, rouge2, rougeL"),
+    ({"metric_for_best": "rouge"}, "--metric_for_best must be one of eval_loss, eval_reward_accuracy, "
+     "eval_reward_margin, eval_rewards_chosen, eval_nll_chosen, bleu, chrf, rouge1, rouge2, rougeL"),
     ({"eval_metrics": "rouge", "metric_for_best": "rougeL", "eval_generate": False},
      "--metric_for_best=rougeL needs --eval_generate=True or auto (ROUGE scores generated answers)"),
 ])

@@ -23,6 +23,7 @@ import torch
 from data.packing import examples_in
 from lowmem.model.loss import batch_to_device
 from lowmem.parallel.sharding import equal_counts
+from lowmem.training.criteria import TOKEN_LOSS
 from lowmem.training.run_context import RunContext
 
 
@@ -81,7 +82,7 @@ def window_backward(ctx: RunContext, model, core, window: list[dict], counts: di
     # window's totals), so the gradient is that of sum(token losses) / tokens, however the window is split.
     divided = len(window) if engine.divides_window else 1
     factor = divided * accelerator.num_processes
-    criterion = ctx.criterion
+    criterion = ctx.criterion or TOKEN_LOSS
     start_window(accelerator, len(window))
     loss_sum = None
     # A frozen encoder runs one row at a time (frozen_encoder_states), and under a sharded engine each of

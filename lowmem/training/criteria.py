@@ -52,6 +52,8 @@ class PreferenceLoss:
     (the prompt encoded once), the reference's (``lowmem.training.reference``; none for a reference-free
     objective), the objective's pair loss, and its NLL term."""
 
+    SUMS = PREFERENCE_SUMS
+
     def __init__(self, objective, reference):
         self.objective, self.reference = objective, reference
 

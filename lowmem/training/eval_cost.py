@@ -35,6 +35,7 @@ from lowmem.training.evaluation import (
     asked_generate_rows,
     eval_batches,
     generate_for,
+    loss_and_inputs,
     loss_budget,
 )
 from lowmem.training.run_context import RunContext
@@ -165,8 +166,9 @@ def probe(at: EvalModel, examples: list, generation: bool) -> list[float]:
     batch = batch_to_device(collator(batches[len(batches) // 2][0]), accelerator.device, at.ctx.multiple)
     budget = loss_budget(accelerator, sharded)
     with compute_context(accelerator, cfg.mixed_precision), whole_root(at.core):
-        inputs = at.ctx.criterion.eval_forward(at, batch, budget)  # (a preference objective's: both answers')
-        loss_s = _timed(lambda: at.ctx.criterion.eval_forward(at, batch, budget))
+        forward = at.ctx.criterion.eval_forward if at.ctx.criterion else lambda *a: loss_and_inputs(*a)[1]
+        inputs = forward(at, batch, budget)  # (a preference objective's: both answers')
+        loss_s = _timed(lambda: forward(at, batch, budget))
         if not generation:
             return [loss_s, 0.0, 0.0]
         generate_for(at, inputs, batch, 1, forced=True)

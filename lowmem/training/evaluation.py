@@ -162,10 +162,11 @@ def evaluate_model(at: EvalModel, examples: list, progress: bool = False, interr
     """
     from accelerate.utils import gather_object
 
-    own = at.ctx.criterion.evaluate(at, examples, progress=progress, interrupted=interrupted,
-                                    generate_rows=generate_rows)
-    if own is not None:  # a preference objective's (lowmem.training.criteria)
-        return own
+    if at.ctx.criterion is not None:  # a preference objective's own (lowmem.training.criteria)
+        own = at.ctx.criterion.evaluate(at, examples, progress=progress, interrupted=interrupted,
+                                        generate_rows=generate_rows)
+        if own is not None:
+            return own
     start = time.time()
     cfg, accelerator, tokenizer = at.cfg, at.ctx.accelerator, at.tokenizer
     at.model.eval()

@@ -9,11 +9,11 @@ import time
 import torch
 from tqdm import tqdm
 
+from data.objectives.preference import PairScores
 from lowmem.model.answer_logprobs import answer_logprobs
 from lowmem.model.loss import batch_to_device
 from lowmem.parallel.distributed import any_process
 from lowmem.parallel.sharding import whole_root
-from lowmem.training.criteria import PREFERENCE_SUMS, PairScores
 from lowmem.training.evaluation import EvalModel, asked_generate_rows, eval_batches, generate_for
 from lowmem.utils.eval_metrics import metrics_of, score_answers
 
@@ -29,7 +29,7 @@ def evaluate_pairs(at: EvalModel, criterion, examples: list, progress: bool = Fa
     at.model.eval()
     asked = asked_generate_rows(cfg, len(examples))
     generate_rows = asked if generate_rows is None else min(generate_rows, asked)
-    sums, answers = torch.zeros(len(PREFERENCE_SUMS), dtype=torch.float64, device=accelerator.device), []
+    sums, answers = torch.zeros(len(criterion.SUMS), dtype=torch.float64, device=accelerator.device), []
     for chunk, generate, real in tqdm(eval_batches(examples, at.collator, cfg, accelerator, at.sharded, generate_rows),
                                       desc="eval", leave=False, disable=not progress):
         if interrupted is not None and (any_process(accelerator, interrupted()) if at.sharded else interrupted()):
@@ -53,12 +53,12 @@ def evaluate_pairs(at: EvalModel, criterion, examples: list, progress: bool = Fa
     if generate_rows:
         result.update(score_answers(metrics_of(cfg.eval_metrics), [p for p, _ in answers], [r for _, r in answers]))
         result["scored_rows"] = len(answers)
-    pairs = int(values[PREFERENCE_SUMS.index("pairs")])
+    pairs = int(values[criterion.SUMS.index("pairs")])
     return {**result, "eval_examples": pairs, "eval_s": round(time.time() - start, 2)}
 
 
 def pair_sums(at: EvalModel, criterion, batch: dict, examples: list) -> torch.Tensor:
-    """The PREFERENCE_SUMS of one eval batch: the policy's scores and the reference's of its pairs."""
+    """The criterion's SUMS of one eval batch: the policy's scores and the reference's of its pairs."""
     cfg = at.cfg
     sums, tokens = answer_logprobs(at.model, at.core, batch, cfg.frozen_encoder, at.ctx.multiple, cfg.loss_chunk_size)
     half = len(sums) // 2

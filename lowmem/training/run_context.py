@@ -10,7 +10,6 @@ from config import TrainConfig
 from lowmem.hardware.precision import Precision, precision_for
 from lowmem.memory.guard import MemoryGuard
 from lowmem.parallel.engines import Engine, PlainEngine
-from lowmem.training.criteria import TOKEN_LOSS
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,8 @@ class RunContext:
     precision: Precision
     multiple: int = 1  # sequence lengths padded to a multiple of this (bf16 on the CPU: ``Precision.shape_multiple``)
     guard: MemoryGuard | None = None  # None: no reading between micro-batches
-    criterion: object = TOKEN_LOSS  # what a micro-batch's backward differentiates (``lowmem.training.criteria``)
+    criterion: object = None  # what a micro-batch's backward differentiates (``lowmem.training.criteria``; None:
+    # the token loss) and how the run evaluates
 
     @classmethod
     def plain(cls, cfg: TrainConfig, accelerator, multiple: int = 1) -> RunContext:
