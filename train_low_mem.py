@@ -245,8 +245,8 @@ def prepare(config: str | None = None, **flags) -> dict:
 
 def preview(config: str | None = None, **flags) -> None:
     """Print the first --num_examples (default 5) training examples as the model sees them, one JSON object per
-    line (input_ids, labels; original_ids for span corruption; packed rows' segments with --packing=True; --decode=True
-    adds the texts); logs on stderr."""
+    line (input_ids, labels; rejected_labels of a preference pair; original_ids for span corruption; packed rows'
+    segments with --packing=True; --decode=True adds the texts); logs on stderr."""
     import json
 
     from data.preview import preview_examples

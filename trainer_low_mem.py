@@ -142,7 +142,7 @@ class LowMemTrainer:
         self.ctx = replace(self.ctx, criterion=criterion_for(self.ctx, self.model, self.core, self.data, self.say))
         self.meter.describe = self.ctx.criterion.fields  # (the log's values of the interval's sums)
         self.compiled.install(self.core, self.data.collator.pad_multiple, self.say)  # (--torch_compile=True)
-        self.train_collator = self.data.collator
+        self.train_collator = self.data.train_collator or self.data.collator  # (a cached reference's reads it)
         if resume_dir is not None:
             self.load_checkpoint(resume_dir)
         self.telemetry.record("memory_plan", **self.memory_plan)  # after a resume has cut metrics.jsonl back

@@ -1,5 +1,6 @@
 """Tokenization and dynamic padding: a whole accumulation window in one tokenizer call per side,
-rows of similar length paired into micro-batches, each padded to its own longest row."""
+rows of similar length paired into micro-batches, each padded to its own longest row; a preference objective's
+micro-batches hold each prompt once and its two answers (``PreferenceCollator``)."""
 
 from __future__ import annotations
 
@@ -237,3 +238,42 @@ class CachedEncoderCollator:
         batch = self.collator.empty()
         del batch["input_ids"]
         return {**batch, "encoder_hidden_states": torch.zeros(1, 1, self.cache.d_model)}
+
+
+class PreferenceCollator(Seq2SeqCollator):
+    """Micro-batches of preference pairs: each prompt once (``input_ids``, ``attention_mask`` [B, S]) and its two
+    answers as ``labels`` [2B, T] (chosen rows first), grouped by the longer answer. With a reference cache
+    (``reference``: reads each pair's cached log-probabilities, ``lowmem.training.reference``) a batch carries them
+    as ``reference`` [B, 2]."""
+
+    reference = None  # set when the reference's log-probabilities come from the pre-pass's cache
+
+    def targets(self, examples: list[Example]) -> list[list[int]]:
+        """The chosen answers' token ids (what SFT on the chosen answers would train on)."""
+        return self.token_ids([e.response for e in examples], self.max_target_len)
+
+    def answers(self, examples: list[Example]) -> tuple[list[list[int]], list[list[int]]]:
+        """(chosen, rejected) token ids of ``examples``, in one tokenizer call."""
+        ids = self.token_ids([e.response for e in examples] + [e.rejected for e in examples], self.max_target_len)
+        return ids[:len(examples)], ids[len(examples):]
+
+    def answer_sides(self, examples: list[Example]):
+        """(each pair's decoder length for grouping: its longer answer twice, as two decoder rows hold it; ``side``:
+        a micro-batch's labels, chosen rows first, and the cached reference's log-probabilities)."""
+        chosen, rejected = self.answers(examples)
+
+        def side(rows: list[int]) -> dict:
+            out = {"labels": self.labels([chosen[i] for i in rows] + [rejected[i] for i in rows])}
+            if self.reference is not None:
+                out["reference"] = self.reference.pair_logprobs([examples[i] for i in rows])
+            return out
+
+        return [2 * max(len(c), len(r)) for c, r in zip(chosen, rejected)], side
+
+    def empty(self) -> dict[str, torch.Tensor]:
+        """A pair with no target tokens: its backward adds zero gradient."""
+        batch = {"input_ids": torch.tensor([[self.tokenizer.eos_token_id]]), "attention_mask": torch.tensor([[1]]),
+                 "labels": torch.tensor([[-100], [-100]])}
+        if self.reference is not None:
+            batch["reference"] = torch.zeros(1, 2)
+        return batch

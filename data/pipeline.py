@@ -103,6 +103,9 @@ class TrainData:
     world: int
     cfg: TrainConfig
     epoch_rows_known: bool = True  # False: a dataset that cannot say how many rows a process reads per epoch
+    # training's own collator where it differs from ``collator`` (the eval set's and the planner's): one that reads
+    # the cached reference's log-probabilities of the training rows (lowmem.training.reference)
+    train_collator: object | None = None
 
     @property
     def rows(self) -> int:

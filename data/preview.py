@@ -59,9 +59,10 @@ def example_records(cfg: TrainConfig, data, tokenizer, count: int, decode: bool)
         plain.make_example = lambda chunk, *_: chunk
         originals = plain.iter_epoch()
     for example in examples:
-        input_ids, labels = (data.collator.token_ids([side], limit)[0] for side, limit in
-                             ((example.prompt, cfg.max_source_len), (example.response, cfg.max_target_len)))
-        record = {"input_ids": input_ids, "labels": labels}
+        sides = {"input_ids": (example.prompt, cfg.max_source_len), "labels": (example.response, cfg.max_target_len)}
+        if example.rejected is not None:  # a preference pair: both answers decode against the one input
+            sides["rejected_labels"] = (example.rejected, cfg.max_target_len)
+        record = {key: data.collator.token_ids([text], limit)[0] for key, (text, limit) in sides.items()}
         if originals is not None:
             record["original_ids"] = next(originals)
         if decode:

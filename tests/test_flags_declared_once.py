@@ -57,10 +57,10 @@ def test_the_lists_of_flags_are_derived_from_the_roles_not_written_by_hand():
     assert flags.TRAINED_WITH == flags_with("trained_with")
     assert set(flags.TRAINED_WITH) >= {"objective", "seed", "noise_density", "mean_noise_span_length"}
     assert set(run_folder.FIXED_ON_RESUME) == {"seed", "shuffle_buffer_size", "shuffle_buffer_mb", "objective",
-                                               "metric_for_best"}
+                                               "metric_for_best", "reference"}
     assert set(run_folder.PRESET_SHAPE) < set(run_folder.SHAPE_SETTINGS)
     assert run_folder.BEFORE_IT_EXISTED == {"shuffle_buffer_mb": 0, "feed_forward_proj": "relu",
-                                            "tie_word_embeddings": True}
+                                            "tie_word_embeddings": True, "reference": "auto"}
     assert set(eval_cost.PLANNED_FOR) == set(flags_with("planned_for")) >= {"eval_budget_s", "num_beams"}
     assert "learn_rate" in flags_with("reads", "train") and "learn_rate" not in flags_with("reads", "evaluate")
     only_generate = set(flags_with("reads", "generate")) - set(flags_with("reads", "train"))

@@ -47,6 +47,7 @@ class Objective(Registered, family=True):
     chunk_length = 0  # tokens per packed chunk (0: rows are examples, nothing is packed)
     fixed_lengths: tuple[int, int] | None = None  # (input, target) tokens of every example, when fixed
     packs: ClassVar[bool] = False  # whether --packing=True packs its examples several to a row (data.packing)
+    reference_models = 0  # models it holds beside the one it trains (the planner prices them)
     preference: ClassVar[bool] = False  # rows of preference pairs, trained by a pair loss (objectives.preference)
     noun = "rows"  # what a training row is in the log: rows, or documents packed into chunks
     example_noun = "rows"  # what an eval example is: a row, or a chunk

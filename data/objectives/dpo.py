@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from config import TrainConfig
 from data.objectives.preference import PairScores, PreferenceObjective, sigmoid_loss
 
+if TYPE_CHECKING:
+    import torch
+
 DPO_LOSSES = ("sigmoid", "ipo")
-REFERENCES = ("auto", "copy", "adapter", "cached")  # --reference (lowmem.training.reference: one class each)
+# --reference's kinds (lowmem.training.reference: one class each) and the models each holds beside the policy
+REFERENCE_MODELS = {"copy": 1, "adapter": 0, "cached": 0}
+REFERENCES = ("auto", *REFERENCE_MODELS)
 
 
 class DPOObjective(PreferenceObjective):
@@ -42,6 +47,10 @@ class DPOObjective(PreferenceObjective):
         if self.cfg.reference == "auto":
             return "adapter" if self.cfg.lora_r else "copy"
         return self.cfg.reference
+
+    @property
+    def reference_models(self) -> int:
+        return REFERENCE_MODELS[self.reference]
 
     def pair_losses(self, scores: PairScores) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         chosen = scores.chosen - scores.ref_chosen

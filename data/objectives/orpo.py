@@ -3,15 +3,19 @@ with no reference policy."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from data.objectives.preference import PairScores, PreferenceObjective
+
+if TYPE_CHECKING:
+    import torch
 
 
 def log_odds(mean_logprob: torch.Tensor) -> torch.Tensor:
     """log(p / (1 - p)) of p = exp(mean token log-probability); ``expm1`` keeps 1 - p exact near p = 1 (and p is
     held below 1 - 1e-6, where the odds would be infinite)."""
+    import torch
+
     mean_logprob = mean_logprob.clamp(max=-1e-6)
     return mean_logprob - torch.log(-torch.expm1(mean_logprob))
 
@@ -37,6 +41,8 @@ class ORPOObjective(PreferenceObjective):
     def pair_losses(self, scores: PairScores) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         chosen = scores.chosen / scores.chosen_tokens.clamp(min=1)
         rejected = scores.rejected / scores.rejected_tokens.clamp(min=1)
+        import torch.nn.functional as F
+
         losses = -self.cfg.orpo_lambda * F.logsigmoid(log_odds(chosen) - log_odds(rejected))
         return losses, chosen.detach(), rejected.detach()
 

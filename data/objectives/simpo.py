@@ -3,9 +3,12 @@ target margin, no reference policy."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from data.objectives.preference import PairScores, PreferenceObjective, sigmoid_loss
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SimPOObjective(PreferenceObjective):

@@ -41,7 +41,7 @@ def sample_lengths(cfg: TrainConfig, data, rows: int = 2000) -> dict:
         text_bytes += [sum(len(p.encode()) for p in example_parts(item) if isinstance(p, str)) for item in chunk]
         if not packed:
             s += [len(x) for x in data.collator.token_ids([item.prompt for item in chunk], cfg.max_source_len)]
-            t += [len(x) for x in data.collator.token_ids([item.response for item in chunk], cfg.max_target_len)]
+            t += data.collator.answer_sides(chunk)[0]  # (a preference pair: both answers, its longer one twice)
     if not text_bytes:
         return {"max_source": cfg.max_source_len, "max_target": cfg.max_target_len, "mean_source": 0,
                 "row_bytes": 0, "rows": 0, "pairs": [], "packed": packed}
@@ -127,7 +127,7 @@ def replay_epochs(cfg: TrainConfig, data, window_rows: int) -> list[list[tuple[i
         lengths = []
         for rows in batched(itertools.islice(stream.iter_epoch(), take), CHUNK_ROWS, CHUNK_BYTES):  # lengths kept
             sources = collator.token_ids([e.prompt for e in rows], cfg.max_source_len)
-            lengths += [(len(s), len(t)) for s, t in zip(sources, collator.targets(rows))]
+            lengths += [(len(s), t) for s, t in zip(sources, collator.answer_sides(rows)[0])]
         if not lengths:  # an epoch without a usable row: the trainer stops there too
             break
         out.append(lengths)

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, replace
 
 from config import TrainConfig
+from data.objectives.base import objective_for
 from data.streams.file_stream import total_steps
 from lowmem.hardware.memory_use import SHARDED_MMAP_THRESHOLD
 from lowmem.hardware.precision import PRECISIONS
@@ -117,6 +118,16 @@ class StepSizes:
     sharding: str | None = None
 
 
+def reference_copy_bytes(cfg: TrainConfig, n_params: int) -> float:
+    """A preference objective's reference models beside the policy (``--reference=copy``: one), each in the
+    --frozen_dtype its matrices are stored in (8 bits: the blocks' linear layers, about 3/4 of a T5's weights; the
+    rest in bf16)."""
+    copies = objective_for(cfg).reference_models
+    form = FROZEN_FORMS[cfg.frozen_dtype]
+    per_element = 4 if not form.narrow else 2 if not form.quantized else 1.25
+    return copies * per_element * n_params
+
+
 def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, placement: Placement = ONE_PROCESS,
                first_step: bool = False) -> StepSizes:
     """Weights, gradients, optimizer state, the costliest micro-batch's activations, caches, buffers,
@@ -138,6 +149,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, placement: Plac
     weights = 4 * (n_params + (n_train if cfg.lora_r else 0)) - 2 * half
     saved_8bit = quantized_saving(cfg, eight_bit)
     weights -= saved_8bit
+    weights += reference_copy_bytes(cfg, n_params)
     grads = 4 * n_train
     peak, runner_up = padded_peak_batches(cfg, dims, lengths, device, world)
     act = activation_bytes(cfg, dims, peak, device)

@@ -1,7 +1,7 @@
 """Each answer's summed token log-probability under the model, for preference pairs: the prompts encoded once, both
 answers decoded against the same encoder output.
 
-A preference micro-batch (``data.objectives.preference.PreferenceCollator``) holds B prompts and 2B answer rows
+A preference micro-batch (``data.collate.PreferenceCollator``) holds B prompts and 2B answer rows
 (chosen, then rejected). The model is called once through its wrapper (DDP, FSDP and DeepSpeed see one ordinary
 forward) with the prompts' rows given twice; a pre-hook on the encoder keeps only the first B rows and a hook on
 its output repeats the B results, so the encoder runs once per prompt and its gradient is the sum of both

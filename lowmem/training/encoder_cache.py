@@ -303,7 +303,7 @@ def train_from_cache(ctx: RunContext, core, data, tokenizer_hash: str, steps_lef
     cfg = ctx.cfg
     reads = steps_left * cfg.batch_size * cfg.gradient_accumulation_steps
     cache = open_for_training(ctx, core, data, tokenizer_hash, reads, telemetry.say)
-    collator = CachedEncoderCollator(data.collator, cache)
+    collator = CachedEncoderCollator(data.train_collator or data.collator, cache)  # (with a cached reference)
     telemetry.log_memory("encoder_cache")
     park_encoder(core, ctx.device)  # training no longer runs it
     return cache, collator

@@ -136,7 +136,8 @@ class CachedReference(Reference):
 
         tokenizer_hash = tokenizer_fingerprint(data.collator.tokenizer)["tokenizer_json_sha1"]
         self.cache = open_reference_cache(ctx, model, core, data, tokenizer_hash, say)
-        data.collator.reference = self.cache
+        data.train_collator = copy.copy(data.collator)  # (the eval pairs' come from eval_scores)
+        data.train_collator.reference = self.cache
 
     def scores(self, model, core, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         cached = batch["reference"].float()

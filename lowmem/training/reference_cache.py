@@ -12,8 +12,9 @@ Layout of ``OUTPUT_DIR/reference/<fingerprint>/`` (one set per process):
 The pre-pass reads the rows in chunks of CHUNK (bounded RAM whatever the corpus), runs the model in eval mode
 without a graph, ``--batch_size`` pairs at a time, and appends each chunk's results. Killed, it resumes at its last
 chunk boundary with the same batches, so a resumed pre-pass writes the same bytes as an uninterrupted one. The
-fingerprint covers the starting weights, the tokenizer, the lengths, the files (path, size, modification time,
-rows), the columns, the processes and how the model computes; a change builds a new cache (old ones are removed).
+fingerprint covers the starting model (its files, or a new one's configuration and seed), the tokenizer, the
+lengths, the files (path, size, modification time, rows), the columns, the processes and how the model computes;
+a change builds a new cache (old ones are removed).
 """
 
 from __future__ import annotations
@@ -44,17 +45,18 @@ HINT = "move those files out of it, or choose another --output_dir"
 
 
 def fingerprint(ctx, core, share: CacheShare, tokenizer_hash: str) -> str:
-    """What the cached log-probabilities depend on, hashed (see the module's docstring)."""
+    """What the cached log-probabilities depend on, hashed (see the module's docstring). The starting weights are
+    named by --init_from's files (their fingerprint), or for a new model by its configuration and --seed: not hashed
+    from the model, which a sharded engine holds in pieces (every process must name the same folder)."""
     from lowmem.model.streamed_load import base_model_identity
 
     cfg, digest = ctx.cfg, hashlib.sha1()
-    for name, tensor in sorted(core.state_dict().items()):  # the starting weights, byte by byte
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    start = base_model_identity(cfg) or {"config": core.config.to_dict(), "seed": cfg.seed}
+    digest.update(json.dumps([start, cfg.frozen_dtype, cfg.quantize_wo], sort_keys=True, default=str).encode())
     stats = [(str(Path(f).resolve()), s.st_size, s.st_mtime_ns) for f, s in ((f, os.stat(f)) for f in share.files)]
     digest.update(json.dumps([tokenizer_hash, cfg.max_source_len, cfg.max_target_len, stats, list(share.columns),
                               share.world, [i.rows for i in share.indexes], cfg.mixed_precision, ctx.device.type,
-                              ctx.multiple, cfg.batch_size, base_model_identity(cfg)]).encode())
+                              ctx.multiple, cfg.batch_size]).encode())
     return digest.hexdigest()[:16]
 
 

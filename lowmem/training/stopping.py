@@ -139,5 +139,7 @@ class NonfiniteSteps:
 
 
 def all_finite(accelerator, value) -> bool:
-    """Whether ``value`` (a number or a one-element tensor) is finite on every process (a collective)."""
-    return not any_process(accelerator, not math.isfinite(float(value)))
+    """Whether ``value`` (a number, or a tensor: each of its elements, a preference objective's sums) is finite on
+    every process (a collective)."""
+    finite = bool(torch.isfinite(value).all()) if torch.is_tensor(value) else math.isfinite(float(value))
+    return not any_process(accelerator, not finite)
