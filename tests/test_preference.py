@@ -223,3 +223,42 @@ def test_two_processes_ddp_and_fsdp_match_one_within_float_error(tmp_path, run_c
         assert len(list((tmp_path / config).glob("reference/*/done-rank*.json"))) == 2  # each process its share
         a, b = (load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("one", config))
         assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5, config
+
+
+def test_reward_accuracy_counts_a_tie_as_half_and_leaves_out_padding_pairs():
+    from lowmem.training.criteria import PREFERENCE_SUMS, PreferenceLoss
+
+    criterion = PreferenceLoss(objective_class("dpo")(TrainConfig(objective="dpo")), None)
+    t = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    # pairs: chosen higher, a tie, rejected higher, and a padding pair (no target token) that would count as a win
+    got = PairScores(t([-1.0, -2.0, -5.0, 0.0]), t([-3.0, -2.0, -4.0, -1.0]), t([2, 2, 2, 0]), t([2, 2, 2, 0]),
+                     t([-1.0, -2.0, -4.5, 0.0]), t([-1.0, -2.0, -4.5, 0.0]))
+    fields = criterion.fields(criterion.sums(got)[2].tolist())
+    sums = dict(zip(PREFERENCE_SUMS, criterion.sums(got)[2].tolist()))
+    assert sums["pairs"] == 3 and sums["correct"] == 1.5 and fields["reward_accuracy"] == 0.5
+
+
+def test_lora_dpo_uses_the_adapter_off_as_reference_and_exports_a_peft_adapter(tmp_path, run_cli):
+    """--lora_r with the default --reference (auto: the adapter switched off): the step-0 evaluation is log 2 (the
+    adapters start at zero), the run holds no reference cache, and final/ is an adapter peft loads on its base."""
+    base = tmp_path / "base"
+    sft = write_rows(tmp_path / "sft.jsonl", synthetic_rows(64, 3))
+    built = run_cli("train", f"--output_dir={base}", f"--train_file={sft}", f"--eval_file={sft}", "--max_steps=2",
+                    "--eval_steps=0", "--max_source_len=16", "--max_target_len=16", timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    run = tmp_path / "dpo"
+    done = run_cli("train", f"--output_dir={run}", *dpo_args(tmp_path, save_steps=0), f"--init_from={base / 'final'}",
+                   "--lora_r=4", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"event": "eval"' in line]
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-5) and evals[0]["eval_reward_accuracy"] == 0.5
+    assert not (run / "reference").exists() and (run / "final" / "adapter_config.json").is_file()
+    import peft
+
+    model = peft.PeftModel.from_pretrained(T5ForConditionalGeneration.from_pretrained(base / "final"), run / "final")
+    ids = torch.tensor([[5, 6, 7, 1]])
+    with torch.no_grad():
+        tuned = model(input_ids=ids, decoder_input_ids=torch.tensor([[0, 8]])).logits
+        with model.disable_adapter():
+            plain = model(input_ids=ids, decoder_input_ids=torch.tensor([[0, 8]])).logits
+    assert not torch.allclose(tuned, plain)  # the adapter trained

@@ -47,6 +47,12 @@ PREFERENCE_SUMS = ("pair_loss", "rewards_chosen", "rewards_rejected", "correct",
                    "pairs", "chosen_tokens", "rejected_tokens")
 
 
+def wins(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """1 where the chosen answer's reward is the higher, 0.5 on a tie (no preference: a DPO policy still equal to its
+    reference ties on every pair, and reads 0.5, not 0; trl counts a tie as 0), else 0."""
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+
+
 class PreferenceLoss:
     """A preference objective's loss (``data.objectives.preference``): each answer's summed log-probability
     (the prompt encoded once), the reference's (``lowmem.training.reference``; none for a reference-free
@@ -77,7 +83,7 @@ class PreferenceLoss:
         real = (scores.chosen_tokens > 0).float()
         pair_loss, nll_chosen = (losses * real).sum(), -(scores.chosen * real).sum()
         logged = torch.stack([pair_loss.detach(), (chosen * real).sum(), (rejected * real).sum(),
-                              ((chosen > rejected).float() * real).sum(), nll_chosen.detach(),
+                              (wins(chosen, rejected) * real).sum(), nll_chosen.detach(),
                               -(scores.rejected * real).sum().detach(), real.sum(), scores.chosen_tokens.sum(),
                               scores.rejected_tokens.sum()])
         return pair_loss, nll_chosen, logged
