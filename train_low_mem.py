@@ -176,12 +176,18 @@ def say_notes(notes: list[str], stream=None) -> None:
 
 
 def evaluate(config: str | None = None, **flags) -> dict:
-    """Eval loss and --eval_metrics of --init_from (default: OUTPUT_DIR/best) on --eval_file."""
+    """Eval loss and --eval_metrics of --init_from (default: OUTPUT_DIR/best) on --eval_file (preference pairs: the
+    rewards and reward accuracy of orpo / simpo)."""
+    from dataclasses import replace
+
+    from lowmem.training.criteria import saved_model_criterion
     from lowmem.training.evaluation import load_saved_model
 
     cfg, notes = load_saved_model_config(flags, config)
     say_notes(notes + unread_flag_notes("evaluate", flags) + unused_answer_notes(cfg, flags))
+    criterion = saved_model_criterion(cfg)  # (dpo's refusal before the model is read)
     saved = load_saved_model(cfg)
+    saved.ctx = replace(saved.ctx, criterion=criterion)
     result = saved.evaluate()
     where = cfg.eval_file or f"the rows held out of --train_file={cfg.train_file}"
     return {**result, "eval_file": where} if saved.main else None

@@ -262,3 +262,9 @@ def test_lora_dpo_uses_the_adapter_off_as_reference_and_exports_a_peft_adapter(t
         with model.disable_adapter():
             plain = model(input_ids=ids, decoder_input_ids=torch.tensor([[0, 8]])).logits
     assert not torch.allclose(tuned, plain)  # the adapter trained
+    evals_file = tmp_path / "pairs_eval.jsonl"
+    refused = run_cli("evaluate", f"--init_from={run / 'final'}", f"--eval_file={evals_file}", timeout=600)
+    assert refused.returncode == 2 and "error: evaluate --objective=dpo" in refused.stderr
+    scored = run_cli("evaluate", f"--init_from={run / 'final'}", f"--eval_file={evals_file}", "--objective=simpo",
+                     "--eval_generate=False", timeout=600)
+    assert scored.returncode == 0 and "eval_reward_accuracy" in scored.stdout, scored.stderr[-2000:]

@@ -29,7 +29,6 @@ class ORPOObjective(PreferenceObjective):
     summary = "preference pairs (prompt, chosen, rejected): the chosen answer's NLL, an odds-ratio term, no reference"
     unused_flags = (*PreferenceObjective.unused_flags, "beta", "label_smoothing", "dpo_loss", "simpo_gamma",
                     "reference")
-    needs_reference = False
 
     @classmethod
     def problems(cls, cfg) -> list[str]:

@@ -44,7 +44,6 @@ class PreferenceObjective(Objective):
     unused_flags = ("text_column", "response_column", "noise_density", "mean_noise_span_length")
     trained_with = ("max_source_len", "max_target_len", "prompt_column", "chosen_column", "rejected_column")
     preference = True
-    needs_reference: ClassVar[bool] = True  # its loss reads a reference policy's log-probabilities
     default_beta: ClassVar[float] = 0.1  # --beta=0 takes this
     noun = example_noun = "pairs"
 

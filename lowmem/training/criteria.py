@@ -136,6 +136,23 @@ def disable_dropout(core) -> None:
             module.p = 0.0
 
 
+def saved_model_criterion(cfg):
+    """The criterion ``evaluate`` scores a saved model by: None (the token loss), or a reference-free preference
+    objective's; ``UserError`` for dpo, whose rewards need the policy its training started from."""
+    from data.objectives.base import objective_for
+    from lowmem.utils.errors import UserError
+
+    objective = objective_for(cfg)
+    if not objective.preference:
+        return None
+    if objective.reference is not None:
+        raise UserError(f"evaluate --objective={objective.name}: its rewards compare the model with the reference "
+                        "policy its training started from, which a saved model does not hold; the run's own "
+                        "evaluations are in its metrics.jsonl (eval records), or evaluate with --objective=simpo "
+                        "(reference-free rewards)")
+    return PreferenceLoss(objective, None)
+
+
 def criterion_for(ctx, model, core, data, say=print):
     """The run's criterion: the token loss, or its preference objective's with the reference it asks for (built
     here: before a resume loads trained weights, the model is still the starting policy)."""
