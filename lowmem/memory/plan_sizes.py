@@ -118,14 +118,11 @@ class StepSizes:
     sharding: str | None = None
 
 
-def reference_copy_bytes(cfg: TrainConfig, n_params: int) -> float:
-    """A preference objective's reference models beside the policy (``--reference=copy``: one), each in the
-    --frozen_dtype its matrices are stored in (8 bits: the blocks' linear layers, about 3/4 of a T5's weights; the
-    rest in bf16)."""
-    copies = objective_for(cfg).reference_models
-    form = FROZEN_FORMS[cfg.frozen_dtype]
-    per_element = 4 if not form.narrow else 2 if not form.quantized else 1.25
-    return copies * per_element * n_params
+def reference_copy_bytes(cfg: TrainConfig, n_train: int) -> float:
+    """A preference objective's reference models beside the policy (``--reference=copy``: one), each sharing the
+    policy's frozen weights and holding its trainable ones (in bf16 when --frozen_dtype is narrow;
+    ``lowmem.training.reference``)."""
+    return objective_for(cfg).reference_models * (2 if FROZEN_FORMS[cfg.frozen_dtype].narrow else 4) * n_train
 
 
 def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, placement: Placement = ONE_PROCESS,
@@ -149,7 +146,7 @@ def step_sizes(cfg: TrainConfig, vocab_size: int, lengths: dict, placement: Plac
     weights = 4 * (n_params + (n_train if cfg.lora_r else 0)) - 2 * half
     saved_8bit = quantized_saving(cfg, eight_bit)
     weights -= saved_8bit
-    weights += reference_copy_bytes(cfg, n_params)
+    weights += reference_copy_bytes(cfg, n_train)
     grads = 4 * n_train
     peak, runner_up = padded_peak_batches(cfg, dims, lengths, device, world)
     act = activation_bytes(cfg, dims, peak, device)

@@ -56,24 +56,25 @@ def _split(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class CopyReference(Reference):
-    """A frozen copy of the starting model in eval mode, its matrices stored as --frozen_dtype asks."""
+    """A frozen copy of the starting model in eval mode. The weights the policy keeps frozen (--freeze, LoRA's base)
+    never change, so the copy shares them, as the policy stores them (--frozen_dtype: bf16 or 8 bits); it copies the
+    trainable ones, their matrices in bf16 when --frozen_dtype is narrower than float32."""
 
     name = "copy"
 
     def __init__(self, ctx, model, core, data, say=print):
         super().__init__(ctx, model, core, data)
-        self.model = copy.deepcopy(core).eval()
-        for param in self.model.parameters():
+        shared = {id(p): p for p in core.parameters() if not p.requires_grad}  # (deepcopy's memo: not copied)
+        self.model = copy.deepcopy(core, memo=shared).eval()
+        copied = [(name, p) for name, p in self.model.named_parameters() if id(p) not in shared]
+        for name, param in copied:
             param.requires_grad_(False)
-        form = FROZEN_FORMS[ctx.cfg.frozen_dtype]
-        if form.quantized:
-            from lowmem.model.quantize import quantize_frozen
+            if FROZEN_FORMS[ctx.cfg.frozen_dtype].narrow and param.dim() == 2 and "relative_attention_bias" not in name:
+                param.data = param.data.to(torch.bfloat16)
+        if FROZEN_FORMS[ctx.cfg.frozen_dtype].narrow:
+            from lowmem.model.narrow_compute import compute_beside_narrow
 
-            quantize_frozen(self.model, ctx.cfg)
-        elif form.narrow:
-            from lowmem.model.build import store_frozen_in_bf16
-
-            store_frozen_in_bf16(self.model)
+            compute_beside_narrow(self.model)  # (bf16 matrices in a float32 model, as the policy's frozen ones)
 
     @classmethod
     def problem(cls, ctx) -> str | None:
