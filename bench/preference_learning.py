@@ -34,9 +34,9 @@ def sft_rows(folder: Path) -> Path:
 def curve(run: Path) -> list[tuple[int, float, float]]:
     """(step, eval reward accuracy, elapsed seconds) of each evaluation of a run."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    elapsed = {r["step"]: r.get("elapsed_s", 0.0) for r in records if r["event"] == "train"}
-    return [(r["step"], r["eval_reward_accuracy"], elapsed.get(r["step"], 0.0)) for r in records
-            if r["event"] == "eval"]
+    trained = [(r["step"], r["elapsed_s"]) for r in records if r["event"] == "train"]  # (every --logging_steps)
+    return [(r["step"], r["eval_reward_accuracy"], max((t for s, t in trained if s <= r["step"]), default=0.0))
+            for r in records if r["event"] == "eval"]
 
 
 def main() -> None:
