@@ -248,10 +248,6 @@ class PreferenceCollator(Seq2SeqCollator):
 
     reference = None  # set when the reference's log-probabilities come from the pre-pass's cache
 
-    def targets(self, examples: list[Example]) -> list[list[int]]:
-        """The chosen answers' token ids (what SFT on the chosen answers would train on)."""
-        return self.token_ids([e.response for e in examples], self.max_target_len)
-
     def answers(self, examples: list[Example]) -> tuple[list[list[int]], list[list[int]]]:
         """(chosen, rejected) token ids of ``examples``, in one tokenizer call."""
         ids = self.token_ids([e.response for e in examples] + [e.rejected for e in examples], self.max_target_len)

@@ -17,7 +17,7 @@ import torch
 
 from lowmem.model.chunked_logprobs import logprobs_at_head, logprobs_from_logits
 from lowmem.model.chunked_loss import chunk_rows
-from lowmem.model.loss import frozen_encoder_states, logits_only_at, target_index
+from lowmem.model.loss import encoder_states_given, logits_only_at, target_index
 from lowmem.utils.presets import AUTO
 
 
@@ -31,15 +31,7 @@ def answer_logprobs(model, core, batch: dict, frozen_encoder: bool = False, mult
     index = batch["target_index"] if "target_index" in batch else target_index(labels, multiple)
     mask = batch["attention_mask"].repeat(rows // prompts, 1)
     decoder = dict(attention_mask=mask, decoder_input_ids=core._shift_right(labels), use_cache=False)
-    if "encoder_hidden_states" in batch:
-        encoded = batch["encoder_hidden_states"]
-    elif frozen_encoder:
-        if hasattr(model, "unshard"):  # FSDP: the shared embedding whole (as ``token_loss_sum`` does)
-            model.unshard()
-        encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple,
-                                        batch.get("encoder_calls", 0))
-    else:
-        encoded = None
+    encoded = encoder_states_given(model, core, batch, frozen_encoder, multiple)  # (None: the forward runs it)
     targets = labels.flatten().index_select(0, index)
     chunk = chunk_rows(core.lm_head, loss_chunk)
     with contextlib.ExitStack() as inside:

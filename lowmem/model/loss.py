@@ -76,16 +76,8 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multi
     else:
         decoder = dict(attention_mask=batch["attention_mask"], decoder_input_ids=core._shift_right(labels),
                        use_cache=False)
-    if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
-        encoded = batch["encoder_hidden_states"]
-    elif frozen_encoder:
-        if hasattr(model, "unshard"):  # FSDP: the shared embedding (the root's) whole, the encoder runs outside
-            model.unshard()            # the root's forward; the forward below reshards it as usual
-        encoded = frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple,
-                                        batch.get("encoder_calls", 0),
-                                        segment_spans(batch["source_segments"]) if packed else None)
-    else:
-        encoded = None
+    encoded = encoder_states_given(model, core, batch, frozen_encoder, multiple,
+                                   segment_spans(batch["source_segments"]) if packed else None)
     targets = labels.flatten().index_select(0, index)
     chunk = chunk_rows(core.lm_head, loss_chunk)
     with contextlib.ExitStack() as inside:
@@ -102,6 +94,20 @@ def token_loss_sum(model, core, batch: dict, frozen_encoder: bool = False, multi
     if chunk is not None:  # the head gave the loss itself
         return out.logits.float()
     return F.cross_entropy(out.logits.float(), targets, reduction="sum")
+
+
+def encoder_states_given(model, core, batch: dict, frozen_encoder: bool, multiple: int = 1,
+                         spans: list[tuple[int, int, int]] | None = None) -> torch.Tensor | None:
+    """The encoder's outputs when the model's forward is not to run it: the encoder cache's (in the batch), or a
+    frozen encoder's, computed here without a graph (``spans``: packed rows' examples); None: the forward runs it."""
+    if "encoder_hidden_states" in batch:  # from the encoder cache: the encoder does not run
+        return batch["encoder_hidden_states"]
+    if not frozen_encoder:
+        return None
+    if hasattr(model, "unshard"):  # FSDP: the shared embedding (the root's) whole, the encoder runs outside
+        model.unshard()            # the root's forward; the forward after it reshards it as usual
+    return frozen_encoder_states(core.encoder, batch["input_ids"], batch["attention_mask"], multiple,
+                                 batch.get("encoder_calls", 0), spans)
 
 
 @contextlib.contextmanager

@@ -63,13 +63,16 @@ class PreferenceLoss:
     def __init__(self, objective, reference):
         self.objective, self.reference = objective, reference
 
-    def scores(self, ctx, model, core, batch: dict) -> PairScores:
-        """The policy's and the reference's scores of a micro-batch's pairs (the policy's with a graph)."""
+    def scores(self, ctx, model, core, batch: dict, examples: list | None = None) -> PairScores:
+        """The policy's and the reference's scores of a micro-batch's pairs (the policy's with a graph where
+        gradients are on); ``examples``: the eval pairs the batch holds (None: training's, whose cached reference
+        log-probabilities come with the batch)."""
         cfg = ctx.cfg
         sums, tokens = answer_logprobs(model, core, batch, cfg.frozen_encoder, ctx.multiple, cfg.loss_chunk_size)
         half = len(sums) // 2
         if self.reference is not None:
-            ref_chosen, ref_rejected = self.reference.scores(model, core, batch)
+            ref_chosen, ref_rejected = (self.reference.scores(model, core, batch) if examples is None else
+                                        self.reference.eval_scores(model, core, batch, examples))
         else:
             ref_chosen = ref_rejected = torch.zeros_like(sums[:half])
         tokens = tokens.float()

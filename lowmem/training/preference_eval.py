@@ -9,8 +9,6 @@ import time
 import torch
 from tqdm import tqdm
 
-from data.objectives.preference import PairScores
-from lowmem.model.answer_logprobs import answer_logprobs
 from lowmem.model.loss import batch_to_device
 from lowmem.parallel.distributed import any_process
 from lowmem.parallel.sharding import whole_root
@@ -58,15 +56,5 @@ def evaluate_pairs(at: EvalModel, criterion, examples: list, progress: bool = Fa
 
 
 def pair_sums(at: EvalModel, criterion, batch: dict, examples: list) -> torch.Tensor:
-    """The criterion's SUMS of one eval batch: the policy's scores and the reference's of its pairs."""
-    cfg = at.cfg
-    sums, tokens = answer_logprobs(at.model, at.core, batch, cfg.frozen_encoder, at.ctx.multiple, cfg.loss_chunk_size)
-    half = len(sums) // 2
-    if criterion.reference is not None:
-        ref_chosen, ref_rejected = criterion.reference.eval_scores(at.model, at.core, examples, at.collator)
-    else:
-        ref_chosen = ref_rejected = torch.zeros_like(sums[:half])
-    tokens = tokens.float()
-    scores = PairScores(sums[:half], sums[half:], tokens[:half], tokens[half:], ref_chosen.float(),
-                        ref_rejected.float())
-    return criterion.sums(scores)[2]
+    """The criterion's SUMS of one eval batch of ``examples``: the policy's scores and the reference's of its pairs."""
+    return criterion.sums(criterion.scores(at.ctx, at.model, at.core, batch, examples))[2]

@@ -18,7 +18,6 @@ import copy
 import torch
 
 from lowmem.model.answer_logprobs import answer_logprobs
-from lowmem.model.loss import batch_to_device
 from lowmem.utils.errors import UserError
 from lowmem.utils.frozen_forms import FROZEN_FORMS
 from lowmem.utils.registry import Registered
@@ -41,9 +40,8 @@ class Reference(Registered, family=True):
     def scores(self, model, core, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def eval_scores(self, model, core, examples: list, collator) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference's scores of eval ``examples`` (on the host batch ``collator`` makes of them)."""
-        batch = batch_to_device(collator(examples), self.ctx.device, self.ctx.multiple)
+    def eval_scores(self, model, core, batch: dict, examples: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's scores of an eval ``batch`` of ``examples`` (a model reference scores the batch)."""
         return self.scores(model, core, batch)
 
     def close(self) -> None:
@@ -144,7 +142,7 @@ class CachedReference(Reference):
         cached = batch["reference"].float()
         return cached[:, 0], cached[:, 1]
 
-    def eval_scores(self, model, core, examples: list, collator) -> tuple[torch.Tensor, torch.Tensor]:
+    def eval_scores(self, model, core, batch: dict, examples: list) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self.cache.eval_logprobs(examples).to(self.ctx.device)
         return cached[:, 0], cached[:, 1]
 
