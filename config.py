@@ -108,6 +108,8 @@ class TrainConfig:
                           "0.1, simpo 2.0).")
     label_smoothing: float = _t(0.0, "dpo / simpo: share of pairs taken as mislabelled (conservative DPO; 0: none).")
     dpo_loss: str = _t("sigmoid", "dpo: sigmoid (the DPO paper's loss) or ipo (IPO's squared loss).")
+    rpo_alpha: float = _t(0.0, "dpo: weight α of the chosen answers' token-mean NLL beside the DPO loss (RPO, Pang "
+                               "et al. 2024; 0: plain DPO).")
     orpo_lambda: float = _t(0.1, "orpo: weight λ of the odds-ratio term beside the chosen answer's NLL.")
     simpo_gamma: float = _t(0.5, "simpo: target margin γ between the chosen and rejected rewards.")
     reference: str = _t("auto", "dpo: the reference policy: copy, adapter, cached or auto. copy: a frozen copy of the "

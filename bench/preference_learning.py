@@ -5,8 +5,9 @@
 
 First an SFT run on the demo pairs' prompts and chosen answers (the usual order: SFT, then preference tuning), then
 DPO (cached reference) and SimPO from its final model, each evaluated on the 67 held-out demo pairs every
---eval_every steps. Prints each evaluation's reward accuracy, and the steps and seconds each run took to reach
-0.9.
+--eval_every steps. Prints each evaluation's reward accuracy, the steps and seconds each run took to reach 0.9,
+and DPO's final held-out accuracy by kind of rejected answer (another prompt's, or the answer corrupted), with the
+misses whose chosen answer gained more per token but less in sum (lost on length).
 """
 
 from __future__ import annotations
@@ -37,6 +38,37 @@ def curve(run: Path) -> list[tuple[int, float, float]]:
     trained = [(r["step"], r["elapsed_s"]) for r in records if r["event"] == "train"]  # (every --logging_steps)
     return [(r["step"], r["eval_reward_accuracy"], max((t for s, t in trained if s <= r["step"]), default=0.0))
             for r in records if r["event"] == "eval"]
+
+
+def dpo_by_kind(policy: Path, reference: Path, pairs: Path) -> str:
+    """Held-out DPO reward accuracy of each kind of rejected answer, the rewards recomputed from the two saved
+    models (the cached reference is the SFT model's log-probabilities)."""
+    import torch
+    from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+    from data.build_preference_pairs import corrupted
+
+    tokenizer = AutoTokenizer.from_pretrained(str(reference))
+    models = [T5ForConditionalGeneration.from_pretrained(str(folder)).eval() for folder in (policy, reference)]
+
+    def gained(prompt: str, answer: str) -> tuple[float, int]:  # (log π - log π_ref of the answer, its tokens)
+        source = tokenizer(prompt, max_length=64, truncation=True, return_tensors="pt")
+        labels = tokenizer(answer, max_length=64, truncation=True, return_tensors="pt").input_ids
+        with torch.no_grad():
+            sums = [-model(**source, labels=labels).loss.item() * labels.shape[1] for model in models]
+        return sums[0] - sums[1], labels.shape[1]
+
+    kinds: dict[str, list[int]] = {}  # kind -> [pairs, wins, misses lost on length]
+    for row in map(json.loads, pairs.read_text().splitlines()):
+        (chosen, n_chosen), (rejected, n_rejected) = (gained(row["prompt"], row[side]) for side in
+                                                      ("chosen", "rejected"))
+        name = "corrupted" if row["rejected"] == corrupted(row["chosen"]) else "another prompt's"
+        kind = kinds.setdefault(name, [0] * 3)
+        kind[0] += 1
+        kind[1] += chosen > rejected
+        kind[2] += chosen <= rejected and chosen / n_chosen > rejected / n_rejected
+    return "; ".join(f"rejected = {name} answer: {wins / n:.3f} of {n} (misses lost on length: {length})"
+                     for name, (n, wins, length) in kinds.items())
 
 
 def main() -> None:
@@ -71,6 +103,8 @@ def main() -> None:
             print(f"{objective}: " + ", ".join(f"{s}: {a:.3f}" for s, a, _ in points), flush=True)
             print(f"{objective}: reached 0.9 at " + (f"step {reached[0]} ({reached[1]:.0f} s)" if reached else
                                                       "no evaluation") + f"; run {done.wall_s:.0f} s", flush=True)
+            if objective == "dpo":
+                print("dpo by kind: " + dpo_by_kind(run / "final", sft / "final", DATA / "preference_eval.jsonl"))
 
 
 if __name__ == "__main__":

@@ -156,6 +156,8 @@ def test_dpo_with_a_cached_reference_killed_in_training_resumes_bit_for_bit(tmp_
     assert first["eval_loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 0
     train = next(r for r in records if r["event"] == "train")
     assert {"reward_accuracy", "reward_margin", "nll_chosen"} <= train.keys()
+    # the first step's loss too: dropout (0.1 here, attention's included) is off in the policy
+    assert train["step"] == 1 and train["loss"] == pytest.approx(math.log(2), abs=1e-4)
     broken = tmp_path / "broken"
     kill_at_first_checkpoint_and_resume(broken, args, tmp_path / "broken.log", 600)
     a, b = (load_file(str(run / "final" / "model.safetensors")) for run in (straight, broken))
@@ -268,3 +270,25 @@ def test_lora_dpo_uses_the_adapter_off_as_reference_and_exports_a_peft_adapter(t
     scored = run_cli("evaluate", f"--init_from={run / 'final'}", f"--eval_file={evals_file}", "--objective=simpo",
                      "--eval_generate=False", timeout=600)
     assert scored.returncode == 0 and "eval_reward_accuracy" in scored.stdout, scored.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("name", "flags", "weight"), [("dpo", {}, 0.0), ("dpo", {"rpo_alpha": 0.5}, 0.5),
+                                                        ("orpo", {}, 1.0)])
+def test_the_loss_adds_the_chosen_answers_token_mean_nll_by_its_weight(name, flags, weight):
+    """RPO (--rpo_alpha: DPO plus α · the chosen answers' NLL, as trl's rpo_alpha) and ORPO's SFT term: the logged
+    loss is the mean pair loss plus the weight times the chosen answers' NLL per target token."""
+    from lowmem.training.criteria import PreferenceLoss
+
+    cfg = TrainConfig(objective=name, **flags)
+    criterion = PreferenceLoss(objective_class(name)(cfg), None)
+    pair_loss, nll, logged = criterion.sums(scores())
+    pairs = sum(by_hand(name, cfg, i) for i in range(3))
+    assert pair_loss.item() == pytest.approx(pairs) and nll.item() == pytest.approx(-sum(CHOSEN))
+    expected = pairs / 3 - weight * sum(CHOSEN) / sum(CHOSEN_TOKENS)
+    assert criterion.fields(logged.tolist())["loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_rpo_alpha_is_refused_negative_and_noted_unused_by_the_reference_free_objectives():
+    assert any("--rpo_alpha" in p for p in objective_class("dpo").problems(TrainConfig(objective="dpo",
+                                                                                      rpo_alpha=-1)))
+    assert all("rpo_alpha" in objective_class(name).unused_flags for name in ("orpo", "simpo"))

@@ -34,6 +34,8 @@ class DPOObjective(PreferenceObjective):
         if not 0 <= cfg.label_smoothing < 0.5:
             problems.append(f"--label_smoothing must be in [0, 0.5) (got {cfg.label_smoothing}): past 0.5 the "
                             "rejected answers would be preferred")
+        if cfg.rpo_alpha < 0:
+            problems.append(f"--rpo_alpha must not be negative (got {cfg.rpo_alpha}; 0: plain DPO)")
         if cfg.reference not in REFERENCES:
             problems.append(f"--reference must be one of {', '.join(REFERENCES)} (got {cfg.reference!r})")
         elif cfg.reference == "adapter" and not cfg.lora_r:
@@ -61,3 +63,6 @@ class DPOObjective(PreferenceObjective):
         else:
             losses = sigmoid_loss(self.beta * (chosen - rejected), self.cfg.label_smoothing)
         return losses, self.beta * chosen.detach(), self.beta * rejected.detach()
+
+    def nll_weight(self) -> float:
+        return self.cfg.rpo_alpha

@@ -28,7 +28,7 @@ class ORPOObjective(PreferenceObjective):
     name = "orpo"
     summary = "preference pairs (prompt, chosen, rejected): the chosen answer's NLL, an odds-ratio term, no reference"
     unused_flags = (*PreferenceObjective.unused_flags, "beta", "label_smoothing", "dpo_loss", "simpo_gamma",
-                    "reference")
+                    "reference", "rpo_alpha")
 
     @classmethod
     def problems(cls, cfg) -> list[str]:

@@ -18,7 +18,7 @@ class SimPOObjective(PreferenceObjective):
 
     name = "simpo"
     summary = "preference pairs (prompt, chosen, rejected): length-normalised rewards and a margin, no reference"
-    unused_flags = (*PreferenceObjective.unused_flags, "dpo_loss", "orpo_lambda", "reference")
+    unused_flags = (*PreferenceObjective.unused_flags, "dpo_loss", "orpo_lambda", "reference", "rpo_alpha")
     default_beta = 2.0  # the SimPO paper's range is 2.0 to 2.5
 
     @classmethod

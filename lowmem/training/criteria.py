@@ -133,10 +133,13 @@ TOKEN_LOSS = TokenLoss()
 
 def disable_dropout(core) -> None:
     """Dropout off in the policy (as trl's DPO does by default): the policy and its reference then score an answer
-    alike, and at the first step the policy is the reference exactly (DPO's loss is log 2)."""
+    alike, and at the first step the policy is the reference exactly (DPO's loss is log 2). T5's attention keeps
+    its dropout rate as a float (``T5Attention.dropout``), not as an ``nn.Dropout``: both are set to 0."""
     for module in core.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        elif isinstance(getattr(module, "dropout", None), float):
+            module.dropout = 0.0
 
 
 def saved_model_criterion(cfg):
