@@ -20,7 +20,8 @@ from pathlib import Path
 from bench.harness import REPO, child_env, run_child, trainer
 
 DATA = REPO / "data" / "chatterbot"
-COMMON = ["--model_preset=small", "--max_source_len=64", "--max_target_len=64", "--eval_generate=False",
+LENGTH = 64  # sources and answers cut at this many tokens, in the runs and in dpo_by_kind's recomputation
+COMMON = ["--model_preset=small", f"--max_source_len={LENGTH}", f"--max_target_len={LENGTH}", "--eval_generate=False",
           "--save_steps=0", "--logging_steps=10", "--batch_size=8", "--gradient_accumulation_steps=2"]
 
 
@@ -52,8 +53,8 @@ def dpo_by_kind(policy: Path, reference: Path, pairs: Path) -> str:
     models = [T5ForConditionalGeneration.from_pretrained(str(folder)).eval() for folder in (policy, reference)]
 
     def gained(prompt: str, answer: str) -> tuple[float, int]:  # (log π - log π_ref of the answer, its tokens)
-        source = tokenizer(prompt, max_length=64, truncation=True, return_tensors="pt")
-        labels = tokenizer(answer, max_length=64, truncation=True, return_tensors="pt").input_ids
+        source = tokenizer(prompt, max_length=LENGTH, truncation=True, return_tensors="pt")
+        labels = tokenizer(answer, max_length=LENGTH, truncation=True, return_tensors="pt").input_ids
         with torch.no_grad():
             sums = [-model(**source, labels=labels).loss.item() * labels.shape[1] for model in models]
         return sums[0] - sums[1], labels.shape[1]
